@@ -1,0 +1,12 @@
+"""ppo_ops: fused vocab-parallel log-prob + entropy for RL post-training of LLMs.
+
+    from ppo_ops import log_probs_and_entropy, calculate_log_probs_and_entropy
+
+`log_probs_and_entropy` is the full API (temperature, keep mask, row mask, padded vocab, chunking, in-place gradient,
+backend choice); `calculate_log_probs_and_entropy` is a drop-in for slime's function of the same name. The design,
+the backend contract and where communication happens are described in ppo_ops/_function.py and ppo_ops/_row_stats.py.
+"""
+
+from ppo_ops.api import LogProbsEntropy, calculate_log_probs_and_entropy, log_probs_and_entropy
+
+__all__ = ["LogProbsEntropy", "calculate_log_probs_and_entropy", "log_probs_and_entropy"]

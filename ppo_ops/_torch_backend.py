@@ -1,0 +1,171 @@
+"""PyTorch backend: per-segment row partials (forward) and the logits' gradient (backward) with plain torch ops.
+
+Works on any device; the CPU path and the fallback where Triton is absent. Rows are processed in chunks of at most
+`chunk_rows` rows, each held as two fp32 [rows, V_local] working buffers, so peak memory is bounded by the chunk,
+never by T (backward recomputes the softmax per chunk from the logits and O(T) row statistics instead of keeping it).
+
+Bitwise invariance. Every reduction over the vocabulary is either a max (exact, order-free) or `_fold_sum`, a fixed
+pairwise fold made of element-wise adds on views. Element-wise ops give the same bits at every position, so a row's
+result never depends on how many rows share its chunk, which rank holds its segment, or the thread count. (A plain
+`tensor.sum` picks its reduction order from the tensor's shape: on CPU a single-row reduction is split across threads,
+on CUDA the block shape follows the number of rows; results would change with chunk_size.)
+
+Forward, per chunk (z = fp32 logits * inv_temperature, padding columns set to -inf), for each segment:
+    m = max z;  d = z - m (in place);  e = exp(d);  w = fold(e * d) (0 where e == 0: no 0 * inf);
+    sk = fold(e restricted to keep ∪ target);  s = fold(e).
+Backward, per chunk: d = z - shift (in place), p = exp(d - log_sum),
+    grad = inv_t * ( g_ent * p * (mean_shifted - d) - g_lp * q + g_lp * onehot(target) ),
+    q = p * e^(log_sum - log_sum_kept) on keep ∪ target (q = p without a keep mask).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ppo_ops._row_stats import ENT_SUM, KEPT_SUMEXP, MAX, NUM_PARTIALS, SUMEXP, TARGET_Z
+
+# Rows per chunk when the caller sets no bound: each of the two fp32 working buffers stays under this size.
+AUTO_CHUNK_BYTES = 64 * 1024 * 1024
+
+NEG_INF = float("-inf")
+
+
+def _fold_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sums the last dim with a fixed pairwise order; consumes x. Returns x[..., 0] (a view)."""
+    width = x.shape[-1]
+    while width > 1:
+        half = width // 2
+        x[..., :half] += x[..., width - half : width]
+        width -= half
+    return x[..., 0]
+
+
+def _chunks(n_rows: int, v_local: int, chunk_rows: Optional[int]):
+    if chunk_rows is None:
+        chunk_rows = max(1, AUTO_CHUNK_BYTES // (4 * max(1, v_local)))
+    for start in range(0, n_rows, chunk_rows):
+        yield start, min(n_rows, start + chunk_rows)
+
+
+def _load_z(logits, rows, start, end, inv_temperature, n_valid) -> torch.Tensor:
+    """fp32 copy of the chunk's logits times inv_temperature, padding columns at -inf."""
+    src = logits[start:end] if rows is None else logits.index_select(0, rows[start:end])
+    z = torch.empty(src.shape, dtype=torch.float32, device=logits.device)
+    z.copy_(src)
+    if inv_temperature != 1.0:
+        z.mul_(inv_temperature)
+    if n_valid < z.shape[1]:
+        z[:, n_valid:] = NEG_INF
+    return z
+
+
+def _kept_rows(keep_mask, rows, start, end, target_col) -> torch.Tensor:
+    """The chunk's keep mask with each row's target column forced on (owned targets only)."""
+    kept = keep_mask[start:end].clone() if rows is None else keep_mask.index_select(0, rows[start:end])
+    owned = target_col >= 0
+    r = torch.nonzero(owned).squeeze(1)
+    kept[r, target_col[r]] = True
+    return kept
+
+
+def forward_partials(
+    logits: torch.Tensor,
+    rows: Optional[torch.Tensor],
+    target_col: torch.Tensor,
+    keep_mask: Optional[torch.Tensor],
+    inv_temperature: float,
+    n_valid: int,
+    seg_len: int,
+    with_entropy: bool,
+    chunk_rows: Optional[int],
+) -> torch.Tensor:
+    n_rows = logits.shape[0] if rows is None else rows.numel()
+    v_local = logits.shape[1]
+    n_seg = v_local // seg_len
+    out = torch.zeros((n_seg, NUM_PARTIALS, n_rows), dtype=torch.float32, device=logits.device)
+    for start, end in _chunks(n_rows, v_local, chunk_rows):
+        n = end - start
+        tcol = target_col[start:end]
+        z = _load_z(logits, rows, start, end, inv_temperature, n_valid)
+
+        # Target logit: -inf everywhere except in the segment holding it.
+        zt = torch.full((n, n_seg), NEG_INF, dtype=torch.float32, device=logits.device)
+        owned = torch.nonzero(tcol >= 0).squeeze(1)
+        zt[owned, tcol[owned] // seg_len] = z[owned, tcol[owned]]
+
+        zs = z.view(n, n_seg, seg_len)
+        m = zs.amax(dim=-1)
+        zs.sub_(torch.where(m == NEG_INF, torch.zeros_like(m), m).unsqueeze(-1))  # zs now holds d = z - m
+        e = torch.exp(zs)
+        if with_entropy:
+            ent_terms = zs.mul_(e).nan_to_num_(nan=0.0, posinf=float("inf"), neginf=NEG_INF)  # -inf * 0 -> 0
+            out[:, ENT_SUM, start:end] = _fold_sum(ent_terms).T
+        if keep_mask is not None:
+            kept = _kept_rows(keep_mask, rows, start, end, tcol).view(n, n_seg, seg_len)
+            zs.copy_(e).masked_fill_(kept.logical_not_(), 0.0)
+            out[:, KEPT_SUMEXP, start:end] = _fold_sum(zs).T
+        out[:, SUMEXP, start:end] = _fold_sum(e).T
+        if keep_mask is None:
+            out[:, KEPT_SUMEXP, start:end] = out[:, SUMEXP, start:end]
+        out[:, MAX, start:end] = m.T
+        out[:, TARGET_Z, start:end] = zt.T
+    return out
+
+
+def backward_grad(
+    logits: torch.Tensor,
+    rows: Optional[torch.Tensor],
+    target_col: torch.Tensor,
+    keep_mask: Optional[torch.Tensor],
+    inv_temperature: float,
+    n_valid: int,
+    shift: torch.Tensor,
+    log_sum: torch.Tensor,
+    log_sum_kept: Optional[torch.Tensor],
+    mean_shifted: Optional[torch.Tensor],
+    grad_logprob: Optional[torch.Tensor],
+    grad_entropy: Optional[torch.Tensor],
+    out: torch.Tensor,
+    chunk_rows: Optional[int],
+) -> None:
+    n_rows = logits.shape[0] if rows is None else rows.numel()
+    v_local = logits.shape[1]
+    if rows is not None:
+        # Dropped rows get a zero gradient; written first, so an in-place `out` is never read after this.
+        dropped = torch.ones(out.shape[0], dtype=torch.bool, device=out.device)
+        dropped[rows] = False
+        out[dropped] = 0
+    for start, end in _chunks(n_rows, v_local, chunk_rows):
+        n = end - start
+        tcol = target_col[start:end]
+        z = _load_z(logits, rows, start, end, inv_temperature, n_valid)
+        d = z.sub_(shift[start:end].unsqueeze(1))
+        p = torch.exp(d - log_sum[start:end].unsqueeze(1))
+        if grad_entropy is not None:
+            # p * (E[z] - z) = p * (mean_shifted - d); 0 where p == 0 (d = -inf).
+            grad = d.neg_().add_(mean_shifted[start:end].unsqueeze(1)).mul_(p)
+            grad.nan_to_num_(nan=0.0, posinf=float("inf"), neginf=NEG_INF)
+            grad.mul_(grad_entropy[start:end].unsqueeze(1))
+        else:
+            grad = d.zero_()
+        if grad_logprob is not None:
+            g_lp = grad_logprob[start:end]
+            q = p
+            if log_sum_kept is not None:
+                q.mul_(torch.exp(log_sum[start:end] - log_sum_kept[start:end]).unsqueeze(1))
+                kept = _kept_rows(keep_mask, rows, start, end, tcol)
+                q.masked_fill_(kept.logical_not_(), 0.0)
+            grad.sub_(q.mul_(g_lp.unsqueeze(1)))
+            owned = torch.nonzero(tcol >= 0).squeeze(1)
+            grad[owned, tcol[owned]] += g_lp[owned]
+        if inv_temperature != 1.0:
+            grad.mul_(inv_temperature)
+        if n_valid < v_local:
+            grad[:, n_valid:] = 0.0
+        if rows is None:
+            out[start:end].copy_(grad)
+        else:
+            out.index_copy_(0, rows[start:end], grad.to(out.dtype))
+        del z, p, grad
