@@ -1,0 +1,352 @@
+"""The check from start to end, given its settings: validate, model, rollout, engine layouts, trainer layouts, report.
+
+Order matters for bad input: everything that can be checked without running a model (layout names, rank budgets,
+divisibility, the sglang install, the port) is checked first, so a typo costs no time and starts no process.
+`run` returns the exit code: 0 when every comparison is within its tolerance, 1 otherwise; bad input raises
+CheckError (the binary turns it into exit code 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import sys
+import time
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from sglang_checks import layouts as layouts_lib
+from sglang_checks import logprob_kinds, metrics, models, prompts, report, rollout as rollout_lib, tolerances, trainer
+from sglang_checks.engines import SamplingSettings, hf_engine, sglang_engine
+from sglang_checks.errors import CheckError
+
+
+@dataclasses.dataclass
+class Settings:
+    """Every knob of the check; the binary's flags map one to one (see qwen3_parallel_check.py for their help)."""
+
+    report_dir: str
+    model: str = "tiny"
+    cache_dir: str = dataclasses.field(default_factory=models.default_cache_dir)
+    seed: int = 0
+    dtype: str = "float32"
+    device: str = "auto"
+    cpu_threads: int = 1
+    engine: str = "hf"
+    engine_layouts: str = "tp1"
+    trainer_layouts: str = "tp1,tp2,tp4,cp2,dp2"
+    temperature: float = 0.8
+    top_p: float = 0.95
+    trainer_temperature: Optional[float] = None
+    max_new_tokens: int = 24
+    num_prompts: int = 8
+    samples_per_prompt: int = 2
+    prompts: Optional[str] = None
+    ignore_eos: bool = False
+    rollout_data: Optional[str] = None
+    explicit_flags: Tuple[str, ...] = ()  # names of the flags the user set (replay conflicts, --num_prompts)
+    seq_len: int = 0
+    entropy_coef: float = 0.01
+    max_ranks: int = 8
+    trainer_timeout_s: float = 900.0
+    tolerances: Dict[str, Optional[float]] = dataclasses.field(default_factory=dict)
+    sglang: sglang_engine.ServerOptions = dataclasses.field(default_factory=sglang_engine.ServerOptions)
+
+
+def _log(message: str) -> None:
+    print(f"[qwen3_parallel_check] {message}", file=sys.stderr, flush=True)
+
+
+def _progress(iterable, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(iterable, desc=desc, file=sys.stderr, leave=False, disable=None)
+
+
+def _check_values(s: Settings) -> None:
+    for name, allowed in (("engine", ("hf", "sglang")), ("dtype", ("float32", "bfloat16")),
+                          ("device", ("auto", "cpu", "cuda"))):
+        if getattr(s, name) not in allowed:
+            raise CheckError(f"--{name}: expected one of {', '.join(allowed)}, got {getattr(s, name)!r}")
+    if not s.temperature > 0:
+        raise CheckError(f"--temperature: expected > 0, got {s.temperature}")
+    if s.trainer_temperature is not None and not s.trainer_temperature > 0:
+        raise CheckError(f"--trainer_temperature: expected > 0, got {s.trainer_temperature}")
+    if not 0 < s.top_p <= 1:
+        raise CheckError(f"--top_p: expected 0 < top_p <= 1, got {s.top_p}")
+    for name in ("max_new_tokens", "samples_per_prompt", "num_prompts", "max_ranks", "cpu_threads"):
+        if getattr(s, name) < 1:
+            raise CheckError(f"--{name}: expected >= 1, got {getattr(s, name)}")
+    if s.seq_len < 0:
+        raise CheckError(f"--seq_len: expected 0 (automatic) or a positive length, got {s.seq_len}")
+    if not np.isfinite(s.entropy_coef):
+        raise CheckError(f"--entropy_coef: expected a finite number, got {s.entropy_coef}")
+    if s.rollout_data and s.prompts:
+        raise CheckError("--prompts and --rollout_data: give one; a replayed rollout already has its prompts")
+    for name, value in s.tolerances.items():
+        if value is not None and not value >= 0:
+            raise CheckError(f"--{name}: expected a tolerance >= 0, got {value}")
+
+
+def _device(s: Settings) -> torch.device:
+    if s.device == "cuda" and not torch.cuda.is_available():
+        raise CheckError("--device=cuda: no CUDA GPU is visible to torch")
+    if s.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(s.device)
+
+
+def _versions(s: Settings) -> Dict[str, str]:
+    import transformers
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "numpy": np.__version__}
+    try:
+        import ppo_ops
+
+        out["ppo_ops"] = getattr(ppo_ops, "__version__", "unversioned")
+    except ImportError:
+        out["ppo_ops"] = "missing"
+    if s.engine == "sglang":
+        out["sglang"] = sglang_engine.check_installed(s.sglang.python)
+        out["sglang_python"] = s.sglang.python
+    return out
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What the early validation settled."""
+
+    device: torch.device
+    backend: str  # "gloo" or "nccl"
+    trainer_layouts: List[layouts_lib.Layout]
+    engine_layouts: List[layouts_lib.Layout]
+
+
+def _plan(s: Settings) -> _Plan:
+    """Checks every flag that needs no model: layout names, rank budgets, the engine's prerequisites."""
+    _check_values(s)
+    device = _device(s)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl":
+        rank_limit = min(s.max_ranks, torch.cuda.device_count())
+        limit_reason = f"one rank per visible GPU with NCCL, and --max_ranks={s.max_ranks}"
+    else:
+        rank_limit, limit_reason = s.max_ranks, f"--max_ranks={s.max_ranks}"
+    trainer_layouts = layouts_lib.with_baseline(layouts_lib.parse_layouts(
+        s.trainer_layouts, flag="--trainer_layouts", allowed_dims=("tp", "cp", "dp")))
+    for layout in trainer_layouts:
+        layouts_lib.check_rank_budget(layout, flag="--trainer_layouts", max_ranks=rank_limit, what=limit_reason)
+        layouts_lib.check_trainer_layout(layout, flag="--trainer_layouts", seq_len=s.seq_len or None)
+    engine = hf_engine if s.engine == "hf" else sglang_engine
+    engine_layouts = layouts_lib.parse_layouts(s.engine_layouts, flag="--engine_layouts",
+                                               allowed_dims=engine.ALLOWED_DIMS)
+    if s.engine == "hf":
+        for layout in engine_layouts:
+            hf_engine.check_layout(layout, "--engine_layouts")
+    else:
+        sglang_engine.check_installed(s.sglang.python)
+        for layout in engine_layouts:
+            sglang_engine.check_layout(layout, "--engine_layouts", torch.cuda.device_count())
+        if s.sglang.port:
+            sglang_engine.check_port_free(s.sglang.host, s.sglang.port)
+    return _Plan(device, backend, trainer_layouts, engine_layouts)
+
+
+def run(s: Settings) -> int:
+    """The whole check; returns the exit code (0: all comparisons within tolerance, 1: some not)."""
+    timings: Dict[str, float] = {}
+    start = time.monotonic()
+    plan = _plan(s)
+    torch.set_num_threads(s.cpu_threads)
+
+    info = models.resolve_model(s.model, cache_dir=s.cache_dir, seed=s.seed, log=_log)
+    replay, prompt_ids = _rollout_source(s, info)
+    num_sequences = len(replay.samples) if replay else len(prompt_ids) * s.samples_per_prompt
+    for layout in plan.trainer_layouts:
+        layouts_lib.check_trainer_layout(layout, flag="--trainer_layouts", vocab_size=info.vocab_size,
+                                         num_sequences=num_sequences)
+    model = models.load_hf_model(info, dtype=getattr(torch, s.dtype), device=plan.device)
+    timings["model_s"] = time.monotonic() - start
+
+    t0 = time.monotonic()
+    os.makedirs(s.report_dir, exist_ok=True)
+    rollout, engine_scores = _run_engines(s, plan, info, model, replay, prompt_ids)
+    timings["engines_s"] = time.monotonic() - t0
+
+    t0 = time.monotonic()
+    seq_len = s.seq_len or layouts_lib.auto_seq_len(rollout.longest, plan.trainer_layouts)
+    if seq_len < rollout.longest:
+        raise CheckError(f"--seq_len={s.seq_len}: shorter than the longest rollout sequence ({rollout.longest})")
+    packed = rollout_lib.pack(rollout, seq_len)
+    trainer_temperature = s.trainer_temperature if s.trainer_temperature is not None else rollout.temperature
+    hidden, head, logits = trainer.model_outputs(model, packed.input_ids)
+    del model
+    top_p_set = logprob_kinds.top_p_keep_mask(logits.float() / trainer_temperature, rollout.top_p)
+    _, keep = logprob_kinds.trainer_arguments(rollout.logprob_kind, trainer_temperature, top_p_set)
+    inputs = trainer.TrainerInputs(
+        hidden=hidden.cpu(), lm_head=head.cpu(), targets=packed.targets, row_mask=packed.row_mask,
+        keep_mask=None if keep is None else keep.cpu(), advantages=packed.advantages,
+        temperature=trainer_temperature, entropy_coef=s.entropy_coef)
+    world = max(l.world_size for l in plan.trainer_layouts)
+    _log(f"trainer layouts {','.join(l.name for l in plan.trainer_layouts)} on {world} {plan.backend} ranks")
+    bar = _progress(range(len(plan.trainer_layouts)), desc="trainer layouts")
+    results = trainer.run_layouts(inputs, plan.trainer_layouts, backend=plan.backend, threads=s.cpu_threads,
+                                  timeout_s=s.trainer_timeout_s, progress=lambda layout: bar.update(1))
+    bar.close()
+    timings["trainer_s"] = time.monotonic() - t0
+
+    tol = {name: tolerances.resolve(name, s.tolerances.get(name), s.dtype) for name in tolerances.DEFAULTS}
+    comparisons, mismatch_hist, layout_hist = _compare(
+        s, plan, rollout, packed, results, engine_scores, logits, top_p_set, trainer_temperature, tol)
+
+    timings["total_s"] = time.monotonic() - start
+    summary = {
+        "settings": dataclasses.asdict(s),
+        "versions": _versions(s),
+        "model": dataclasses.asdict(info),
+        "rollout": {**rollout_lib.settings_dict(rollout), "replayed": replay is not None,
+                    "path": s.rollout_data or os.path.join(s.report_dir, "rollout.json"),
+                    "sequences": len(rollout.samples), "completion_tokens": rollout.num_completion_tokens,
+                    "longest": rollout.longest, "seq_len": seq_len},
+        "trainer": {"temperature": trainer_temperature, "backend": plan.backend, "entropy_coef": s.entropy_coef,
+                    "logprob_kind": rollout.logprob_kind},
+        "engine_layouts": [l.name for l in plan.engine_layouts],
+        "trainer_layouts": {r.layout.name: r.losses for r in results},
+        "tolerances": {name: {"value": tol[name], "reason": tolerances.reason(name)} for name in tol},
+        "timings_s": timings,
+    }
+    paths = report.write_all(s.report_dir, summary, comparisons, mismatch_hist, layout_hist)
+    failed = [c for c in comparisons if not c.passed]
+    for c in failed:
+        _log(f"FAIL {c.section}: {c.subject}: {c.metric} = {c.value:.3e} > tolerance {c.tolerance:.1e}")
+    verdict = "PASS" if not failed else f"FAIL ({len(failed)} of {len(comparisons)} comparisons out of tolerance)"
+    print(f"qwen3_parallel_check: {verdict}; report: {paths[report.MD_NAME]} (with {report.JSON_NAME} and "
+          f"{report.PNG_NAME} beside it)", flush=True)
+    return 0 if not failed else 1
+
+
+def _rollout_source(s: Settings, info):
+    """(replayed rollout, None) or (None, prompt token ids)."""
+    if s.rollout_data:
+        replay = rollout_lib.load(s.rollout_data)
+        rollout_lib.check_model(replay, info.fingerprint, info.name, s.rollout_data)
+        rollout_lib.check_vocab(replay, info.vocab_size, s.rollout_data)
+        _check_replay_flags(replay, s)
+        return replay, None
+    tokenize = prompts.Tokenize(info.path if info.has_tokenizer else None)
+    if s.prompts:
+        limit = s.num_prompts if "num_prompts" in s.explicit_flags else 0
+        prompt_ids = prompts.load_prompts(s.prompts, vocab_size=info.vocab_size, tokenize=tokenize, limit=limit)
+    else:
+        prompt_ids = prompts.built_in_prompts(s.num_prompts, tokenize)
+    _check_prompt_lengths(prompt_ids, s)
+    return None, prompt_ids
+
+
+def _run_engines(s: Settings, plan: _Plan, info, model, replay, prompt_ids):
+    """The first engine layout samples the rollout (unless replayed); every layout teacher-force scores it."""
+    sampling = SamplingSettings(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens,
+                                seed=s.seed, eos_token_id=None if s.ignore_eos else info.eos_token_id)
+    rollout, scores = replay, {}
+    for index, layout in enumerate(plan.engine_layouts):
+        with _open_engine(s, layout, model, plan.device, info) as engine:
+            if index == 0 and rollout is None:
+                _log(f"sampling {len(prompt_ids) * s.samples_per_prompt} completions with {s.engine} {layout.name}")
+                samples = engine.generate(prompt_ids, s.samples_per_prompt, sampling)
+                rollout = rollout_lib.Rollout(
+                    model_name=info.name, model_fingerprint=info.fingerprint, engine=s.engine,
+                    engine_layout=layout.name, logprob_kind=engine.sampled_logprob_kind,
+                    temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens, seed=s.seed,
+                    samples=samples)
+                path = os.path.join(s.report_dir, "rollout.json")
+                rollout_lib.save(rollout, path)
+                _log(f"rollout saved to {path} (replay it with --rollout_data={path})")
+            _log(f"teacher-forced scoring with {s.engine} {layout.name}")
+            scores[layout.name] = engine.score(rollout.samples)
+    return rollout, scores
+
+
+def _compare(s, plan, rollout, packed, results, engine_scores, logits, top_p_set, trainer_temperature, tol):
+    """Every comparison, plus the per-token differences for the histogram."""
+    mask = packed.row_mask.numpy()
+    comparisons: List[metrics.Comparison] = []
+    baseline = results[0]
+    layout_hist = {}
+    for result in results[1:]:
+        comparisons += metrics.trainer_comparisons(baseline, result, mask, logprob_atol=tol["trainer_logprob_atol"],
+                                                   rtol=tol["trainer_rtol"])
+        layout_hist[result.layout.name] = (result.log_probs - baseline.log_probs)[mask]
+    scored = {name: _to_rows(values, rollout, packed.targets.shape[1]) for name, values in engine_scores.items()}
+    first = plan.engine_layouts[0].name
+    for layout in plan.engine_layouts[1:]:
+        comparisons.append(metrics.engine_layout_comparison(first, layout.name, scored[first], scored[layout.name],
+                                                            mask, tol["engine_layout_tol"]))
+    mismatch_hist = {}
+    engine_lp = packed.engine_logprobs.numpy()
+    sampled_lp = _trainer_logprobs(logits, packed, rollout.logprob_kind, trainer_temperature, top_p_set)
+    subject = f"{rollout.engine} {rollout.engine_layout} sampled ({rollout.logprob_kind})"
+    outside = metrics.outside_top_p_share(top_p_set, packed.targets.to(logits.device),
+                                          packed.row_mask.to(logits.device))
+    comparisons += metrics.mismatch_comparisons(
+        subject, sampled_lp, engine_lp, mask, mean_tol=tol["mismatch_tol"], kl_tol=tol["kl_tol"],
+        outside_share=outside, outside_tol=tol["top_p_outside_tol"])
+    mismatch_hist[subject] = (sampled_lp - engine_lp)[mask]
+    raw_lp = _trainer_logprobs(logits, packed, logprob_kinds.RAW, trainer_temperature, None)
+    for name, rows in scored.items():
+        subject = f"{s.engine} {name} teacher-forced (raw)"
+        comparisons += metrics.mismatch_comparisons(subject, raw_lp, rows, mask, mean_tol=tol["mismatch_tol"],
+                                                    kl_tol=tol["kl_tol"], outside_share=None, outside_tol=0.0)
+        mismatch_hist[subject] = (raw_lp - rows)[mask]
+    return comparisons, mismatch_hist, layout_hist
+
+
+def _open_engine(s: Settings, layout, model, device, info):
+    if s.engine == "hf":
+        return hf_engine.HFEngine(model, layout, device, progress=_progress)
+    options = dataclasses.replace(s.sglang, dtype=s.dtype, seed=s.seed, log_dir=s.report_dir)
+    return sglang_engine.SGLangEngine(info.path, layout, options)
+
+
+def _check_replay_flags(replay, s: Settings) -> None:
+    """Sampling flags given together with --rollout_data must agree with the rollout (its log-probs used them)."""
+    for name in ("temperature", "top_p", "max_new_tokens"):
+        if name not in s.explicit_flags:
+            continue
+        given, saved = getattr(s, name), getattr(replay, name)
+        if given != saved:
+            hint = "; to score at another temperature use --trainer_temperature" if name == "temperature" else ""
+            raise CheckError(f"--{name}={given} differs from the replayed rollout's {name}={saved} "
+                             f"({s.rollout_data}){hint}")
+
+
+def _check_prompt_lengths(prompt_ids, s: Settings) -> None:
+    if s.seq_len:
+        longest = max(len(p) for p in prompt_ids) + s.max_new_tokens
+        if longest > s.seq_len:
+            raise CheckError(f"--seq_len={s.seq_len}: prompts of up to {longest - s.max_new_tokens} tokens plus "
+                             f"--max_new_tokens={s.max_new_tokens} need up to {longest}")
+
+
+def _to_rows(scores: List[List[float]], rollout, seq_len: int) -> np.ndarray:
+    """Per-sample completion log-probs -> [B, S] at the rows that predict them (as rollout.pack lays out)."""
+    rows = np.zeros((len(rollout.samples), seq_len), dtype=np.float32)
+    for b, (sample, values) in enumerate(zip(rollout.samples, scores)):
+        first = len(sample.prompt_ids) - 1
+        rows[b, first:first + len(values)] = values
+    return rows
+
+
+def _trainer_logprobs(logits, packed, kind: str, trainer_temperature: float, top_p_set) -> np.ndarray:
+    """The trainer's log-probs of `kind` at TP=1 (in this process, no process group), [B, S] fp32."""
+    import ppo_ops
+
+    temperature, keep = logprob_kinds.trainer_arguments(kind, trainer_temperature, top_p_set)
+    device = logits.device
+    with torch.no_grad():
+        out = ppo_ops.log_probs_and_entropy(logits, packed.targets.to(device), temperature=temperature,
+                                            keep_mask=keep, row_mask=packed.row_mask.to(device))
+    return out.log_probs.float().cpu().numpy()

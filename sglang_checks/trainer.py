@@ -1,0 +1,268 @@
+"""Trainer-side scoring of the saved rollout under each trainer layout, on real torch.distributed ranks.
+
+The parent runs the model once: final hidden states h [B, S, H] (after the last RMSNorm) and the LM head W [V, H];
+the model's logits are h @ W^T (what Qwen3ForCausalLM.forward does). Each rank of a layout with factors
+(tp, cp, dp) gets, by its coordinates (d, c, t) (layouts.py), the sequences of batch part d, the positions of sequence
+part c, and the LM-head rows of vocabulary part t, and computes its own shard of the logits, h_part @ W_t^T, with W_t
+as a leaf so the LM-head gradient exists, just as a Megatron output layer does. Then per rank:
+
+  log_probs, entropy = ppo_ops.log_probs_and_entropy(logits_shard, targets, tp_group=<its TP group>, row_mask=...,
+                                                     temperature=T_trainer, keep_mask=<top-p set shard or None>)
+  ratio = exp(lp - lp.detach());  per-token loss = -(ratio * advantage) - entropy_coef * entropy  (on completion rows)
+  token_mean: sum / (completion tokens in the whole batch)
+  seq_mean:   sum over each sequence / its completion tokens, summed, / (sequences with a completion)
+
+Each rank's loss is its share of the global loss (denominators are global), so the global loss is the sum over the
+ranks of one vocabulary part (the "data group": same t), and the gradient of the local loss is the global gradient of
+the local tensors: no collective in the loss. Reported, in float64: the loss (all-reduced over the data group), the
+norm of the gradient w.r.t. the logits (every element has one owner: squared norms all-reduced over the layout), and
+the norm of the LM-head gradient (W_t's gradients all-reduced over the data group, then squared norms over the TP
+group). Log-probs and entropy come back from the t = 0 ranks and are reassembled to [B, S].
+
+Processes: one group of max(world sizes) ranks is spawned once (gloo on CPU, NCCL with one GPU per rank) and runs
+every layout in turn, creating each layout's subgroups (every rank takes part in new_group, as torch requires). Inputs
+go through one torch.save file the ranks memory-map (shared memory may be small in containers). A rank that fails
+sends its traceback; the parent then stops all ranks, and always reaps them, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue as queue_lib
+import socket
+import tempfile
+import time
+import traceback
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from sglang_checks.layouts import Layout
+
+VARIANTS = ("token_mean", "seq_mean")
+
+
+@dataclasses.dataclass
+class TrainerInputs:
+    """What every rank needs; all on CPU."""
+
+    hidden: torch.Tensor  # [B, S, H] final hidden states, model dtype
+    lm_head: torch.Tensor  # [V, H], model dtype
+    targets: torch.Tensor  # [B, S] int64
+    row_mask: torch.Tensor  # [B, S] bool
+    keep_mask: Optional[torch.Tensor]  # [B, S, V] bool (top-p set) or None
+    advantages: torch.Tensor  # [B] fp32
+    temperature: float
+    entropy_coef: float
+
+
+@dataclasses.dataclass
+class LayoutResult:
+    layout: Layout
+    log_probs: np.ndarray  # [B, S] fp32 (0 off the completion rows)
+    entropy: np.ndarray  # [B, S] fp32
+    losses: Dict[str, Dict[str, float]]  # variant -> {"loss", "logits_grad_norm", "lm_head_grad_norm"}
+
+
+class TrainerRankError(RuntimeError):
+    """A rank failed; the message holds its traceback."""
+
+
+def model_outputs(model, input_ids: torch.Tensor):
+    """(hidden [B, S, H], lm_head weight [V, H], logits [B, S, V]) of the model, exactly its own forward's."""
+    with torch.no_grad():
+        hidden = model.model(input_ids=input_ids.to(model.device)).last_hidden_state
+        logits = model.lm_head(hidden)
+    return hidden, model.lm_head.weight.detach(), logits
+
+
+def free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_layouts(inputs: TrainerInputs, layouts: List[Layout], *, backend: str, threads: int = 1,
+                timeout_s: float = 900.0, progress=None) -> List[LayoutResult]:
+    """Runs every layout on one spawned group of ranks; returns results in layout order."""
+    world = max(l.world_size for l in layouts)
+    ctx = torch.multiprocessing.get_context("spawn")
+    results: Dict[str, Dict[int, dict]] = {l.name: {} for l in layouts}
+    with tempfile.TemporaryDirectory(prefix="qwen3_check_trainer_") as tmp:
+        payload = os.path.join(tmp, "inputs.pt")
+        torch.save(dataclasses.asdict(inputs), payload)
+        messages = ctx.Queue()
+        port = free_loopback_port()
+        procs = [ctx.Process(target=_rank_main, daemon=True,
+                             args=(rank, world, port, backend, payload, layouts, messages, threads))
+                 for rank in range(world)]
+        try:
+            for p in procs:
+                p.start()
+            _collect(procs, messages, layouts, results, timeout_s, progress)
+        finally:
+            _reap(procs)
+            messages.close()
+    return [_assemble(l, results[l.name], inputs) for l in layouts]
+
+
+def _collect(procs, messages, layouts, results, timeout_s, progress) -> None:
+    expected = sum(l.world_size for l in layouts)
+    received, done, deadline = 0, set(), time.monotonic() + timeout_s
+    while received < expected or len(done) < len(procs):
+        try:
+            message = messages.get(timeout=0.5)
+        except queue_lib.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                raise TrainerRankError(f"trainer rank {dead[0][0]} exited with code {dead[0][1]} without a report")
+            if time.monotonic() > deadline:
+                raise TrainerRankError(f"trainer layouts did not finish within {timeout_s:.0f} s")
+            continue
+        kind = message[0]
+        if kind == "error":
+            raise TrainerRankError(f"trainer rank {message[1]} failed:\n{message[2]}")
+        if kind == "done":
+            done.add(message[1])
+            continue
+        _, name, rank, payload = message
+        results[name][rank] = payload
+        received += 1
+        layout = next(l for l in layouts if l.name == name)
+        if progress is not None and len(results[name]) == layout.world_size:
+            progress(layout)
+
+
+def _reap(procs) -> None:
+    """Every rank is gone when this returns: a polite terminate, then a kill."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _assemble(layout: Layout, by_rank: Dict[int, dict], inputs: TrainerInputs) -> LayoutResult:
+    batch, seq = inputs.targets.shape
+    log_probs = np.zeros((batch, seq), dtype=np.float32)
+    entropy = np.zeros((batch, seq), dtype=np.float32)
+    for rank, payload in by_rank.items():
+        d, c, t = layout.coords(rank)
+        if t == 0:
+            rows = slice(d * batch // layout.dp, (d + 1) * batch // layout.dp)
+            cols = slice(c * seq // layout.cp, (c + 1) * seq // layout.cp)
+            log_probs[rows, cols] = payload["log_probs"]
+            entropy[rows, cols] = payload["entropy"]
+    return LayoutResult(layout, log_probs, entropy, by_rank[0]["losses"])
+
+
+# ----------------------------------------------------------------------------------------------- inside each rank
+
+
+def _rank_main(rank, world, port, backend, payload_path, layouts, messages, threads) -> None:
+    try:
+        torch.set_num_threads(max(threads, 1))
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
+        else:
+            device = torch.device("cpu")
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        inputs = torch.load(payload_path, mmap=True, weights_only=True)
+        for layout in layouts:
+            groups = _layout_groups(layout, rank)  # collective over the whole spawned group
+            if rank < layout.world_size:
+                messages.put(("result", layout.name, rank, _run_rank(layout, rank, groups, inputs, device)))
+        dist.barrier()
+        messages.put(("done", rank))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the parent, which stops the others
+        messages.put(("error", rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@dataclasses.dataclass
+class _Groups:
+    tp: object  # this rank's TP group (also when it has one rank: ppo_ops must not use the default group)
+    tp_size: int
+    data: object  # ranks with the same vocabulary part
+    data_size: int
+    layout: object  # all ranks of the layout
+    layout_size: int
+
+
+def _layout_groups(layout: Layout, rank: int) -> Optional[_Groups]:
+    mine = {}
+    for kind, members_list in (("tp", layout.tp_groups()), ("data", layout.data_groups()),
+                               ("layout", [list(range(layout.world_size))])):
+        for members in members_list:
+            group = dist.new_group(members)
+            if rank in members:
+                mine[kind] = (group, len(members))
+    if rank >= layout.world_size:
+        return None
+    return _Groups(*mine["tp"], *mine["data"], *mine["layout"])
+
+
+def _sum(value: torch.Tensor, group, size: int) -> torch.Tensor:
+    if size > 1:
+        dist.all_reduce(value, group=group)
+    return value
+
+
+def _run_rank(layout: Layout, rank: int, groups: _Groups, inputs: dict, device: torch.device) -> dict:
+    import ppo_ops
+
+    d, c, t = layout.coords(rank)
+    batch, seq = inputs["targets"].shape
+    vocab = inputs["lm_head"].shape[0]
+    rows = slice(d * batch // layout.dp, (d + 1) * batch // layout.dp)
+    cols = slice(c * seq // layout.cp, (c + 1) * seq // layout.cp)
+    vocab_part = slice(t * vocab // layout.tp, (t + 1) * vocab // layout.tp)
+
+    hidden = inputs["hidden"][rows, cols].to(device)
+    weight = inputs["lm_head"][vocab_part].to(device)
+    targets = inputs["targets"][rows, cols].to(device)
+    row_mask = inputs["row_mask"][rows, cols].to(device)
+    keep = inputs["keep_mask"]
+    keep = None if keep is None else keep[rows, cols, vocab_part].to(device)
+    advantages = inputs["advantages"][rows].to(device)
+    # Global denominators: every rank's loss is its exact share of the batch loss.
+    full_mask = inputs["row_mask"]
+    total_tokens = float(full_mask.sum())
+    seq_tokens = full_mask.sum(dim=1)[rows].to(device=device, dtype=torch.float32)
+    sequences_with_tokens = float((full_mask.sum(dim=1) > 0).sum())
+    coef = float(inputs["entropy_coef"])
+
+    out = {"losses": {}}
+    for variant in VARIANTS:
+        leaf = weight.clone().requires_grad_(True)
+        logits = torch.matmul(hidden, leaf.t())
+        logits.retain_grad()
+        log_probs, entropy = ppo_ops.log_probs_and_entropy(
+            logits, targets, tp_group=groups.tp, entropy="grad" if coef else "value", keep_mask=keep,
+            temperature=float(inputs["temperature"]), row_mask=row_mask)
+        ratio = torch.exp(log_probs - log_probs.detach())
+        per_token = (-(ratio * advantages[:, None]) - coef * entropy) * row_mask
+        if variant == "token_mean":
+            loss = per_token.sum() / total_tokens
+        else:
+            loss = (per_token.sum(dim=1) / seq_tokens.clamp(min=1)).sum() / sequences_with_tokens
+        loss.backward()
+        total_loss = _sum(loss.detach().double(), groups.data, groups.data_size)
+        logits_sq = _sum(logits.grad.double().square().sum(), groups.layout, groups.layout_size)
+        head_grad = _sum(leaf.grad.double(), groups.data, groups.data_size)
+        head_sq = _sum(head_grad.square().sum(), groups.tp, groups.tp_size)
+        out["losses"][variant] = {"loss": float(total_loss), "logits_grad_norm": float(logits_sq.sqrt()),
+                                  "lm_head_grad_norm": float(head_sq.sqrt())}
+        if variant == VARIANTS[0]:
+            out["log_probs"] = log_probs.detach().float().cpu().numpy()
+            out["entropy"] = entropy.detach().float().cpu().numpy()
+    return out

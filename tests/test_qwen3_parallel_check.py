@@ -1,0 +1,321 @@
+"""The Qwen3 parallel check on CPU (issue 6): the default run end to end, replay, the temperature-mismatch failure,
+the trainer's loss and gradient math against a float64 reference, and every bad input.
+
+The default run is the binary itself as a subprocess (`python -m sglang_checks.qwen3_parallel_check`, only the cache
+and report folders set); replays reuse its rollout.json in-process through check.run. Models are cached in a
+temporary folder per module. Runtime on a 2-core machine: about 60-90 s, most of it the default run (one model build,
+sampling, 4 gloo ranks) and the rank groups of the replays.
+"""
+
+import json
+import math
+import multiprocessing
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sglang_checks import check, layouts, logprob_kinds, trainer
+from sglang_checks.engines import SamplingSettings, hf_engine
+from sglang_checks.errors import CheckError
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_TRAINER_LAYOUTS = ["tp1", "tp2", "tp4", "cp2", "dp2"]
+# Per trainer layout vs tp1: max |d log-prob|, max |d entropy|, then loss and 2 gradient norms for 2 loss variants.
+COMPARISONS_PER_TRAINER_LAYOUT = 2 + 2 * 3
+
+# fp32 trainer vs the float64 reference: log-probs of magnitude <= ~20 after a few fp32 ops (eps 1.2e-7 each).
+FP32_LOGPROB_ATOL = 2e-5
+# fp32 sums of a few hundred terms vs float64: relative error ~1e-6.
+FP32_NORM_RTOL = 2e-5
+
+
+def _run_binary(args, timeout=900):
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "sglang_checks.qwen3_parallel_check", *args], cwd=REPO_ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _report(report_dir):
+    with open(os.path.join(report_dir, "report.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("model_cache"))
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory, cache_dir):
+    report_dir = str(tmp_path_factory.mktemp("default_report"))
+    proc = _run_binary([f"--cache_dir={cache_dir}", f"--report_dir={report_dir}"])
+    return proc, report_dir
+
+
+def _settings(tmp_path, cache_dir, **overrides):
+    return check.Settings(report_dir=str(tmp_path / "report"), cache_dir=cache_dir, **overrides)
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+
+
+def test_default_run_passes_and_writes_the_report(default_run):
+    proc, report_dir = default_run
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PASS" in proc.stdout and os.path.join(report_dir, "report.md") in proc.stdout
+    report = _report(report_dir)
+    assert report["passed"] is True
+    assert list(report["trainer_layouts"]) == DEFAULT_TRAINER_LAYOUTS
+    assert report["settings"]["engine"] == "hf" and report["settings"]["model"] == "tiny"
+    assert report["trainer"]["backend"] == "gloo"
+    comparisons = report["comparisons"]
+    for name in DEFAULT_TRAINER_LAYOUTS[1:]:
+        mine = [c for c in comparisons if c["section"] == "trainer layouts" and c["subject"] == f"{name} vs tp1"]
+        assert len(mine) == COMPARISONS_PER_TRAINER_LAYOUT
+    mismatch = [c for c in comparisons if c["section"] == "train-rollout mismatch"]
+    assert {c["subject"] for c in mismatch} == {"hf tp1 sampled (sampler)", "hf tp1 teacher-forced (raw)"}
+    assert all(c["passed"] and c["value"] <= c["tolerance"] for c in comparisons)
+    # The engine really sampled: 8 built-in prompts x 2 samples, 24 tokens each (tiny has no end-of-sequence token).
+    assert report["rollout"]["sequences"] == 16 and report["rollout"]["completion_tokens"] == 16 * 24
+    with open(os.path.join(report_dir, "rollout.json")) as f:
+        saved = json.load(f)
+    assert saved["model_fingerprint"] == report["model"]["fingerprint"]
+    assert len({tuple(s["completion_ids"]) for s in saved["samples"]}) == 16  # distinct samples, not a stub
+    with open(os.path.join(report_dir, "logprob_diff_hist.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    md = open(os.path.join(report_dir, "report.md")).read()
+    assert "**PASS**" in md and "tp4 vs tp1" in md
+
+
+def test_replay_scores_the_saved_tokens(default_run, cache_dir, tmp_path):
+    _, first_dir = default_run
+    rollout_path = os.path.join(first_dir, "rollout.json")
+    first = _report(first_dir)
+    # The same padded length as the first run (its cp2 layout rounded it up): same tensors, same sums.
+    s = _settings(tmp_path, cache_dir, rollout_data=rollout_path, trainer_layouts="tp1",
+                  seq_len=first["rollout"]["seq_len"], engine_layouts="tp1,dp2")
+    assert check.run(s) == 0
+    replay = _report(s.report_dir)
+    # Engine layout dp2 scores the rollout as two batches; it is compared with tp1 token by token.
+    engine_rows = [c for c in replay["comparisons"] if c["section"] == "engine layouts"]
+    assert [c["subject"] for c in engine_rows] == ["engine dp2 vs tp1 (teacher-forced, raw)"]
+    assert engine_rows[0]["details"]["tokens"] == first["rollout"]["completion_tokens"] and engine_rows[0]["passed"]
+    assert replay["rollout"]["replayed"] is True and replay["rollout"]["path"] == rollout_path
+    assert replay["rollout"]["completion_tokens"] == first["rollout"]["completion_tokens"]
+    # Same tokens, same model, same code: the trainer's numbers are bitwise those of the first run.
+    assert replay["trainer_layouts"]["tp1"] == first["trainer_layouts"]["tp1"]
+    assert not os.path.exists(os.path.join(s.report_dir, "rollout.json"))  # nothing was sampled
+
+
+def test_trainer_temperature_mismatch_fails(default_run, cache_dir, tmp_path):
+    _, first_dir = default_run
+    s = _settings(tmp_path, cache_dir, rollout_data=os.path.join(first_dir, "rollout.json"),
+                  trainer_layouts="tp1,tp2", trainer_temperature=1.0)
+    assert check.run(s) == 1
+    report = _report(s.report_dir)
+    assert report["passed"] is False and report["trainer"]["temperature"] == 1.0
+    failed = {(c["subject"], c["metric"]) for c in report["comparisons"] if not c["passed"]}
+    assert failed == {("hf tp1 sampled (sampler)", "mean |trainer - engine| log-prob"),
+                      ("hf tp1 sampled (sampler)", "k3 KL(engine || trainer)")}
+    mean = next(c for c in report["comparisons"] if c["metric"] == "mean |trainer - engine| log-prob"
+                and c["subject"].endswith("(sampler)"))
+    assert mean["value"] > 100 * mean["tolerance"]  # a real mismatch, not rounding
+    assert "**FAIL" in open(os.path.join(s.report_dir, "report.md")).read()
+
+
+# ------------------------------------------------------------------------------- trainer math vs float64 reference
+
+
+def _synthetic_inputs():
+    gen = torch.Generator().manual_seed(7)
+    batch, seq, hidden, vocab = 4, 8, 16, 64
+    h = torch.randn(batch, seq, hidden, generator=gen)
+    w = torch.randn(vocab, hidden, generator=gen) * 0.5
+    targets = torch.randint(0, vocab, (batch, seq), generator=gen)
+    row_mask = torch.zeros(batch, seq, dtype=torch.bool)
+    row_mask[0, 2:8] = True  # completions of different lengths: token-mean and seq-mean differ
+    row_mask[1, 3:5] = True
+    row_mask[2, 1:8] = True  # sequence 3 has no completion: left out of the seq-mean denominator
+    targets[~row_mask] = -100
+    temperature = 0.7
+    keep = logprob_kinds.top_p_keep_mask((h @ w.t()) / temperature, 0.9)
+    return trainer.TrainerInputs(hidden=h, lm_head=w, targets=targets, row_mask=row_mask, keep_mask=keep,
+                                 advantages=torch.tensor([1.0, -0.5, 0.25, 2.0]), temperature=temperature,
+                                 entropy_coef=0.05)
+
+
+def _reference(inputs, variant):
+    """float64 autograd: log-probs over keep ∪ {target}, full entropy, the surrogate loss and gradient norms."""
+    w = inputs.lm_head.double().requires_grad_(True)
+    logits = inputs.hidden.double() @ w.t()
+    logits.retain_grad()
+    z = logits / inputs.temperature
+    mask = inputs.row_mask
+    t = inputs.targets.clamp(min=0)
+    keep = inputs.keep_mask.clone()
+    keep.scatter_(-1, t[..., None], True)
+    lp = z.gather(-1, t[..., None])[..., 0] - torch.logsumexp(z.masked_fill(~keep, -math.inf), dim=-1)
+    p = torch.softmax(z, dim=-1)
+    entropy = torch.logsumexp(z, dim=-1) - (p * z).sum(-1)
+    per_token = (-(torch.exp(lp - lp.detach()) * inputs.advantages.double()[:, None])
+                 - inputs.entropy_coef * entropy) * mask
+    if variant == "token_mean":
+        loss = per_token.sum() / mask.sum()
+    else:
+        counts = mask.sum(1)
+        loss = (per_token.sum(1) / counts.clamp(min=1)).sum() / (counts > 0).sum()
+    loss.backward()
+    return {"loss": loss.item(), "logits_grad_norm": logits.grad.norm().item(),
+            "lm_head_grad_norm": w.grad.norm().item()}, (lp * mask).detach(), (entropy * mask).detach()
+
+
+def test_trainer_layouts_match_a_float64_reference():
+    inputs = _synthetic_inputs()
+    names = ["tp1", "tp2", "cp2", "dp2", "tp2cp2"]
+    results = trainer.run_layouts(inputs, [layouts.parse_layout(n, flag="test", allowed_dims=("tp", "cp", "dp"))
+                                           for n in names], backend="gloo", timeout_s=300)
+    assert [r.layout.name for r in results] == names
+    refs = {v: _reference(inputs, v) for v in trainer.VARIANTS}
+    assert abs(refs["token_mean"][0]["loss"] - refs["seq_mean"][0]["loss"]) > 1e-3  # the variants really differ
+    for result in results:
+        _, ref_lp, ref_ent = refs["token_mean"]
+        torch.testing.assert_close(torch.from_numpy(result.log_probs).double(), ref_lp, atol=FP32_LOGPROB_ATOL, rtol=0)
+        torch.testing.assert_close(torch.from_numpy(result.entropy).double(), ref_ent, atol=FP32_LOGPROB_ATOL, rtol=0)
+        for variant in trainer.VARIANTS:
+            for key, value in refs[variant][0].items():
+                assert result.losses[variant][key] == pytest.approx(value, rel=FP32_NORM_RTOL), (result.layout, key)
+
+
+def test_a_failing_rank_is_reported_and_every_rank_reaped():
+    inputs = _synthetic_inputs()
+    inputs.targets[0, 3] = 10_000  # outside the vocabulary on a completion row: ppo_ops rejects it in every rank
+    with pytest.raises(trainer.TrainerRankError, match="tokens"):
+        trainer.run_layouts(inputs, [layouts.Layout("tp2", tp=2)], backend="gloo", timeout_s=300)
+    assert multiprocessing.active_children() == []
+
+
+# ------------------------------------------------------------------------------------------------ hf engine
+
+
+def test_hf_engine_refuses_processing_beyond_temperature_and_top_p():
+    logits = torch.randn(2, 3, 50)
+    settings = SamplingSettings(temperature=0.5, top_p=0.9, max_new_tokens=3, seed=0, eos_token_id=None)
+    processed = (logits / 0.5).masked_fill(~logprob_kinds.top_p_keep_mask(logits / 0.5, 0.9), -math.inf)
+    hf_engine._check_processing(logits, processed, settings)  # exactly temperature + top-p: accepted
+    top_k = processed.clone()
+    top_k[..., :5] = -math.inf  # a top-k a checkpoint's generation_config.json could add
+    with pytest.raises(RuntimeError, match="beyond temperature"):
+        hf_engine._check_processing(logits, top_k, settings)
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+def _write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return str(path)
+
+
+def _model_dir(tmp_path, config=None, weights=None, raw_config=None):
+    d = tmp_path / "model"
+    d.mkdir()
+    if raw_config is not None:
+        (d / "config.json").write_text(raw_config)
+    elif config is not None:
+        (d / "config.json").write_text(json.dumps(config))
+    if weights is not None:
+        (d / "model.safetensors").write_bytes(weights)
+    return str(d)
+
+
+QWEN3_CONFIG = {"model_type": "qwen3", "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 2}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(trainer_layouts="tp1,pp2"), "unknown layout name 'pp2'"),
+    (dict(trainer_layouts="tp2x"), "unknown layout name 'tp2x'"),
+    (dict(trainer_layouts="tp2,tp2"), "are the same layout"),
+    (dict(trainer_layouts="tp0"), "sizes must be at least 1"),
+    (dict(trainer_layouts="tp16"), "needs 16 ranks, more than the 8 allowed"),
+    (dict(trainer_layouts="tp2cp2", max_ranks=2), "needs 4 ranks, more than the 2 allowed"),
+    (dict(trainer_layouts="tp3"), "vocabulary size 4096 is not divisible by 3"),
+    (dict(trainer_layouts="cp2", seq_len=63), "sequence length 63 is not divisible by 2"),
+    (dict(trainer_layouts="dp3"), "16 sequences, not divisible by 3"),
+    (dict(engine_layouts="tp2"), "hf engine runs unsharded"),
+    (dict(engine_layouts="tp1,cp2"), "does not support"),
+    (dict(temperature=0.0), "--temperature: expected > 0"),
+    (dict(top_p=1.5), "--top_p"),
+    (dict(seq_len=8), "--seq_len=8"),
+    (dict(model="/nonexistent/qwen3"), "no such directory"),
+])
+def test_bad_flags_are_refused(overrides, message, tmp_path, cache_dir):
+    with pytest.raises(CheckError, match=message):
+        check.run(_settings(tmp_path, cache_dir, **overrides))
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("no_config", "no config.json"),
+    ("bad_json", "config.json is not valid JSON"),
+    ("not_qwen3", "model_type 'llama'"),
+    ("no_weights", r"no weights \(\*.safetensors"),
+    ("corrupt_weights", "cannot read the weights"),
+])
+def test_malformed_model_directory_is_refused(kind, message, tmp_path, cache_dir):
+    model = {
+        "no_config": lambda: _model_dir(tmp_path, weights=b"x"),
+        "bad_json": lambda: _model_dir(tmp_path, raw_config="{not json", weights=b"x"),
+        "not_qwen3": lambda: _model_dir(tmp_path, config=dict(QWEN3_CONFIG, model_type="llama"), weights=b"x"),
+        "no_weights": lambda: _model_dir(tmp_path, config=QWEN3_CONFIG),
+        "corrupt_weights": lambda: _model_dir(tmp_path, config=QWEN3_CONFIG, weights=b"\x07not safetensors"),
+    }[kind]()
+    with pytest.raises(CheckError, match=message):
+        check.run(_settings(tmp_path, cache_dir, model=model))
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("sglang") is not None,
+                    reason="sglang is installed here, so its absence cannot be tested")
+def test_missing_sglang_says_what_to_install(tmp_path, cache_dir):
+    with pytest.raises(CheckError, match=r"sglang package is not installed.*pip install 'sglang==0\.5\.10\.post1'"):
+        check.run(_settings(tmp_path, cache_dir, engine="sglang", engine_layouts="tp1"))
+
+
+def test_rollout_from_another_model_is_refused(default_run, tmp_path, cache_dir):
+    _, first_dir = default_run
+    with pytest.raises(CheckError, match="was sampled from model 'tiny'.*--model=tiny has fingerprint"):
+        check.run(_settings(tmp_path, cache_dir, seed=1, rollout_data=os.path.join(first_dir, "rollout.json")))
+
+
+def test_replay_with_other_sampling_flags_is_refused(default_run, tmp_path, cache_dir):
+    _, first_dir = default_run
+    with pytest.raises(CheckError, match="--temperature=0.7 differs.*use --trainer_temperature"):
+        check.run(_settings(tmp_path, cache_dir, temperature=0.7, explicit_flags=("temperature",),
+                            rollout_data=os.path.join(first_dir, "rollout.json")))
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"input_ids": [1, 2]}\n{"input_ids": [1, 2\n', "line 2: not valid JSON"),
+    ('{"input_ids": [1, 99999]}\n', "token id 99999 is outside"),
+    ('{"prompt": "hi"}\n', "exactly one of"),
+    ("\n", "no prompts in the file"),
+])
+def test_malformed_prompts_file_is_refused(text, message, tmp_path, cache_dir):
+    path = _write(tmp_path / "prompts.jsonl", text)
+    with pytest.raises(CheckError, match=message):
+        check.run(_settings(tmp_path, cache_dir, prompts=path))
+
+
+def test_malformed_rollout_file_is_refused(tmp_path, cache_dir):
+    path = _write(tmp_path / "rollout.json", json.dumps({"format": "something else"}))
+    with pytest.raises(CheckError, match="not a rollout of this check"):
+        check.run(_settings(tmp_path, cache_dir, rollout_data=path))
+
+
+def test_binary_bad_input_exits_2_with_a_message_and_no_traceback(tmp_path):
+    proc = _run_binary([f"--report_dir={tmp_path}", "--trainer_layouts=tp1,pp2"], timeout=300)
+    assert proc.returncode == 2
+    assert "qwen3_parallel_check: error: --trainer_layouts: unknown layout name 'pp2'" in proc.stderr
+    assert "Traceback" not in proc.stderr
