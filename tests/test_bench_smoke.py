@@ -1,0 +1,324 @@
+"""Smoke test of the bench (tools/bench, issue 5): its whole code path on tiny CPU shapes.
+
+CPU timings are meaningless and never asserted. What is checked for real: every case gets one CSV row with the right
+status (measured, or skipped with the provider's reason); the byte counts and the GB/s and copy-bandwidth fractions
+derived from them; the semantic check against the float64 reference, and that it catches a wrong provider; OOM and
+error handling; the time budget; the Markdown, the plot data and the PNG; the issue-5 target verdicts; the command
+line (flags, usage errors, --render_only) and the TP=2 path (two spawned ranks over gloo, each holding half the vocab).
+
+The Triton provider runs under TRITON_INTERPRET=1 (set by conftest.py / tools/pytest.bzl) on a few cases only: each
+interpreted step takes about half a second.
+"""
+
+import csv
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tools.bench import measure, providers, report, runner
+from tools.bench.cases import Case, suite_cases
+from tools.bench.check import checked_rows
+
+REPO_ROOT = pathlib.Path(os.path.abspath(__file__)).parent.parent  # not resolved: Bazel runfiles stay themselves
+BENCH = REPO_ROOT / "tools" / "bench" / "bench.py"
+TINY = dict(T=8, V=256)  # the smoke suite's shape: 8 rows (a 10% row mask keeps 1), 256 columns (a power of two)
+
+# The CSV stores 6 significant digits: derived columns are compared to what the stored inputs give within this.
+CSV_RTOL = 1e-5
+# REFERENCE.md quotes the floor to 3 significant digits (7.47 GB, 1.76 ms, 4.25 TB/s).
+REFERENCE_RTOL = 1e-3
+# Fast settings for CPU runs: the numbers only exercise the plumbing.
+FAST = dict(warmup=1, min_reps=2, max_reps=2, target_ms=1.0, copy_bytes=1 << 20, check_rows=4)
+
+
+def _config(tmp_path, cases, tp=1, **overrides):
+    paths = runner.OutputPaths(csv=str(tmp_path / "r.csv"), md=str(tmp_path / "r.md"), png=str(tmp_path / "r.png"))
+    return runner.BenchConfig(cases=cases, tp=tp, device="cpu", paths=paths, **dict(FAST, **overrides))
+
+
+def _triton_runs() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("bench_smoke")
+    cases = suite_cases(["smoke"])
+    config = _config(tmp_path, cases)
+    rc = runner.run(config)
+    rows = report.read_csv(config.paths.csv)
+    return config, cases, rows, rc
+
+
+def _key(case: Case) -> tuple:
+    return (case.provider, str(case.T), str(case.V), case.dtype, case.entropy, report.fmt_bool(case.keep_mask),
+            f"{case.row_frac:.1f}", str(case.tp), report.fmt_bool(case.validate), report.fmt_bool(case.inplace_grad))
+
+
+# --- byte accounting -------------------------------------------------------------------------------------------------
+
+
+def test_headline_bytes_are_the_reference_floor():
+    # REFERENCE.md: bf16 T=8192 V=151936 moves 3 x 2.49 GB = 7.47 GB, i.e. 1.76 ms at 4.25 TB/s.
+    b = measure.case_bytes(8192, 151936, "bf16", kept_rows=8192, keep_mask=False)
+    assert b.fwd == 8192 * 151936 * 2 == 2_489_319_424
+    assert b.bwd == 2 * b.fwd
+    assert b.total == 7_467_958_272
+    assert measure.gbps(b.total, 1.757) == pytest.approx(4250, rel=REFERENCE_RTOL)
+
+
+def test_bytes_count_kept_rows_and_keep_mask():
+    # T=10, V_local=100, fp32, one kept row, keep mask: forward reads 1 row (400 B) + its mask (100 B); backward
+    # reads them again and writes the whole gradient (10 x 100 x 4 = 4000 B).
+    b = measure.case_bytes(10, 100, "fp32", kept_rows=1, keep_mask=True)
+    assert (b.fwd, b.bwd) == (500, 4500)
+
+
+def test_checked_rows_are_first_and_last():
+    assert checked_rows(10, 4).tolist() == [0, 1, 8, 9]
+    assert checked_rows(10, 5).tolist() == [0, 1, 2, 8, 9]
+    assert checked_rows(3, 8).tolist() == [0, 1, 2]
+
+
+# --- the smoke run ---------------------------------------------------------------------------------------------------
+
+
+def test_every_case_has_one_row_in_order(smoke):
+    config, cases, rows, rc = smoke
+    assert rc == 0, [(r["provider"], r["status"], r["check"]) for r in rows if r["status"] != "ok"]
+    assert [tuple(r[k] for k in report.CASE_KEY) for r in rows] == [_key(c) for c in cases]
+    with open(config.paths.csv, newline="") as f:
+        assert tuple(next(csv.reader(f))) == report.COLUMNS
+
+
+def test_unsupported_combinations_are_skipped_with_reasons(smoke):
+    _, cases, rows, _ = smoke
+    for case, row in zip(cases, rows):
+        if case.provider == "legacy" and case.row_frac < 1.0:
+            assert row["status"] == "skipped: the legacy API has no row mask"
+        elif case.provider == "liger" and case.entropy != "none":
+            assert row["status"].startswith("skipped: Liger-Kernel's cross entropy gives the log-prob only")
+        elif case.provider == "liger" and case.keep_mask:
+            assert row["status"] == "skipped: Liger-Kernel's cross entropy has no keep mask"
+        elif case.provider == "liger":
+            assert row["status"] == "skipped: Liger-Kernel needs a GPU"
+        elif case.provider == "triton" and not _triton_runs():
+            assert row["status"].startswith("skipped: the triton backend needs CUDA tensors")
+        else:
+            assert row["status"] == "ok", (case, row["status"])
+            assert row["check"] == "ok", (case, row["check"])
+
+
+def test_measured_rows_carry_consistent_numbers(smoke):
+    _, cases, rows, _ = smoke
+    measured = [(c, r) for c, r in zip(cases, rows) if r["status"] == "ok"]
+    assert len(measured) >= 40
+    for case, row in measured:
+        p20, p50, p80 = (float(row[k]) for k in ("p20_ms", "p50_ms", "p80_ms"))
+        assert 0 < p20 <= p50 <= p80
+        assert int(row["reps"]) == FAST["min_reps"]
+        kept = 1 if case.row_frac < 1.0 else case.T  # round(0.1 * 8) = 1 row
+        assert int(row["kept_rows"]) == kept
+        expected = measure.case_bytes(case.T, case.V, case.dtype, kept, case.keep_mask)
+        assert (int(row["bytes_fwd"]), int(row["bytes_bwd"])) == (expected.fwd, expected.bwd)
+        gbps = expected.total / (p50 * 1e-3) / 1e9
+        assert float(row["gbps"]) == pytest.approx(gbps, rel=CSV_RTOL)
+        assert float(row["frac_copy_bw"]) == pytest.approx(float(row["gbps"]) / float(row["copy_gbps"]), rel=CSV_RTOL)
+        grad_mib = case.T * case.V * measure.DTYPE_BYTES[case.dtype] / 2**20
+        assert float(row["grad_mib"]) == pytest.approx(grad_mib, rel=CSV_RTOL)
+        assert row["peak_extra_mib"] == ""  # not measured off CUDA
+        assert row["device"] == "cpu" and row["torch"] == torch.__version__ and row["date"]
+
+
+def test_markdown_lists_every_case_and_the_targets(smoke):
+    config, cases, rows, _ = smoke
+    md = pathlib.Path(config.paths.md).read_text()
+    assert "## Issue 5 targets" in md
+    all_cases = md.split("## All cases", 1)[1]
+    table = [line for line in all_cases.splitlines() if line.startswith("| ") and not line.startswith("| provider")]
+    assert len(table) == len(cases)
+    assert "| legacy | 8 | 256 | bf16 | grad | off | 10% | 1 |" in all_cases
+    assert "skipped: the legacy API has no row mask" in all_cases
+    assert "| torch inplace | 8 | 256 | bf16 | grad | off | all | 1 |" in all_cases
+
+
+def test_plot_shows_tp1_unmasked_rows(smoke):
+    config, _, rows, _ = smoke
+    vocab, series = report.plot_series(rows)
+    assert vocab == "256"
+    grad_bf16 = series[("bf16", "grad")]
+    expected = {"torch", "torch inplace", "legacy", "naive"}
+    expected |= {"triton", "triton inplace"} if _triton_runs() else set()
+    assert set(grad_bf16) == expected
+    (t, p20, p50, p80, peak), = grad_bf16["naive"]
+    assert t == 8 and p20 <= p50 <= p80 and peak is None
+    assert "liger" not in series[("bf16", "none")]  # skipped on CPU, so not plotted
+    png = pathlib.Path(config.paths.png).read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    height, width = matplotlib.image.imread(config.paths.png).shape[:2]
+    assert width > 1000 and height > 500
+
+
+# --- failure handling ------------------------------------------------------------------------------------------------
+
+# A broken stand-in for the naive provider, by case: a plausible but wrong log-prob (fp32), out of memory (bf16,
+# log-prob only), an unexpected error (bf16, entropy grad). Each is followed by a correct torch case on the same inputs.
+FAILURE_CASES = [
+    Case("naive", dtype="fp32", entropy="none", **TINY),
+    Case("torch", dtype="fp32", entropy="none", **TINY),
+    Case("naive", dtype="bf16", entropy="none", **TINY),
+    Case("torch", dtype="bf16", entropy="none", **TINY),
+    Case("naive", dtype="bf16", entropy="grad", **TINY),
+    Case("torch", dtype="bf16", entropy="grad", **TINY),
+]
+
+
+def _broken_naive(case, inp):
+    closure = providers.build_naive(case, inp)
+    if case.dtype == "fp32":
+        def forward():
+            log_prob, entropy = closure.forward()
+            return log_prob + 0.5, entropy
+        return providers.Closure(prepare=closure.prepare, step=closure.step, forward=forward)
+    error = (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.27 GiB") if case.entropy == "none"
+             else RuntimeError("kernel exploded"))
+
+    def step(_):
+        raise error
+    return providers.Closure(prepare=closure.prepare, step=step, forward=closure.forward)
+
+
+@pytest.fixture(scope="module")
+def failures(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("bench_failures")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(providers.PROVIDERS, "naive", providers.Provider("naive", _broken_naive, lambda case, device: None))
+        rc = runner.run(_config(tmp_path, FAILURE_CASES))
+    return tmp_path, rc, report.read_csv(str(tmp_path / "r.csv"))
+
+
+def test_failures_make_the_run_fail(failures):
+    _, rc, rows = failures
+    assert rc == 1  # a failed check and an unexpected error; the OOM alone would not
+    assert len(rows) == len(FAILURE_CASES)
+
+
+def test_check_catches_a_wrong_provider(failures):
+    tmp_path, _, rows = failures
+    assert rows[0]["status"] == "ok" and rows[0]["check"].startswith("fail: log_prob row 0:")
+    assert rows[1]["check"] == "ok"  # same inputs, same cached reference: the correct provider passes
+    assert "check fail: log_prob" in (tmp_path / "r.md").read_text()
+
+
+def test_oom_is_recorded_and_the_run_goes_on(failures):
+    _, _, rows = failures
+    assert rows[2]["status"] == "OOM" and rows[2]["p50_ms"] == ""
+    assert rows[3]["status"] == "ok" and rows[3]["check"] == "ok"
+
+
+def test_unexpected_error_is_recorded_and_the_run_goes_on(failures):
+    _, _, rows = failures
+    assert rows[4]["status"] == "error: RuntimeError: kernel exploded"
+    assert rows[5]["status"] == "ok" and rows[5]["check"] == "ok"
+
+
+def test_time_budget_stops_starting_cases(tmp_path):
+    cases = [Case("torch", dtype="bf16", **TINY)]
+    rc = runner.run(_config(tmp_path, cases, time_budget_s=1e-9))
+    assert rc == 0
+    assert not (tmp_path / "r.csv").exists()
+    assert "## Issue 5 targets" in (tmp_path / "r.md").read_text()
+
+
+def test_csv_with_foreign_columns_is_refused(tmp_path):
+    path = tmp_path / "r.csv"
+    path.write_text("provider,ms\ntriton,1.0\n")
+    with pytest.raises(ValueError, match="existing CSV has columns"):
+        report.append_csv(str(path), [{"provider": "torch"}])
+
+
+# --- issue-5 target verdicts -----------------------------------------------------------------------------------------
+
+
+def _row(provider, p50, *, T=8192, V=151936, dtype="bf16", entropy="grad", tp=1, validate="on", inplace="off",
+         frac=None, peak=None):
+    grad_mib = T * (V // tp) * measure.DTYPE_BYTES[dtype] / 2**20
+    return dict(provider=provider, T=str(T), V=str(V), dtype=dtype, entropy=entropy, keep_mask="off", row_frac="1.0",
+                tp=str(tp), validate=validate, inplace_grad=inplace, status="ok", check="ok", p20_ms=str(p50),
+                p50_ms=str(p50), p80_ms=str(p50), gbps=str(4000 * (frac or 0)), copy_gbps="4000",
+                frac_copy_bw="" if frac is None else str(frac), peak_extra_mib="" if peak is None else str(peak),
+                grad_mib=str(grad_mib))
+
+
+def test_target_verdicts():
+    grad = 8192 * 151936 * 2 / 2**20  # MiB of the bf16 gradient
+    rows = [
+        _row("triton", 2.2, frac=0.85, peak=grad + 10),  # time met, memory met
+        _row("triton", 2.3, inplace="on", frac=0.8, peak=100.0),  # inplace memory missed by 36 MiB
+        _row("triton", 1.5, entropy="none", frac=0.9),
+        _row("liger", 1.2, entropy="none", validate="n/a", inplace="n/a"),  # liger faster: target missed
+        _row("triton", 1.21, tp=2),
+        _row("triton", 1.0, V=75968),  # the TP=1 reference on the TP=2 local shape
+    ]
+    verdicts = [v for _, _, v in report.target_rows(rows)]
+    assert verdicts == ["met", "met", "missed by 36.0 MiB", "missed: 25.0% slower", "missed by 0.060 x"]
+
+
+def test_target_on_a_wrong_forward_is_invalid():
+    row = _row("triton", 1.0, frac=0.95)
+    row["check"] = "fail: log_prob row 0: -3 vs reference -12"
+    (_, _, verdict), *_ = report.target_rows([row])
+    assert verdict.startswith("invalid")
+
+
+def test_time_target_missed_says_what_time_is_needed():
+    rows = [_row("triton", 4.0, frac=0.4)]  # 40% of copy BW: 80% needs half the time
+    (target, measured, verdict), *_ = report.target_rows(rows)
+    assert "40.0%" in measured and verdict == "missed: needs <= 2 ms"
+
+
+# --- command line ----------------------------------------------------------------------------------------------------
+
+
+def _bench(*args, timeout=240):
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(BENCH), *args], cwd=str(REPO_ROOT), env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_cli_tp2_over_gloo_then_render_only(tmp_path):
+    out = _bench("--device=cpu", "--tp=2", "--suite=custom", "--providers=torch,legacy,naive", "--tokens=8",
+                 "--vocab=256", "--dtypes=bf16", "--entropy=grad", "--keep_mask=off,on", "--row_frac=1.0",
+                 "--warmup=1", "--min_reps=2", "--target_ms=1", "--copy_mib=1", f"--out_dir={tmp_path}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = report.read_csv(str(tmp_path / "results.csv"))
+    assert [(r["provider"], r["keep_mask"]) for r in rows] == [
+        ("torch", "off"), ("torch", "on"), ("legacy", "off"), ("legacy", "on"), ("naive", "off"), ("naive", "on")]
+    for row in rows[:4]:
+        # Each rank held 128 of the 256 columns; the check gathered both halves for the float64 reference.
+        assert (row["tp"], row["V_local"], row["status"], row["check"]) == ("2", "128", "ok", "ok")
+        assert int(row["bytes_bwd"]) == 2 * 128 * 8 * 2 + (8 * 128 if row["keep_mask"] == "on" else 0)
+    assert rows[4]["status"] == "skipped: naive torch is single-rank (no vocab-parallel merge)"
+    (tmp_path / "results.md").unlink()
+    again = _bench("--render_only", f"--out_dir={tmp_path}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "| legacy | 8 | 256 | bf16 | grad | on | all | 2 |" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--tokens=abc", "--tokens: expected integers"),
+    ("--suite=nope", "unknown suite 'nope'"),
+    ("--providers=torch,cuDNN", "--providers: unknown ['cuDNN']"),
+])
+def test_cli_rejects_bad_flags(tmp_path, flag, message):
+    suite = [] if flag.startswith("--suite") else ["--suite=custom"]
+    out = _bench("--device=cpu", *suite, flag, f"--out_dir={tmp_path}", timeout=60)
+    assert out.returncode != 0
+    assert message in out.stderr
+    assert not (tmp_path / "results.csv").exists()

@@ -1,0 +1,172 @@
+"""Forward + backward bench of per-token log-prob and entropy over vocab-split logits (issue 5).
+
+    python3 tools/bench/bench.py --suite=headline --out_dir=/tmp/bench          # one GPU, TP=1
+    python3 tools/bench/bench.py --suite=tp2 --tp=2 --out_dir=/tmp/bench        # two GPUs over NCCL
+    bazel run //tools:bench -- --suite=headline --out_dir=$PWD/bench_out
+    python3 tools/bench/bench.py --device=cpu --suite=smoke --out_dir=/tmp/b    # plumbing only (tests)
+
+Flow: build the case list (named suites in priority order, or --suite=custom: the cross product of the list flags);
+measure the device copy bandwidth; then for each case, while the time budget lasts: skip it with a printed reason if
+its provider cannot run it, make (or reuse) its seeded inputs, check the provider's forward against the float64
+reference on a few rows, warm up, measure peak extra memory over one step, time the steps. Each case is appended to
+the CSV as soon as it is measured (a run cut short keeps what it measured); the Markdown and PNG are rendered from
+the whole CSV at the end (or alone, --render_only). An out-of-memory case is recorded as "OOM" and the run goes on;
+an unexpected error is recorded with its message and makes the exit status non-zero once everything is written.
+
+With --tp=N the bench spawns N ranks (NCCL on CUDA, gloo on CPU; rank r uses GPU r); every rank runs every case in
+lockstep and rank 0 records, per case, the slowest rank's quantiles and largest peak memory.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+if __package__ in (None, ""):
+    # Run as a script (python3 tools/bench/bench.py): make the repository root importable. Not resolved, so a Bazel
+    # runfiles tree stays itself.
+    sys.path.insert(0, str(pathlib.Path(os.path.abspath(__file__)).parents[2]))
+
+from absl import app, flags
+
+_SUITE = flags.DEFINE_list("suite", ["headline"], "Named case lists (tools/bench/cases.py SUITES), or 'custom'.")
+_PROVIDERS = flags.DEFINE_list("providers", ["triton", "torch", "legacy", "naive", "liger"],
+                               "Providers to run (filters the suites too).")
+_TOKENS = flags.DEFINE_list("tokens", ["4096", "8192", "16384"], "custom: T values.")
+_VOCAB = flags.DEFINE_list("vocab", ["151936"], "custom: global vocabulary sizes V.")
+_DTYPES = flags.DEFINE_list("dtypes", ["bf16", "fp32"], "custom: logits dtypes (bf16, fp32).")
+_ENTROPY = flags.DEFINE_list("entropy", ["none", "value", "grad"], "custom: entropy modes.")
+_KEEP_MASK = flags.DEFINE_list("keep_mask", ["off", "on"], "custom: keep mask off/on.")
+_ROW_FRAC = flags.DEFINE_list("row_frac", ["1.0", "0.1"], "custom: fractions of rows kept by the row mask.")
+_VALIDATE = flags.DEFINE_list("validate", ["on"], "custom: ppo_ops validate on/off.")
+_INPLACE = flags.DEFINE_list("inplace_grad", ["off"], "custom: ppo_ops inplace_grad off/on.")
+_TP = flags.DEFINE_integer("tp", 1, "Tensor-parallel ranks; only cases with this TP run.", lower_bound=1)
+_DEVICE = flags.DEFINE_enum("device", "cuda", ["cuda", "cpu"], "cpu exercises the plumbing only.")
+_OUT_DIR = flags.DEFINE_string("out_dir", None, "Directory for the CSV, Markdown and PNG.", required=True)
+_CSV = flags.DEFINE_string("csv", "results.csv", "CSV file name in --out_dir (appended to).")
+_MD = flags.DEFINE_string("md", "results.md", "Markdown file name in --out_dir.")
+_PNG = flags.DEFINE_string("png", "results.png", "Plot file name in --out_dir.")
+_RENDER_ONLY = flags.DEFINE_bool("render_only", False, "Only render the Markdown and PNG from the existing CSV.")
+_WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed calls before timing (the first compiles).", lower_bound=1)
+_MIN_REPS = flags.DEFINE_integer("min_reps", 5, "Fewest timed repetitions.", lower_bound=1)
+_MAX_REPS = flags.DEFINE_integer("max_reps", 50, "Most timed repetitions.", lower_bound=1)
+_TARGET_MS = flags.DEFINE_float("target_ms", 150.0, "Timed device time per case to aim for (sets the repetitions).")
+_COPY_MIB = flags.DEFINE_integer("copy_mib", 2048, "Buffer size of the copy-bandwidth measurement.", lower_bound=1)
+_CHECK_ROWS = flags.DEFINE_integer("check_rows", 8, "First and last rows checked against the float64 reference "
+                                   "(0: no check).", lower_bound=0)
+_BUDGET = flags.DEFINE_float("time_budget_s", 0.0, "Stop starting cases after this many seconds (0: no limit).")
+_SEED = flags.DEFINE_integer("seed", 1234, "Seed of the random inputs.")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    cases = None
+    if not _RENDER_ONLY.value:
+        try:
+            cases = _cases()  # before importing torch, so that a usage error is reported at once
+        except ValueError as error:
+            raise app.UsageError(str(error))
+    out_dir = _resolve(_OUT_DIR.value)
+    os.makedirs(out_dir, exist_ok=True)
+    csv, md, png = (os.path.join(out_dir, name) for name in (_CSV.value, _MD.value, _PNG.value))
+    if _RENDER_ONLY.value:
+        from tools.bench import report  # no torch needed
+
+        report.render(csv, md, png)
+        print(f"wrote {md} and {png} from {csv}")
+        return 0
+    from tools.bench import runner
+
+    paths = runner.OutputPaths(csv=csv, md=md, png=png)
+    config = runner.BenchConfig(
+        cases=cases,
+        tp=_TP.value,
+        device=_DEVICE.value,
+        paths=paths,
+        warmup=_WARMUP.value,
+        min_reps=_MIN_REPS.value,
+        max_reps=max(_MAX_REPS.value, _MIN_REPS.value),
+        target_ms=_TARGET_MS.value,
+        copy_bytes=_COPY_MIB.value << 20,
+        check_rows=_CHECK_ROWS.value,
+        time_budget_s=_BUDGET.value,
+        seed=_SEED.value,
+    )
+    try:
+        return runner.run(config)
+    except ValueError as error:  # raised before any case runs (e.g. fewer CUDA devices than --tp)
+        raise app.UsageError(str(error))
+
+
+def _resolve(path: str) -> str:
+    """Relative paths are relative to where the user ran the command (bazel run changes the working directory)."""
+    return os.path.join(os.environ.get("BUILD_WORKING_DIRECTORY", os.getcwd()), path)
+
+
+def _cases():
+    from tools.bench import cases as cases_lib
+
+    tp = _TP.value
+    providers = _PROVIDERS.value
+    unknown = sorted(set(providers) - set(cases_lib.ALL_PROVIDERS))
+    if unknown:
+        raise ValueError(f"--providers: unknown {unknown}; expected some of {list(cases_lib.ALL_PROVIDERS)}")
+    if _SUITE.value == ["custom"]:
+        cases = cases_lib.cross_product(
+            providers,
+            tokens=_ints("tokens", _TOKENS.value),
+            vocab=_ints("vocab", _VOCAB.value),
+            dtypes=_choices("dtypes", _DTYPES.value, cases_lib.DTYPES),
+            entropy=_choices("entropy", _ENTROPY.value, cases_lib.ENTROPY_MODES),
+            keep_mask=_bools("keep_mask", _KEEP_MASK.value),
+            row_frac=[_fraction(v) for v in _ROW_FRAC.value],
+            validate=_bools("validate", _VALIDATE.value),
+            inplace_grad=_bools("inplace_grad", _INPLACE.value),
+            tp=tp,
+        )
+    else:
+        cases = [c for c in cases_lib.suite_cases(_SUITE.value) if c.provider in providers]
+    cases = [c for c in cases if c.tp == tp]
+    for case in cases:
+        if case.V % case.tp:
+            raise ValueError(f"--vocab: V={case.V} must be divisible by --tp={case.tp}")
+    if not cases:
+        raise ValueError(f"no case of --suite={','.join(_SUITE.value)} has TP={tp} and a provider in {providers}")
+    return cases
+
+
+def _ints(name, values):
+    try:
+        out = [int(v) for v in values]
+    except ValueError:
+        raise ValueError(f"--{name}: expected integers, got {values}")
+    if any(v < 1 for v in out):
+        raise ValueError(f"--{name}: expected positive integers, got {values}")
+    return out
+
+
+def _choices(name, values, allowed):
+    bad = [v for v in values if v not in allowed]
+    if bad:
+        raise ValueError(f"--{name}: {bad} not in {list(allowed)}")
+    return list(values)
+
+
+def _bools(name, values):
+    return [v == "on" for v in _choices(name, values, ("on", "off"))]
+
+
+def _fraction(value):
+    try:
+        f = float(value)
+    except ValueError:
+        f = -1.0
+    if not 0.0 < f <= 1.0:
+        raise ValueError(f"--row_frac: expected fractions in (0, 1], got {value!r}")
+    return f
+
+
+if __name__ == "__main__":
+    app.run(main)

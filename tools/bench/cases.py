@@ -1,0 +1,213 @@
+"""What the bench measures: one `Case` per (provider, shape, options), named suites in priority order.
+
+A case is a forward + backward of one provider on one input set. Suites list cases most important first, so a run that
+stops on its time budget (bench --time_budget_s) has measured the headline before anything else:
+
+  headline  T=8192, V=151936 (Qwen3), bf16, TP=1: log-prob + entropy with grad for every provider, log-prob only
+            against Liger-Kernel, the triton provider with inplace_grad (memory) and validate=False (host-sync cost).
+  tp_ref    TP=1 on logits of the local size a TP=2 rank holds (V=75968), the reference for the TP=2 target.
+  sweep     T in {4096, 8192, 16384} x {bf16, fp32} x {log-prob only, + entropy grad}: the time/memory-vs-T plot.
+  options   T=8192 bf16: entropy value, keep mask, 10% row mask, each against every provider that supports it.
+  grid      the rest of the issue-5 cross product for the ppo_ops providers (cheap for triton).
+  tp2       the TP=2 cases (run with --tp=2): headline shape and sweep, options for ppo_ops and legacy.
+  smoke     a tiny CPU shape covering every provider and option (few for triton), for tests/test_bench_smoke.py.
+
+Duplicates across suites are dropped (first occurrence wins), so `--suite=headline,sweep` never measures a case twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Iterable, Optional, Sequence
+
+QWEN3_VOCAB = 151936  # V of the issue's cases (Qwen3 vocabulary, divisible by 8 x 128)
+TOKENS = (4096, 8192, 16384)
+HEADLINE_TOKENS = 8192
+DTYPES = ("bf16", "fp32")
+ENTROPY_MODES = ("none", "value", "grad")
+ROW_FRACTION = 0.1  # "row mask at 10% kept rows" (issue 5)
+
+# Providers whose options include validate / inplace_grad (the ppo_ops API); others have no such switch.
+PPO_OPS_PROVIDERS = ("triton", "torch")
+ALL_PROVIDERS = ("triton", "torch", "legacy", "naive", "liger")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    provider: str
+    T: int  # tokens (rows)
+    V: int  # global vocabulary; each of the `tp` ranks holds V // tp columns
+    dtype: str  # "bf16" | "fp32": the logits' dtype
+    entropy: str = "grad"  # "none" (log-prob only) | "value" (entropy, no gradient) | "grad"
+    keep_mask: bool = False  # top-p/top-k style keep mask (renormalises the log-prob)
+    row_frac: float = 1.0  # fraction of rows kept by the row mask; 1.0 = no row mask
+    tp: int = 1
+    validate: Optional[bool] = None  # ppo_ops providers only (None elsewhere: no such switch)
+    inplace_grad: Optional[bool] = None  # ppo_ops providers only
+
+    def __post_init__(self):
+        if self.provider in PPO_OPS_PROVIDERS:
+            # ppo_ops defaults, spelled out so equal cases compare equal.
+            if self.validate is None:
+                object.__setattr__(self, "validate", True)
+            if self.inplace_grad is None:
+                object.__setattr__(self, "inplace_grad", False)
+
+    @property
+    def v_local(self) -> int:
+        return self.V // self.tp
+
+    @property
+    def kept_rows(self) -> int:
+        """Rows the row mask keeps: round(row_frac * T), at least one."""
+        return self.T if self.row_frac >= 1.0 else max(1, round(self.row_frac * self.T))
+
+    def input_key(self) -> tuple:
+        """Cases with equal keys share one input set (the bench keeps the last one alive)."""
+        return (self.T, self.V, self.dtype, self.tp, self.keep_mask, self.row_frac)
+
+
+def _variants(provider: str, *, validate_off: bool = False, inplace: bool = False) -> list[dict]:
+    out = [dict(provider=provider)]
+    if provider == "triton" and inplace:
+        out.append(dict(provider=provider, inplace_grad=True))
+    if provider == "triton" and validate_off:
+        out.append(dict(provider=provider, validate=False))
+    return out
+
+
+def _cases(providers: Sequence[str], extra_variants: bool = True, **shape) -> list[Case]:
+    cases = []
+    for p in providers:
+        for v in _variants(p, validate_off=extra_variants, inplace=extra_variants):
+            cases.append(Case(**v, **shape))
+    return cases
+
+
+def _headline() -> list[Case]:
+    s = dict(T=HEADLINE_TOKENS, V=QWEN3_VOCAB, dtype="bf16")
+    return (
+        _cases(("triton", "torch", "legacy", "naive"), entropy="grad", **s)
+        + _cases(("triton", "liger", "torch", "legacy", "naive"), entropy="none", **s)
+    )
+
+
+def _tp_ref() -> list[Case]:
+    s = dict(T=HEADLINE_TOKENS, V=QWEN3_VOCAB // 2, dtype="bf16")
+    return _cases(("triton", "torch"), extra_variants=False, entropy="grad", **s) + _cases(
+        ("triton",), extra_variants=False, entropy="none", **s
+    )
+
+
+def _sweep() -> list[Case]:
+    cases = []
+    for dtype, T in itertools.product(DTYPES, TOKENS):
+        s = dict(T=T, V=QWEN3_VOCAB, dtype=dtype)
+        cases += _cases(("triton", "torch", "legacy", "naive"), entropy="grad", **s)
+        cases += _cases(("triton", "liger", "torch", "legacy", "naive"), entropy="none", **s)
+    return cases
+
+
+def _options() -> list[Case]:
+    s = dict(T=HEADLINE_TOKENS, V=QWEN3_VOCAB, dtype="bf16")
+    cases = _cases(ALL_PROVIDERS, entropy="value", **s)
+    for mask in (dict(keep_mask=True), dict(row_frac=ROW_FRACTION)):  # outer loop: one input set per mask
+        for entropy in ("none", "grad"):
+            cases += _cases(ALL_PROVIDERS, entropy=entropy, **mask, **s)
+    return cases
+
+
+def _grid(providers: Sequence[str] = PPO_OPS_PROVIDERS, tp: int = 1) -> list[Case]:
+    cases = []
+    for T, dtype, keep, row, entropy in itertools.product(  # entropy innermost: consecutive cases share inputs
+        TOKENS, DTYPES, (False, True), (1.0, ROW_FRACTION), ENTROPY_MODES
+    ):
+        cases += _cases(
+            providers, extra_variants=False, T=T, V=QWEN3_VOCAB, dtype=dtype, entropy=entropy,
+            keep_mask=keep, row_frac=row, tp=tp,
+        )
+    return cases
+
+
+def _tp2() -> list[Case]:
+    tp_providers = ("triton", "torch", "legacy")
+    cases = []
+    for T in (HEADLINE_TOKENS, 4096, 16384):
+        s = dict(T=T, V=QWEN3_VOCAB, dtype="bf16", tp=2)
+        cases += _cases(tp_providers, entropy="grad", **s) + _cases(tp_providers, entropy="none", **s)
+    s = dict(T=HEADLINE_TOKENS, V=QWEN3_VOCAB, dtype="bf16", tp=2)
+    cases += _cases(tp_providers, extra_variants=False, entropy="value", **s)
+    cases += _cases(tp_providers, extra_variants=False, entropy="grad", keep_mask=True, **s)
+    cases += _cases(tp_providers, extra_variants=False, entropy="grad", row_frac=ROW_FRACTION, **s)
+    cases += _grid(("triton",), tp=2)
+    return cases
+
+
+def _smoke() -> list[Case]:
+    # Tiny: 8 rows (so a 10% row mask keeps one row), 256 columns (a power of two for the Triton interpreter).
+    s = dict(T=8, V=256)
+    torch_based = ("torch", "legacy", "naive", "liger")
+    cases = []
+    for keep, row, entropy in itertools.product((False, True), (1.0, ROW_FRACTION), ENTROPY_MODES):
+        cases += [Case(p, dtype="bf16", entropy=entropy, keep_mask=keep, row_frac=row, **s) for p in torch_based]
+    for entropy in ("none", "grad"):
+        cases += [Case(p, dtype="fp32", entropy=entropy, **s) for p in torch_based]
+    cases += [Case("torch", dtype="bf16", inplace_grad=True, **s), Case("torch", dtype="bf16", validate=False, **s)]
+    # Triton under the interpreter takes about half a second a step: the headline options, both masks, inplace.
+    cases += [
+        Case("triton", dtype="bf16", entropy="grad", **s),
+        Case("triton", dtype="fp32", entropy="none", keep_mask=True, row_frac=ROW_FRACTION, **s),
+        Case("triton", dtype="bf16", entropy="grad", inplace_grad=True, **s),
+    ]
+    return cases
+
+
+SUITES = {
+    "headline": _headline,
+    "tp_ref": _tp_ref,
+    "sweep": _sweep,
+    "options": _options,
+    "grid": _grid,
+    "tp2": _tp2,
+    "smoke": _smoke,
+}
+
+
+def suite_cases(names: Iterable[str]) -> list[Case]:
+    """Cases of the named suites in order, duplicates dropped (first occurrence wins)."""
+    seen, out = set(), []
+    for name in names:
+        if name not in SUITES:
+            raise ValueError(f"unknown suite {name!r}; expected one of {sorted(SUITES)}")
+        for case in SUITES[name]():
+            if case not in seen:
+                seen.add(case)
+                out.append(case)
+    return out
+
+
+def cross_product(
+    providers: Sequence[str],
+    tokens: Sequence[int],
+    vocab: Sequence[int],
+    dtypes: Sequence[str],
+    entropy: Sequence[str],
+    keep_mask: Sequence[bool],
+    row_frac: Sequence[float],
+    validate: Sequence[bool],
+    inplace_grad: Sequence[bool],
+    tp: int,
+) -> list[Case]:
+    """The cases of a custom run (--suite=custom). validate / inplace_grad vary only for the ppo_ops providers."""
+    out, seen = [], set()
+    grid = itertools.product(providers, tokens, vocab, dtypes, entropy, keep_mask, row_frac)
+    for p, T, V, dt, ent, keep, row in grid:
+        extra = itertools.product(validate, inplace_grad) if p in PPO_OPS_PROVIDERS else [(None, None)]
+        for val, inp in extra:
+            case = Case(p, T=T, V=V, dtype=dt, entropy=ent, keep_mask=keep, row_frac=row, tp=tp, validate=val,
+                        inplace_grad=inp)
+            if case not in seen:
+                seen.add(case)
+                out.append(case)
+    return out

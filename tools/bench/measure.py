@@ -1,0 +1,173 @@
+"""Timing, peak memory, copy bandwidth and the byte count of each case.
+
+Timing: after `warmup` untimed calls (Triton compiles on the first), each repetition is bracketed by CUDA events
+(host `perf_counter` on CPU, where the numbers only exercise the plumbing). The repetition count fills about
+`target_ms` of device time, clamped to [min_reps, max_reps]; we report the 20th, 50th and 80th percentiles. Work that
+must happen before each repetition but is not part of the op (refilling logits an in-place backward destroyed) runs
+in `prepare`, outside the events. Inputs are gigabytes, far over the 50 MB L2, so one input set is timed repeatedly
+with no cache flush or rotation.
+
+Peak extra memory: `torch.cuda.max_memory_allocated` during one step, after `reset_peak_memory_stats`, minus
+`memory_allocated` just before it, with the inputs alive. Everything the step allocates and still holds at its peak
+(outputs, the gradient buffer, saved activations, temporaries) counts. Not measured on CPU.
+
+Copy bandwidth: device-to-device `copy_` of a large buffer, bytes read plus bytes written, timed the same way in the
+same run, so each case's GB/s is set against what this device moves at best.
+
+Bytes of a case (per rank, the floor of the op): the forward reads the kept rows of the logits once; the backward reads
+them again and writes the whole gradient (rows dropped by the row mask get zeros, still written). A keep mask (1 byte
+per element) is read in both passes. O(T) vectors (tokens, row statistics, per-token outputs) are not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+MIB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    p20_ms: float
+    p50_ms: float
+    p80_ms: float
+    reps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseBytes:
+    fwd: int
+    bwd: int
+
+    @property
+    def total(self) -> int:
+        return self.fwd + self.bwd
+
+
+def case_bytes(T: int, v_local: int, dtype: str, kept_rows: int, keep_mask: bool) -> CaseBytes:
+    """Bytes one rank must move for forward + backward of one case (see module docstring)."""
+    db = DTYPE_BYTES[dtype]
+    mask = kept_rows * v_local if keep_mask else 0  # bool keep mask, read by each pass
+    fwd = kept_rows * v_local * db + mask
+    bwd = kept_rows * v_local * db + T * v_local * db + mask
+    return CaseBytes(fwd=fwd, bwd=bwd)
+
+
+def gbps(nbytes: int, ms: float) -> float:
+    """Decimal GB/s (1e9 bytes per second), the unit HBM bandwidth is quoted in."""
+    return nbytes / (ms * 1e-3) / 1e9 if ms > 0 else math.nan
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Timer:
+    """Per-repetition elapsed times: CUDA events on CUDA devices, perf_counter elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._pairs: list = []
+
+    def start(self):
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def stop(self, start) -> None:
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._pairs.append((start, ev))
+        else:
+            self._pairs.append((start, time.perf_counter()))
+
+    def elapsed_ms(self) -> list[float]:
+        synchronize(self.device)
+        if self.device.type == "cuda":
+            return [s.elapsed_time(e) for s, e in self._pairs]
+        return [(e - s) * 1e3 for s, e in self._pairs]
+
+
+def _run_reps(step, prepare, device, reps: int) -> list[float]:
+    timer = _Timer(device)
+    for _ in range(reps):
+        x = prepare()
+        t0 = timer.start()
+        out = step(x)
+        timer.stop(t0)
+        del out, x  # free the gradient before the next repetition's prepare
+    return timer.elapsed_ms()
+
+
+def warm_up(step: Callable[[Any], Any], prepare: Callable[[], Any], device: torch.device, calls: int) -> float:
+    """Runs `calls` steps that are not reported (the first compiles); returns an estimate of one step in ms."""
+    times = _run_reps(step, prepare, device, max(1, calls))
+    return float(np.median(times[1:] if len(times) > 1 else times))
+
+
+def time_step(
+    step: Callable[[Any], Any],
+    prepare: Callable[[], Any],
+    device: torch.device,
+    *,
+    estimate_ms: float,
+    min_reps: int,
+    max_reps: int,
+    target_ms: float,
+) -> Timing:
+    """p20/p50/p80 of `step(prepare())` in ms over enough repetitions to fill ~target_ms; `prepare` is not timed."""
+    reps = int(min(max_reps, max(min_reps, math.ceil(target_ms / max(estimate_ms, 1e-3)))))
+    times = _run_reps(step, prepare, device, reps)
+    p20, p50, p80 = np.percentile(np.asarray(times, dtype=np.float64), [20, 50, 80])
+    return Timing(p20_ms=float(p20), p50_ms=float(p50), p80_ms=float(p80), reps=reps)
+
+
+def peak_extra_bytes(step: Callable[[Any], Any], prepare: Callable[[], Any], device: torch.device) -> Optional[int]:
+    """Max allocated during one step over what was allocated before it (inputs alive); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    x = prepare()
+    synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    baseline = torch.cuda.memory_allocated(device)
+    out = step(x)
+    synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del out, x
+    return peak - baseline
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyBandwidth:
+    gbps: float  # (bytes read + bytes written) / p50
+    nbytes: int  # size of the copied buffer
+    timing: Timing
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, *, warmup: int, min_reps: int, max_reps: int,
+                   target_ms: float) -> CopyBandwidth:
+    """Device-to-device copy of `nbytes`, counted as 2 x nbytes moved."""
+    numel = max(1, nbytes // 4)
+    src = torch.randn(numel, device=device, dtype=torch.float32)  # random, not zeros: never time on zeros
+    dst = torch.empty_like(src)
+
+    def step(_):
+        return dst.copy_(src)
+
+    estimate = warm_up(step, lambda: None, device, warmup)
+    timing = time_step(step, lambda: None, device, estimate_ms=estimate, min_reps=min_reps, max_reps=max_reps,
+                       target_ms=target_ms)
+    moved = 2 * numel * 4
+    return CopyBandwidth(gbps=gbps(moved, timing.p50_ms), nbytes=numel * 4, timing=timing)

@@ -1,0 +1,282 @@
+"""The implementations the bench compares, each as a forward + backward closure over one input set.
+
+One `build_*` function per provider turns (case, inputs) into a `Closure`:
+  prepare()  untimed; returns the logits tensor the step runs on (a refilled copy when the step destroys its input)
+  step(x)    timed; forward and backward (torch.autograd.grad with the case's upstream gradients), returns the
+             logits' gradient so that it is alive at the peak of memory, as in a trainer
+  forward()  no grad; (log_prob [T] fp32, entropy [T] fp32 or None), checked against a float64 reference
+
+Providers:
+  triton  ppo_ops.log_probs_and_entropy(backend="triton"), with the case's validate / inplace_grad
+  torch   ppo_ops.log_probs_and_entropy(backend="torch")
+  legacy  ppo_ops.legacy.calculate_log_probs_and_entropy (Megatron fused vocab-parallel CE + separate entropy)
+  naive   log_softmax + gather + softmax entropy in fp32 (TP=1)
+  liger   Liger-Kernel's cross entropy, reduction="none" (TP=1, log-prob only, no keep mask). Its forward writes the
+          gradient into its input, so the step clones the logits first; the clone is timed, as any caller pays it.
+          Rows dropped by the row mask are passed as its ignore_index (-100), which it skips.
+
+`unsupported(case, device)` gives the reason a provider cannot run a case (missing package or option), or None;
+the bench records it as "skipped: <reason>" and prints it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import os
+from typing import Callable, Optional
+
+import torch
+
+from tools.bench.cases import Case
+from tools.bench.inputs import IGNORED_TOKEN, Inputs
+
+
+@dataclasses.dataclass
+class Closure:
+    prepare: Callable[[], torch.Tensor]
+    step: Callable[[torch.Tensor], object]
+    forward: Callable[[], tuple]
+
+
+def _grad(outputs: list, grads: list, logits: torch.Tensor):
+    """The logits' gradient for upstream `grads` (no accumulation into .grad, nothing retained)."""
+    return torch.autograd.grad(outputs, logits, [g.view_as(o) for o, g in zip(outputs, grads)])[0]
+
+
+def _outputs_and_grads(case: Case, inp: Inputs, log_prob, entropy):
+    outputs, grads = [log_prob], [inp.grad_log_prob]
+    if case.entropy == "grad":
+        outputs.append(entropy)
+        grads.append(inp.grad_entropy)
+    return outputs, grads
+
+
+def _fp32_1d(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if x is None else x.detach().float().reshape(-1)
+
+
+@functools.lru_cache(maxsize=None)
+def _import_error(module: str) -> Optional[str]:
+    """None when `module` imports, else why not (cached: imports are slow)."""
+    try:
+        importlib.import_module(module)
+    except Exception as error:  # ImportError, or a package that fails at import (e.g. needs a GPU driver)
+        first_line = (str(error).splitlines() or [""])[0]
+        return f"{module} is not importable ({type(error).__name__}: {first_line})"
+    return None
+
+
+# --- ppo_ops (triton and torch backends) ----------------------------------------------------------------------------
+
+
+def _build_ppo_ops(backend: str, case: Case, inp: Inputs) -> Closure:
+    import ppo_ops
+
+    kwargs = dict(
+        tp_group=inp.group,
+        entropy=case.entropy,
+        keep_mask=inp.keep_mask,
+        row_mask=inp.row_mask,
+        backend=backend,
+        validate=case.validate,
+        inplace_grad=case.inplace_grad,
+    )
+
+    def step(logits):
+        out = ppo_ops.log_probs_and_entropy(logits, inp.tokens, **kwargs)
+        return _grad(*_outputs_and_grads(case, inp, out.log_probs, out.entropy), logits)
+
+    def forward():
+        with torch.no_grad():
+            out = ppo_ops.log_probs_and_entropy(inp.logits, inp.tokens, **kwargs)
+        return _fp32_1d(out.log_probs), _fp32_1d(out.entropy)
+
+    if case.inplace_grad:
+        # The backward overwrites the logits with their gradient: each repetition runs on a fresh copy (untimed).
+        work = torch.empty_like(inp.logits).requires_grad_(True)
+
+        def prepare():
+            with torch.no_grad():
+                work.copy_(inp.logits)
+            return work
+
+    else:
+
+        def prepare():
+            return inp.logits
+
+    return Closure(prepare=prepare, step=step, forward=forward)
+
+
+def build_triton(case: Case, inp: Inputs) -> Closure:
+    return _build_ppo_ops("triton", case, inp)
+
+
+def build_torch(case: Case, inp: Inputs) -> Closure:
+    return _build_ppo_ops("torch", case, inp)
+
+
+def _unsupported_triton(case: Case, device: torch.device) -> Optional[str]:
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)"
+    return _import_error("triton") or _import_error("ppo_ops")
+
+
+def _unsupported_torch(case: Case, device: torch.device) -> Optional[str]:
+    return _import_error("ppo_ops")
+
+
+# --- legacy reference ----------------------------------------------------------------------------------------------
+
+
+def build_legacy(case: Case, inp: Inputs) -> Closure:
+    from ppo_ops.legacy import calculate_log_probs_and_entropy
+
+    def call(logits):
+        return calculate_log_probs_and_entropy(
+            logits,
+            inp.tokens,
+            inp.group,
+            with_entropy=case.entropy != "none",
+            chunk_size=-1,
+            log_prob_keep_mask=inp.keep_mask,
+            with_entropy_grad=case.entropy == "grad",
+        )
+
+    def step(logits):
+        log_prob, entropy = call(logits)
+        return _grad(*_outputs_and_grads(case, inp, log_prob, entropy), logits)
+
+    def forward():
+        with torch.no_grad():
+            log_prob, entropy = call(inp.logits)
+        return _fp32_1d(log_prob), _fp32_1d(entropy)
+
+    return Closure(prepare=lambda: inp.logits, step=step, forward=forward)
+
+
+def _unsupported_legacy(case: Case, device: torch.device) -> Optional[str]:
+    if case.row_frac < 1.0:
+        return "the legacy API has no row mask"
+    return _import_error("megatron.core") or _import_error("ppo_ops.legacy")
+
+
+# --- naive torch ---------------------------------------------------------------------------------------------------
+
+
+def naive_log_probs_and_entropy(
+    logits: torch.Tensor,  # [T, V] float, the whole vocabulary (TP=1); READ-ONLY
+    tokens: torch.Tensor,  # [T] int64; rows dropped by row_mask may hold any id
+    entropy: str,  # "none" | "value" | "grad"
+    keep_mask: Optional[torch.Tensor] = None,  # [T, V] bool
+    row_mask: Optional[torch.Tensor] = None,  # [T] bool
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """What a trainer writes without a fused op: fp32 log_softmax, gather, softmax entropy. Returns fp32 [T] tensors."""
+    z = logits.float()
+    index = tokens if row_mask is None else torch.where(row_mask, tokens, torch.zeros_like(tokens))
+    index = index.unsqueeze(-1)
+    log_p = torch.log_softmax(z, dim=-1)
+    if keep_mask is None:
+        log_prob = log_p.gather(-1, index).squeeze(-1)
+    else:
+        kept = keep_mask.scatter(-1, index, True)  # the target always belongs to the normaliser
+        log_prob = torch.log_softmax(z.masked_fill(~kept, float("-inf")), dim=-1).gather(-1, index).squeeze(-1)
+    ent = None
+    if entropy != "none":
+        with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
+            ent = -(log_p.exp() * log_p).sum(-1)
+    if row_mask is not None:
+        log_prob = log_prob * row_mask
+        ent = None if ent is None else ent * row_mask
+    return log_prob, ent
+
+
+def build_naive(case: Case, inp: Inputs) -> Closure:
+    def step(logits):
+        log_prob, entropy = naive_log_probs_and_entropy(logits, inp.tokens, case.entropy, inp.keep_mask, inp.row_mask)
+        return _grad(*_outputs_and_grads(case, inp, log_prob, entropy), logits)
+
+    def forward():
+        with torch.no_grad():
+            log_prob, entropy = naive_log_probs_and_entropy(
+                inp.logits, inp.tokens, case.entropy, inp.keep_mask, inp.row_mask
+            )
+        return _fp32_1d(log_prob), _fp32_1d(entropy)
+
+    return Closure(prepare=lambda: inp.logits, step=step, forward=forward)
+
+
+def _unsupported_naive(case: Case, device: torch.device) -> Optional[str]:
+    return "naive torch is single-rank (no vocab-parallel merge)" if case.tp > 1 else None
+
+
+# --- Liger-Kernel --------------------------------------------------------------------------------------------------
+
+
+def build_liger(case: Case, inp: Inputs) -> Closure:
+    from liger_kernel.transformers.functional import liger_cross_entropy
+
+    # Its loss is -log_prob in the logits' dtype; rows dropped by the row mask already hold its ignore_index.
+    grad_loss = (-inp.grad_log_prob).to(inp.logits.dtype)
+
+    def loss(logits):
+        return liger_cross_entropy(logits.clone(), inp.tokens, ignore_index=IGNORED_TOKEN, reduction="none")
+
+    def step(logits):
+        return torch.autograd.grad([loss(logits)], logits, [grad_loss])[0]
+
+    def forward():
+        with torch.no_grad():
+            return -loss(inp.logits).float(), None
+
+    return Closure(prepare=lambda: inp.logits, step=step, forward=forward)
+
+
+def _unsupported_liger(case: Case, device: torch.device) -> Optional[str]:
+    if case.tp > 1:
+        return "Liger-Kernel's cross entropy is single-rank"
+    if case.entropy != "none":
+        return "Liger-Kernel's cross entropy gives the log-prob only (no entropy)"
+    if case.keep_mask:
+        return "Liger-Kernel's cross entropy has no keep mask"
+    if device.type != "cuda":
+        return "Liger-Kernel needs a GPU"
+    return _import_error("liger_kernel.transformers.functional")
+
+
+# Modules each provider imports (lazily, in its build function).
+_MODULES = {
+    "triton": ("triton", "ppo_ops"),
+    "torch": ("ppo_ops",),
+    "legacy": ("megatron.core", "ppo_ops.legacy"),
+    "naive": (),
+    "liger": ("liger_kernel.transformers.functional",),
+}
+
+
+def preload(names) -> None:
+    """Imports what the named providers need, now rather than inside a case (failures are reported per case)."""
+    for name in names:
+        for module in _MODULES[name]:
+            _import_error(module)
+
+
+@dataclasses.dataclass(frozen=True)
+class Provider:
+    name: str
+    build: Callable[[Case, Inputs], Closure]
+    unsupported: Callable[[Case, torch.device], Optional[str]]
+
+
+PROVIDERS = {
+    p.name: p
+    for p in (
+        Provider("triton", build_triton, _unsupported_triton),
+        Provider("torch", build_torch, _unsupported_torch),
+        Provider("legacy", build_legacy, _unsupported_legacy),
+        Provider("naive", build_naive, _unsupported_naive),
+        Provider("liger", build_liger, _unsupported_liger),
+    )
+}

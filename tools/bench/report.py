@@ -1,0 +1,309 @@
+"""Bench outputs: one long-format CSV (appended case by case), a Markdown summary and a PNG plot rendered from it.
+
+The CSV is the record: one row per case and run, with the environment (GPU, versions, date) on every row, so results
+of several runs (TP=1 on one GPU, TP=2 over two) can be appended to one file and rendered together. When a case
+appears more than once, the Markdown and the plot use its latest row.
+
+The Markdown has the environment, the issue-5 targets checked against the measurements (met / missed by how much /
+not measured), the headline shape, and every case. The plot shows p50 time (p20-p80 bars) and peak extra memory
+against T for each provider, TP=1, no masks.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from typing import Iterable, Optional
+
+COLUMNS = (
+    "provider", "T", "V", "V_local", "dtype", "entropy", "keep_mask", "row_frac", "kept_rows", "tp", "validate",
+    "inplace_grad", "status", "check", "reps", "p20_ms", "p50_ms", "p80_ms", "bytes_fwd", "bytes_bwd", "gbps",
+    "copy_gbps", "frac_copy_bw", "peak_extra_mib", "grad_mib", "device", "gpu", "torch", "triton", "ppo_ops",
+    "liger_kernel", "megatron_core", "torch_compile", "date",
+)
+# Fields that identify a case (a later row with the same key replaces an earlier one in the rendered outputs).
+CASE_KEY = ("provider", "T", "V", "dtype", "entropy", "keep_mask", "row_frac", "tp", "validate", "inplace_grad")
+
+HEADLINE = dict(T="8192", V="151936", dtype="bf16", tp="1", keep_mask="off", row_frac="1.0")
+TIME_TARGET_FRAC = 0.8  # issue 5: at least 80% of the measured copy bandwidth
+MEM_SLACK_MIB = 64.0  # issue 5: peak extra <= gradient buffer + 64 MiB (64 MiB with inplace_grad)
+TP2_SLOWDOWN = 1.15  # issue 5: TP=2 rank time at most 15% above TP=1 on logits of the same local size
+
+
+def fmt_bool(value: Optional[bool]) -> str:
+    return "n/a" if value is None else ("on" if value else "off")
+
+
+def append_csv(path: str, rows: Iterable[dict]) -> None:
+    """Appends rows (dicts keyed by COLUMNS); writes the header when the file is new. Refuses a foreign header."""
+    rows = list(rows)
+    new = not os.path.exists(path) or os.path.getsize(path) == 0
+    if not new:
+        with open(path, newline="") as f:
+            header = next(csv.reader(f), None)
+        if tuple(header or ()) != COLUMNS:
+            raise ValueError(f"{path}: existing CSV has columns {header}, expected {list(COLUMNS)}; use a new --csv")
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        if new:
+            writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _cell(row.get(k)) for k in COLUMNS})
+
+
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return "" if math.isnan(value) else f"{value:.6g}"
+    return str(value)
+
+
+def read_csv(path: str) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def latest_per_case(rows: list[dict]) -> list[dict]:
+    """The last row of each case, in order of first appearance."""
+    order, latest = [], {}
+    for row in rows:
+        key = tuple(row[k] for k in CASE_KEY)
+        if key not in latest:
+            order.append(key)
+        latest[key] = row
+    return [latest[k] for k in order]
+
+
+def _num(row: dict, key: str) -> Optional[float]:
+    try:
+        value = float(row.get(key, ""))
+    except ValueError:
+        return None
+    return None if math.isnan(value) else value
+
+
+def _find(rows: list[dict], **fields) -> Optional[dict]:
+    for row in rows:
+        if all(row.get(k) == v for k, v in fields.items()) and row.get("status") == "ok":
+            return row
+    return None
+
+
+def _label(row: dict) -> str:
+    label = row["provider"]
+    if row.get("inplace_grad") == "on":
+        label += " inplace"
+    if row.get("validate") == "off":
+        label += " no-validate"
+    return label
+
+
+def target_rows(rows: list[dict]) -> list[tuple[str, str, str]]:
+    """(target, measured, verdict) for each issue-5 target, from the latest rows."""
+    out = []
+    head = dict(HEADLINE, entropy="grad")
+    tri = _find(rows, provider="triton", validate="on", inplace_grad="off", **head)
+    if tri:
+        frac = _num(tri, "frac_copy_bw")
+        goal_ms = _num(tri, "p50_ms") * frac / TIME_TARGET_FRAC if frac else None
+        out.append((
+            f"time: >= {TIME_TARGET_FRAC:.0%} of copy BW (T=8192 bf16 TP=1, log-prob + entropy grad)",
+            f"{_fmt(tri, 'p50_ms', '.3f')} ms, {_fmt(tri, 'gbps', 'g')} GB/s = {frac:.1%} of the copy's "
+            f"{_fmt(tri, 'copy_gbps', 'g')} GB/s" if frac else "n/a",
+            _verdict(frac is not None and frac >= TIME_TARGET_FRAC,
+                     f"missed: needs <= {goal_ms:.3g} ms" if goal_ms else "not measured", tri),
+        ))
+        peak, grad = _num(tri, "peak_extra_mib"), _num(tri, "grad_mib")
+        if peak is not None:
+            out.append((
+                f"memory: peak extra <= gradient ({grad:.0f} MiB) + {MEM_SLACK_MIB:.0f} MiB",
+                f"{peak:.1f} MiB",
+                _verdict(peak <= grad + MEM_SLACK_MIB, f"missed by {peak - grad - MEM_SLACK_MIB:.1f} MiB", tri),
+            ))
+    else:
+        out.append(("time and memory of the headline (triton)", "not measured", "n/a"))
+    inplace = _find(rows, provider="triton", validate="on", inplace_grad="on", **head)
+    peak = _num(inplace, "peak_extra_mib") if inplace else None
+    out.append((
+        f"memory with inplace_grad: peak extra <= {MEM_SLACK_MIB:.0f} MiB",
+        f"{peak:.1f} MiB" if peak is not None else "not measured",
+        "n/a" if peak is None else _verdict(peak <= MEM_SLACK_MIB, f"missed by {peak - MEM_SLACK_MIB:.1f} MiB",
+                                            inplace),
+    ))
+    for dtype in ("bf16", "fp32"):
+        lp = dict(HEADLINE, entropy="none", dtype=dtype)
+        mine = _find(rows, provider="triton", validate="on", inplace_grad="off", **lp)
+        liger = _find(rows, provider="liger", **lp)
+        if mine and liger:
+            a, b = _num(mine, "p50_ms"), _num(liger, "p50_ms")
+            out.append((f"log-prob only, {dtype}: faster than Liger-Kernel CE", f"{a:.3f} ms vs {b:.3f} ms",
+                        _verdict(a < b, f"missed: {a / b - 1:.1%} slower", mine, liger)))
+        elif dtype == "bf16":
+            out.append((f"log-prob only, {dtype}: faster than Liger-Kernel CE", "not measured (liger absent?)", "n/a"))
+    tp2 = _find(rows, provider="triton", validate="on", inplace_grad="off", **dict(head, tp="2"))
+    ref = _find(rows, provider="triton", validate="on", inplace_grad="off",
+                **dict(head, V=str(int(HEADLINE["V"]) // 2)))
+    if tp2 and ref:
+        a, b = _num(tp2, "p50_ms"), _num(ref, "p50_ms")
+        out.append((f"TP=2: slowest rank <= {TP2_SLOWDOWN:.2f} x TP=1 on the same local shape [8192, 75968]",
+                    f"{a:.3f} ms vs {b:.3f} ms ({a / b:.3f} x)",
+                    _verdict(a <= TP2_SLOWDOWN * b, f"missed by {a / b - TP2_SLOWDOWN:.3f} x", tp2, ref)))
+    else:
+        out.append(("TP=2 vs TP=1 on the same local shape", "not measured", "n/a"))
+    return out
+
+
+def _verdict(met: bool, missed: str, *rows: dict) -> str:
+    """"met", or how it was missed; a measurement whose forward failed the bench's check proves nothing."""
+    if any(r.get("check", "").startswith("fail") for r in rows):
+        return "invalid: the forward failed the check against the float64 reference"
+    return "met" if met else missed
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _fmt(row: dict, key: str, spec: str) -> str:
+    """A CSV number formatted with `spec` ("g": 3 significant digits below 100, none after the point above)."""
+    value = _num(row, key)
+    if value is None:
+        return ""
+    if spec == "g":
+        spec = ".0f" if abs(value) >= 100 else ".3g"
+    return format(value, spec)
+
+
+def _case_cells(row: dict) -> list[str]:
+    spread = f"{_fmt(row, 'p20_ms', '.3f')}–{_fmt(row, 'p80_ms', '.3f')}" if row.get("p20_ms") else ""
+    status = row["status"] if row.get("check") in ("", "ok", None) else f"{row['status']}, check {row['check']}"
+    rows = "all" if row["row_frac"] == "1.0" else f"{float(row['row_frac']):.0%}"
+    return [
+        _label(row), row["T"], row["V"], row["dtype"], row["entropy"], row["keep_mask"], rows, row["tp"],
+        _fmt(row, "p50_ms", ".3f"), spread, _fmt(row, "gbps", "g"), _fmt(row, "frac_copy_bw", ".0%"),
+        _fmt(row, "peak_extra_mib", ".1f"), status,
+    ]
+
+
+_CASE_HEADER = ["provider", "T", "V", "dtype", "entropy", "keep", "rows", "TP", "p50 ms", "p20–p80 ms", "GB/s",
+                "of copy BW", "peak extra MiB", "status"]
+
+
+def render_markdown(all_rows: list[dict]) -> str:
+    rows = latest_per_case(all_rows)
+    envs = sorted({(r["gpu"], r["device"], r["torch"], r["triton"], r["ppo_ops"], r["liger_kernel"],
+                    r["megatron_core"], r["torch_compile"]) for r in rows})
+    copies = sorted({(r["gpu"], r["tp"], r["copy_gbps"]) for r in rows if r.get("copy_gbps")})
+    dates = sorted({r["date"] for r in rows if r.get("date")})
+    parts = ["# ppo_ops bench results", ""]
+    for gpu, device, torch_v, triton_v, ppo_v, liger_v, mcore_v, compiled in envs:
+        parts.append(f"- {gpu} ({device}); torch {torch_v}, triton {triton_v}, ppo_ops {ppo_v}, "
+                     f"liger-kernel {liger_v or 'absent'}, megatron-core {mcore_v or 'absent'} "
+                     f"(its jit_fuser's torch.compile {compiled})")
+    for gpu, tp, copy in copies:
+        copy_text = _fmt({"c": copy}, "c", "g")
+        parts.append(f"- measured device copy bandwidth (read + write) in the TP={tp} run: {copy_text} GB/s per GPU")
+    if dates:
+        parts.append(f"- date: {dates[0]}" + (f" to {dates[-1]}" if len(dates) > 1 else ""))
+    parts += ["- time: forward + backward, p50 of CUDA-event timings (p20–p80); bytes = forward reads the kept "
+              "rows, backward reads them again and writes the whole gradient (+ keep mask read in each pass); "
+              "TP=2 rows show the slowest rank", ""]
+    parts += ["## Issue 5 targets", "", _md_table(["target", "measured", "verdict"],
+                                                 [list(t) for t in target_rows(rows)]), ""]
+    head = [r for r in rows if all(r.get(k) == v for k, v in HEADLINE.items())]
+    if head:
+        parts += ["## Headline shape: T=8192, V=151936, bf16, TP=1, no masks", "",
+                  _md_table(_CASE_HEADER, [_case_cells(r) for r in head]), ""]
+    parts += ["## All cases", "", _md_table(_CASE_HEADER, [_case_cells(r) for r in rows]), ""]
+    return "\n".join(parts)
+
+
+def _plot_vocab(rows: list[dict]) -> Optional[str]:
+    """V of the plot: the headline V when measured, else the V with the most measured TP=1 rows."""
+    vs = [r["V"] for r in rows]
+    if not vs:
+        return None
+    return HEADLINE["V"] if HEADLINE["V"] in vs else max(sorted(set(vs)), key=vs.count)
+
+
+PLOT_PANELS = tuple((dt, ent) for ent in ("grad", "none") for dt in ("bf16", "fp32"))
+# One colour per line label in every panel (matplotlib's tab10 order).
+_PLOT_LABELS = ("triton", "triton inplace", "torch", "torch inplace", "legacy", "naive", "liger")
+
+
+def plot_series(all_rows: list[dict]) -> tuple[Optional[str], dict]:
+    """What the plot shows: (V, {(dtype, entropy): {label: [(T, p20, p50, p80, peak MiB or None)] sorted by T}}).
+
+    TP=1, no keep mask, no row mask, validate on, measured rows only."""
+    rows = [r for r in latest_per_case(all_rows)
+            if r["status"] == "ok" and r["tp"] == "1" and r["keep_mask"] == "off" and r["row_frac"] == "1.0"
+            and r.get("validate") != "off"]
+    vocab = _plot_vocab(rows)
+    series = {}
+    for dtype, entropy in PLOT_PANELS:
+        sel = [r for r in rows if r["V"] == vocab and r["dtype"] == dtype and r["entropy"] == entropy]
+        panel = {}
+        for row in sorted(sel, key=lambda r: int(r["T"])):
+            panel.setdefault(_label(row), []).append((
+                int(row["T"]), _num(row, "p20_ms"), _num(row, "p50_ms"), _num(row, "p80_ms"),
+                _num(row, "peak_extra_mib"),
+            ))
+        series[(dtype, entropy)] = panel
+    return vocab, series
+
+
+def render_plot(all_rows: list[dict], path: str) -> None:
+    """p50 time (p20-p80 bars) and peak extra memory vs T, per provider; TP=1, no masks (see plot_series)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    vocab, series = plot_series(all_rows)
+    colours = plt.get_cmap("tab10").colors
+
+    def colour(label):
+        return colours[_PLOT_LABELS.index(label) % len(colours)] if label in _PLOT_LABELS else None
+
+    fig, axes = plt.subplots(2, len(PLOT_PANELS), figsize=(4.2 * len(PLOT_PANELS), 7.5), squeeze=False)
+    for col, (dtype, entropy) in enumerate(PLOT_PANELS):
+        time_ax, mem_ax = axes[0][col], axes[1][col]
+        for label, pts in sorted(series[(dtype, entropy)].items()):
+            ts = [p[0] for p in pts]
+            p50 = [p[2] for p in pts]
+            spread = [[p[2] - p[1] for p in pts], [p[3] - p[2] for p in pts]]
+            time_ax.errorbar(ts, p50, yerr=spread, marker="o", capsize=3, label=label, color=colour(label))
+            mem = [(p[0], p[4] / 1024) for p in pts if p[4] is not None]
+            if mem:
+                mem_ax.plot([m[0] for m in mem], [m[1] for m in mem], marker="o", label=label, color=colour(label))
+        what = "log-prob + entropy grad" if entropy == "grad" else "log-prob only"
+        time_ax.set_title(f"{dtype}, {what}")
+        time_ax.set_ylabel("forward + backward, ms (p50, p20–p80)")
+        mem_ax.set_ylabel("peak extra memory, GiB")
+        ticks = sorted({p[0] for pts in series[(dtype, entropy)].values() for p in pts})
+        for ax in (time_ax, mem_ax):
+            ax.set_xlabel(f"T (tokens); V={vocab}, TP=1")
+            ax.set_xscale("log", base=2)
+            if ticks:
+                ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.grid(True, alpha=0.3)
+            if ax.has_data():
+                ax.legend(fontsize=7)
+        if time_ax.has_data():
+            time_ax.set_yscale("log")
+    gpus = sorted({r["gpu"] for r in all_rows if r.get("gpu")})
+    fig.suptitle(f"ppo_ops bench: {', '.join(gpus) or 'no measurements'}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def render(csv_path: str, md_path: str, png_path: str) -> None:
+    rows = read_csv(csv_path) if os.path.exists(csv_path) else []
+    with open(md_path, "w") as f:
+        f.write(render_markdown(rows))
+    render_plot(rows, png_path)
