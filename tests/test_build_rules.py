@@ -1,0 +1,205 @@
+"""The build's own tests: what tools/pytest.bzl's macros declare, and the tag filters in .bazelrc.
+
+A test cannot run Bazel inside Bazel, so this file executes the Starlark itself: tools/pytest.bzl and tests/BUILD
+are kept to the Python-compatible subset of Starlark, and run here with a stub `native` that records each py_test.
+That checks the real macros (tags, environment, sizes) and every target tests/BUILD declares with them.
+"""
+
+import builtins
+import fnmatch
+import pathlib
+import shlex
+
+import pytest
+
+MACROS_FILE = pathlib.Path("tools/pytest.bzl")
+TESTS_BUILD_FILE = pathlib.Path("tests/BUILD")
+BAZELRC = pathlib.Path(".bazelrc")
+
+GPU_TAGS = {"gpu", "requires-gpu-nvidia", "exclusive"}
+GPU_REPRODUCIBILITY_ENV = {
+    "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "PYTHONHASHSEED": "0",
+    "PPO_OPS_TEST_SEED": "0",
+}
+CPU_ENV = {
+    "TRITON_INTERPRET": "1",
+    "TORCHDYNAMO_DISABLE": "1",
+    "PYTHONHASHSEED": "0",
+    "PPO_OPS_TEST_SEED": "0",
+    "OMP_NUM_THREADS": "1",
+}
+
+
+class StarlarkError(Exception):
+    """What Starlark's fail() raises here."""
+
+
+class _Native:
+    """Stand-in for Starlark's `native` module: records every rule call as (kind, attrs); glob sees `files`."""
+
+    def __init__(self, files=()):
+        self.rules = []
+        self.files = list(files)
+
+    def glob(self, patterns):
+        return sorted(f for f in self.files if any(fnmatch.fnmatch(f, p) for p in patterns))
+
+    def existing_rules(self):
+        return {attrs["name"]: dict(attrs, kind=kind) for kind, attrs in self.rules if "name" in attrs}
+
+    def __getattr__(self, kind):
+        def record(*args, **attrs):  # exports_files, glob, ... take positional arguments too
+            self.rules.append((kind, attrs))
+        return record
+
+
+def _fail(message):
+    raise StarlarkError(message)
+
+
+def _load_macros(native):
+    scope = {"native": native, "fail": _fail}
+    exec(compile(MACROS_FILE.read_text(), str(MACROS_FILE), "exec"), scope)
+    return scope
+
+
+class _BuildScope(dict):
+    """Globals of a BUILD file: the loaded macros, plus a recorder for every other native rule or function."""
+
+    def __init__(self, native):
+        super().__init__(native=native)
+        self._native = native
+
+    def __missing__(self, name):
+        if name.startswith("_"):  # not a Starlark name (e.g. pytest's __tracebackhide__ lookup)
+            raise KeyError(name)
+        if hasattr(builtins, name):  # len, range, dict, ...: Starlark has the same built-ins
+            return getattr(builtins, name)
+        return getattr(self._native, name)
+
+
+def _declared_tests(build_file, files=()):
+    """{target name: py_test attrs} for every test the BUILD file declares through tools/pytest.bzl."""
+    native = _Native(files)
+    scope = _BuildScope(native)
+
+    def load(label, *names):
+        assert label == "//tools:pytest.bzl", f"{build_file}: unexpected load of {label}"
+        macros = _load_macros(native)
+        for name in names:
+            scope[name] = macros[name]
+
+    scope["load"] = load
+    exec(compile(build_file.read_text(), str(build_file), "exec"), scope)
+    return {attrs["name"]: attrs for kind, attrs in native.rules if kind == "py_test"}
+
+
+def _one_test(macro_name, **kwargs):
+    native = _Native()
+    _load_macros(native)[macro_name](**kwargs)
+    (kind, attrs), = native.rules
+    assert kind == "py_test"
+    return attrs
+
+
+def test_cpu_macro_runs_pytest_on_one_file_under_the_interpreter():
+    attrs = _one_test("cpu_pytest", name="test_x", src="test_x.py", deps=["//ppo_ops"])
+    assert attrs["srcs"] == ["test_x.py", "//tools:pytest_main.py"]
+    assert attrs["main"] == "//tools:pytest_main.py"
+    assert attrs["args"] == ["$(rootpath test_x.py)"]
+    assert attrs["deps"] == ["//ppo_ops"]
+    assert {"//:pytest.ini", "//tests:conftest.py", "@ppo_python//:lock_stamp.txt"} <= set(attrs["data"])
+    assert CPU_ENV.items() <= attrs["env"].items()
+    assert attrs["size"] == "medium"
+    assert not GPU_TAGS & set(attrs["tags"])
+    assert attrs["legacy_create_init"] is False
+    assert "shard_count" not in attrs and "timeout" not in attrs
+
+
+def test_cpu_macro_passes_options_through():
+    attrs = _one_test("cpu_pytest", name="t", src="test_t.py", size="large", env={"EXTRA": "1"}, tags=["slow"],
+                      args=["-k", "edge"], shard_count=3, timeout="long")
+    assert attrs["env"]["EXTRA"] == "1" and attrs["env"]["TRITON_INTERPRET"] == "1"
+    assert attrs["args"] == ["$(rootpath test_t.py)", "-k", "edge"]
+    assert (attrs["size"], attrs["shard_count"], attrs["timeout"], attrs["tags"]) == ("large", 3, "long", ["slow"])
+
+
+def test_gpu_macro_tags_a_single_gpu_test():
+    attrs = _one_test("gpu_pytest", name="t_gpu", src="test_t_gpu.py")
+    assert set(attrs["tags"]) == GPU_TAGS
+    assert GPU_REPRODUCIBILITY_ENV.items() <= attrs["env"].items()
+    assert "TRITON_INTERPRET" not in attrs["env"]
+    assert attrs["size"] == "large"
+
+
+@pytest.mark.parametrize("gpus", [2, 4, 8])  # the multi-GPU machines on offer
+def test_gpu_macro_tags_multi_gpu_tests_with_their_count(gpus):
+    attrs = _one_test("gpu_pytest", name="t_gpu", src="test_t_gpu.py", gpus=gpus, tags=["gpu", "nccl"])
+    assert set(attrs["tags"]) == GPU_TAGS | {"multiaccelerator", f"gpus_{gpus}", "nccl"}
+    assert len(attrs["tags"]) == len(set(attrs["tags"])), "a tag given twice is kept once"
+
+
+@pytest.mark.parametrize("macro_name, kwargs, message", [
+    ("cpu_pytest", dict(name="t", src="test_t.py", tags=["gpu"]), "use gpu_pytest"),
+    ("cpu_pytest", dict(name="t", src="test_t.txt"), "one .py test file"),
+    ("cpu_pytest", dict(name="t", src="test_t_gpu.py"), "use gpu_pytest"),
+    ("gpu_pytest", dict(name="t", src="test_t.py"), "*_gpu.py"),
+    ("gpu_pytest", dict(name="t", src="test_t_gpu.py", gpus=0), "gpus must be >= 1"),
+])
+def test_macros_reject_misuse(macro_name, kwargs, message):
+    with pytest.raises(StarlarkError, match=message.replace("*", r"\*")):
+        _one_test(macro_name, **kwargs)
+
+
+def test_declared_targets_split_cleanly_into_cpu_and_gpu():
+    declared = _declared_tests(TESTS_BUILD_FILE)
+    assert "test_build_rules" in declared, "this file's own target is missing from tests/BUILD"
+    for name, attrs in declared.items():
+        src = attrs["srcs"][0]
+        if src.endswith("_gpu.py") or "sglang" in attrs["tags"]:
+            assert GPU_TAGS <= set(attrs["tags"]), f"{name}: GPU test without {GPU_TAGS - set(attrs['tags'])}"
+            assert attrs["env"]["NCCL_NVLS_ENABLE"] == "0", name
+        else:
+            assert not GPU_TAGS & set(attrs["tags"]), f"{name}: CPU test tagged {GPU_TAGS & set(attrs['tags'])}"
+            assert attrs["env"]["TRITON_INTERPRET"] == "1", name
+
+
+def test_undeclared_check_names_test_files_without_a_target(tmp_path):
+    build = "\n".join([
+        'load("//tools:pytest.bzl", "cpu_pytest", "gpu_pytest", "undeclared_tests_check")',
+        'cpu_pytest(name = "test_a", src = "test_a.py")',
+        'gpu_pytest(name = "test_b_gpu", src = "test_b_gpu.py", gpus = 2)',
+        'undeclared_tests_check(name = "test_check", src = "test_check.py")',
+    ])
+    files = ["test_a.py", "test_b_gpu.py", "test_c.py", "test_d_gpu.py", "test_check.py", "helper.py"]
+    path = tmp_path / "BUILD"
+    path.write_text(build)
+    check = _declared_tests(path, files)["test_check"]
+    assert check["env"]["PPO_OPS_UNDECLARED_TEST_FILES"] == "test_c.py test_d_gpu.py"
+
+
+def _bazelrc_flags():
+    flags = {}
+    for line in BAZELRC.read_text().splitlines():
+        words = shlex.split(line, comments=True)
+        if words:
+            flags.setdefault(words[0], []).extend(words[1:])
+    return flags
+
+
+def test_bazelrc_default_runs_cpu_tests_and_gpu_config_only_gpu_tests():
+    flags = _bazelrc_flags()
+    assert "--test_tag_filters=-gpu" in flags["test"]
+    assert "--test_tag_filters=gpu" in flags["test:gpu"]
+    assert "--local_test_jobs=1" in flags["test:gpu"]  # one GPU test at a time
+
+
+def test_bazelrc_keeps_actions_hermetic():
+    build = _bazelrc_flags()["build"]
+    assert "--incompatible_strict_action_env" in build
+    assert "--sandbox_default_allow_network=false" in build
+    assert "--spawn_strategy=sandboxed" in build
