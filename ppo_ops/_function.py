@@ -68,7 +68,7 @@ def compute_row_stats(plan: Plan, logits, rows, target_col, keep_mask, n_total_r
         if rows is not None:
             partials = partials[:, :, rows]
     stats = _row_stats.merge_partials(partials, keep_mask is not None)
-    if plan.validate and stats.row_max.numel() and bool(torch.isnan(stats.row_max).any() | (stats.row_max == float("inf")).any()):
+    if plan.validate and bool(stats.bad_input.any()):
         raise ValueError(f"ppo_ops.{plan.fn_name}: logits contain NaN or +inf (after the temperature scaling)")
     return stats
 

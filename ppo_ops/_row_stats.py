@@ -57,7 +57,7 @@ class RowStats(NamedTuple):
     log_sum: torch.Tensor  # [R] log Σ_valid e^(z - M) (0 where the row has no finite logit)
     log_sum_kept: Optional[torch.Tensor]  # [R] log Σ_{kept ∪ target} e^(z - M), or None without a keep mask
     mean_shifted: torch.Tensor  # [R] E_p[z] - M
-    row_max: torch.Tensor  # [R] raw M, kept for the bad-input check (NaN / +inf logits)
+    bad_input: torch.Tensor  # [R] bool: NaN or +inf logits reached the row (a kernel's max may skip NaN; the sum not)
     logprob_defined: torch.Tensor  # [R] bool: the kept set has mass (else log_prob = -inf and its gradient is 0)
     row_has_mass: torch.Tensor  # [R] bool: some valid logit is finite (else entropy 0 and gradient 0)
 
@@ -91,8 +91,9 @@ def merge_partials(p: torch.Tensor, has_keep_mask: bool) -> RowStats:
     log_kept = torch.log(torch.where(defined, kept, torch.ones_like(kept)))
     neg_inf = torch.full_like(s, NEG_INF)
     log_prob = torch.where(defined, (z_t - m_safe) - log_kept, neg_inf)
+    bad_input = torch.isnan(big_m) | (big_m == float("inf")) | torch.isnan(s)
     return RowStats(
-        log_prob, entropy, m_safe, log_s, log_kept if has_keep_mask else None, ratio, big_m, defined, has_mass
+        log_prob, entropy, m_safe, log_s, log_kept if has_keep_mask else None, ratio, bad_input, defined, has_mass
     )
 
 

@@ -49,11 +49,24 @@ def _chunks(n_rows: int, v_local: int, chunk_rows: Optional[int]):
         yield start, min(n_rows, start + chunk_rows)
 
 
+def _row_slices(n: int):
+    """Sub-slices of a chunk for row gathers, so a gathered temporary stays at 1/16 of a working buffer."""
+    step = max(1, -(-n // 16))
+    for i in range(0, n, step):
+        yield i, min(n, i + step)
+
+
 def _load_z(logits, rows, start, end, inv_temperature, n_valid) -> torch.Tensor:
     """fp32 copy of the chunk's logits times inv_temperature, padding columns at -inf."""
-    src = logits[start:end] if rows is None else logits.index_select(0, rows[start:end])
-    z = torch.empty(src.shape, dtype=torch.float32, device=logits.device)
-    z.copy_(src)
+    n = end - start
+    z = torch.empty((n, logits.shape[1]), dtype=torch.float32, device=logits.device)
+    if rows is None:
+        z.copy_(logits[start:end])
+    elif logits.dtype == torch.float32:
+        torch.index_select(logits, 0, rows[start:end], out=z)
+    else:
+        for i, j in _row_slices(n):
+            z[i:j].copy_(logits.index_select(0, rows[start + i : start + j]))
     if inv_temperature != 1.0:
         z.mul_(inv_temperature)
     if n_valid < z.shape[1]:
@@ -61,13 +74,18 @@ def _load_z(logits, rows, start, end, inv_temperature, n_valid) -> torch.Tensor:
     return z
 
 
-def _kept_rows(keep_mask, rows, start, end, target_col) -> torch.Tensor:
-    """The chunk's keep mask with each row's target column forced on (owned targets only)."""
-    kept = keep_mask[start:end].clone() if rows is None else keep_mask.index_select(0, rows[start:end])
-    owned = target_col >= 0
-    r = torch.nonzero(owned).squeeze(1)
-    kept[r, target_col[r]] = True
-    return kept
+def _restrict_to_kept(x, keep_mask, rows, start, end, target_col) -> None:
+    """x[r, c] = 0 unless c is kept or is row r's target; in place, with no [rows, V] temporary."""
+    owned = torch.nonzero(target_col >= 0).squeeze(1)
+    target_values = x[owned, target_col[owned]]
+    # torch.where writing into x: a bool multiplier would be promoted to a float copy of the mask.
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    if rows is None:
+        torch.where(keep_mask[start:end], x, zero, out=x)
+    else:
+        for i, j in _row_slices(end - start):
+            torch.where(keep_mask.index_select(0, rows[start + i : start + j]), x[i:j], zero, out=x[i:j])
+    x[owned, target_col[owned]] = target_values
 
 
 def forward_partials(
@@ -103,8 +121,8 @@ def forward_partials(
             ent_terms = zs.mul_(e).nan_to_num_(nan=0.0, posinf=float("inf"), neginf=NEG_INF)  # -inf * 0 -> 0
             out[:, ENT_SUM, start:end] = _fold_sum(ent_terms).T
         if keep_mask is not None:
-            kept = _kept_rows(keep_mask, rows, start, end, tcol).view(n, n_seg, seg_len)
-            zs.copy_(e).masked_fill_(kept.logical_not_(), 0.0)
+            zs.copy_(e)
+            _restrict_to_kept(z, keep_mask, rows, start, end, tcol)
             out[:, KEPT_SUMEXP, start:end] = _fold_sum(zs).T
         out[:, SUMEXP, start:end] = _fold_sum(e).T
         if keep_mask is None:
@@ -142,7 +160,7 @@ def backward_grad(
         tcol = target_col[start:end]
         z = _load_z(logits, rows, start, end, inv_temperature, n_valid)
         d = z.sub_(shift[start:end].unsqueeze(1))
-        p = torch.exp(d - log_sum[start:end].unsqueeze(1))
+        p = torch.sub(d, log_sum[start:end].unsqueeze(1)).exp_()
         if grad_entropy is not None:
             # p * (E[z] - z) = p * (mean_shifted - d); 0 where p == 0 (d = -inf).
             grad = d.neg_().add_(mean_shifted[start:end].unsqueeze(1)).mul_(p)
@@ -152,12 +170,12 @@ def backward_grad(
             grad = d.zero_()
         if grad_logprob is not None:
             g_lp = grad_logprob[start:end]
-            q = p
+            q = p  # reused in place: p is not needed any more
             if log_sum_kept is not None:
                 q.mul_(torch.exp(log_sum[start:end] - log_sum_kept[start:end]).unsqueeze(1))
-                kept = _kept_rows(keep_mask, rows, start, end, tcol)
-                q.masked_fill_(kept.logical_not_(), 0.0)
+                _restrict_to_kept(q, keep_mask, rows, start, end, tcol)
             grad.sub_(q.mul_(g_lp.unsqueeze(1)))
+            del q
             owned = torch.nonzero(tcol >= 0).squeeze(1)
             grad[owned, tcol[owned]] += g_lp[owned]
         if inv_temperature != 1.0:
@@ -166,6 +184,9 @@ def backward_grad(
             grad[:, n_valid:] = 0.0
         if rows is None:
             out[start:end].copy_(grad)
+        elif out.dtype == torch.float32:
+            out.index_copy_(0, rows[start:end], grad)
         else:
-            out.index_copy_(0, rows[start:end], grad.to(out.dtype))
+            for i, j in _row_slices(n):
+                out.index_copy_(0, rows[start + i : start + j], grad[i:j].to(out.dtype))
         del z, p, grad

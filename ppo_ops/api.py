@@ -174,6 +174,14 @@ def _inverse_temperature(temperature: float) -> float:
 
 
 def _flatten_logits(fn_name, logits, n_rows, v_local, inplace_grad, needs_unit_stride):
+    flat = _flatten_logits_view(fn_name, logits, n_rows, v_local, inplace_grad, needs_unit_stride)
+    if v_local == 1 and flat.stride(1) != 1:
+        # One column: its stride is meaningless; give it the unit stride kernels expect (same storage, a view).
+        flat = flat.as_strided((n_rows, 1), (flat.stride(0), 1))
+    return flat
+
+
+def _flatten_logits_view(fn_name, logits, n_rows, v_local, inplace_grad, needs_unit_stride):
     if inplace_grad:
         try:
             flat = logits.view(n_rows, v_local)
