@@ -1,0 +1,290 @@
+"""Invariants of ppo_ops.log_probs_and_entropy on one rank, on both backends.
+
+- Bitwise: every chunk_size gives the same bits (values and gradients); repeated runs give the same bits; int32 and
+  int64 tokens, strided logits, stride-0 upstream gradients and validate=False change nothing.
+- -inf logits (masked or padded vocabulary): no NaN anywhere, finite log-probs for finite kept targets; rows that are
+  -inf except the target; a target whose own logit is -inf (log-prob -inf, gradient finite).
+- Empty input (T == 0, and zero-size leading dimensions); a row_mask that drops every row.
+- The caller's tensors are never modified, except with inplace_grad=True, where the returned gradient IS the logits'
+  storage and equals the out-of-place gradient bitwise.
+- The slime-compatible calculate_log_probs_and_entropy agrees with log_probs_and_entropy.
+"""
+
+import pytest
+import torch
+
+import ppo_ops
+from tests.core_support import (DEVICE, backend_params, make_keep_mask, make_logits, make_row_mask, make_tokens,
+                                make_weights, run_op)
+from tests.reference import (assert_entropy_close, assert_grad_close, assert_log_probs_close,
+                             reference_log_probs_and_entropy)
+
+with_each_backend = pytest.mark.parametrize("backend", backend_params())
+NEG_INF = float("-inf")
+
+
+def _full_case(shape=(9, 320), dtype=torch.float32, vocab_size=300, seed=0):
+    """Inputs with every option on: keep mask (dropping some targets), row mask, padding, temperature, weights."""
+    logits = make_logits(shape, dtype, seed)
+    tokens = make_tokens(shape[:-1], vocab_size, seed + 1)
+    row_mask = make_row_mask(shape[:-1], seed + 3)
+    opts = dict(entropy="grad", keep_mask=make_keep_mask(shape, tokens, seed + 2), row_mask=row_mask,
+                temperature=0.7, vocab_size=vocab_size)
+    weights = dict(grad_log_probs=make_weights(shape[:-1], seed + 4),
+                   grad_entropy=make_weights(shape[:-1], seed + 5, low=-1.0, high=1.0))
+    return logits, torch.where(row_mask, tokens, -100), opts, weights
+
+
+def _assert_results_identical(a, b, what):
+    assert torch.equal(a.log_probs, b.log_probs), f"{what}: log_probs differ"
+    assert (a.entropy is None) == (b.entropy is None), f"{what}: entropy presence differs"
+    if a.entropy is not None:
+        assert torch.equal(a.entropy, b.entropy), f"{what}: entropy differs"
+    assert torch.equal(a.grad, b.grad), f"{what}: gradient differs"
+
+
+def _assert_no_nan(result):
+    for name, t in zip(result._fields, result):
+        if t is not None:
+            assert not torch.isnan(t).any(), f"{name} has NaN at {torch.nonzero(torch.isnan(t)).tolist()[:5]}"
+
+
+# --- bitwise invariances ---
+
+@with_each_backend
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_size_is_bitwise_invisible(backend, dtype):
+    logits, tokens, opts, weights = _full_case(dtype=dtype)
+    n_rows = logits.shape[0]
+    base = run_op(logits, tokens, backend=backend, chunk_size=None, **opts, **weights)
+    for chunk_size in (-1, 1, 2, 3, 7, n_rows, n_rows + 5):
+        other = run_op(logits, tokens, backend=backend, chunk_size=chunk_size, **opts, **weights)
+        _assert_results_identical(base, other, f"chunk_size={chunk_size} vs None")
+
+
+@with_each_backend
+def test_run_to_run_bitwise(backend):
+    logits, tokens, opts, weights = _full_case(shape=(2, 4, 512), vocab_size=500)
+    first = run_op(logits, tokens, backend=backend, **opts, **weights)
+    for _ in range(2):
+        _assert_results_identical(first, run_op(logits, tokens, backend=backend, **opts, **weights), "rerun")
+
+
+@with_each_backend
+def test_layout_and_dtype_variants_are_bitwise_invisible(backend):
+    """int32 tokens, validate=False, logits with a row stride != V (a column slice), column-major logits and
+    expanded (stride-0) upstream gradients all give the same bits as the plain call."""
+    logits, tokens, opts, weights = _full_case()
+    base = run_op(logits, tokens, backend=backend, **opts, **weights)
+    _assert_results_identical(base, run_op(logits, tokens.int(), backend=backend, **opts, **weights), "int32 tokens")
+    _assert_results_identical(base, run_op(logits, tokens, backend=backend, validate=False, **opts, **weights),
+                              "validate=False")
+
+    wide = torch.zeros(logits.shape[0], logits.shape[1] + 64)
+    wide[:, 32:32 + logits.shape[1]] = logits
+    x = wide.to(DEVICE).requires_grad_(True)
+    strided = x[:, 32:32 + logits.shape[1]]
+    assert not strided.is_contiguous()
+    dev_opts = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in opts.items()}
+    out = ppo_ops.log_probs_and_entropy(strided, tokens.to(DEVICE), backend=backend, **dev_opts)
+    (grad,) = torch.autograd.grad([out.log_probs, out.entropy], strided,
+                                  [weights["grad_log_probs"].to(DEVICE), weights["grad_entropy"].to(DEVICE)])
+    assert torch.equal(out.log_probs.detach(), base.log_probs) and torch.equal(out.entropy.detach(), base.entropy)
+    assert torch.equal(grad, base.grad), "strided logits: gradient differs"
+
+    column_major = logits.t().contiguous().t()  # stride (1, T): run_op's clone keeps the strides
+    assert column_major.stride() == (1, logits.shape[0])
+    _assert_results_identical(base, run_op(column_major, tokens, backend=backend, **opts, **weights), "column-major")
+
+    same_weight = run_op(logits, tokens, backend=backend,  # built on DEVICE: .to() would make them dense
+                         grad_log_probs=torch.full((1,), 0.75, device=DEVICE).expand(9),
+                         grad_entropy=torch.full((1,), -0.5, device=DEVICE).expand(9), **opts)
+    dense_weight = run_op(logits, tokens, backend=backend, grad_log_probs=torch.full((9,), 0.75),
+                          grad_entropy=torch.full((9,), -0.5), **opts)
+    _assert_results_identical(same_weight, dense_weight, "stride-0 upstream gradients")
+
+
+@with_each_backend
+@pytest.mark.parametrize("shape,strides", [
+    ((5, 1), (1, 5)),  # a column of a transposed [1, 5] tensor: stride(-1) != 1 but only one column
+    ((0, 1), (1, 0)),  # what torch makes of an empty [0, 1] product
+])
+def test_single_column_logits_with_any_stride(backend, shape, strides):
+    logits = torch.empty_strided(shape, strides)
+    logits.copy_(make_logits(shape))
+    assert logits.stride() == strides
+    tokens = torch.zeros(shape[:-1], dtype=torch.long)
+    weights = dict(grad_log_probs=make_weights(shape[:-1]), grad_entropy=make_weights(shape[:-1], 5))
+    got = run_op(logits, tokens, backend=backend, entropy="grad", **weights)
+    _assert_results_identical(got, run_op(logits.contiguous(), tokens, backend=backend, entropy="grad", **weights),
+                              "strided vs contiguous")
+
+
+# --- -inf logits ---
+
+@with_each_backend
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_neg_inf_logits(backend, dtype):
+    """About a third of the vocabulary at -inf (top-k/top-p style masking) plus padding: finite kept targets give
+    finite log-probs, entropies and gradients, matching the reference."""
+    logits, tokens, opts, weights = _full_case(dtype=dtype)
+    gen = torch.Generator().manual_seed(11)
+    masked = torch.rand(logits.shape, generator=gen) < 0.35
+    masked[torch.arange(logits.shape[0]), tokens.clamp(min=0)] = False  # targets stay finite
+    logits = logits.masked_fill(masked, NEG_INF)
+    got = run_op(logits, tokens, backend=backend, **opts, **weights)
+    _assert_no_nan(got)
+    assert torch.isfinite(got.log_probs).all() and torch.isfinite(got.entropy).all()
+    ref = reference_log_probs_and_entropy(logits, tokens, **opts, **weights)
+    assert_log_probs_close(got.log_probs, ref.log_probs)
+    assert_entropy_close(got.entropy, ref.entropy)
+    assert_grad_close(got.grad, ref.grad, dtype)
+
+
+@with_each_backend
+@pytest.mark.parametrize("with_keep_mask", [False, True])
+def test_rows_neg_inf_except_target(backend, with_keep_mask):
+    """A row whose only finite logit is the target: log-prob 0, entropy 0, gradient 0 (one-hot minus p = 0)."""
+    shape = (5, 200)
+    tokens = make_tokens(shape[:-1], shape[1])
+    logits = torch.full(shape, NEG_INF)
+    logits[torch.arange(shape[0]), tokens] = make_logits(shape[:-1])
+    opts = dict(entropy="grad", keep_mask=make_keep_mask(shape, tokens) if with_keep_mask else None)
+    weights = dict(grad_log_probs=make_weights(shape[:-1]), grad_entropy=make_weights(shape[:-1], 5, -1.0, 1.0))
+    got = run_op(logits, tokens, backend=backend, **opts, **weights)
+    assert torch.equal(got.log_probs.cpu(), torch.zeros(shape[0]))
+    assert torch.equal(got.entropy.cpu(), torch.zeros(shape[0]))
+    assert torch.equal(got.grad.cpu(), torch.zeros(shape))
+
+
+@with_each_backend
+def test_target_logit_neg_inf(backend):
+    """A target at -inf: log-prob exactly -inf; entropy and gradient finite. A row entirely -inf: no NaN either."""
+    shape = (4, 64)
+    logits = make_logits(shape)
+    tokens = make_tokens(shape[:-1], shape[1])
+    logits[0, tokens[0]] = NEG_INF
+    logits[1, tokens[1]] = NEG_INF
+    logits[3] = NEG_INF  # nothing finite at all
+    weights = dict(grad_log_probs=make_weights(shape[:-1]), grad_entropy=make_weights(shape[:-1], 5, -1.0, 1.0))
+    got = run_op(logits, tokens, backend=backend, entropy="grad", **weights)
+    _assert_no_nan(got)
+    assert got.log_probs[0].item() == NEG_INF and got.log_probs[1].item() == NEG_INF
+    assert got.log_probs[3].item() == NEG_INF
+    assert torch.isfinite(got.entropy).all() and torch.isfinite(got.grad).all()
+    ref = reference_log_probs_and_entropy(logits, tokens, entropy="grad", **weights)
+    assert_log_probs_close(got.log_probs, ref.log_probs)
+    assert_entropy_close(got.entropy[:3], ref.entropy[:3])  # row 3 has no distribution: only "finite" is asked
+    assert_grad_close(got.grad[:3], ref.grad[:3], torch.float32)
+
+
+# --- empty input and fully masked rows ---
+
+@with_each_backend
+@pytest.mark.parametrize("lead_shape", [(0,), (2, 0), (0, 3)])
+def test_empty_input(backend, lead_shape):
+    n_vocab = 48
+    logits = make_logits(lead_shape + (n_vocab,))
+    tokens = torch.zeros(lead_shape, dtype=torch.long)
+    weights = dict(grad_log_probs=torch.ones(lead_shape), grad_entropy=torch.ones(lead_shape))
+    got = run_op(logits, tokens, backend=backend, entropy="grad", keep_mask=torch.ones(logits.shape, dtype=torch.bool),
+                 row_mask=torch.ones(lead_shape, dtype=torch.bool), chunk_size=2, **weights)
+    assert got.log_probs.shape == lead_shape and got.log_probs.dtype == torch.float32
+    assert got.entropy.shape == lead_shape and got.entropy.dtype == torch.float32
+    assert got.grad.shape == logits.shape
+
+
+@with_each_backend
+def test_row_mask_all_false(backend):
+    """Every row dropped: zeros everywhere, and the (invalid) tokens of dropped rows are not checked."""
+    shape = (3, 5, 100)
+    logits = make_logits(shape)
+    tokens = torch.full(shape[:-1], -100)
+    tokens[0, 0] = 10 ** 9
+    got = run_op(logits, tokens, backend=backend, entropy="grad", row_mask=torch.zeros(shape[:-1], dtype=torch.bool),
+                 keep_mask=torch.ones(shape, dtype=torch.bool), grad_log_probs=make_weights(shape[:-1]),
+                 grad_entropy=make_weights(shape[:-1], 5))
+    assert torch.equal(got.log_probs.cpu(), torch.zeros(shape[:-1]))
+    assert torch.equal(got.entropy.cpu(), torch.zeros(shape[:-1]))
+    assert torch.equal(got.grad.cpu(), torch.zeros(shape))
+
+
+# --- caller's tensors and inplace_grad ---
+
+@with_each_backend
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inputs_are_not_modified(backend, dtype):
+    logits, tokens, opts, weights = _full_case(dtype=dtype)
+    inputs = dict(logits=logits.to(DEVICE).requires_grad_(True), tokens=tokens.to(DEVICE),
+                  keep_mask=opts["keep_mask"].to(DEVICE), row_mask=opts["row_mask"].to(DEVICE),
+                  w_lp=weights["grad_log_probs"].to(DEVICE), w_ent=weights["grad_entropy"].to(DEVICE))
+    before = {name: t.detach().clone() for name, t in inputs.items()}
+    out = ppo_ops.log_probs_and_entropy(
+        inputs["logits"], inputs["tokens"], entropy="grad", keep_mask=inputs["keep_mask"],
+        row_mask=inputs["row_mask"], temperature=0.7, vocab_size=opts["vocab_size"], chunk_size=3, backend=backend)
+    torch.autograd.backward([out.log_probs, out.entropy], [inputs["w_lp"], inputs["w_ent"]])
+    for name, t in inputs.items():
+        assert torch.equal(t.detach(), before[name]), f"{name} was modified"
+    assert inputs["logits"].grad.data_ptr() != inputs["logits"].data_ptr()
+
+
+@with_each_backend
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_inplace_grad_aliases_logits(backend, dtype):
+    """inplace_grad=True: the gradient handed back lives in the logits' storage and equals the out-of-place one."""
+    logits, tokens, opts, weights = _full_case(dtype=dtype)
+    expected = run_op(logits, tokens, backend=backend, **opts, **weights)
+
+    leaf = logits.to(DEVICE).requires_grad_(True)
+    x = leaf * 1  # a non-leaf, as logits coming out of an lm head are: autograd hands its gradient on as is
+    dev_opts = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in opts.items()}
+    out = ppo_ops.log_probs_and_entropy(x, tokens.to(DEVICE), backend=backend, inplace_grad=True, **dev_opts)
+    assert torch.equal(out.log_probs.detach(), expected.log_probs)
+    assert torch.equal(out.entropy.detach(), expected.entropy)
+    (grad,) = torch.autograd.grad([out.log_probs, out.entropy], x,
+                                  [weights["grad_log_probs"].to(DEVICE), weights["grad_entropy"].to(DEVICE)])
+    assert grad.data_ptr() == x.data_ptr(), "inplace_grad=True must return the logits' own storage as the gradient"
+    assert torch.equal(grad, expected.grad)
+    assert torch.equal(x.detach(), expected.grad), "the logits' storage must now hold the gradient"
+    assert torch.equal(leaf.detach(), logits.to(DEVICE)), "only the op's input is overwritten, not its source"
+
+
+# --- the two public APIs ---
+
+@pytest.mark.parametrize("n_rows", [0, 1, 6])
+@pytest.mark.parametrize("with_entropy,with_entropy_grad,with_keep,chunk_size", [
+    pytest.param(False, True, False, -1, id="slime_defaults"),
+    pytest.param(True, True, True, 2, id="entropy_grad_keep_mask_chunked"),
+    pytest.param(True, False, False, 4, id="entropy_without_grad"),
+])
+def test_calculate_api_matches(n_rows, with_entropy, with_entropy_grad, with_keep, chunk_size):
+    shape = (n_rows, 96)
+    logits = make_logits(shape).to(DEVICE)
+    tokens = make_tokens((n_rows,), shape[1]).to(DEVICE)
+    keep = make_keep_mask(shape, tokens.cpu()).to(DEVICE) if with_keep else None
+    w_lp, w_ent = make_weights((n_rows,)).to(DEVICE), make_weights((n_rows,), 5, -1.0, 1.0).to(DEVICE)
+
+    x_slime = logits.clone().requires_grad_(True)
+    log_prob, entropy = ppo_ops.calculate_log_probs_and_entropy(
+        x_slime, tokens, None, with_entropy=with_entropy, chunk_size=chunk_size, log_prob_keep_mask=keep,
+        with_entropy_grad=with_entropy_grad)
+    mode = "grad" if with_entropy and with_entropy_grad else ("value" if with_entropy else "none")
+    x_new = logits.clone().requires_grad_(True)
+    new = ppo_ops.log_probs_and_entropy(x_new, tokens, entropy=mode, keep_mask=keep, chunk_size=chunk_size)
+
+    assert log_prob.dtype == torch.float32
+    assert log_prob.shape == ((0,) if n_rows == 0 else (n_rows, 1))
+    assert torch.equal(log_prob.reshape(-1), new.log_probs)
+    if not with_entropy:
+        assert entropy is None
+    else:
+        assert entropy.shape == (n_rows,) and entropy.dtype == torch.float32
+        assert entropy.requires_grad == with_entropy_grad
+        assert torch.equal(entropy.detach(), new.entropy.detach())
+
+    grad_entropy = with_entropy and with_entropy_grad
+    (g_slime,) = torch.autograd.grad([log_prob] + ([entropy] if grad_entropy else []), x_slime,
+                                     [w_lp.reshape(log_prob.shape)] + ([w_ent] if grad_entropy else []))
+    (g_new,) = torch.autograd.grad([new.log_probs] + ([new.entropy] if grad_entropy else []), x_new,
+                                   [w_lp] + ([w_ent] if grad_entropy else []))
+    assert torch.equal(g_slime, g_new)
