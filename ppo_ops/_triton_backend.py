@@ -1,0 +1,232 @@
+"""Triton backend: the two backend-contract functions over the kernels of `_triton_kernels.py`.
+
+`forward_partials` reads each active row's logits once, in their own dtype, and returns the [nseg, 5, R] fp32 segment
+partials (MAX, SUMEXP, KEPT_SUMEXP, ENT_SUM, TARGET_Z); `backward_grad` reads the logits once more and writes the full
+gradient (in place when `out` is the logits). The core (ppo_ops/_function.py) does everything around them: validation,
+the TP all-gather of the partials, their fixed-order merge into row stats, autograd, row masks. No fp32 [T, V] copy is
+ever made, so `chunk_rows` (a bound on fp32 working rows for the torch backend) is accepted and ignored.
+
+Tile sizes: on CUDA they come from `_GPU_CONFIG` (per pass and dtype, see tools/triton_tune.py); under the interpreter
+(TRITON_INTERPRET=1, CPU tensors) each loop iteration costs about a millisecond, so tiles cover a whole segment or row
+up to a cap. The forward tile depends only on the segment length and dtype, never on V_local: that keeps a segment's bits
+independent of the TP size. ppo_ops/api.py imports this module only when the backend is selected, so `import ppo_ops`
+works without triton and TRITON_INTERPRET is read then (Triton reads it when the kernels are decorated).
+"""
+
+import os
+from typing import NamedTuple, Optional
+
+import torch
+import triton  # noqa: F401  an ImportError here is how backend="auto" (ppo_ops/api.py) learns triton is absent
+
+from ppo_ops import _triton_kernels
+from ppo_ops._row_stats import NUM_PARTIALS
+
+# (BLOCK_V, num_warps, num_stages) per pass and logits element size in bytes: the fastest correct variants of
+# tools/triton_tune.py on an H200 (T=8192, V=151936; tools/bench/results/triton_tune_h200.log).
+_GPU_CONFIG = {
+    ("forward", 2): (2048, 4, 1),
+    ("forward", 4): (2048, 4, 1),
+    ("backward", 2): (4096, 4, 1),
+    ("backward", 4): (1024, 4, 1),
+}
+# Largest interpreter tile: big enough for few loop iterations, small enough for cheap numpy temporaries.
+_INTERPRET_MAX_BLOCK = 1 << 16
+
+
+def interpreting():
+    """True when the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 was set before this module loaded)."""
+    return type(_triton_kernels.forward_partials_kernel).__name__ == "InterpretedFunction"
+
+
+def _check_device(name, tensor):
+    if tensor.is_cuda:
+        return
+    if not interpreting():
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            hint = "TRITON_INTERPRET=1 was set after the kernels were first loaded; set it before importing ppo_ops"
+        else:
+            hint = "set TRITON_INTERPRET=1 before importing ppo_ops to run on CPU"
+        raise ValueError(
+            f"triton backend needs CUDA tensors or TRITON_INTERPRET=1: `{name}` is on {tensor.device} ({hint})"
+        )
+
+
+def _check_logits(logits):
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"`logits` must be float32, bfloat16 or float16, got {logits.dtype}")
+    if logits.dim() != 2 or logits.stride(-1) != 1:
+        raise ValueError(
+            f"`logits` must be 2-D [T, V_local] with stride(-1) == 1, got shape {tuple(logits.shape)} "
+            f"and strides {logits.stride()}"
+        )
+    _check_device("logits", logits)
+
+
+def _keep_bytes(keep_mask, logits):
+    """The keep mask as a [T, V_local] uint8 view (bool and uint8 share storage), unit column stride."""
+    if keep_mask.shape != logits.shape or keep_mask.dtype != torch.bool:
+        raise ValueError(
+            f"`keep_mask` must be bool of shape {tuple(logits.shape)}, got {keep_mask.dtype} {tuple(keep_mask.shape)}"
+        )
+    if keep_mask.stride(-1) != 1:
+        keep_mask = keep_mask.contiguous()
+    return keep_mask.view(torch.uint8)
+
+
+class LaunchConfig(NamedTuple):
+    block_v: int  # columns per tile (a power of two)
+    num_warps: Optional[int]  # None under the interpreter
+    num_stages: Optional[int]
+
+
+def launch_config(pass_name, dtype, n_cols, interpreted, block_v=None, num_warps=None, num_stages=None):
+    """Tile and launch options of a pass whose tiles cover n_cols columns (forward: a segment; backward: a row).
+
+    The forward's config depends only on (seg_len, dtype), never on V_local, so every TP size runs the same code on a
+    segment. The keywords override single fields (tools/triton_tune.py)."""
+    if interpreted:
+        default = LaunchConfig(min(_next_pow2(n_cols), _INTERPRET_MAX_BLOCK), None, None)
+    else:
+        default = LaunchConfig(*_GPU_CONFIG[(pass_name, dtype.itemsize)])
+    return LaunchConfig(
+        default.block_v if block_v is None else block_v,
+        default.num_warps if num_warps is None else num_warps,
+        default.num_stages if num_stages is None else num_stages,
+    )
+
+
+def _options(config):
+    """Compiler options of a launch (none under the interpreter, which ignores them)."""
+    if config.num_warps is None:
+        return {}
+    # fp fusion explicit: Triton 3.9 warns that its default changes in 3.10; fused multiply-adds are the faster choice.
+    return {"num_warps": config.num_warps, "num_stages": config.num_stages, "enable_fp_fusion": True}
+
+
+def _segment_align(seg_len, tensor, block):
+    """Alignment (elements) the forward kernel may assume for a tensor's segment starts: the largest power of two up to
+    16 bytes that divides seg_len and the block, so it is the same at every TP size; 1 if this tensor's row stride or
+    address does not allow it (then vector width, and so the bits, may differ from other TP sizes)."""
+    align = 16 // tensor.element_size()
+    while align > 1 and (seg_len % align or block % align):
+        align //= 2
+    if tensor.stride(0) % align or tensor.data_ptr() % (align * tensor.element_size()):
+        return 1
+    return align
+
+
+def _next_pow2(n):
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def forward_partials(
+    logits, rows, target_col, keep_mask, inv_temperature, n_valid, seg_len, with_entropy, chunk_rows, **overrides
+):
+    """[V_local // seg_len, 5, R] fp32 segment partials (backend contract; `overrides` are LaunchConfig fields)."""
+    del chunk_rows  # no fp32 working copy to bound
+    _check_logits(logits)
+    num_rows = logits.shape[0] if rows is None else rows.numel()
+    v_local = logits.shape[1]
+    if seg_len <= 0 or v_local % seg_len != 0:
+        raise ValueError(f"`seg_len` must be a positive divisor of V_local={v_local}, got {seg_len}")
+    if not 0 <= n_valid <= v_local:
+        raise ValueError(f"`n_valid` must be in [0, {v_local}], got {n_valid}")
+    out = torch.empty((v_local // seg_len, NUM_PARTIALS, num_rows), dtype=torch.float32, device=logits.device)
+    if out.numel() == 0:
+        return out
+    config = launch_config("forward", logits.dtype, seg_len, interpreting(), **overrides)
+    grid, args, kwargs = forward_launch_args(
+        logits, rows, target_col, keep_mask, inv_temperature, n_valid, seg_len, with_entropy, out, config
+    )
+    _triton_kernels.forward_partials_kernel[grid](*args, **kwargs)
+    return out
+
+
+def forward_launch_args(logits, rows, target_col, keep_mask, inv_temperature, n_valid, seg_len, with_entropy, out,
+                        config):
+    """(grid, args, kwargs) of one forward_partials_kernel launch."""
+    num_rows, v_local = out.shape[2], logits.shape[1]
+    keep = None if keep_mask is None else _keep_bytes(keep_mask, logits)
+    target_col = _vector(target_col, torch.int64)
+    args = (
+        # data ptrs (an unused pointer gets any tensor: the constexprs switch its loads off)
+        logits, target_col if rows is None else _vector(rows, torch.int64), target_col,
+        logits if keep is None else keep, out,
+        # shapes
+        num_rows, n_valid, seg_len,
+        # strides
+        logits.stride(0), 0 if keep is None else keep.stride(0),
+        # constants
+        float(inv_temperature),
+    )
+    kwargs = dict(
+        HAS_ROWS=rows is not None, HAS_KEEP=keep is not None, WITH_ENTROPY=bool(with_entropy),
+        SCALE=float(inv_temperature) != 1.0, BLOCK_V=config.block_v,
+        LOGITS_ALIGN=_segment_align(seg_len, logits, config.block_v),
+        KEEP_ALIGN=1 if keep is None else _segment_align(seg_len, keep, config.block_v),
+        **_options(config),
+    )
+    return (num_rows, v_local // seg_len), args, kwargs
+
+
+def backward_grad(
+    logits, rows, target_col, keep_mask, inv_temperature, n_valid, shift, log_sum, log_sum_kept, mean_shifted,
+    grad_logprob, grad_entropy, out, chunk_rows, **overrides
+):
+    """Writes d(loss)/d(logits) into `out` (backend contract; `out` may be `logits`; `overrides`: LaunchConfig)."""
+    del chunk_rows
+    _check_logits(logits)
+    if out.shape != logits.shape or out.dtype != logits.dtype or out.stride(-1) != 1:
+        raise ValueError(
+            f"`out` must match logits ({logits.dtype} {tuple(logits.shape)}, stride(-1) == 1), got {out.dtype} "
+            f"{tuple(out.shape)} strides {out.stride()}"
+        )
+    if grad_entropy is not None and mean_shifted is None:
+        raise ValueError("`mean_shifted` is required when `grad_entropy` is given")
+    has_keep = keep_mask is not None and grad_logprob is not None  # the keep mask only shapes q
+    if has_keep and log_sum_kept is None:
+        raise ValueError("`log_sum_kept` is required when `keep_mask` and `grad_logprob` are given")
+    num_rows_total, v_local = logits.shape
+    if num_rows_total == 0 or v_local == 0:
+        return
+    if rows is not None and rows.numel() == 0:
+        out.zero_()  # no active row (right in place too)
+        return
+    row_map = None
+    if rows is not None:
+        # Row id -> index into the [R] tensors, -1 for rows that only get zeros (no host sync, no read of their logits).
+        row_map = torch.full((num_rows_total,), -1, dtype=torch.int64, device=logits.device)
+        row_map[rows] = torch.arange(rows.numel(), dtype=torch.int64, device=logits.device)
+    keep = _keep_bytes(keep_mask, logits) if has_keep else None
+    config = launch_config("backward", logits.dtype, v_local, interpreting(), **overrides)
+    shift = _vector(shift, torch.float32)
+    unused = shift  # stands in for pointers the constexprs switch off
+    _triton_kernels.backward_grad_kernel[(num_rows_total, _cdiv(v_local, config.block_v))](
+        # data ptrs
+        logits, out, unused if row_map is None else row_map, _vector(target_col, torch.int64),
+        logits if keep is None else keep,
+        shift, _vector(log_sum, torch.float32), _vector(log_sum_kept, torch.float32, unused),
+        _vector(mean_shifted, torch.float32, unused), _vector(grad_logprob, torch.float32, unused),
+        _vector(grad_entropy, torch.float32, unused),
+        # shapes
+        v_local, n_valid,
+        # strides
+        logits.stride(0), out.stride(0), 0 if keep is None else keep.stride(0),
+        # constants
+        float(inv_temperature),
+        HAS_ROWS=row_map is not None, HAS_KEEP=has_keep, HAS_GLP=grad_logprob is not None,
+        HAS_GENT=grad_entropy is not None, SCALE=float(inv_temperature) != 1.0, BLOCK_V=config.block_v,
+        ROUND_BF16_BY_BITS=out.dtype == torch.bfloat16 and interpreting(), **_options(config),
+    )
+
+
+def _vector(t, dtype, default=None):
+    """An [R] per-row tensor as the kernels index it: contiguous, of `dtype` (no copy when it already is)."""
+    if t is None:
+        return default
+    return t.to(dtype).contiguous()
+
+
+def _cdiv(a, b):
+    return -(-a // b)

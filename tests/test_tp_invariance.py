@@ -1,0 +1,161 @@
+"""Moonshot (issue 5, item 4): bitwise tensor-parallel invariance at TP = 1, 2, 4 and 8, through the public API.
+
+The same GLOBAL logits (V_global = 8 * 40, so the vocabulary splits into the eight fixed segments of ppo_ops/_layout.py)
+go through `ppo_ops.log_probs_and_entropy` at TP = 1 (no process group) and on 2, 4 and 8 spawned gloo ranks, each rank
+holding its contiguous vocabulary shard. For each backend ("torch" and "triton", the latter under TRITON_INTERPRET=1 on
+CPU) and each case, the log-probs and entropy of every rank and the concatenated gradient shards must equal the TP=1
+result bit for bit (`torch.equal`). The TP=1 result is also held to the float64 reference, so the bits compared are
+right ones.
+
+Why it holds: each rank computes per-row partials of the fixed segments it holds, with code that does not depend on
+which rank holds them or how many ranks there are; one all-gather brings every segment to every rank, which merges them
+in global segment order; the backward is element-wise given the merged row stats (ppo_ops/_row_stats.py).
+
+The cases mix the options that touch the partials or the gradient: dtypes, temperature, keep mask, row mask, padded
+vocabulary (the last rank at TP=8 holds padding), -inf logits, chunking, inplace_grad, entropy modes. All cases and
+both backends run in one spawn per TP size (14 processes in all on the CI's 2 cores), each rank saving its results.
+"""
+
+import dataclasses
+import os
+from typing import Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ppo_ops
+from tests.core_support import (BACKENDS, backend_params, make_keep_mask, make_logits, make_row_mask, make_tokens,
+                                make_weights, run_gloo, triton_skip_reason)
+from tests.reference import (assert_entropy_close, assert_grad_close, assert_log_probs_close,
+                             reference_log_probs_and_entropy)
+
+TP_SIZES = (1, 2, 4, 8)
+V_GLOBAL = 320  # eight segments of 40; V_local = 40 at TP=8: neither a power of two nor a multiple of 16
+NEG_INF_FRACTION = 0.2  # share of -inf logits in the cases that ask for them (targets stay finite)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    lead: tuple  # leading (row) shape
+    dtype: torch.dtype = torch.float32
+    entropy: str = "grad"
+    temperature: float = 1.0
+    keep: bool = False
+    rows: bool = False
+    padding: Optional[int] = None  # vocab_size = V_GLOBAL - padding
+    neg_inf: bool = False
+    chunk_size: Optional[int] = None
+    inplace_grad: bool = False
+    seed: int = 0
+
+
+CASES = [
+    Case("fp32_all_masks", (5,), temperature=0.7, keep=True, rows=True, padding=7, neg_inf=True, chunk_size=2),
+    Case("bf16_inplace_rows", (2, 3), torch.bfloat16, temperature=1.3, keep=True, rows=True, inplace_grad=True,
+         seed=10),
+    # padding 45: at TP=8 the last rank holds only padding, the one before it some.
+    Case("fp16_entropy_value", (4,), torch.float16, entropy="value", padding=45, seed=20),
+]
+
+
+def _global_inputs(case):
+    """(logits [..., V_GLOBAL], tokens, options with global masks, upstream weights), the same on every process."""
+    vocab_size = None if case.padding is None else V_GLOBAL - case.padding
+    shape = case.lead + (V_GLOBAL,)
+    logits = make_logits(shape, case.dtype, case.seed, scale=3.0)
+    tokens = make_tokens(case.lead, vocab_size or V_GLOBAL, case.seed + 1)
+    if case.neg_inf:
+        gen = torch.Generator().manual_seed(case.seed + 6)
+        masked = (torch.rand(shape, generator=gen) < NEG_INF_FRACTION).view(-1, V_GLOBAL)
+        masked[torch.arange(masked.shape[0]), tokens.reshape(-1)] = False
+        logits = logits.masked_fill(masked.view(shape), float("-inf"))
+    opts = dict(entropy=case.entropy, temperature=case.temperature, vocab_size=vocab_size, chunk_size=case.chunk_size)
+    if case.keep:
+        opts["keep_mask"] = make_keep_mask(shape, tokens, case.seed + 2)
+    if case.rows:
+        opts["row_mask"] = make_row_mask(case.lead, case.seed + 3)
+        tokens = torch.where(opts["row_mask"], tokens, -100)  # dropped rows' tokens are never checked
+    weights = dict(grad_log_probs=make_weights(case.lead, case.seed + 4),
+                   grad_entropy=make_weights(case.lead, case.seed + 5, low=-1.0, high=1.0))
+    return logits, tokens, opts, weights
+
+
+def _shard(x, rank, world_size):
+    width = x.shape[-1] // world_size
+    return x[..., rank * width:(rank + 1) * width].clone()
+
+
+def _run(case, backend, rank, world_size, tp_group):
+    """Forward + backward on this rank's shard: (log_probs, entropy or None, gradient shard)."""
+    logits, tokens, opts, weights = _global_inputs(case)
+    if "keep_mask" in opts:
+        opts["keep_mask"] = _shard(opts["keep_mask"], rank, world_size)
+    x = _shard(logits, rank, world_size).requires_grad_(True)
+    # inplace_grad needs a non-leaf input (as lm-head logits are): its storage receives the gradient.
+    y = x * 1 if case.inplace_grad else x
+    out = ppo_ops.log_probs_and_entropy(y, tokens, tp_group=tp_group, backend=backend,
+                                        inplace_grad=case.inplace_grad, **opts)
+    outputs, grads = [out.log_probs], [weights["grad_log_probs"]]
+    if case.entropy == "grad":
+        outputs.append(out.entropy)
+        grads.append(weights["grad_entropy"])
+    (grad,) = torch.autograd.grad(outputs, y, grads)
+    entropy = None if out.entropy is None else out.entropy.detach()
+    return out.log_probs.detach(), entropy, grad.detach()
+
+
+def _all_results(rank, world_size, tp_group):
+    return {(backend, case.name): _run(case, backend, rank, world_size, tp_group)
+            for backend in _runnable_backends() for case in CASES}
+
+
+def _runnable_backends():
+    return [b for b in BACKENDS if b == "torch" or triton_skip_reason("cpu") is None]
+
+
+def _worker(rank, world_size, out_dir):
+    results = _all_results(rank, world_size, dist.group.WORLD)
+    torch.save(results, os.path.join(out_dir, f"tp{world_size}_rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def results_by_tp(tmp_path_factory):
+    """{tp: [per-rank {(backend, case): (log_probs, entropy, grad shard)}]}, TP=1 in this process."""
+    out_dir = str(tmp_path_factory.mktemp("tp_invariance"))
+    by_tp = {1: [_all_results(0, 1, None)]}
+    for tp in TP_SIZES[1:]:
+        run_gloo(tp, _worker, out_dir)
+        by_tp[tp] = [torch.load(os.path.join(out_dir, f"tp{tp}_rank{r}.pt")) for r in range(tp)]
+    return by_tp
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("backend", backend_params("cpu"))
+def test_tp1_matches_float64_reference(results_by_tp, backend, case):
+    logits, tokens, opts, weights = _global_inputs(case)
+    ref = reference_log_probs_and_entropy(
+        logits, tokens, grad_log_probs=weights["grad_log_probs"],
+        grad_entropy=weights["grad_entropy"] if case.entropy == "grad" else None, **opts)
+    log_probs, entropy, grad = results_by_tp[1][0][(backend, case.name)]
+    assert_log_probs_close(log_probs, ref.log_probs)
+    if case.entropy != "none":
+        assert_entropy_close(entropy, ref.entropy)
+    assert_grad_close(grad, ref.grad, case.dtype)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("tp", TP_SIZES[1:])
+@pytest.mark.parametrize("backend", backend_params("cpu"))
+def test_bitwise_identical_to_tp1(results_by_tp, backend, tp, case):
+    key = (backend, case.name)
+    log_probs, entropy, grad = results_by_tp[1][0][key]
+    ranks = [per_rank[key] for per_rank in results_by_tp[tp]]
+    for rank, (lp, ent, _) in enumerate(ranks):
+        assert torch.equal(lp, log_probs), f"TP={tp} rank {rank}: log_probs differ bitwise from TP=1"
+        if entropy is not None:
+            assert torch.equal(ent, entropy), f"TP={tp} rank {rank}: entropy differs bitwise from TP=1"
+    shards = torch.cat([g for _, _, g in ranks], dim=-1)
+    assert torch.equal(shards, grad), f"TP={tp}: concatenated gradient shards differ bitwise from TP=1"
+

@@ -1,0 +1,287 @@
+"""Contract-level tests of the Triton backend (ppo_ops/_triton_backend.py) on CPU tensors under TRITON_INTERPRET=1.
+
+`forward_partials` is checked channel by channel against the float64 partials of tests/triton_reference.py (MAX and
+TARGET_Z exactly: selections of the same fp32 z), `backward_grad` against the float64 gradient defined by float64 row
+statistics, given them rounded to fp32 as the core passes them. Edge cases have their own tests: -inf logits and rows,
+NaN/inf padding, targets on another rank, multi-tile online rescaling, strided and in-place tensors, empty inputs; then
+determinism, bitwise invariance of a segment's partials and of the gradient under vocabulary sharding (the backend
+half of the TP-invariance claim), bad input. Last, the kernels are compiled for sm_90 in a child process (the
+interpreter accepts code the compiler rejects), which also shows the forward's compiled code is the same at every TP
+size.
+
+End-to-end numerics through the public API run for both backends in tests/test_core_*.py; tests/test_tp_invariance.py
+checks bitwise TP invariance over gloo; tests/test_triton_backend_gpu.py runs the compiled kernels on a GPU.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.core_support import triton_skip_reason
+
+_SKIP = triton_skip_reason("cpu")
+if _SKIP:
+    pytest.skip(_SKIP, allow_module_level=True)
+
+# Imported after the skip: these load the kernels, which must see TRITON_INTERPRET first (tests/conftest.py sets it).
+from ppo_ops import _triton_backend as tb  # noqa: E402
+from ppo_ops._row_stats import ENT_SUM, MAX, SUMEXP, TARGET_Z  # noqa: E402
+from tests.triton_reference import (NEG_INF, assert_grad_close, check_once, make_case, reference_grad,  # noqa: E402
+                                    reference_stats)
+
+COMPILE_TIMEOUT_S = 300  # the child compiles 8 kernels for sm_90 (about 10 s on 2 cores); a hang fails the test
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# values
+
+@pytest.mark.parametrize("shape,seg_len", [
+    ((5, 96), 12),  # eight segments of a non-power-of-2 length
+    ((3, 96), 96),  # one segment (the layout when V_global is not divisible by 8)
+    ((4, 1000), 125),  # odd segment length: no vector alignment
+    ((2, 151936), 18992),  # Qwen3's vocabulary in its eight fixed segments: long sums
+])
+def test_shapes(shape, seg_len):
+    check_once(*make_case(*shape), seg_len=seg_len)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("inv_t", [1.0, 1.0 / 0.7, 1.0 / 1.3])
+def test_dtypes_and_temperatures(dtype, inv_t):
+    inv_t = float(torch.tensor(inv_t, dtype=torch.float32))  # the core passes an fp32-representable value
+    check_once(*make_case(4, 256, dtype=dtype), inv_t=inv_t, seg_len=32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keep_mask(dtype):
+    logits, rows, target_col, keep_mask, g_lp, g_ent = make_case(6, 128, dtype=dtype, keep=True)
+    keep_mask[0, target_col[0]] = False  # the target joins the kept set even where the mask drops it
+    keep_mask[1] = False  # only the target is kept: log_prob 0, q one-hot
+    check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, seg_len=16)
+
+
+def test_keep_mask_strided_is_read_correctly():
+    logits, rows, target_col, keep_mask, g_lp, g_ent = make_case(4, 64, keep=True)
+    keep_t = keep_mask.t().contiguous().t()  # column-major: stride(-1) != 1
+    check_once(logits, rows, target_col, keep_t, g_lp, g_ent, seg_len=8)
+
+
+@pytest.mark.parametrize("n_active", [0, 1, 5])
+def test_row_subset(n_active):
+    # Only active rows are computed; the others get a zero gradient.
+    check_once(*make_case(9, 64, n_rows_active=n_active, keep=True), seg_len=16)
+
+
+@pytest.mark.parametrize("n_valid", [70, 60, 0])
+def test_padding_is_never_read_as_vocabulary(n_valid):
+    # 70: segment 5 is split and 6-7 are all padding; 60: a boundary; 0: a shard that is all padding.
+    logits, rows, target_col, keep_mask, g_lp, g_ent = make_case(4, 96, keep=True)
+    target_col = target_col.clamp(max=max(n_valid - 1, 0))
+    if n_valid == 0:
+        target_col[:] = -1
+    logits[:, n_valid:] = float("nan")
+    logits[0, n_valid:] = float("inf")
+    got, grad = check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, n_valid=n_valid, seg_len=12)
+    assert bool((grad[:, n_valid:] == 0).all())
+
+
+def test_targets_on_another_rank():
+    logits, rows, target_col, keep_mask, g_lp, g_ent = make_case(5, 64, keep=True)
+    target_col[::2] = -1
+    got, _ = check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, seg_len=16)
+    assert bool((got[:, TARGET_Z, ::2] == NEG_INF).all())
+
+
+def test_neg_inf_logits():
+    logits, rows, target_col, keep_mask, g_lp, g_ent = make_case(6, 64, keep=True)
+    logits[0, ::3] = NEG_INF  # scattered
+    logits[1] = NEG_INF  # a whole row: no mass anywhere
+    logits[2, :16] = NEG_INF  # a whole segment
+    logits[3, target_col[3]] = NEG_INF  # the target: log_prob -inf, gradient finite
+    keep_mask[4] = False
+    logits[4, target_col[4]] = NEG_INF  # empty kept set
+    g_lp[[1, 4]] = 0.0  # as the core passes them: no log-prob gradient where the kept set has no mass,
+    g_ent[1] = 0.0  # no entropy gradient where the row has none
+    got, grad = check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, seg_len=16)
+    assert not torch.isnan(got).any()
+    assert bool((got[:, MAX, 1] == NEG_INF).all()) and bool((got[:, SUMEXP:ENT_SUM + 1, 1] == 0).all())
+    assert bool((grad[1] == 0).all())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_and_pos_inf_logits_reach_max(bad):
+    # The core rejects bad logits by looking at the merged MAX (NaN or +inf); tl.max alone would drop a NaN.
+    logits, _, target_col, _, _, _ = make_case(3, 64)
+    logits[1, 37] = bad
+    got = tb.forward_partials(logits, None, target_col, None, 1.0, 64, 16, True, None)
+    flagged = torch.isnan(got[:, MAX]) | (got[:, MAX] == float("inf"))
+    assert flagged[2, 1] and int(flagged.sum()) == 1  # only segment 2 of row 1
+
+
+def test_online_rescaling_across_tiles():
+    # Tiles of 4 columns, logits rising along the row: the running max grows at (almost) every tile, which rescales
+    # s, sk and w (with the (m_old - m_new) * s term); a -inf first tile exercises the start from an empty state.
+    logits, rows, target_col, keep_mask, g_lp, g_ent = make_case(3, 64, keep=True, scale=1.0)
+    logits += torch.linspace(-20, 20, 64)
+    logits[1, :4] = NEG_INF
+    check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, seg_len=32, block_v=4)
+
+
+def test_entropy_channel_off():
+    logits, rows, target_col, keep_mask, g_lp, g_ent = make_case(3, 64)
+    got, _ = check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, seg_len=16, with_entropy=False)
+    assert bool((got[:, ENT_SUM] == 0).all())
+
+
+@pytest.mark.parametrize("which", ["log_prob", "entropy", "none"])
+def test_backward_with_one_upstream_gradient(which):
+    logits, rows, target_col, keep_mask, g_lp, g_ent = make_case(4, 64, keep=True)
+    stats = reference_stats(logits, rows, target_col, keep_mask, 1.0, 64)
+    g_lp = g_lp if which == "log_prob" else None
+    g_ent = g_ent if which == "entropy" else None
+    out = torch.full_like(logits, 7.0)
+    tb.backward_grad(logits, rows, target_col, keep_mask, 1.0, 64, *(s.float() for s in stats), g_lp, g_ent, out,
+                     None)
+    assert_grad_close(out, reference_grad(logits, rows, target_col, keep_mask, 1.0, 64, stats, g_lp, g_ent))
+
+
+def test_strided_rows_and_inplace_gradient():
+    # Logits and gradient as column slices of wider buffers (row stride != V_local); then in place (out is logits).
+    logits, rows, target_col, keep_mask, g_lp, g_ent = make_case(5, 64, dtype=torch.bfloat16, n_rows_active=3)
+    wide = torch.zeros((5, 80), dtype=torch.bfloat16)
+    wide[:, 8:72] = logits
+    view = wide[:, 8:72]
+    stats = [s.float() for s in reference_stats(logits, rows, target_col, None, 1.0, 64)]
+    got = tb.forward_partials(view, rows, target_col, None, 1.0, 64, 16, True, None)
+    assert torch.equal(got, tb.forward_partials(logits, rows, target_col, None, 1.0, 64, 16, True, None))
+    expected = torch.empty_like(logits)
+    tb.backward_grad(logits, rows, target_col, None, 1.0, 64, *stats, g_lp, g_ent, expected, None)
+    before = wide.clone()
+    tb.backward_grad(view, rows, target_col, None, 1.0, 64, *stats, g_lp, g_ent, view, None)
+    assert torch.equal(view, expected)
+    assert torch.equal(wide[:, :8], before[:, :8]) and torch.equal(wide[:, 72:], before[:, 72:])
+
+
+def test_inputs_are_not_mutated():
+    logits, rows, target_col, keep_mask, g_lp, g_ent = make_case(4, 64, keep=True, n_rows_active=3)
+    originals = [t.clone() for t in (logits, rows, target_col, keep_mask, g_lp, g_ent)]
+    check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, seg_len=16)
+    for before, after in zip(originals, (logits, rows, target_col, keep_mask, g_lp, g_ent)):
+        assert torch.equal(before, after)
+
+
+def test_empty_inputs():
+    logits = torch.zeros((0, 64))
+    none = torch.zeros(0, dtype=torch.int64)
+    assert tb.forward_partials(logits, None, none, None, 1.0, 64, 16, True, None).shape == (4, 5, 0)
+    empty = torch.zeros(0)
+    tb.backward_grad(logits, None, none, None, 1.0, 64, empty, empty, None, empty, empty, empty, logits, None)
+    logits = torch.randn(3, 64)
+    assert tb.forward_partials(logits, none, none, None, 1.0, 64, 16, True, None).shape == (4, 5, 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# bits: determinism and sharding invariance
+
+def test_deterministic_and_row_independent():
+    logits, _, target_col, keep_mask, _, _ = make_case(8, 96, keep=True)
+    full = tb.forward_partials(logits, None, target_col, keep_mask, 1.0, 90, 12, True, None)
+    assert torch.equal(full, tb.forward_partials(logits, None, target_col, keep_mask, 1.0, 90, 12, True, 3))
+    rows = torch.tensor([1, 4, 7])
+    part = tb.forward_partials(logits, rows, target_col[rows], keep_mask, 1.0, 90, 12, True, None)
+    assert torch.equal(part, full[:, :, rows])  # a row's bits do not depend on which other rows run
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shards_give_the_same_bits(dtype):
+    # Backend half of TP invariance: rank r of a TP group holds columns [r*V/tp, (r+1)*V/tp) and the fixed segments
+    # inside them. Its partials must equal, bit for bit, the same segments computed at TP=1, and its gradient (given
+    # the same row stats) the same columns of the TP=1 gradient.
+    n_rows, v_global, vocab_size = 4, 256, 250  # 6 padding columns, all on the last rank
+    logits, rows, tokens, keep_mask, g_lp, g_ent = make_case(n_rows, v_global, dtype=dtype, keep=True, n_rows_active=3)
+    tokens = tokens.clamp(max=vocab_size - 1)
+    seg_len = v_global // 8
+    stats = [s.float() for s in reference_stats(logits, rows, tokens, keep_mask, 1.0, vocab_size)]
+    results = {}
+    for tp in (1, 2, 4, 8):
+        v_local = v_global // tp
+        partials, grads = [], []
+        for rank in range(tp):
+            cols = slice(rank * v_local, (rank + 1) * v_local)
+            shard, keep = logits[:, cols].contiguous(), keep_mask[:, cols].contiguous()
+            local = tokens - rank * v_local
+            target_col = torch.where((local >= 0) & (local < v_local), local, -1)
+            n_valid = max(0, min(v_local, vocab_size - rank * v_local))
+            partials.append(tb.forward_partials(shard, rows, target_col, keep, 1.0, n_valid, seg_len, True, None))
+            grad = torch.empty_like(shard)
+            tb.backward_grad(shard, rows, target_col, keep, 1.0, n_valid, *stats, g_lp, g_ent, grad, None)
+            grads.append(grad)
+        results[tp] = (torch.cat(partials), torch.cat(grads, dim=1))
+    for tp in (2, 4, 8):
+        assert torch.equal(results[tp][0], results[1][0]), f"partials differ at TP={tp}"
+        assert torch.equal(results[tp][1], results[1][1]), f"gradient differs at TP={tp}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# bad input
+
+def test_errors_name_the_argument():
+    logits, _, target_col, _, _, _ = make_case(2, 64)
+    with pytest.raises(TypeError, match="`logits`"):
+        tb.forward_partials(logits.double(), None, target_col, None, 1.0, 64, 16, True, None)
+    with pytest.raises(ValueError, match="stride"):
+        tb.forward_partials(logits.t().contiguous().t(), None, target_col, None, 1.0, 64, 16, True, None)
+    with pytest.raises(ValueError, match="`seg_len`"):
+        tb.forward_partials(logits, None, target_col, None, 1.0, 64, 24, True, None)
+    with pytest.raises(ValueError, match="`n_valid`"):
+        tb.forward_partials(logits, None, target_col, None, 1.0, 65, 16, True, None)
+    with pytest.raises(ValueError, match="`keep_mask`"):
+        tb.forward_partials(logits, None, target_col, torch.ones(2, 64, dtype=torch.uint8), 1.0, 64, 16, True, None)
+    stats = [torch.zeros(2)] * 4
+    with pytest.raises(ValueError, match="`out`"):
+        tb.backward_grad(logits, None, target_col, None, 1.0, 64, *stats, stats[0], None, logits.half(), None)
+
+
+def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
+    monkeypatch.setattr(tb, "interpreting", lambda: False)
+    logits, _, target_col, _, _, _ = make_case(2, 64)
+    with pytest.raises(ValueError, match="triton backend needs CUDA tensors or TRITON_INTERPRET=1"):
+        tb.forward_partials(logits, None, target_col, None, 1.0, 64, 16, True, None)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# compiled code (no GPU needed: Triton compiles for sm_90 with its bundled ptxas, in a child process without the
+# interpreter, see tests/triton_compile_check.py)
+
+@pytest.fixture(scope="module")
+def compile_report(tmp_path_factory):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton_cache"))
+    repo_root = pathlib.Path(os.path.abspath(__file__)).parent.parent  # not resolved: Bazel's runfiles copy stays
+    done = subprocess.run([sys.executable, "-m", "tests.triton_compile_check"], env=env, cwd=repo_root,
+                          capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+    assert done.returncode == 0, f"compile check failed:\n{done.stderr[-4000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_forward_binary_is_the_same_at_every_tp_size(compile_report, dtype):
+    # Same specialization => same compiled kernel => same bits per (row, segment) at TP = 1, 2, 4, 8, even where the
+    # row stride (V_local = 1000 at TP=8) is not a multiple of 16 while it is at TP=1 (8000).
+    assert compile_report["forward_keys"][dtype] == 1
+
+
+@pytest.mark.parametrize("case", [f"{p} {d} keep={k}" for p in ("forward", "backward") for d in ("bf16", "fp32")
+                                  for k in (False, True)])
+def test_kernels_compile_for_sm90_with_vector_loads(compile_report, case):
+    # The interpreter accepts code the compiler rejects; both kernels must compile as an H200 runs them, reading the
+    # logits (and writing the gradient) with 16-byte vector accesses: the bandwidth-critical part.
+    ptx = compile_report["ptx"][case]
+    assert ptx["v4_load"], f"{case}: logits not read with 16-byte vector loads"
+    if case.startswith("backward"):
+        assert ptx["v4_store"], f"{case}: gradient not written with 16-byte vector stores"

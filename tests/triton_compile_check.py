@@ -1,0 +1,105 @@
+"""Compiles the Triton backend's kernels for an H200 (sm_90) on a machine without a GPU; used by
+tests/test_triton_backend.py, which runs `python -m tests.triton_compile_check` in a child process.
+
+It must run WITHOUT TRITON_INTERPRET: in an interpreting process Triton's code generator runs tl.* helpers (tl.cdiv)
+through the interpreter and cannot compile. No GPU is needed: Triton's bundled ptxas compiles for a fixed target.
+
+Prints one JSON object:
+- "forward_keys": {dtype: number of distinct forward binaries over every rank of TP = 1, 2, 4, 8} for a vocabulary
+  whose local width is a multiple of 16 at some TP sizes and not at others; 1 means every TP size runs the same code
+  on a segment (bitwise TP invariance on the GPU, given the same inputs).
+- "ptx": {"<pass> <dtype> keep=<bool>": {"v4_load": bool, "v4_store": bool}} for Qwen3-sized launches.
+"""
+
+import json
+import os
+
+import torch
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    raise SystemExit("run without TRITON_INTERPRET: the compiler cannot run in an interpreting process")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, compile as triton_compile, make_backend  # noqa: E402
+from triton.runtime.jit import create_function_from_signature  # noqa: E402
+
+from ppo_ops import _triton_backend as tb, _triton_kernels  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)  # H200 (Hopper), 32-thread warps
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _specialize(kernel, args, kwargs):
+    """What Triton's launcher derives from the arguments: the compile key and the compile inputs."""
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    key = (tuple(map(str, specialization)), str(options))
+    return key, (backend, bound_args, specialization, options)
+
+
+def _ptx(kernel, args, kwargs):
+    _, (backend, bound_args, specialization, options) = _specialize(kernel, args, kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
+    return triton_compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET,
+                          options=options.__dict__).asm["ptx"]
+
+
+def _forward_args(logits, rows, keep_mask, seg_len, n_valid):
+    n_rows = logits.shape[0] if rows is None else rows.numel()
+    out = torch.empty((logits.shape[1] // seg_len, 5, n_rows))
+    config = tb.launch_config("forward", logits.dtype, seg_len, interpreted=False)
+    target_col = torch.zeros(n_rows, dtype=torch.int64)
+    _, args, kwargs = tb.forward_launch_args(logits, rows, target_col, keep_mask, 1.0, n_valid, seg_len, True, out,
+                                             config)
+    return args, kwargs
+
+
+def forward_key_count(dtype, n_rows=3, v_global=8000, vocab_size=7990):
+    """Distinct forward binaries over all ranks of TP = 1, 2, 4, 8 (V_local = 8000, 4000, 2000, 1000: only the last
+    is not a multiple of 16), with a keep mask, a row subset and padding on the last rank."""
+    logits = torch.zeros((n_rows, v_global), dtype=dtype)
+    keep_mask = torch.zeros((n_rows, v_global), dtype=torch.bool)
+    rows = torch.tensor([0, 2])
+    keys = set()
+    for tp in (1, 2, 4, 8):
+        v_local = v_global // tp
+        for rank in range(tp):
+            cols = slice(rank * v_local, (rank + 1) * v_local)
+            n_valid = max(0, min(v_local, vocab_size - rank * v_local))
+            args, kwargs = _forward_args(logits[:, cols].contiguous(), rows, keep_mask[:, cols].contiguous(),
+                                         v_global // 8, n_valid)
+            keys.add(_specialize(_triton_kernels.forward_partials_kernel, args, kwargs)[0])
+    return len(keys)
+
+
+def qwen3_ptx(pass_name, dtype, keep, n_rows=8, v_local=151936):
+    logits = torch.empty((n_rows, v_local), dtype=dtype)
+    keep_mask = torch.zeros((n_rows, v_local), dtype=torch.bool) if keep else None
+    rows = torch.arange(0, n_rows, 2)
+    if pass_name == "forward":
+        args, kwargs = _forward_args(logits, rows, keep_mask, v_local // 8, v_local - 5)
+        return _ptx(_triton_kernels.forward_partials_kernel, args, kwargs)
+    config = tb.launch_config("backward", dtype, v_local, interpreted=False)
+    vec = torch.zeros(rows.numel())
+    args = (logits, logits, torch.zeros(n_rows, dtype=torch.int64), torch.zeros(rows.numel(), dtype=torch.int64),
+            logits if keep_mask is None else keep_mask.view(torch.uint8), vec, vec, vec, vec, vec, vec,
+            v_local, v_local - 5, v_local, v_local, v_local, 1.5)
+    kwargs = dict(HAS_ROWS=True, HAS_KEEP=keep, HAS_GLP=True, HAS_GENT=True, SCALE=True, BLOCK_V=config.block_v,
+                  ROUND_BF16_BY_BITS=False, **tb._options(config))
+    return _ptx(_triton_kernels.backward_grad_kernel, args, kwargs)
+
+
+def main():
+    report = {"forward_keys": {name: forward_key_count(dtype) for name, dtype in DTYPES.items()}, "ptx": {}}
+    for pass_name in ("forward", "backward"):
+        for name, dtype in DTYPES.items():
+            for keep in (False, True):
+                ptx = qwen3_ptx(pass_name, dtype, keep)
+                report["ptx"][f"{pass_name} {name} keep={keep}"] = {
+                    "v4_load": "ld.global.v4" in ptx, "v4_store": "st.global.v4" in ptx}
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

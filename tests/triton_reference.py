@@ -1,0 +1,185 @@
+"""Float64 reference of the backend contract (ppo_ops/_triton_backend.py, ppo_ops/_torch_backend.py) and the checks
+built on it, shared by tests/test_triton_backend.py (CPU, interpreter) and tests/test_triton_backend_gpu.py (H200).
+
+- `reference_partials`: the [segments, 5, R] partials in float64, from the same fp32 z = fp32(logits) * inv_temperature
+  the contract defines, so MAX and TARGET_Z (selections, not sums) must match exactly.
+- `reference_stats` / `reference_grad`: float64 row statistics relative to the row max, as the core passes them to
+  backward, and the float64 gradient they define.
+- `check_once`: one forward_partials + backward_grad on `device`, both compared with the references.
+"""
+
+import torch
+
+from ppo_ops import _triton_backend as tb
+from ppo_ops._row_stats import ENT_SUM, KEPT_SUMEXP, MAX, SUMEXP, TARGET_Z
+
+NEG_INF = float("-inf")
+
+# --- tolerances ---
+# SUMEXP / KEPT_SUMEXP / ENT_SUM: sums of same-sign terms, each with ~2 ulp of fp32 error (exp, and z - m), summed in
+# fp32 tiles and rescaled per tile: relative error ~ (4 + log2(n)) ulp, under 2^-24 * 32 = 1.9e-6 for n <= 2^17.
+PARTIAL_SUM_RTOL = 2e-6
+# fp32 gradient against float64, per unit of upstream gradient: issue 5's 1e-6 target is for the Jacobian itself, and
+# an entry is g_lp * (onehot - q) + g_ent * p * (mean - d), times 1/temperature, so its error (the fp32 rounding of
+# d - log_sum, and on the GPU ex2.approx's <= 2^-22.5 relative error in p and q) scales with
+# (|g_lp| + |g_ent|) / temperature. Measured on an H200 at Qwen3 rows with weights up to 3.6 per row: 1.3e-6 absolute.
+GRAD_ATOL = 1e-6
+# bf16/fp16 gradients: the fp32 result is rounded once to nearest (half an ulp: at most 2^-8 / 2^-11 of the value, for
+# 8 / 11 significand bits), plus GRAD_ATOL.
+GRAD_HALF_ULP = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# float64 references
+
+def _z32(logits, inv_t):
+    """The contract's z: fp32 logits times the fp32 inverse temperature (skipped at 1.0)."""
+    z = logits.float()
+    return z * inv_t if inv_t != 1.0 else z
+
+
+def _kept(keep_mask, target_col, shape):
+    """keep ∪ {target} as a bool [R, V] (targets of -1 live on another rank)."""
+    kept = torch.zeros(shape, dtype=torch.bool) if keep_mask is None else keep_mask.clone()
+    own = torch.nonzero(target_col >= 0).squeeze(1)
+    kept[own, target_col[own]] = True
+    return kept
+
+
+def reference_partials(logits, rows, target_col, keep_mask, inv_t, n_valid, seg_len, with_entropy):
+    """float64 [nseg, 5, R] partials of the contract."""
+    if rows is not None:
+        logits = logits[rows]
+        keep_mask = None if keep_mask is None else keep_mask[rows]
+    n_rows, v_local = logits.shape
+    z = _z32(logits, inv_t).double()
+    cols = torch.arange(v_local)
+    z = torch.where(cols < n_valid, z, NEG_INF)
+    kept = None if keep_mask is None else _kept(keep_mask, target_col, z.shape)
+    out = torch.zeros((v_local // seg_len, 5, n_rows), dtype=torch.float64)
+    for j in range(v_local // seg_len):
+        seg = slice(j * seg_len, (j + 1) * seg_len)
+        zj = z[:, seg]
+        m = zj.amax(dim=1) if seg_len else torch.full((n_rows,), NEG_INF)
+        d = zj - torch.where(m == NEG_INF, 0.0, m)[:, None]
+        e = torch.exp(d)
+        out[j, MAX] = m
+        out[j, SUMEXP] = e.sum(1)
+        out[j, KEPT_SUMEXP] = out[j, SUMEXP] if kept is None else torch.where(kept[:, seg], e, 0.0).sum(1)
+        out[j, ENT_SUM] = torch.where(e > 0, e * d, 0.0).sum(1) if with_entropy else 0.0
+        here = (target_col >= j * seg_len) & (target_col < min((j + 1) * seg_len, n_valid))
+        zt = z.gather(1, target_col.clamp(min=0)[:, None]).squeeze(1)
+        out[j, TARGET_Z] = torch.where(here, zt, NEG_INF)
+    return out
+
+
+def reference_stats(logits, rows, target_col, keep_mask, inv_t, n_valid):
+    """float64 global row stats relative to the row max M: (M, log_sum, log_sum_kept, mean_shifted), per active row."""
+    p = reference_partials(logits, rows, target_col, keep_mask, inv_t, n_valid, logits.shape[1], True)[0]
+    m = torch.where(p[MAX] == NEG_INF, 0.0, p[MAX])
+    has_mass = p[SUMEXP] > 0
+    log_sum = torch.where(has_mass, torch.log(p[SUMEXP]), 0.0)
+    log_sum_kept = torch.where(p[KEPT_SUMEXP] > 0, torch.log(p[KEPT_SUMEXP]), 0.0)
+    mean_shifted = torch.where(has_mass, p[ENT_SUM] / p[SUMEXP].clamp(min=1e-300), 0.0)
+    return m, log_sum, log_sum_kept, mean_shifted
+
+
+def reference_grad(logits, rows, target_col, keep_mask, inv_t, n_valid, stats, g_lp, g_ent):
+    """float64 gradient of the contract for all T rows (rows outside `rows` are 0), from float64 stats."""
+    n_total, v_local = logits.shape
+    active = torch.arange(n_total) if rows is None else rows
+    m, log_sum, log_sum_kept, mean_shifted = stats
+    z = torch.where(torch.arange(v_local) < n_valid, _z32(logits[active], inv_t).double(), NEG_INF)
+    d = z - m[:, None]
+    p = torch.exp(d - log_sum[:, None])
+    grad = torch.zeros_like(z)
+    if g_lp is not None:
+        onehot = _kept(None, target_col, z.shape).double()
+        q = p if keep_mask is None else torch.where(
+            _kept(keep_mask[active], target_col, z.shape), torch.exp(d - log_sum_kept[:, None]), 0.0)
+        grad += g_lp.double()[:, None] * (onehot - q)
+    if g_ent is not None:
+        grad += g_ent.double()[:, None] * torch.where(p > 0, p * (mean_shifted[:, None] - d), 0.0)
+    full = torch.zeros((n_total, v_local), dtype=torch.float64)
+    full[active] = torch.where(torch.arange(v_local) < n_valid, grad * inv_t, 0.0)
+    return full
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# checks
+
+def assert_partials_close(got, expected, what="partials"):
+    assert got.dtype == torch.float32 and got.shape == expected.shape, (got.dtype, got.shape, expected.shape)
+    for ch in (MAX, TARGET_Z):  # selections of fp32 values: exact
+        assert torch.equal(got[:, ch].double(), expected[:, ch]), f"{what}: channel {ch} differs"
+    for ch in (SUMEXP, KEPT_SUMEXP, ENT_SUM):
+        err = (got[:, ch].double() - expected[:, ch]).abs()
+        bound = PARTIAL_SUM_RTOL * expected[:, ch].abs()
+        assert bool((err <= bound).all()), (
+            f"{what}: channel {ch} off by {(err - bound).max().item():.3g} beyond {PARTIAL_SUM_RTOL} relative")
+
+
+def _rows_to_full(row_scale, n_rows, what):
+    assert row_scale.shape == (n_rows,), f"{what}: row_scale must have one entry per row"
+    return row_scale
+
+
+def upstream_scale(g_lp, g_ent, inv_t):
+    """Per-row magnitude of the upstream gradient, max(1, (|g_lp| + |g_ent|) * inv_t): the unit GRAD_ATOL is in."""
+    total = torch.zeros_like(g_lp if g_lp is not None else g_ent, dtype=torch.float64)
+    for g in (g_lp, g_ent):
+        if g is not None:
+            total += g.double().abs()
+    return torch.clamp(total * inv_t, min=1.0)
+
+
+def assert_grad_close(got, expected, what="grad", row_scale=None):
+    assert torch.isfinite(got).all(), f"{what}: non-finite entries"
+    err = (got.double() - expected).abs()
+    atol = GRAD_ATOL if row_scale is None else GRAD_ATOL * _rows_to_full(row_scale, got.shape[0], what)[:, None]
+    bound = atol + GRAD_HALF_ULP[got.dtype] * expected.abs()
+    assert bool((err <= bound).all()), f"{what}: max excess {(err - bound).max().item():.3g}"
+
+
+def make_case(n_rows, v_local, *, dtype=torch.float32, seed=0, scale=3.0, keep=False, n_rows_active=None):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn((n_rows, v_local), generator=gen) * scale).to(dtype)
+    rows = None
+    if n_rows_active is not None:
+        rows = torch.sort(torch.randperm(n_rows, generator=gen)[:n_rows_active]).values
+    n_act = n_rows if rows is None else rows.numel()
+    target_col = torch.randint(0, v_local, (n_act,), generator=gen)
+    keep_mask = (torch.rand((n_rows, v_local), generator=gen) < 0.5) if keep else None
+    g_lp = torch.rand(n_act, generator=gen) + 0.5
+    g_ent = torch.rand(n_act, generator=gen) * 2 - 1
+    return logits, rows, target_col, keep_mask, g_lp, g_ent
+
+
+def on(device, *tensors):
+    """The tensors moved to `device` (None stays None)."""
+    return [None if t is None else t.to(device) for t in tensors]
+
+
+def check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, *, inv_t=1.0, n_valid=None, seg_len=None,
+               with_entropy=True, device="cpu", **overrides):
+    """Forward partials and backward gradient on `device` against float64 (inputs are CPU tensors); returns both
+    results on the CPU."""
+    n_valid = logits.shape[1] if n_valid is None else n_valid
+    seg_len = logits.shape[1] if seg_len is None else seg_len
+    g_ent = g_ent if with_entropy else None
+    d_logits, d_rows, d_target, d_keep, d_glp, d_gent = on(device, logits, rows, target_col, keep_mask, g_lp, g_ent)
+    got = tb.forward_partials(d_logits, d_rows, d_target, d_keep, inv_t, n_valid, seg_len, with_entropy, None,
+                              **overrides).cpu()
+    assert_partials_close(got, reference_partials(logits, rows, target_col, keep_mask, inv_t, n_valid, seg_len,
+                                                  with_entropy))
+    stats = reference_stats(logits, rows, target_col, keep_mask, inv_t, n_valid)
+    out = torch.full_like(d_logits, 7.0)  # every entry must be written
+    tb.backward_grad(d_logits, d_rows, d_target, d_keep, inv_t, n_valid, *on(device, *(s.float() for s in stats)),
+                     d_glp, d_gent, out, None, **overrides)
+    out = out.cpu()
+    scale = upstream_scale(g_lp, g_ent, inv_t)
+    if rows is not None:
+        scale = torch.ones(logits.shape[0], dtype=torch.float64).index_copy_(0, rows, scale)
+    assert_grad_close(out, reference_grad(logits, rows, target_col, keep_mask, inv_t, n_valid, stats, g_lp, g_ent),
+                      row_scale=scale)
+    return got, out
