@@ -10,8 +10,10 @@
 #   parity    tools/run_parity_gpu.sh: fused core vs legacy, TP=1 on one GPU and TP=2 over NCCL on two
 #   qwen3     tools/run_qwen3_check_gpu.sh: the Qwen3 parallel check, qwen3-0.6b-random, hf engine, NCCL layouts
 #   bench     tools/run_bench_gpu.sh: the bench, TP=1 and TP=2
-# Each phase writes into $OUT/work/PHASE; everything is bundled into $OUT/gpu_results.tgz (the device tool returns at
-# most 8 files) and a one-line-per-phase summary is printed last.
+# Each phase writes into $OUT/work/PHASE and is bundled into $OUT/PHASE.tgz as soon as it ends (the device tool
+# returns at most 8 files, and what a cut-off call left under $OUT still comes back). Phases share one time budget,
+# SESSION_BUDGET_S (default 570 s, under the tool's 600 s per call): each gets min(its limit, what is left); one that
+# cannot get 30 s is skipped. A one-line-per-phase summary is printed last.
 set -uo pipefail
 
 OUT_ROOT="${OUT:-/tmp/gpu_out}"
@@ -30,15 +32,20 @@ else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
+BUDGET=${SESSION_BUDGET_S:-570}
 declare -a SUMMARY
 run_phase() {  # name, timeout seconds, command...
   local name=$1 limit=$2; shift 2
-  local dir="$WORK/$name" start=$SECONDS rc
+  local dir="$WORK/$name" start=$SECONDS rc left=$((BUDGET - SECONDS - 20))
+  if (( left < 30 )); then SUMMARY+=("$name skipped: ${left}s of the budget left"); return; fi
+  (( limit > left )) && limit=$left
   mkdir -p "$dir"
   echo "=== $name (limit ${limit}s) ==="
-  OUT="$dir" timeout --signal=INT --kill-after=15 "$limit" "$@" 2>&1 | tee "$dir/$name.log" | tail -n 40
+  OUT="$dir" timeout --signal=INT --kill-after=10 "$limit" "$@" 2>&1 | tee "$dir/$name.log" | tail -n 40
   rc=${PIPESTATUS[0]}
   SUMMARY+=("$name rc=$rc $((SECONDS - start))s")
+  tar -czf "$OUT_ROOT/$name.tgz" -C "$WORK" "$name"
+  printf '%s\n' "${SUMMARY[@]}" > "$OUT_ROOT/summary.txt"
 }
 
 for phase in "$@"; do
@@ -62,6 +69,6 @@ for phase in "$@"; do
   esac
 done
 
-tar -czf "$OUT_ROOT/gpu_results.tgz" -C "$WORK" . && rm -rf "$WORK"
+rm -rf "$WORK"
 echo "=== summary ==="
 printf '%s\n' "${SUMMARY[@]}" | tee "$OUT_ROOT/summary.txt"
