@@ -9,6 +9,8 @@ Backend contract (ppo_ops/_torch_backend.py and ppo_ops/_triton_backend.py imple
                   log_sum_kept [R] or None, mean_shifted [R] or None, grad_logprob [R] or None,
                   grad_entropy [R] or None, out [T, V_local], chunk_rows)
         -> None; writes every row of `out` (dropped rows get 0); `out` may be `logits` itself (inplace_grad).
+    merge_partials(partials [segments, 5, R], has_keep_mask) -> RowStats   (optional; default: _row_stats's, in torch
+        ops; the Triton backend fuses it into one launch, see ppo_ops/_triton_merge.py)
         With d = z - shift: log p = d - log_sum, q = 1[keep ∪ target] e^(d - log_sum_kept) (q = p without a keep mask),
         grad = inv_temperature * (g_lp * (onehot - q) + g_ent * p * (mean_shifted - d)); padding columns and entries
         with p == 0 get no entropy term (never 0 * inf). All statistics are global (merged over TP ranks).
@@ -67,7 +69,8 @@ def compute_row_stats(plan: Plan, logits, rows, target_col, keep_mask, n_total_r
         partials = _row_stats.all_gather_partials(partials, layout)
         if rows is not None:
             partials = partials[:, :, rows]
-    stats = _row_stats.merge_partials(partials, keep_mask is not None)
+    merge = getattr(plan.backend, "merge_partials", _row_stats.merge_partials)  # a backend may fuse the merge
+    stats = merge(partials, keep_mask is not None)
     if plan.validate and bool(stats.bad_input.any()):
         raise ValueError(f"ppo_ops.{plan.fn_name}: logits contain NaN or +inf (after the temperature scaling)")
     return stats

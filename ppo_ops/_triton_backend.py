@@ -6,6 +6,9 @@ gradient (in place when `out` is the logits). The core (ppo_ops/_function.py) do
 the TP all-gather of the partials, their fixed-order merge into row stats, autograd, row masks. No fp32 [T, V] copy is
 ever made, so `chunk_rows` (a bound on fp32 working rows for the torch backend) is accepted and ignored.
 
+Forward kernel: "lanes" (per-lane online state, one cross-lane merge per segment) or "tiles" (block-wide reductions per
+tile), see _triton_kernels.py; LaunchConfig.kernel names it, `_GPU_CONFIG` and `_INTERPRET_FORWARD_KERNEL` pick the
+default. Both give partials within the same tolerances, not the same bits, so every rank must use the same kernel.
 Tile sizes: on CUDA they come from `_GPU_CONFIG` (per pass and dtype, see tools/triton_tune.py); under the interpreter
 (TRITON_INTERPRET=1, CPU tensors) each loop iteration costs about a millisecond, so tiles cover a whole segment or row
 up to a cap. The forward tile depends only on the segment length and dtype, never on V_local: that keeps a segment's bits
@@ -20,16 +23,21 @@ import torch
 import triton  # noqa: F401  an ImportError here is how backend="auto" (ppo_ops/api.py) learns triton is absent
 
 from ppo_ops import _triton_kernels
+from ppo_ops._triton_merge import merge_partials  # noqa: F401  the core uses it in place of the torch-op merge
 from ppo_ops._row_stats import NUM_PARTIALS
 
-# (BLOCK_V, num_warps, num_stages) per pass and logits element size in bytes: the fastest correct variants of
-# tools/triton_tune.py on an H200 (T=8192, V=151936; tools/bench/results/triton_tune_h200.log).
+# (BLOCK_V, num_warps, num_stages, forward kernel) per pass and logits element size in bytes: the fastest correct
+# variants of tools/triton_tune.py on an H200 (T=8192, V=151936, 8 segments; tools/bench/results/triton_tune_h200.log):
+# forward "lanes" 1024/4/1 bf16 0.876 ms, fp32 1.190 ms; backward bf16 4096/4/1 1.370 ms, fp32 1024/4/1 2.508 ms.
 _GPU_CONFIG = {
-    ("forward", 2): (2048, 4, 1),
-    ("forward", 4): (2048, 4, 1),
-    ("backward", 2): (4096, 4, 1),
-    ("backward", 4): (1024, 4, 1),
+    ("forward", 2): (1024, 4, 1, "lanes"),
+    ("forward", 4): (1024, 4, 1, "lanes"),
+    ("backward", 2): (4096, 4, 1, "tiles"),
+    ("backward", 4): (1024, 4, 1, "tiles"),
 }
+# The forward kernels by name (the backward has one kernel; its config's `kernel` is ignored).
+FORWARD_KERNELS = {"tiles": _triton_kernels.forward_partials_kernel, "lanes": _triton_kernels.forward_lanes_kernel}
+_INTERPRET_FORWARD_KERNEL = "lanes"  # the interpreter runs the kernel CUDA runs by default
 # Largest interpreter tile: big enough for few loop iterations, small enough for cheap numpy temporaries.
 _INTERPRET_MAX_BLOCK = 1 << 16
 
@@ -78,22 +86,28 @@ class LaunchConfig(NamedTuple):
     block_v: int  # columns per tile (a power of two)
     num_warps: Optional[int]  # None under the interpreter
     num_stages: Optional[int]
+    kernel: str = "tiles"  # forward kernel, a key of FORWARD_KERNELS (ignored by the backward)
 
 
-def launch_config(pass_name, dtype, n_cols, interpreted, block_v=None, num_warps=None, num_stages=None):
+def launch_config(pass_name, dtype, n_cols, interpreted, block_v=None, num_warps=None, num_stages=None, kernel=None):
     """Tile and launch options of a pass whose tiles cover n_cols columns (forward: a segment; backward: a row).
 
     The forward's config depends only on (seg_len, dtype), never on V_local, so every TP size runs the same code on a
     segment. The keywords override single fields (tools/triton_tune.py)."""
     if interpreted:
-        default = LaunchConfig(min(_next_pow2(n_cols), _INTERPRET_MAX_BLOCK), None, None)
+        default = LaunchConfig(min(_next_pow2(n_cols), _INTERPRET_MAX_BLOCK), None, None,
+                               _INTERPRET_FORWARD_KERNEL if pass_name == "forward" else "tiles")
     else:
         default = LaunchConfig(*_GPU_CONFIG[(pass_name, dtype.itemsize)])
-    return LaunchConfig(
+    config = LaunchConfig(
         default.block_v if block_v is None else block_v,
         default.num_warps if num_warps is None else num_warps,
         default.num_stages if num_stages is None else num_stages,
+        default.kernel if kernel is None else kernel,
     )
+    if pass_name == "forward" and config.kernel not in FORWARD_KERNELS:
+        raise ValueError(f"`kernel` must be one of {sorted(FORWARD_KERNELS)}, got {config.kernel!r}")
+    return config
 
 
 def _options(config):
@@ -139,13 +153,13 @@ def forward_partials(
     grid, args, kwargs = forward_launch_args(
         logits, rows, target_col, keep_mask, inv_temperature, n_valid, seg_len, with_entropy, out, config
     )
-    _triton_kernels.forward_partials_kernel[grid](*args, **kwargs)
+    FORWARD_KERNELS[config.kernel][grid](*args, **kwargs)
     return out
 
 
 def forward_launch_args(logits, rows, target_col, keep_mask, inv_temperature, n_valid, seg_len, with_entropy, out,
                         config):
-    """(grid, args, kwargs) of one forward_partials_kernel launch."""
+    """(grid, args, kwargs) of one forward launch (both forward kernels take the same arguments)."""
     num_rows, v_local = out.shape[2], logits.shape[1]
     keep = None if keep_mask is None else _keep_bytes(keep_mask, logits)
     target_col = _vector(target_col, torch.int64)

@@ -1,12 +1,35 @@
-"""Triton kernels of the Triton backend: segment partials (forward) and the fused gradient (backward).
+"""Triton kernels of the Triton backend: segment partials (two forward variants) and the fused gradient (backward).
 
-Forward, `forward_partials_kernel`, grid (active row, vocabulary segment):
+Forward: both variants take the same arguments, run on the grid (active row, vocabulary segment) and write only the
+[nseg, 5, R] fp32 partials; the launcher picks one by name (LaunchConfig.kernel in _triton_backend.py).
+"tiles", `forward_partials_kernel`:
     each program streams its segment's columns in BLOCK_V tiles, in the logits' own dtype, and keeps four fp32 scalars
     online: the max m, the sum-exp s, the kept sum-exp sk and the entropy sum w = sum exp(z - m) * (z - m). When a tile
     raises the max from m_old to m_new, everything is rescaled by alpha = exp(m_old - m_new) and
     w_new = alpha * (w + (m_old - m_new) * s) + tile terms. The target's logit is one scalar load. It writes only the
     [nseg, 5, R] fp32 partials. The tile sequence is relative to the segment start and BLOCK_V depends only on the
     segment length and dtype, so a (row, segment) gives the same bits whichever rank, or TP size, holds the segment.
+    Per tile it needs one block-wide max and two or three block-wide sums, each a cross-warp reduction with barriers.
+"lanes", `forward_lanes_kernel`:
+    the same partials without any cross-lane reduction inside the tile loop. Each of the BLOCK_V lanes (column offset
+    within a tile) keeps its own online state, vectors in registers: max m, sum-exp s, entropy sum w (and kept sum-exp
+    sk), all relative to the lane's max. An element z updates its lane with one exp: with d = z - m and e = exp(-|d|),
+        z > m (new lane max):  s = e*s + 1,  w = e*(w - d*s_old) = e*w + (e*(-d))*s_old,  sk = e*sk + kept,  m = z;
+        otherwise:             s = s + e,    w = w + e*d,                                 sk = sk + e*kept,
+    written with two shared selects (the old sums' scale e or 1, the new term's weight 1 or e): compiled for sm_90 the
+    loop is about 15 instructions per element with no barrier (bf16, no keep mask; "tiles": about 22 plus four
+    barriers per tile); the exp is a flush-to-zero ex2 (see `_exp_nonpositive`).
+    The lanes are merged once per segment with the formulas of _row_stats.py (M = max m, a = exp(m - M),
+    S = sum a*s, W = sum a*(w + (m - M)*s)). An empty lane has m = -FLT_MAX (a finite sentinel, so never
+    -inf - -inf) and s = 0; it drops out of the merge by s == 0, and e*d is taken with d clamped to >= -FLT_MAX, so a
+    -inf logit (e = 0) adds 0, not 0 * -inf. A NaN logit makes its lane's s NaN; +inf makes M +inf and S NaN.
+    Whole tiles load without masks, each issuing the next tile's load before its own math (register double
+    buffering); only the segment's last, partial tile is masked (memory) and selected (padding).
+    No log2(e) is folded into the temperature scale (a base-2 z would save one multiply, with a temperature only):
+    MAX must be exactly fp32(logit) * inv_t, and the exponent is formed from d = z - m of that z, then times log2(e),
+    so its error is relative to |d|, not to |z|.
+    Bits: the tile sequence and the lane of a column depend only on its offset in the segment, so TP invariance holds
+    as for "tiles" (same arguments, same alignment scheme, same compiled code at every TP size).
 Backward, `backward_grad_kernel`, grid (row, column tile):
     with the global row stats relative to the row max M (the core sanitises rows without mass to 0 and zeroes their
     upstream gradients), d = z - M, p = exp(d - log_sum), q = 1[keep or target] * exp(d - log_sum_kept) (q = p without
@@ -14,9 +37,9 @@ Backward, `backward_grad_kernel`, grid (row, column tile):
     output's dtype. Every element is read before it is written by the same program, so `out` may alias the logits.
     Rows outside the active set (row_map < 0) get zeros without reading anything.
 
--inf guards: the reference point of exp() is 0 while the running max is -inf, so no exp(-inf - -inf); a factor that
-may be -inf is replaced by 0 where its partner is 0 (no 0 * inf). Padding columns are loaded when their vector is and
-then selected away. Row offsets are int64.
+-inf guards ("tiles" and backward; "lanes" above): the reference point of exp() is 0 while the running max is -inf, so
+no exp(-inf - -inf); a factor that may be -inf is replaced by 0 where its partner is 0 (no 0 * inf). Padding columns
+are loaded when their vector is and then selected away. Row offsets are int64.
 """
 
 import triton
@@ -120,6 +143,146 @@ def forward_partials_kernel(
     tl.store(out + _SUMEXP * num_rows, s)
     tl.store(out + _KEPT_SUMEXP * num_rows, sk)
     tl.store(out + _ENT_SUM * num_rows, w)
+    tl.store(out + _TARGET_Z * num_rows, zt)
+
+
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)  # largest finite fp32: the lanes' empty-state max
+_LOG2E = tl.constexpr(1.4426950408889634)
+# Compiled (not interpreted) kernels: Triton decorates every kernel of this module in the same mode.
+_COMPILED = tl.constexpr(type(forward_partials_kernel).__name__ != "InterpretedFunction")
+
+
+@triton.jit
+def _exp_nonpositive(x):
+    """exp(x) for x <= 0 (or NaN). Compiled: one MUFU.EX2 with flush-to-zero (results below 2^-126 become 0, nothing
+    next to a lane max of 1), where tl.exp's ex2.approx.f32 adds a denormal fix-up of three instructions. Under the
+    interpreter, which cannot run PTX: tl.exp."""
+    if _COMPILED:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * _LOG2E], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _lanes_update(z, keep, is_target, m, s, sk, w, HAS_KEEP: tl.constexpr, WITH_ENTROPY: tl.constexpr):
+    """One tile's update of the per-lane online state (m, s, sk, w) by the fp32 z of its columns (-inf for padding):
+    element-wise, one exp per element. `keep` and `is_target` are read only when HAS_KEEP."""
+    new = z > m  # a new lane max (False for -inf and NaN)
+    d = z - m  # m is finite (sentinel -FLT_MAX): -inf for a -inf logit, never NaN for a non-NaN one
+    neg_abs = -tl.abs(d)  # the exponent relative to the larger of z and m
+    e = _exp_nonpositive(neg_abs)  # 0 for |d| = inf, NaN for a NaN logit
+    old_scale = tl.where(new, e, 1.0)  # rescales the lane's old sums
+    new_weight = tl.where(new, 1.0, e)  # z's own term relative to the (new) lane max
+    if WITH_ENTROPY:
+        ed = e * tl.maximum(neg_abs, -_FLT_MAX)  # e = 0 where neg_abs = -inf: 0, not 0 * -inf
+        # new: e*w - d*e*s_old (old terms shifted by -d, z's own term is 0); otherwise: w + e*d
+        w = old_scale * w + ed * tl.where(new, s, 1.0)
+    if HAS_KEEP:
+        kept = tl.where((keep != 0) | is_target, new_weight, 0.0)
+        sk = old_scale * sk + kept
+    s = old_scale * s + new_weight
+    m = tl.where(new, z, m)
+    return m, s, sk, w
+
+
+@triton.jit(do_not_specialize_on_alignment=FORWARD_UNALIGNED_ARGS)
+def forward_lanes_kernel(
+    logits_ptr, rows_ptr, target_ptr, keep_ptr, out_ptr,  # as forward_partials_kernel
+    num_rows, n_valid, seg_len,
+    logits_row_stride, keep_row_stride,
+    inv_temperature,
+    HAS_ROWS: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
+    SCALE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    LOGITS_ALIGN: tl.constexpr,
+    KEEP_ALIGN: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    seg = tl.program_id(1)
+    if HAS_ROWS:
+        row = tl.load(rows_ptr + pid_r)
+    else:
+        row = pid_r.to(tl.int64)
+    target = tl.load(target_ptr + pid_r)
+    seg_start = tl.multiple_of(seg * seg_len, LOGITS_ALIGN)
+    seg_end = tl.minimum(seg_start + seg_len, n_valid)
+    mem_end = seg_start + seg_len
+    row_ptr = logits_ptr + tl.multiple_of(row * logits_row_stride, LOGITS_ALIGN)
+    keep_row_ptr = keep_ptr + tl.multiple_of(row * keep_row_stride, KEEP_ALIGN)
+
+    m = tl.full([BLOCK_V], -_FLT_MAX, tl.float32)
+    s = tl.zeros([BLOCK_V], tl.float32)
+    sk = tl.zeros([BLOCK_V], tl.float32)
+    w = tl.zeros([BLOCK_V], tl.float32)
+    offs = tl.arange(0, BLOCK_V)
+    n_cols = tl.maximum(seg_end - seg_start, 0)
+    n_full = n_cols // BLOCK_V
+    # Whole tiles of valid columns: no mask, no select, and the next tile's load is issued before this tile's math
+    # (register double buffering: more bytes in flight per SM). The prefetch after the last whole tile re-reads it.
+    last = tl.maximum(n_full - 1, 0)
+    first = offs < tl.minimum(n_full, 1) * BLOCK_V  # no whole tile: nothing to prefetch
+    x_next = tl.load(row_ptr + seg_start + offs, mask=first, other=0.0)
+    if HAS_KEEP:
+        k_next = tl.load(keep_row_ptr + seg_start + offs, mask=first, other=0)
+    else:
+        k_next = x_next
+    for tile in range(0, n_full):
+        x = x_next
+        k = k_next
+        ahead = seg_start + tl.minimum(tile + 1, last) * BLOCK_V
+        x_next = tl.load(row_ptr + ahead + offs)
+        if HAS_KEEP:
+            k_next = tl.load(keep_row_ptr + ahead + offs)
+        z = x.to(tl.float32)
+        if SCALE:
+            z = z * inv_temperature
+        m, s, sk, w = _lanes_update(z, k, offs == target - (seg_start + tile * BLOCK_V), m, s, sk, w, HAS_KEEP,
+                                    WITH_ENTROPY)
+    tail = seg_start + n_full * BLOCK_V
+    if tail < seg_end:  # the segment's partial last tile: loads masked by the segment, padding selected away
+        in_mem = offs < mem_end - tail
+        z = tl.load(row_ptr + tail + offs, mask=in_mem, other=float("-inf")).to(tl.float32)
+        if SCALE:
+            z = z * inv_temperature
+        z = tl.where(offs < seg_end - tail, z, float("-inf"))
+        if HAS_KEEP:
+            k = tl.load(keep_row_ptr + tail + offs, mask=in_mem, other=0)
+        else:
+            k = z
+        m, s, sk, w = _lanes_update(z, k, offs == target - tail, m, s, sk, w, HAS_KEEP, WITH_ENTROPY)
+
+    # Merge the lanes (the formulas of _row_stats.merge_partials); lanes without a finite value have s == 0.
+    neg_inf = float("-inf")
+    present = s != 0.0  # a NaN s stays present, so it reaches the sums
+    m_top = tl.max(tl.where(present, m, neg_inf), axis=0)
+    ref = tl.where(m_top == neg_inf, 0.0, m_top)  # finite reference point when no lane has mass
+    shift = tl.where(present, m - ref, 0.0)  # <= 0
+    a = tl.where(present, tl.exp(shift), 0.0)
+    s_seg = tl.sum(a * s, axis=0)
+    if WITH_ENTROPY:
+        w_seg = tl.sum(a * (w + shift * s), axis=0)
+    else:
+        w_seg = tl.zeros([], tl.float32)
+    if HAS_KEEP:
+        sk_seg = tl.sum(a * sk, axis=0)
+    else:
+        sk_seg = s_seg
+
+    target_here = (target >= seg_start) & (target < seg_end)
+    zt = tl.load(row_ptr + tl.where(target_here, target, 0), mask=target_here, other=neg_inf).to(tl.float32)
+    if SCALE:
+        zt = zt * inv_temperature
+    # NaN or +inf logits make s NaN (tl.max may drop NaN): report it through MAX, where the core looks.
+    m_top = tl.where(s_seg != s_seg, float("nan"), m_top)
+
+    out = out_ptr + seg.to(tl.int64) * (_NUM_PARTIALS * num_rows) + pid_r
+    tl.store(out + _MAX * num_rows, m_top)
+    tl.store(out + _SUMEXP * num_rows, s_seg)
+    tl.store(out + _KEPT_SUMEXP * num_rows, sk_seg)
+    tl.store(out + _ENT_SUM * num_rows, w_seg)
     tl.store(out + _TARGET_Z * num_rows, zt)
 
 

@@ -1,13 +1,14 @@
 """Contract-level tests of the Triton backend (ppo_ops/_triton_backend.py) on CPU tensors under TRITON_INTERPRET=1.
 
-`forward_partials` is checked channel by channel against the float64 partials of tests/triton_reference.py (MAX and
-TARGET_Z exactly: selections of the same fp32 z), `backward_grad` against the float64 gradient defined by float64 row
-statistics, given them rounded to fp32 as the core passes them. Edge cases have their own tests: -inf logits and rows,
-NaN/inf padding, targets on another rank, multi-tile online rescaling, strided and in-place tensors, empty inputs; then
-determinism, bitwise invariance of a segment's partials and of the gradient under vocabulary sharding (the backend
-half of the TP-invariance claim), bad input. Last, the kernels are compiled for sm_90 in a child process (the
-interpreter accepts code the compiler rejects), which also shows the forward's compiled code is the same at every TP
-size.
+`forward_partials` is checked, for each forward kernel ("lanes" and "tiles", see ppo_ops/_triton_kernels.py; the
+"lanes" kernel's per-lane online state has its own test over many small tiles), channel by channel against the float64
+partials of tests/triton_reference.py (MAX and TARGET_Z exactly: selections of the same fp32 z), `backward_grad`
+against the float64 gradient defined by float64 row statistics, given them rounded to fp32 as the core passes them.
+Edge cases have their own tests: -inf logits and rows, NaN/inf padding, targets on another rank, multi-tile online
+rescaling, strided and in-place tensors, empty inputs; then determinism, bitwise invariance of a segment's partials
+and of the gradient under vocabulary sharding (the backend half of the TP-invariance claim), bad input. Last, the
+kernels are compiled for sm_90 in a child process (the interpreter accepts code the compiler rejects), which also shows
+each forward kernel's compiled code is the same at every TP size.
 
 End-to-end numerics through the public API run for both backends in tests/test_core_*.py; tests/test_tp_invariance.py
 checks bitwise TP invariance over gloo; tests/test_triton_backend_gpu.py runs the compiled kernels on a GPU.
@@ -34,7 +35,8 @@ from ppo_ops._row_stats import ENT_SUM, MAX, SUMEXP, TARGET_Z  # noqa: E402
 from tests.triton_reference import (NEG_INF, assert_grad_close, check_once, make_case, reference_grad,  # noqa: E402
                                     reference_stats)
 
-COMPILE_TIMEOUT_S = 300  # the child compiles 8 kernels for sm_90 (about 10 s on 2 cores); a hang fails the test
+COMPILE_TIMEOUT_S = 300  # the child compiles 12 kernels for sm_90 (about 15 s on 2 cores); a hang fails the test
+KERNELS = sorted(tb.FORWARD_KERNELS)  # every forward kernel runs the forward tests
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -46,23 +48,26 @@ COMPILE_TIMEOUT_S = 300  # the child compiles 8 kernels for sm_90 (about 10 s on
     ((4, 1000), 125),  # odd segment length: no vector alignment
     ((2, 151936), 18992),  # Qwen3's vocabulary in its eight fixed segments: long sums
 ])
-def test_shapes(shape, seg_len):
-    check_once(*make_case(*shape), seg_len=seg_len)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_shapes(shape, seg_len, kernel):
+    check_once(*make_case(*shape), seg_len=seg_len, kernel=kernel)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("inv_t", [1.0, 1.0 / 0.7, 1.0 / 1.3])
-def test_dtypes_and_temperatures(dtype, inv_t):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_dtypes_and_temperatures(dtype, inv_t, kernel):
     inv_t = float(torch.tensor(inv_t, dtype=torch.float32))  # the core passes an fp32-representable value
-    check_once(*make_case(4, 256, dtype=dtype), inv_t=inv_t, seg_len=32)
+    check_once(*make_case(4, 256, dtype=dtype), inv_t=inv_t, seg_len=32, kernel=kernel)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_keep_mask(dtype):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_keep_mask(dtype, kernel):
     logits, rows, target_col, keep_mask, g_lp, g_ent = make_case(6, 128, dtype=dtype, keep=True)
     keep_mask[0, target_col[0]] = False  # the target joins the kept set even where the mask drops it
     keep_mask[1] = False  # only the target is kept: log_prob 0, q one-hot
-    check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, seg_len=16)
+    check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, seg_len=16, kernel=kernel)
 
 
 def test_keep_mask_strided_is_read_correctly():
@@ -78,7 +83,8 @@ def test_row_subset(n_active):
 
 
 @pytest.mark.parametrize("n_valid", [70, 60, 0])
-def test_padding_is_never_read_as_vocabulary(n_valid):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_padding_is_never_read_as_vocabulary(n_valid, kernel):
     # 70: segment 5 is split and 6-7 are all padding; 60: a boundary; 0: a shard that is all padding.
     logits, rows, target_col, keep_mask, g_lp, g_ent = make_case(4, 96, keep=True)
     target_col = target_col.clamp(max=max(n_valid - 1, 0))
@@ -86,7 +92,8 @@ def test_padding_is_never_read_as_vocabulary(n_valid):
         target_col[:] = -1
     logits[:, n_valid:] = float("nan")
     logits[0, n_valid:] = float("inf")
-    got, grad = check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, n_valid=n_valid, seg_len=12)
+    got, grad = check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, n_valid=n_valid, seg_len=12,
+                           kernel=kernel)
     assert bool((grad[:, n_valid:] == 0).all())
 
 
@@ -97,7 +104,8 @@ def test_targets_on_another_rank():
     assert bool((got[:, TARGET_Z, ::2] == NEG_INF).all())
 
 
-def test_neg_inf_logits():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_neg_inf_logits(kernel):
     logits, rows, target_col, keep_mask, g_lp, g_ent = make_case(6, 64, keep=True)
     logits[0, ::3] = NEG_INF  # scattered
     logits[1] = NEG_INF  # a whole row: no mass anywhere
@@ -107,34 +115,58 @@ def test_neg_inf_logits():
     logits[4, target_col[4]] = NEG_INF  # empty kept set
     g_lp[[1, 4]] = 0.0  # as the core passes them: no log-prob gradient where the kept set has no mass,
     g_ent[1] = 0.0  # no entropy gradient where the row has none
-    got, grad = check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, seg_len=16)
+    got, grad = check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, seg_len=16, kernel=kernel)
     assert not torch.isnan(got).any()
     assert bool((got[:, MAX, 1] == NEG_INF).all()) and bool((got[:, SUMEXP:ENT_SUM + 1, 1] == 0).all())
     assert bool((grad[1] == 0).all())
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_nan_and_pos_inf_logits_reach_max(bad):
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("block_v", [None, 4])  # one tile per segment; four tiles, the bad value in the third
+def test_nan_and_pos_inf_logits_reach_max(bad, kernel, block_v):
     # The core rejects bad logits by looking at the merged MAX (NaN or +inf); tl.max alone would drop a NaN.
     logits, _, target_col, _, _, _ = make_case(3, 64)
-    logits[1, 37] = bad
-    got = tb.forward_partials(logits, None, target_col, None, 1.0, 64, 16, True, None)
+    logits[1, 41] = bad
+    got = tb.forward_partials(logits, None, target_col, None, 1.0, 64, 16, True, None, block_v=block_v, kernel=kernel)
     flagged = torch.isnan(got[:, MAX]) | (got[:, MAX] == float("inf"))
     assert flagged[2, 1] and int(flagged.sum()) == 1  # only segment 2 of row 1
 
 
-def test_online_rescaling_across_tiles():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_online_rescaling_across_tiles(kernel):
     # Tiles of 4 columns, logits rising along the row: the running max grows at (almost) every tile, which rescales
     # s, sk and w (with the (m_old - m_new) * s term); a -inf first tile exercises the start from an empty state.
     logits, rows, target_col, keep_mask, g_lp, g_ent = make_case(3, 64, keep=True, scale=1.0)
     logits += torch.linspace(-20, 20, 64)
     logits[1, :4] = NEG_INF
-    check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, seg_len=32, block_v=4)
+    check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, seg_len=32, block_v=4, kernel=kernel)
 
 
-def test_entropy_channel_off():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lanes_online_state(dtype):
+    # The "lanes" kernel's per-lane state over 12 tiles of 8 columns (plus a partial, masked 13th and padding), each
+    # lane seeing its own sequence: new maxima in some lanes and not others, repeated maxima (d = 0), lanes that stay
+    # -inf for several tiles (empty state, then a first finite value), a lane that is -inf throughout (drops out of
+    # the merge), a whole -inf tile, and a row with a single finite logit.
+    logits, rows, target_col, keep_mask, g_lp, g_ent = make_case(5, 104, dtype=dtype, keep=True, scale=4.0)
+    logits[0, 3::8] = NEG_INF  # lane 3 empty throughout
+    logits[0, 5:40:8] = NEG_INF  # lane 5 empty for five tiles
+    logits[1, 16:24] = NEG_INF  # a whole tile
+    logits[2, 6::8] = logits[2, 6]  # lane 6: the same value in every tile (no new max after the first)
+    logits[3] = NEG_INF
+    logits[3, 77] = 1.5  # one finite logit in the row
+    logits[4] += torch.linspace(-30, 30, 104).to(dtype)  # rising: a new max in every lane at every tile
+    target_col[3] = 77  # the target is that logit: log_prob 0 whatever the keep mask
+    check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, n_valid=100, seg_len=104, block_v=8,
+               kernel="lanes", inv_t=float(torch.tensor(1.0 / 0.7, dtype=torch.float32)))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_entropy_channel_off(kernel):
     logits, rows, target_col, keep_mask, g_lp, g_ent = make_case(3, 64)
-    got, _ = check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, seg_len=16, with_entropy=False)
+    got, _ = check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, seg_len=16, with_entropy=False,
+                        kernel=kernel)
     assert bool((got[:, ENT_SUM] == 0).all())
 
 
@@ -188,17 +220,21 @@ def test_empty_inputs():
 # ---------------------------------------------------------------------------------------------------------------------
 # bits: determinism and sharding invariance
 
-def test_deterministic_and_row_independent():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_deterministic_and_row_independent(kernel):
     logits, _, target_col, keep_mask, _, _ = make_case(8, 96, keep=True)
-    full = tb.forward_partials(logits, None, target_col, keep_mask, 1.0, 90, 12, True, None)
-    assert torch.equal(full, tb.forward_partials(logits, None, target_col, keep_mask, 1.0, 90, 12, True, 3))
+    full = tb.forward_partials(logits, None, target_col, keep_mask, 1.0, 90, 12, True, None, kernel=kernel)
+    assert torch.equal(full, tb.forward_partials(logits, None, target_col, keep_mask, 1.0, 90, 12, True, 3,
+                                                 kernel=kernel))
     rows = torch.tensor([1, 4, 7])
-    part = tb.forward_partials(logits, rows, target_col[rows], keep_mask, 1.0, 90, 12, True, None)
+    part = tb.forward_partials(logits, rows, target_col[rows], keep_mask, 1.0, 90, 12, True, None, kernel=kernel)
     assert torch.equal(part, full[:, :, rows])  # a row's bits do not depend on which other rows run
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_shards_give_the_same_bits(dtype):
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("block_v", [None, 8])  # one tile per segment; four tiles per segment
+def test_shards_give_the_same_bits(dtype, kernel, block_v):
     # Backend half of TP invariance: rank r of a TP group holds columns [r*V/tp, (r+1)*V/tp) and the fixed segments
     # inside them. Its partials must equal, bit for bit, the same segments computed at TP=1, and its gradient (given
     # the same row stats) the same columns of the TP=1 gradient.
@@ -217,7 +253,8 @@ def test_shards_give_the_same_bits(dtype):
             local = tokens - rank * v_local
             target_col = torch.where((local >= 0) & (local < v_local), local, -1)
             n_valid = max(0, min(v_local, vocab_size - rank * v_local))
-            partials.append(tb.forward_partials(shard, rows, target_col, keep, 1.0, n_valid, seg_len, True, None))
+            partials.append(tb.forward_partials(shard, rows, target_col, keep, 1.0, n_valid, seg_len, True, None,
+                                                kernel=kernel, block_v=block_v))
             grad = torch.empty_like(shard)
             tb.backward_grad(shard, rows, target_col, keep, 1.0, n_valid, *stats, g_lp, g_ent, grad, None)
             grads.append(grad)
@@ -242,6 +279,8 @@ def test_errors_name_the_argument():
         tb.forward_partials(logits, None, target_col, None, 1.0, 65, 16, True, None)
     with pytest.raises(ValueError, match="`keep_mask`"):
         tb.forward_partials(logits, None, target_col, torch.ones(2, 64, dtype=torch.uint8), 1.0, 64, 16, True, None)
+    with pytest.raises(ValueError, match="`kernel`"):
+        tb.forward_partials(logits, None, target_col, None, 1.0, 64, 16, True, None, kernel="rows")
     stats = [torch.zeros(2)] * 4
     with pytest.raises(ValueError, match="`out`"):
         tb.backward_grad(logits, None, target_col, None, 1.0, 64, *stats, stats[0], None, logits.half(), None)
@@ -270,14 +309,15 @@ def compile_report(tmp_path_factory):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_forward_binary_is_the_same_at_every_tp_size(compile_report, dtype):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_forward_binary_is_the_same_at_every_tp_size(compile_report, kernel, dtype):
     # Same specialization => same compiled kernel => same bits per (row, segment) at TP = 1, 2, 4, 8, even where the
     # row stride (V_local = 1000 at TP=8) is not a multiple of 16 while it is at TP=1 (8000).
-    assert compile_report["forward_keys"][dtype] == 1
+    assert compile_report["forward_keys"][f"{kernel} {dtype}"] == 1
 
 
-@pytest.mark.parametrize("case", [f"{p} {d} keep={k}" for p in ("forward", "backward") for d in ("bf16", "fp32")
-                                  for k in (False, True)])
+@pytest.mark.parametrize("case", [f"{p} {d} keep={k}" for p in [f"forward {n}" for n in KERNELS] + ["backward"]
+                                  for d in ("bf16", "fp32") for k in (False, True)])
 def test_kernels_compile_for_sm90_with_vector_loads(compile_report, case):
     # The interpreter accepts code the compiler rejects; both kernels must compile as an H200 runs them, reading the
     # logits (and writing the gradient) with 16-byte vector accesses: the bandwidth-critical part.
@@ -285,3 +325,44 @@ def test_kernels_compile_for_sm90_with_vector_loads(compile_report, case):
     assert ptx["v4_load"], f"{case}: logits not read with 16-byte vector loads"
     if case.startswith("backward"):
         assert ptx["v4_store"], f"{case}: gradient not written with 16-byte vector stores"
+
+
+# --- the fused merge (ppo_ops/_triton_merge.py) against the torch-op merge it replaces ---------------------------------
+# Both compute the same formulas in fp32; they differ only in exp/log implementations (numpy's under the interpreter,
+# torch's on the CPU): a few ulps of the merged sums.
+MERGE_RTOL = 4e-6  # ~32 ulps: one exp per segment and one log per row, each a few ulps apart, through 8 segments
+
+
+@pytest.mark.parametrize("has_keep", [False, True])
+def test_fused_merge_matches_torch_merge(has_keep):
+    from ppo_ops import _row_stats
+    from ppo_ops._triton_merge import merge_partials
+
+    gen = torch.Generator().manual_seed(1)
+    n_seg, n_rows = 8, 300  # more rows than one program's block: the row mask at the end of the last block
+    p = torch.zeros(n_seg, _row_stats.NUM_PARTIALS, n_rows)
+    p[:, _row_stats.MAX] = torch.randn(n_seg, n_rows, generator=gen) * 5
+    p[:, _row_stats.SUMEXP] = torch.rand(n_seg, n_rows, generator=gen) * 100 + 1
+    p[:, _row_stats.KEPT_SUMEXP] = p[:, _row_stats.SUMEXP] * torch.rand(n_seg, n_rows, generator=gen)
+    p[:, _row_stats.ENT_SUM] = -torch.rand(n_seg, n_rows, generator=gen) * 50
+    p[:, _row_stats.TARGET_Z] = float("-inf")
+    p[3, _row_stats.TARGET_Z] = torch.randn(n_rows, generator=gen)
+    p[5, _row_stats.MAX, :10] = float("-inf")  # an empty segment
+    p[5, 1:4, :10] = 0.0
+    p[:, _row_stats.MAX, 20] = float("-inf")  # a row without mass
+    p[:, 1:4, 20] = 0.0
+    p[2, _row_stats.MAX, 30] = float("nan")  # bad input must be flagged
+    p[2, _row_stats.SUMEXP, 30] = float("nan")
+
+    expected = _row_stats.merge_partials(p, has_keep)
+    got = merge_partials(p, has_keep)
+    for field in expected._fields:
+        want, have = getattr(expected, field), getattr(got, field)
+        if want is None:
+            assert have is None, field
+        elif want.dtype == torch.bool:
+            assert torch.equal(want, have), field
+        else:
+            assert torch.allclose(have, want, rtol=MERGE_RTOL, atol=MERGE_RTOL, equal_nan=True), field
+    assert bool(got.bad_input[30]) and not bool(got.bad_input[31])
+    assert not bool(got.row_has_mass[20]) and bool(got.row_has_mass[21])

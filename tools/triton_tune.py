@@ -1,17 +1,19 @@
-"""Tile/warp/stage variants of the Triton backend's two kernels on one GPU, against the device's copy bandwidth.
+"""Kernel/tile/warp/stage variants of the Triton backend's kernels on one GPU, against the device's copy bandwidth.
 
     python tools/triton_tune.py [--rows 8192] [--vocab 151936] [--dtypes bf16,fp32] [--keep]
 
 For each logits dtype it times, with triton.testing.do_bench (p20/p50/p80 over ~100 ms of repetitions):
-- forward partials (`_triton_backend.forward_partials`) per (BLOCK_V, num_warps, num_stages) variant, with the eight
-  fixed segments and, for the default variant, one segment per row (the layout when V_global % 8 != 0);
+- forward partials (`_triton_backend.forward_partials`) per (BLOCK_V, num_warps, num_stages, kernel) variant, for both
+  forward kernels ("lanes": per-lane online state; "tiles": block-wide reductions per tile), with the eight fixed
+  segments and, for the default variant, one segment per row (the layout when V_global % 8 != 0);
 - backward gradient (`_triton_backend.backward_grad`) per variant, out of place;
 - a device-to-device copy of the logits (bytes read + written): the bandwidth every case is set against.
 Bytes: forward reads the logits (and the keep mask, 1 byte per element, with --keep); backward reads them and writes
 the gradient (and reads the keep mask). Every variant's results on a few rows are checked against a float64 torch
 reference (partials; gradient from the same fp32 row stats); a variant that fails to compile, run or check is
-reported and the run goes on. The last table is the compact summary: the best variant of each pass, their sum against
-the floor (3 x logits bytes at copy bandwidth) and the config in ppo_ops/_triton_backend.py::_GPU_CONFIG.
+reported and the run goes on. The last table is the compact summary: the best variant of each pass (the forward's
+label names its kernel), their sum against the floor (3 x logits bytes at copy bandwidth) and the config in
+ppo_ops/_triton_backend.py::_GPU_CONFIG.
 About 1 to 2 minutes on one H200 (compiles dominate).
 """
 
@@ -32,14 +34,20 @@ _KEEP = flags.DEFINE_bool("keep", False, "also pass a keep mask (log-prob renorm
 _CHECK_ROWS = flags.DEFINE_integer("check_rows", 4, "rows checked against float64 per variant")
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-# (BLOCK_V, num_warps, num_stages) per logits element size; the first of each list is ppo_ops' current default.
+# Forward: (BLOCK_V, num_warps, num_stages, kernel) per logits element size; None is ppo_ops' current default. "lanes"
+# keeps 3-4 fp32 accumulators per column of a tile in registers, so its tiles stay small per thread (8-16 columns);
+# num_stages > 1 lets Triton prefetch the next tile through shared memory, more bytes in flight than registers allow.
 FORWARD_VARIANTS = {
-    2: [None, (2048, 4, 1), (4096, 4, 1), (8192, 8, 1), (8192, 16, 1), (4096, 8, 2), (16384, 16, 1)],
-    4: [None, (1024, 4, 1), (2048, 4, 1), (4096, 8, 1), (4096, 16, 1), (2048, 8, 2), (8192, 16, 1)],
+    2: [None, (1024, 4, 1, "lanes"), (2048, 4, 1, "lanes"), (2048, 8, 1, "lanes"), (4096, 8, 1, "lanes"),
+        (1024, 8, 1, "lanes"), (2048, 4, 2, "lanes"), (2048, 4, 3, "lanes"), (2048, 4, 1, "tiles"),
+        (4096, 8, 2, "tiles")],
+    4: [None, (1024, 4, 1, "lanes"), (2048, 4, 1, "lanes"), (2048, 8, 1, "lanes"), (4096, 8, 1, "lanes"),
+        (1024, 8, 1, "lanes"), (2048, 4, 2, "lanes"), (1024, 4, 1, "tiles"), (2048, 4, 1, "tiles")],
 }
+# Backward: (BLOCK_V, num_warps, num_stages).
 BACKWARD_VARIANTS = {
-    2: [None, (1024, 4, 1), (2048, 4, 1), (2048, 8, 1), (8192, 8, 1), (8192, 16, 1), (4096, 4, 1)],
-    4: [None, (512, 4, 1), (1024, 4, 1), (1024, 8, 1), (4096, 8, 1), (4096, 16, 1), (2048, 4, 1)],
+    2: [None, (1024, 4, 1), (2048, 4, 1), (2048, 8, 1), (8192, 8, 1), (4096, 4, 1)],
+    4: [None, (512, 4, 1), (1024, 4, 1), (1024, 8, 1), (4096, 8, 1), (2048, 4, 1)],
 }
 SUM_RTOL = 2e-6  # partial sums vs float64 (tests/triton_reference.py: PARTIAL_SUM_RTOL)
 GRAD_ATOL = 1e-6  # fp32 gradient vs float64; plus half an ulp of the output dtype, relative
@@ -153,9 +161,11 @@ def _tune_dtype(name, n_rows, vocab, keep, check_rows):
     jobs += [("backward", v, None) for v in BACKWARD_VARIANTS[logits.element_size()]]
     for pass_name, variant, seg_len in jobs:
         config = tb.launch_config(pass_name, dtype, seg_len or vocab, interpreted=False,
-                                  **({} if variant is None else dict(zip(("block_v", "num_warps", "num_stages"),
-                                                                         variant))))
+                                  **({} if variant is None else dict(zip(("block_v", "num_warps", "num_stages",
+                                                                          "kernel"), variant))))
         label = f"{config.block_v}/{config.num_warps}/{config.num_stages}" + (" (default)" if variant is None else "")
+        if pass_name == "forward":
+            label = f"{config.kernel} {label}"
         overrides = config._asdict()
         try:
             if pass_name == "forward":
@@ -188,7 +198,7 @@ def _tune_dtype(name, n_rows, vocab, keep, check_rows):
                           f"ERROR {type(error).__name__}: {str(error).splitlines()[0][:80]}"])
             traceback.print_exc(limit=2)
         torch.cuda.empty_cache()
-    _print_table(["pass", "BLOCK_V/warps/stages", "segments", "p20 ms", "p50 ms", "p80 ms", "GB/s", "of copy",
+    _print_table(["pass", "kernel BLOCK_V/warps/stages", "segments", "p20 ms", "p50 ms", "p80 ms", "GB/s", "of copy",
                   "check vs float64"], table)
     return copy_gbs, nbytes, keep_bytes, best
 
@@ -223,7 +233,8 @@ def main(argv):
                         f"{floor_ms:.3f}", f"{floor_ms / total_ms:.2f}", f"{copy_gbs:.0f}",
                         f"fwd {tb._GPU_CONFIG[('forward', DTYPES[name].itemsize)]}, "
                         f"bwd {tb._GPU_CONFIG[('backward', DTYPES[name].itemsize)]}"])
-    print("== summary: best passing variant per pass (BLOCK_V/warps/stages), forward + backward against the floor")
+    print("== summary: best passing variant per pass ([forward kernel] BLOCK_V/warps/stages), forward + backward "
+          "against the floor")
     _print_table(["dtype", "forward (8 segments)", "backward", "fwd+bwd ms", "floor ms", "of floor", "copy GB/s",
                   "current _GPU_CONFIG"], summary)
 
