@@ -19,6 +19,17 @@ from ppo_ops import _row_stats
 (LOG_PROB, ENTROPY, SHIFT, LOG_SUM, LOG_SUM_KEPT, MEAN_SHIFTED, DEFINED, HAS_MASS, BAD_INPUT) = range(9)
 MERGED_FIELDS = 9
 
+# Field rows of `out` as constexprs: a @triton.jit function may read module globals only when they are constexprs.
+_LOG_PROB = tl.constexpr(LOG_PROB)
+_ENTROPY = tl.constexpr(ENTROPY)
+_SHIFT = tl.constexpr(SHIFT)
+_LOG_SUM = tl.constexpr(LOG_SUM)
+_LOG_SUM_KEPT = tl.constexpr(LOG_SUM_KEPT)
+_MEAN_SHIFTED = tl.constexpr(MEAN_SHIFTED)
+_DEFINED = tl.constexpr(DEFINED)
+_HAS_MASS = tl.constexpr(HAS_MASS)
+_BAD_INPUT = tl.constexpr(BAD_INPUT)
+
 _MAX = tl.constexpr(_row_stats.MAX)
 _SUMEXP = tl.constexpr(_row_stats.SUMEXP)
 _KEPT_SUMEXP = tl.constexpr(_row_stats.KEPT_SUMEXP)
@@ -81,15 +92,15 @@ def merge_partials_kernel(
     bad = any_nan | (big_m == float("inf")) | (s != s)
 
     out = out_ptr + rows
-    tl.store(out + LOG_PROB * num_rows, log_prob, mask=in_rows)
-    tl.store(out + ENTROPY * num_rows, entropy, mask=in_rows)
-    tl.store(out + SHIFT * num_rows, m_safe, mask=in_rows)
-    tl.store(out + LOG_SUM * num_rows, log_s, mask=in_rows)
-    tl.store(out + LOG_SUM_KEPT * num_rows, log_kept, mask=in_rows)
-    tl.store(out + MEAN_SHIFTED * num_rows, ratio, mask=in_rows)
-    tl.store(out + DEFINED * num_rows, defined.to(tl.float32), mask=in_rows)
-    tl.store(out + HAS_MASS * num_rows, has_mass.to(tl.float32), mask=in_rows)
-    tl.store(out + BAD_INPUT * num_rows, bad.to(tl.float32), mask=in_rows)
+    tl.store(out + _LOG_PROB * num_rows, log_prob, mask=in_rows)
+    tl.store(out + _ENTROPY * num_rows, entropy, mask=in_rows)
+    tl.store(out + _SHIFT * num_rows, m_safe, mask=in_rows)
+    tl.store(out + _LOG_SUM * num_rows, log_s, mask=in_rows)
+    tl.store(out + _LOG_SUM_KEPT * num_rows, log_kept, mask=in_rows)
+    tl.store(out + _MEAN_SHIFTED * num_rows, ratio, mask=in_rows)
+    tl.store(out + _DEFINED * num_rows, defined.to(tl.float32), mask=in_rows)
+    tl.store(out + _HAS_MASS * num_rows, has_mass.to(tl.float32), mask=in_rows)
+    tl.store(out + _BAD_INPUT * num_rows, bad.to(tl.float32), mask=in_rows)
 
 
 # Rows per program: enough to amortise the static segment loop; a power of two (tl.arange).

@@ -327,6 +327,12 @@ def test_kernels_compile_for_sm90_with_vector_loads(compile_report, case):
         assert ptx["v4_store"], f"{case}: gradient not written with 16-byte vector stores"
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_fused_merge_compiles_for_sm90(compile_report, keep):
+    # The interpreter runs kernels that read non-constexpr module globals; the compiler rejects them.
+    assert compile_report["merge"][f"keep={keep}"]
+
+
 # --- the fused merge (ppo_ops/_triton_merge.py) against the torch-op merge it replaces ---------------------------------
 # Both compute the same formulas in fp32; they differ only in exp/log implementations (numpy's under the interpreter,
 # torch's on the CPU): a few ulps of the merged sums.

@@ -24,7 +24,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile as triton_compile, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from ppo_ops import _triton_backend as tb, _triton_kernels  # noqa: E402
+from ppo_ops import _triton_backend as tb, _triton_kernels, _triton_merge  # noqa: E402
+from ppo_ops._row_stats import NUM_PARTIALS  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H200 (Hopper), 32-thread warps
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -101,6 +102,12 @@ def main():
                 ptx = qwen3_ptx(pass_name, dtype, keep)
                 report["ptx"][f"{pass_name} {name} keep={keep}"] = {
                     "v4_load": "ld.global.v4" in ptx, "v4_store": "st.global.v4" in ptx}
+    report["merge"] = {}
+    for keep in (False, True):  # the fused merge: the interpreter does not enforce the compiler's rules on globals
+        n_rows = 300
+        args = (torch.empty((8, NUM_PARTIALS, n_rows)), torch.empty((_triton_merge.MERGED_FIELDS, n_rows)), n_rows)
+        kwargs = dict(NUM_SEG=8, HAS_KEEP=keep, BLOCK_R=_triton_merge._BLOCK_R)
+        report["merge"][f"keep={keep}"] = ".entry" in _ptx(_triton_merge.merge_partials_kernel, args, kwargs)
     print(json.dumps(report))
 
 
