@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ppo_ops import _row_stats
+from ppo_ops._triton_kernels import _ENT_SUM, _KEPT_SUMEXP, _MAX, _NUM_PARTIALS, _SUMEXP, _TARGET_Z
 
 (LOG_PROB, ENTROPY, SHIFT, LOG_SUM, LOG_SUM_KEPT, MEAN_SHIFTED, DEFINED, HAS_MASS, BAD_INPUT) = range(9)
 MERGED_FIELDS = 9
@@ -30,12 +31,6 @@ _DEFINED = tl.constexpr(DEFINED)
 _HAS_MASS = tl.constexpr(HAS_MASS)
 _BAD_INPUT = tl.constexpr(BAD_INPUT)
 
-_MAX = tl.constexpr(_row_stats.MAX)
-_SUMEXP = tl.constexpr(_row_stats.SUMEXP)
-_KEPT_SUMEXP = tl.constexpr(_row_stats.KEPT_SUMEXP)
-_ENT_SUM = tl.constexpr(_row_stats.ENT_SUM)
-_TARGET_Z = tl.constexpr(_row_stats.TARGET_Z)
-_NUM_PARTIALS = tl.constexpr(_row_stats.NUM_PARTIALS)
 
 
 @triton.jit
