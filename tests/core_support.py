@@ -130,6 +130,7 @@ def _gloo_entry(rank, world_size, port, worker, args):
                             timeout=GLOO_TIMEOUT)
     try:
         worker(rank, world_size, *args)
+        dist.barrier()  # every rank done before any tears the group down (a peer's early exit can abort gloo)
     finally:
         dist.destroy_process_group()
 

@@ -240,6 +240,8 @@ def _tp_entry(rank, world_size, port, backend, worker, result_dir, worker_args):
         results = worker(rank, world_size, dist.group.WORLD, *worker_args)
         with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
+        if backend == "gloo":  # every rank done before any tears the group down (a peer's early exit can abort gloo)
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -99,6 +99,9 @@ def _worker(rank: int, config: BenchConfig, port: int) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=config.tp, timeout=_DIST_TIMEOUT)
     try:
         _run_rank(config, device, group=dist.group.WORLD, rank=rank)
+        # Every rank done before any tears the group down: a CI run once saw rank 0 abort in gloo ("terminate called
+        # without an active exception") as its peer exited.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
