@@ -33,7 +33,7 @@ if _SKIP:
 from ppo_ops import _triton_backend as tb  # noqa: E402
 from ppo_ops._row_stats import ENT_SUM, MAX, SUMEXP, TARGET_Z  # noqa: E402
 from tests.triton_reference import (NEG_INF, assert_grad_close, check_once, make_case, reference_grad,  # noqa: E402
-                                    reference_stats)
+                                    reference_stats, results_per_tp)
 
 COMPILE_TIMEOUT_S = 300  # the child compiles 12 kernels for sm_90 (about 15 s on 2 cores); a hang fails the test
 KERNELS = sorted(tb.FORWARD_KERNELS)  # every forward kernel runs the forward tests
@@ -243,22 +243,8 @@ def test_shards_give_the_same_bits(dtype, kernel, block_v):
     tokens = tokens.clamp(max=vocab_size - 1)
     seg_len = v_global // 8
     stats = [s.float() for s in reference_stats(logits, rows, tokens, keep_mask, 1.0, vocab_size)]
-    results = {}
-    for tp in (1, 2, 4, 8):
-        v_local = v_global // tp
-        partials, grads = [], []
-        for rank in range(tp):
-            cols = slice(rank * v_local, (rank + 1) * v_local)
-            shard, keep = logits[:, cols].contiguous(), keep_mask[:, cols].contiguous()
-            local = tokens - rank * v_local
-            target_col = torch.where((local >= 0) & (local < v_local), local, -1)
-            n_valid = max(0, min(v_local, vocab_size - rank * v_local))
-            partials.append(tb.forward_partials(shard, rows, target_col, keep, 1.0, n_valid, seg_len, True, None,
-                                                kernel=kernel, block_v=block_v))
-            grad = torch.empty_like(shard)
-            tb.backward_grad(shard, rows, target_col, keep, 1.0, n_valid, *stats, g_lp, g_ent, grad, None)
-            grads.append(grad)
-        results[tp] = (torch.cat(partials), torch.cat(grads, dim=1))
+    results = results_per_tp(logits, rows, tokens, keep_mask, stats, g_lp, g_ent, vocab_size, seg_len,
+                             kernel=kernel, block_v=block_v)
     for tp in (2, 4, 8):
         assert torch.equal(results[tp][0], results[1][0]), f"partials differ at TP={tp}"
         assert torch.equal(results[tp][1], results[1][1]), f"gradient differs at TP={tp}"

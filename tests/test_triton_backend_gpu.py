@@ -14,7 +14,7 @@ pytest.importorskip("triton", reason="needs triton")
 
 from ppo_ops import _triton_backend as tb  # noqa: E402
 from tests.triton_reference import (assert_grad_close, assert_partials_close, check_once, make_case,  # noqa: E402
-                                    reference_grad, reference_partials, reference_stats)
+                                    reference_grad, reference_partials, reference_stats, results_per_tp)
 
 DEVICE = "cuda"
 QWEN3_VOCAB = 151936  # 8 segments of 18992 = 16 * 1187
@@ -52,22 +52,7 @@ def test_compiled_shards_give_the_same_bits(dtype, v_global, vocab_size):
     stats = [s.float().to(DEVICE) for s in reference_stats(logits, rows, tokens, keep_mask, 1.0, vocab_size)]
     logits, rows, keep_mask, g_lp, g_ent = (t.to(DEVICE) for t in (logits, rows, keep_mask, g_lp, g_ent))
     tokens = tokens.to(DEVICE)
-    results = {}
-    for tp in (1, 2, 4, 8):
-        v_local = v_global // tp
-        partials, grads = [], []
-        for rank in range(tp):
-            cols = slice(rank * v_local, (rank + 1) * v_local)
-            shard, keep = logits[:, cols].contiguous(), keep_mask[:, cols].contiguous()
-            local = tokens - rank * v_local
-            target_col = torch.where((local >= 0) & (local < v_local), local, -1)
-            n_valid = max(0, min(v_local, vocab_size - rank * v_local))
-            partials.append(tb.forward_partials(shard, rows, target_col, keep, 1.0, n_valid, v_global // 8, True,
-                                                None))
-            grad = torch.empty_like(shard)
-            tb.backward_grad(shard, rows, target_col, keep, 1.0, n_valid, *stats, g_lp, g_ent, grad, None)
-            grads.append(grad)
-        results[tp] = (torch.cat(partials), torch.cat(grads, dim=1))
+    results = results_per_tp(logits, rows, tokens, keep_mask, stats, g_lp, g_ent, vocab_size, v_global // 8)
     for tp in (2, 4, 8):
         assert torch.equal(results[tp][0], results[1][0]), f"partials differ at TP={tp}"
         assert torch.equal(results[tp][1], results[1][1]), f"gradient differs at TP={tp}"

@@ -183,3 +183,28 @@ def check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, *, inv_t=1.0, n
     assert_grad_close(out, reference_grad(logits, rows, target_col, keep_mask, inv_t, n_valid, stats, g_lp, g_ent),
                       row_scale=scale)
     return got, out
+
+
+def results_per_tp(logits, rows, tokens, keep_mask, stats, g_lp, g_ent, vocab_size, seg_len, tp_sizes=(1, 2, 4, 8),
+                   **overrides):
+    """{tp: (partials, gradient)} with rank r of each TP size holding columns [r*V/tp, (r+1)*V/tp) and its fixed
+    segments: the ranks' partials stacked in rank order, their gradient shards concatenated. `stats` are the global
+    row stats; `overrides` go to forward_partials (kernel, block_v, ...)."""
+    v_global = logits.shape[1]
+    results = {}
+    for tp in tp_sizes:
+        v_local = v_global // tp
+        partials, grads = [], []
+        for rank in range(tp):
+            cols = slice(rank * v_local, (rank + 1) * v_local)
+            shard, keep = logits[:, cols].contiguous(), keep_mask[:, cols].contiguous()
+            local = tokens - rank * v_local
+            target_col = torch.where((local >= 0) & (local < v_local), local, -1)
+            n_valid = max(0, min(v_local, vocab_size - rank * v_local))
+            partials.append(tb.forward_partials(shard, rows, target_col, keep, 1.0, n_valid, seg_len, True, None,
+                                                **overrides))
+            grad = torch.empty_like(shard)
+            tb.backward_grad(shard, rows, target_col, keep, 1.0, n_valid, *stats, g_lp, g_ent, grad, None)
+            grads.append(grad)
+        results[tp] = (torch.cat(partials), torch.cat(grads, dim=1))
+    return results
