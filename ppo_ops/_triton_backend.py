@@ -36,7 +36,9 @@ _GPU_CONFIG = {
     ("backward", 4): (1024, 4, 1, "tiles"),
 }
 # The forward kernels by name (the backward has one kernel; its config's `kernel` is ignored).
-FORWARD_KERNELS = {"tiles": _triton_kernels.forward_partials_kernel, "lanes": _triton_kernels.forward_lanes_kernel}
+FORWARD_KERNELS = {"tiles": _triton_kernels.forward_partials_kernel, "lanes": _triton_kernels.forward_lanes_kernel,
+                   "chunks": _triton_kernels.forward_chunks_kernel}
+_DEFAULT_CHUNK = 8  # "chunks": columns per lane and tile (16 bytes of bf16)
 _INTERPRET_FORWARD_KERNEL = "lanes"  # the interpreter runs the kernel CUDA runs by default
 # Largest interpreter tile: big enough for few loop iterations, small enough for cheap numpy temporaries.
 _INTERPRET_MAX_BLOCK = 1 << 16
@@ -87,9 +89,11 @@ class LaunchConfig(NamedTuple):
     num_warps: Optional[int]  # None under the interpreter
     num_stages: Optional[int]
     kernel: str = "tiles"  # forward kernel, a key of FORWARD_KERNELS (ignored by the backward)
+    chunk: int = _DEFAULT_CHUNK  # "chunks" kernel: contiguous columns per lane and tile (capped at block_v)
 
 
-def launch_config(pass_name, dtype, n_cols, interpreted, block_v=None, num_warps=None, num_stages=None, kernel=None):
+def launch_config(pass_name, dtype, n_cols, interpreted, block_v=None, num_warps=None, num_stages=None, kernel=None,
+                  chunk=None):
     """Tile and launch options of a pass whose tiles cover n_cols columns (forward: a segment; backward: a row).
 
     The forward's config depends only on (seg_len, dtype), never on V_local, so every TP size runs the same code on a
@@ -105,6 +109,7 @@ def launch_config(pass_name, dtype, n_cols, interpreted, block_v=None, num_warps
         default.num_stages if num_stages is None else num_stages,
         default.kernel if kernel is None else kernel,
     )
+    config = config._replace(chunk=min(default.chunk if chunk is None else chunk, config.block_v))
     if pass_name == "forward" and config.kernel not in FORWARD_KERNELS:
         raise ValueError(f"`kernel` must be one of {sorted(FORWARD_KERNELS)}, got {config.kernel!r}")
     return config
@@ -179,6 +184,7 @@ def forward_launch_args(logits, rows, target_col, keep_mask, inv_temperature, n_
         SCALE=float(inv_temperature) != 1.0, BLOCK_V=config.block_v,
         LOGITS_ALIGN=_segment_align(seg_len, logits, config.block_v),
         KEEP_ALIGN=1 if keep is None else _segment_align(seg_len, keep, config.block_v),
+        **({"CHUNK": config.chunk} if config.kernel == "chunks" else {}),
         **_options(config),
     )
     return (num_rows, v_local // seg_len), args, kwargs

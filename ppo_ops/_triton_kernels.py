@@ -254,7 +254,16 @@ def forward_lanes_kernel(
             k = z
         m, s, sk, w = _lanes_update(z, k, offs == target - tail, m, s, sk, w, HAS_KEEP, WITH_ENTROPY)
 
-    # Merge the lanes (the formulas of _row_stats.merge_partials); lanes without a finite value have s == 0.
+    _merge_lanes_and_store(m, s, sk, w, row_ptr, target, seg_start, seg_end, seg, pid_r, num_rows, out_ptr,
+                           inv_temperature, HAS_KEEP, WITH_ENTROPY, SCALE)
+
+
+@triton.jit
+def _merge_lanes_and_store(m, s, sk, w, row_ptr, target, seg_start, seg_end, seg, pid_r, num_rows, out_ptr,
+                           inv_temperature, HAS_KEEP: tl.constexpr, WITH_ENTROPY: tl.constexpr, SCALE: tl.constexpr):
+    """Merges per-lane online states (m, s, sk, w: vectors, each sum relative to its lane's max m) into the segment's
+    partials with the formulas of _row_stats.merge_partials, adds the target's logit and stores the five channels.
+    Lanes without a finite value have s == 0 and drop out."""
     neg_inf = float("-inf")
     present = s != 0.0  # a NaN s stays present, so it reaches the sums
     m_top = tl.max(tl.where(present, m, neg_inf), axis=0)
@@ -284,6 +293,96 @@ def forward_lanes_kernel(
     tl.store(out + _KEPT_SUMEXP * num_rows, sk_seg)
     tl.store(out + _ENT_SUM * num_rows, w_seg)
     tl.store(out + _TARGET_Z * num_rows, zt)
+
+
+@triton.jit
+def _chunks_update(z, keep, is_target, m, s, sk, w, HAS_KEEP: tl.constexpr, WITH_ENTROPY: tl.constexpr):
+    """One tile's update of the per-lane online state by z [LANES, CHUNK] (-inf for padding): each lane first takes
+    the max of its CHUNK columns (in-thread), rescales its sums once, then adds the chunk with one exp per element."""
+    m_new = tl.maximum(m, tl.max(z, axis=1))  # finite (sentinel -FLT_MAX) unless +inf; tl.max may drop NaN
+    shift = m - m_new  # <= 0; -inf only when m_new is +inf (bad input, reported through s)
+    alpha = _exp_nonpositive(shift)  # rescales the old sums: 1 while the lane stays empty
+    d = z - m_new[:, None]  # <= 0; -inf for a -inf logit, NaN for NaN or +inf
+    e = _exp_nonpositive(d)
+    if WITH_ENTROPY:
+        # old terms shift by (m - m_new); a -inf logit adds 0 (d clamped), not 0 * -inf
+        w = alpha * (w + shift * s) + tl.sum(e * tl.maximum(d, -_FLT_MAX), axis=1)
+    if HAS_KEEP:
+        sk = alpha * sk + tl.sum(tl.where((keep != 0) | is_target, e, 0.0), axis=1)
+    s = alpha * s + tl.sum(e, axis=1)
+    return m_new, s, sk, w
+
+
+@triton.jit(do_not_specialize_on_alignment=FORWARD_UNALIGNED_ARGS)
+def forward_chunks_kernel(
+    logits_ptr, rows_ptr, target_ptr, keep_ptr, out_ptr,  # as forward_partials_kernel
+    num_rows, n_valid, seg_len,
+    logits_row_stride, keep_row_stride,
+    inv_temperature,
+    HAS_ROWS: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
+    SCALE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    LOGITS_ALIGN: tl.constexpr,
+    KEEP_ALIGN: tl.constexpr,
+    CHUNK: tl.constexpr,  # contiguous columns per lane and tile; divides BLOCK_V
+):
+    pid_r = tl.program_id(0)
+    seg = tl.program_id(1)
+    if HAS_ROWS:
+        row = tl.load(rows_ptr + pid_r)
+    else:
+        row = pid_r.to(tl.int64)
+    target = tl.load(target_ptr + pid_r)
+    seg_start = tl.multiple_of(seg * seg_len, LOGITS_ALIGN)
+    seg_end = tl.minimum(seg_start + seg_len, n_valid)
+    mem_end = seg_start + seg_len
+    row_ptr = logits_ptr + tl.multiple_of(row * logits_row_stride, LOGITS_ALIGN)
+    keep_row_ptr = keep_ptr + tl.multiple_of(row * keep_row_stride, KEEP_ALIGN)
+
+    LANES: tl.constexpr = BLOCK_V // CHUNK
+    m = tl.full([LANES], -_FLT_MAX, tl.float32)
+    s = tl.zeros([LANES], tl.float32)
+    sk = tl.zeros([LANES], tl.float32)
+    w = tl.zeros([LANES], tl.float32)
+    offs = tl.arange(0, LANES)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]  # lane-major: a lane's chunk is contiguous
+    n_cols = tl.maximum(seg_end - seg_start, 0)
+    n_full = n_cols // BLOCK_V
+    # Whole tiles: unmasked, the next tile's load issued before this tile's math (as forward_lanes_kernel).
+    last = tl.maximum(n_full - 1, 0)
+    first = offs < tl.minimum(n_full, 1) * BLOCK_V
+    x_next = tl.load(row_ptr + seg_start + offs, mask=first, other=0.0)
+    if HAS_KEEP:
+        k_next = tl.load(keep_row_ptr + seg_start + offs, mask=first, other=0)
+    else:
+        k_next = x_next
+    for tile in range(0, n_full):
+        x = x_next
+        k = k_next
+        ahead = seg_start + tl.minimum(tile + 1, last) * BLOCK_V
+        x_next = tl.load(row_ptr + ahead + offs)
+        if HAS_KEEP:
+            k_next = tl.load(keep_row_ptr + ahead + offs)
+        z = x.to(tl.float32)
+        if SCALE:
+            z = z * inv_temperature
+        m, s, sk, w = _chunks_update(z, k, offs == target - (seg_start + tile * BLOCK_V), m, s, sk, w, HAS_KEEP,
+                                     WITH_ENTROPY)
+    tail = seg_start + n_full * BLOCK_V
+    if tail < seg_end:  # the partial last tile: loads masked by the segment, padding selected away
+        in_mem = offs < mem_end - tail
+        z = tl.load(row_ptr + tail + offs, mask=in_mem, other=float("-inf")).to(tl.float32)
+        if SCALE:
+            z = z * inv_temperature
+        z = tl.where(offs < seg_end - tail, z, float("-inf"))
+        if HAS_KEEP:
+            k = tl.load(keep_row_ptr + tail + offs, mask=in_mem, other=0)
+        else:
+            k = z
+        m, s, sk, w = _chunks_update(z, k, offs == target - tail, m, s, sk, w, HAS_KEEP, WITH_ENTROPY)
+    _merge_lanes_and_store(m, s, sk, w, row_ptr, target, seg_start, seg_end, seg, pid_r, num_rows, out_ptr,
+                           inv_temperature, HAS_KEEP, WITH_ENTROPY, SCALE)
 
 
 BACKWARD_UNALIGNED_ARGS = ["n_valid"]  # only selects values: loads stay vectorised when it is odd

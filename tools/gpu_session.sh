@@ -10,6 +10,8 @@
 #   parity    tools/run_parity_gpu.sh: fused core vs legacy, TP=1 on one GPU and TP=2 over NCCL on two
 #   qwen3     tools/run_qwen3_check_gpu.sh: the Qwen3 parallel check, qwen3-0.6b-random, hf engine, NCCL layouts
 #   bench     tools/run_bench_gpu.sh: the bench, TP=1 and TP=2
+#   overhead  tools/host_overhead.py --profile: host vs device time of one step (what a host sync costs), one GPU
+#   bench_tp2 the bench's tp2 suite alone over NCCL on two GPUs, 90 s of cases (a quick TP=2 check)
 # Each phase writes into $OUT/work/PHASE and is bundled into $OUT/PHASE.tgz as soon as it ends (the device tool
 # returns at most 8 files, and what a cut-off call left under $OUT still comes back). Phases share one time budget,
 # SESSION_BUDGET_S (default 570 s, under the tool's 600 s per call): each gets min(its limit, what is left); one that
@@ -64,6 +66,11 @@ for phase in "$@"; do
       run_phase qwen3 420 bash tools/run_qwen3_check_gpu.sh ;;
     bench)
       run_phase bench 500 bash tools/run_bench_gpu.sh ;;
+    overhead)
+      run_phase overhead 120 python3 tools/host_overhead.py --profile ;;
+    bench_tp2)
+      run_phase bench_tp2 200 env CUDA_VISIBLE_DEVICES=0,1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+        bash -c 'python3 tools/bench/bench.py --tp=2 --suite=tp2 --time_budget_s=90 --out_dir="$OUT"' ;;
     *)
       echo "unknown phase: $phase" >&2; exit 2 ;;
   esac

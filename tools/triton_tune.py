@@ -38,11 +38,13 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 # keeps 3-4 fp32 accumulators per column of a tile in registers, so its tiles stay small per thread (8-16 columns);
 # num_stages > 1 lets Triton prefetch the next tile through shared memory, more bytes in flight than registers allow.
 FORWARD_VARIANTS = {
-    2: [None, (1024, 4, 1, "lanes"), (2048, 4, 1, "lanes"), (2048, 8, 1, "lanes"), (4096, 8, 1, "lanes"),
-        (1024, 8, 1, "lanes"), (2048, 4, 2, "lanes"), (2048, 4, 3, "lanes"), (2048, 4, 1, "tiles"),
-        (4096, 8, 2, "tiles")],
-    4: [None, (1024, 4, 1, "lanes"), (2048, 4, 1, "lanes"), (2048, 8, 1, "lanes"), (4096, 8, 1, "lanes"),
-        (1024, 8, 1, "lanes"), (2048, 4, 2, "lanes"), (1024, 4, 1, "tiles"), (2048, 4, 1, "tiles")],
+    2: [None, (1024, 4, 1, "lanes"), (2048, 4, 1, "lanes"), (2048, 4, 1, "tiles"),
+        (1024, 4, 1, "chunks", 8), (2048, 4, 1, "chunks", 8), (2048, 8, 1, "chunks", 8), (4096, 8, 1, "chunks", 8),
+        (4096, 4, 1, "chunks", 8), (2048, 4, 1, "chunks", 16), (4096, 8, 1, "chunks", 16), (1024, 4, 1, "chunks", 4),
+        (2048, 4, 2, "chunks", 8), (8192, 8, 1, "chunks", 8)],
+    4: [None, (1024, 4, 1, "lanes"), (1024, 4, 1, "tiles"),
+        (1024, 4, 1, "chunks", 4), (2048, 4, 1, "chunks", 4), (1024, 4, 1, "chunks", 8), (2048, 4, 1, "chunks", 8),
+        (2048, 8, 1, "chunks", 8), (4096, 8, 1, "chunks", 8), (4096, 8, 1, "chunks", 4)],
 }
 # Backward: (BLOCK_V, num_warps, num_stages).
 BACKWARD_VARIANTS = {
@@ -162,10 +164,10 @@ def _tune_dtype(name, n_rows, vocab, keep, check_rows):
     for pass_name, variant, seg_len in jobs:
         config = tb.launch_config(pass_name, dtype, seg_len or vocab, interpreted=False,
                                   **({} if variant is None else dict(zip(("block_v", "num_warps", "num_stages",
-                                                                          "kernel"), variant))))
+                                                                          "kernel", "chunk"), variant))))
         label = f"{config.block_v}/{config.num_warps}/{config.num_stages}" + (" (default)" if variant is None else "")
         if pass_name == "forward":
-            label = f"{config.kernel} {label}"
+            label = f"{config.kernel}{config.chunk if config.kernel == 'chunks' else ''} {label}"
         overrides = config._asdict()
         try:
             if pass_name == "forward":

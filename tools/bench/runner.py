@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import faulthandler
 import gc
 import importlib.metadata
 import os
@@ -87,6 +88,10 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, config: BenchConfig, port: int) -> None:
+    if config.time_budget_s > 0:
+        # A rank still running well past the budget is stuck (a collective its peer never joined): print every
+        # rank's Python stacks to the log, every minute, so the hang can be found from the log alone.
+        faulthandler.dump_traceback_later(config.time_budget_s + 60, repeat=True)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     if config.device == "cuda":
