@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from ppo_ops import _row_stats
+from ppo_ops import _row_stats, _validate
 from ppo_ops._layout import VocabLayout, target_columns
 
 
@@ -53,7 +53,7 @@ class Plan:
     validate: bool
 
 
-def compute_row_stats(plan: Plan, logits, rows, target_col, keep_mask, n_total_rows: int):
+def compute_row_stats(plan: Plan, logits, rows, target_col, keep_mask, n_total_rows: int, tokens, row_mask):
     """Forward partials on this rank, all-gather across ranks, merge. Returns RowStats over the active rows."""
     layout = plan.layout
     partials = plan.backend.forward_partials(
@@ -71,9 +71,24 @@ def compute_row_stats(plan: Plan, logits, rows, target_col, keep_mask, n_total_r
             partials = partials[:, :, rows]
     merge = getattr(plan.backend, "merge_partials", _row_stats.merge_partials)  # a backend may fuse the merge
     stats = merge(partials, keep_mask is not None)
-    if plan.validate and bool(stats.bad_input.any()):
-        raise ValueError(f"ppo_ops.{plan.fn_name}: logits contain NaN or +inf (after the temperature scaling)")
+    if plan.validate:
+        _check_values(plan, stats, tokens, row_mask)
     return stats
+
+
+def _check_values(plan: Plan, stats, tokens, row_mask) -> None:
+    """validate=True: the checks that read values, with one host sync. At TP = 1 the token range is read here too
+    (nothing collective has run); at TP > 1 api.py checked it before the first collective."""
+    flags = [stats.bad_input.any().reshape(1).to(torch.int64)]
+    single_rank = plan.layout.group is None
+    if single_rank:
+        flags.append(_validate.token_bounds(tokens, row_mask))
+    values = torch.cat(flags).tolist()  # the host sync
+    if single_rank:
+        _validate.raise_if_out_of_range(plan.fn_name, values[1], values[2], plan.layout.vocab_size,
+                                        row_mask is not None)
+    if values[0]:
+        raise ValueError(f"ppo_ops.{plan.fn_name}: logits contain NaN or +inf (after the temperature scaling)")
 
 
 class LogProbEntropyFunction(torch.autograd.Function):
@@ -86,7 +101,7 @@ class LogProbEntropyFunction(torch.autograd.Function):
         active_tokens = tokens if rows is None else tokens.index_select(0, rows)
         target_col = target_columns(active_tokens, plan.layout)
 
-        stats = compute_row_stats(plan, logits, rows, target_col, keep_mask, n_total)
+        stats = compute_row_stats(plan, logits, rows, target_col, keep_mask, n_total, tokens, row_mask)
 
         log_prob, entropy = stats.log_prob, stats.entropy
         if rows is not None:

@@ -26,20 +26,21 @@ from ppo_ops import _triton_kernels
 from ppo_ops._triton_merge import merge_partials  # noqa: F401  the core uses it in place of the torch-op merge
 from ppo_ops._row_stats import NUM_PARTIALS
 
-# (BLOCK_V, num_warps, num_stages, forward kernel) per pass and logits element size in bytes: the fastest correct
-# variants of tools/triton_tune.py on an H200 (T=8192, V=151936, 8 segments; tools/bench/results/triton_tune_h200.log):
-# forward "lanes" 1024/4/1 bf16 0.876 ms, fp32 1.190 ms; backward bf16 4096/4/1 1.370 ms, fp32 1024/4/1 2.508 ms.
+# (BLOCK_V, num_warps, num_stages, forward kernel, chunk) per pass and logits element size in bytes: the fastest
+# correct variants of tools/triton_tune.py on an H200 (T=8192, V=151936, 8 segments;
+# tools/bench/results/triton_tune_h200.log): forward "chunks" bf16 1024/4/1 chunk 8 0.612 ms (96% of the copy
+# bandwidth's rate), fp32 4096/8/1 chunk 4 1.094 ms; backward bf16 4096/4/1 1.328 ms, fp32 1024/4/1 2.510 ms.
 _GPU_CONFIG = {
-    ("forward", 2): (1024, 4, 1, "lanes"),
-    ("forward", 4): (1024, 4, 1, "lanes"),
-    ("backward", 2): (4096, 4, 1, "tiles"),
-    ("backward", 4): (1024, 4, 1, "tiles"),
+    ("forward", 2): (1024, 4, 1, "chunks", 8),
+    ("forward", 4): (4096, 8, 1, "chunks", 4),
+    ("backward", 2): (4096, 4, 1, "tiles", 8),
+    ("backward", 4): (1024, 4, 1, "tiles", 8),
 }
 # The forward kernels by name (the backward has one kernel; its config's `kernel` is ignored).
 FORWARD_KERNELS = {"tiles": _triton_kernels.forward_partials_kernel, "lanes": _triton_kernels.forward_lanes_kernel,
                    "chunks": _triton_kernels.forward_chunks_kernel}
 _DEFAULT_CHUNK = 8  # "chunks": columns per lane and tile (16 bytes of bf16)
-_INTERPRET_FORWARD_KERNEL = "lanes"  # the interpreter runs the kernel CUDA runs by default
+_INTERPRET_FORWARD_KERNEL = "chunks"  # the interpreter runs the kernel CUDA runs by default
 # Largest interpreter tile: big enough for few loop iterations, small enough for cheap numpy temporaries.
 _INTERPRET_MAX_BLOCK = 1 << 16
 

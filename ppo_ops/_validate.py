@@ -1,7 +1,10 @@
 """Argument checks for log_probs_and_entropy, all raised before any collective.
 
-Checks that are free (dtypes, shapes, option values) always run. Checks that read tensor values (the token range)
-need a host sync on CUDA and run only with `validate=True` (the default). Rows dropped by `row_mask` are not range
+Checks that are free (dtypes, shapes, option values) always run. Checks that read tensor values (the token range,
+NaN / +inf logits) need a host sync on CUDA and run only with `validate=True` (the default). A sync stalls the GPU
+until the host has launched everything after it, so there are as few as the rule "raise before any collective"
+allows: at TP = 1 one, after the forward kernels (token bounds and the bad-logits flag read together); at TP > 1 the
+token range before the first collective, the ranks' consistency header, then the bad-logits flag. Rows dropped by `row_mask` are not range
 checked: prompt rows routinely carry placeholder ids such as -100.
 
 Errors name the argument and what was expected: TypeError for a wrong dtype or type, ValueError for a wrong shape
@@ -111,20 +114,31 @@ def check_vocab(fn_name: str, vocab_size: Optional[int], v_global: int) -> None:
         )
 
 
-def check_token_range(
-    fn_name: str, tokens: torch.Tensor, row_mask: Optional[torch.Tensor], upper: int
-) -> None:
-    """Token ids of kept rows must lie in [0, upper). Reads values: a host sync on CUDA."""
-    if tokens.numel() == 0:
-        return
-    t = tokens if row_mask is None else tokens[row_mask]
+def token_bounds(tokens: torch.Tensor, row_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """[2] int64 (min, max) of the kept rows' token ids, on their device, without a host sync. Dropped rows count
+    as id 0 (always in range); no rows at all gives (0, 0)."""
+    t = tokens.reshape(-1).to(torch.int64)
     if t.numel() == 0:
-        return
-    lo, hi = torch.aminmax(t.to(torch.int64))
-    lo, hi = int(lo), int(hi)
+        return torch.zeros(2, dtype=torch.int64, device=tokens.device)
+    if row_mask is not None:
+        t = torch.where(row_mask.reshape(-1), t, torch.zeros_like(t))
+    return torch.stack(torch.aminmax(t))
+
+
+def raise_if_out_of_range(fn_name: str, lo: int, hi: int, upper: int, has_row_mask: bool) -> None:
+    """Token ids of kept rows must lie in [0, upper)."""
     if lo < 0 or hi >= upper:
         bad = lo if lo < 0 else hi
         raise ValueError(
             f"{_prefix(fn_name)}tokens must be global token ids in [0, {upper}), found {bad}"
-            + (" (rows dropped by row_mask are not checked)" if row_mask is not None else "")
+            + (" (rows dropped by row_mask are not checked)" if has_row_mask else "")
         )
+
+
+def check_token_range(
+    fn_name: str, tokens: torch.Tensor, row_mask: Optional[torch.Tensor], upper: int
+) -> None:
+    """The token range check on its own: a host sync on CUDA. At TP > 1 it must run before the first collective;
+    at TP = 1 the core reads the bounds together with its other checks after the forward (one sync, not two)."""
+    lo, hi = token_bounds(tokens, row_mask).tolist()
+    raise_if_out_of_range(fn_name, lo, hi, upper, row_mask is not None)

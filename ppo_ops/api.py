@@ -135,7 +135,8 @@ def _compute(
     lead, v_local = tuple(logits.shape[:-1]), logits.shape[-1]
     layout = make_layout(tp_group, v_local, vocab_size)
     _validate.check_vocab(fn_name, vocab_size, layout.v_global)
-    if validate:
+    if validate and layout.group is not None:
+        # Before the first collective; at TP = 1 the forward reads it with its other checks (one host sync).
         _validate.check_token_range(fn_name, tokens, row_mask, layout.vocab_size)
     selected = _select_backend(fn_name, backend, logits)
 

@@ -322,3 +322,24 @@ def test_cli_rejects_bad_flags(tmp_path, flag, message):
     assert out.returncode != 0
     assert message in out.stderr
     assert not (tmp_path / "results.csv").exists()
+
+
+def _rep_count_worker(rank, world_size):
+    import torch.distributed as dist
+
+    # Each rank's own warm-up estimate differs (rank 1 looks 10x slower); the agreed estimate, hence the number of
+    # timed steps (each a collective at TP > 1), must be the same on every rank.
+    estimate = runner._max_over_ranks(0.5 if rank == 0 else 5.0, dist.group.WORLD, torch.device("cpu"))
+    assert estimate == 5.0, f"rank {rank}: agreed estimate {estimate}, expected the slowest rank's 5.0"
+    calls = []
+    measure.time_step(lambda x: calls.append(x), lambda: None, torch.device("cpu"), estimate_ms=estimate,
+                      min_reps=1, max_reps=50, target_ms=20.0)
+    counts = [None] * world_size
+    dist.all_gather_object(counts, len(calls))
+    assert counts == [4, 4], f"rank {rank}: timed steps per rank {counts}"
+
+
+def test_ranks_time_the_same_number_of_steps():
+    from tests.core_support import run_gloo
+
+    run_gloo(2, _rep_count_worker)

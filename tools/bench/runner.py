@@ -149,13 +149,13 @@ class _InputCache:
     before allocating."""
 
     def __init__(self, config: BenchConfig, device: torch.device, group, rank: int):
-        self._config, self._device, self._group, self._rank = config, device, group, rank
+        self._config, self._device, self.group, self._rank = config, device, group, rank
         self._key, self._inputs, self._refs = None, None, {}
 
     def get(self, case: Case):
         if case.input_key() != self._key:
             self.clear()
-            self._inputs = make_inputs(case, self._device, seed=self._config.seed, rank=self._rank, group=self._group)
+            self._inputs = make_inputs(case, self._device, seed=self._config.seed, rank=self._rank, group=self.group)
             self._key = case.input_key()
         return self._inputs
 
@@ -192,6 +192,9 @@ def _run_case(case: Case, config: BenchConfig, device: torch.device, cache: _Inp
         closure = PROVIDERS[case.provider].build(case, inp)
         check = check_forward(closure.forward(), cache.reference(case)) if config.check_rows else ""
         estimate = measure.warm_up(closure.step, closure.prepare, device, config.warmup)
+        # Every rank must time the same number of steps (each step issues collectives): agree on the estimate the
+        # repetition count comes from. Ranks that each picked their own once deadlocked the TP=2 run.
+        estimate = _max_over_ranks(estimate, cache.group, device)
         peak = measure.peak_extra_bytes(closure.step, closure.prepare, device)
         timing = measure.time_step(closure.step, closure.prepare, device, estimate_ms=estimate,
                                    min_reps=config.min_reps, max_reps=config.max_reps, target_ms=config.target_ms)
@@ -244,6 +247,14 @@ def _gather(obj, group, world_size: int) -> list:
     out = [None] * world_size
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def _max_over_ranks(value: float, group, device: torch.device) -> float:
+    if group is None:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
 
 
 def _any_rank(flag: bool, group, device: torch.device, world_size: int) -> bool:
