@@ -2,24 +2,30 @@
 
 Backend contract (ppo_ops/_torch_backend.py and ppo_ops/_triton_backend.py implement the same two functions):
 
-    forward_partials(logits [T, V_local] READ-ONLY, rows [R] int64 or None, target_col [R] (-1: other rank),
+    forward_partials(logits [T, V_local] READ-ONLY, row_mask [T] bool or None, target_col [T] (-1: other rank),
                      keep_mask [T, V_local] bool or None, inv_temperature, n_valid, seg_len, with_entropy, chunk_rows)
-        -> [V_local // seg_len, 5, R] fp32 partials per segment (channels in _row_stats.py).
-    backward_grad(logits, rows, target_col, keep_mask, inv_temperature, n_valid, shift [R], log_sum [R],
-                  log_sum_kept [R] or None, mean_shifted [R] or None, grad_logprob [R] or None,
-                  grad_entropy [R] or None, out [T, V_local], chunk_rows)
-        -> None; writes every row of `out` (dropped rows get 0); `out` may be `logits` itself (inplace_grad).
-    merge_partials(partials [segments, 5, R], has_keep_mask) -> RowStats   (optional; default: _row_stats's, in torch
+        -> [V_local // seg_len, 5, T] fp32 partials per segment (channels in _row_stats.py), for every row: a dropped
+           row (row_mask False) gets the neutral partials of _row_stats.empty_partials, its logits never read.
+    backward_grad(logits, row_mask, target_col, keep_mask, inv_temperature, n_valid, shift [T], log_sum [T],
+                  log_sum_kept [T] or None, mean_shifted [T] or None, grad_logprob [T] or None,
+                  grad_entropy [T] or None, out [T, V_local], chunk_rows)
+        -> None; writes every row of `out` (dropped rows get 0, their logits never read); `out` may be `logits`
+           itself (inplace_grad).
+    merge_partials(partials [segments, 5, T], has_keep_mask) -> RowStats   (optional; default: _row_stats's, in torch
         ops; the Triton backend fuses it into one launch, see ppo_ops/_triton_merge.py)
         With d = z - shift: log p = d - log_sum, q = 1[keep ∪ target] e^(d - log_sum_kept) (q = p without a keep mask),
         grad = inv_temperature * (g_lp * (onehot - q) + g_ent * p * (mean_shifted - d)); padding columns and entries
         with p == 0 get no entropy term (never 0 * inf). All statistics are global (merged over TP ranks).
+    A dropped row's target_col and per-row values are unspecified (its token may be junk such as -100); backends
+    ignore them. The row mask is passed as a mask, not as an index list: building one (nonzero) is a host sync on
+    CUDA. The Triton backend skips dropped rows inside its kernels; the torch backend (the CPU fallback) builds the
+    list itself.
 
 Communication: at TP > 1 forward issues one all-gather of [segments, 5, T] fp32 (plus, with validate=True, one tiny
 all-gather of a consistency header issued earlier by the caller). Backward issues none: given the global row stats the
 gradient is element-wise. At TP = 1 it is the same code with the collectives skipped.
 
-What is kept for backward: a reference to the logits (no copy), the keep mask and the row ids the caller passed, and
+What is kept for backward: a reference to the logits (no copy), the keep mask and the row mask the caller passed, and
 O(T) fp32 row statistics (row max, log-sums relative to it, E_p[z] relative to it). With entropy="value" the entropy is returned detached and nothing
 extra is kept for it.
 
@@ -53,22 +59,16 @@ class Plan:
     validate: bool
 
 
-def compute_row_stats(plan: Plan, logits, rows, target_col, keep_mask, n_total_rows: int, tokens, row_mask):
-    """Forward partials on this rank, all-gather across ranks, merge. Returns RowStats over the active rows."""
+def compute_row_stats(plan: Plan, logits, tokens, row_mask, target_col, keep_mask):
+    """Forward partials on this rank, all-gather across ranks, merge. Returns RowStats over all T rows (neutral, i.e.
+    without mass, for rows the row mask drops)."""
     layout = plan.layout
     partials = plan.backend.forward_partials(
-        logits, rows, target_col, keep_mask, plan.inv_temperature, layout.n_valid, layout.seg_len,
+        logits, row_mask, target_col, keep_mask, plan.inv_temperature, layout.n_valid, layout.seg_len,
         plan.entropy_mode != "none", plan.chunk_rows,
     )
-    if layout.group is not None and n_total_rows > 0:
-        # Collectives need the same shape on every rank: scatter active rows into all T rows (neutral elsewhere).
-        if rows is not None:
-            full = _row_stats.empty_partials(layout.segments_local, n_total_rows, logits.device)
-            full[:, :, rows] = partials
-            partials = full
-        partials = _row_stats.all_gather_partials(partials, layout)
-        if rows is not None:
-            partials = partials[:, :, rows]
+    if layout.group is not None and logits.shape[0] > 0:
+        partials = _row_stats.all_gather_partials(partials, layout)  # [segments, 5, T]: the same shape on every rank
     merge = getattr(plan.backend, "merge_partials", _row_stats.merge_partials)  # a backend may fuse the merge
     stats = merge(partials, keep_mask is not None)
     if plan.validate:
@@ -94,26 +94,22 @@ def _check_values(plan: Plan, stats, tokens, row_mask) -> None:
 class LogProbEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, tokens, keep_mask, row_mask, plan: Plan):
-        n_total = logits.shape[0]
-        rows = None
+        # A dropped row's token may be junk (-100 for prompt rows): its column is -1 or unused, never read.
+        target_col = target_columns(tokens, plan.layout)
+
+        stats = compute_row_stats(plan, logits, tokens, row_mask, target_col, keep_mask)
+
+        log_prob, entropy = stats.log_prob, stats.entropy  # a dropped row's entropy is 0 already (no mass)
         if row_mask is not None:
-            rows = torch.nonzero(row_mask).squeeze(1)
-        active_tokens = tokens if rows is None else tokens.index_select(0, rows)
-        target_col = target_columns(active_tokens, plan.layout)
-
-        stats = compute_row_stats(plan, logits, rows, target_col, keep_mask, n_total, tokens, row_mask)
-
-        log_prob, entropy = stats.log_prob, stats.entropy
-        if rows is not None:
-            log_prob = _scatter_rows(log_prob, rows, n_total)
-            entropy = _scatter_rows(entropy, rows, n_total)
+            log_prob = torch.where(row_mask, log_prob, torch.zeros_like(log_prob))  # no mass would give -inf
 
         ctx.plan = plan
         ctx.consumed = False
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no work for it
-        # The stats are sanitised (0 where a row has no mass); backward zeroes those rows' upstream gradients.
+        # The stats are sanitised (0 where a row has no mass, dropped rows included); backward zeroes those rows'
+        # upstream gradients.
         ctx.save_for_backward(
-            logits, keep_mask, rows, target_col, stats.shift, stats.log_sum, stats.log_sum_kept,
+            logits, keep_mask, row_mask, target_col, stats.shift, stats.log_sum, stats.log_sum_kept,
             stats.mean_shifted if plan.entropy_mode == "grad" else None,
             stats.logprob_defined, stats.row_has_mass,
         )
@@ -136,12 +132,12 @@ class LogProbEntropyFunction(torch.autograd.Function):
                 "logits with their gradient, so a second would read a gradient as logits"
             )
         ctx.consumed = True
-        logits, keep_mask, rows, target_col, shift, log_sum, log_sum_kept, mean_shifted, defined, has_mass = (
+        logits, keep_mask, row_mask, target_col, shift, log_sum, log_sum_kept, mean_shifted, defined, has_mass = (
             ctx.saved_tensors
         )
 
-        g_lp = _active(grad_logprob, rows)
-        g_ent = _active(grad_entropy, rows) if plan.entropy_mode == "grad" else None
+        g_lp = _as_fp32(grad_logprob)
+        g_ent = _as_fp32(grad_entropy) if plan.entropy_mode == "grad" else None
         if g_lp is not None:
             g_lp = torch.where(defined & has_mass, g_lp, torch.zeros_like(g_lp))
         if g_ent is not None:
@@ -149,20 +145,11 @@ class LogProbEntropyFunction(torch.autograd.Function):
 
         out = logits if plan.inplace_grad else torch.empty_like(logits)
         plan.backend.backward_grad(
-            logits, rows, target_col, keep_mask, plan.inv_temperature, plan.layout.n_valid,
+            logits, row_mask, target_col, keep_mask, plan.inv_temperature, plan.layout.n_valid,
             shift, log_sum, log_sum_kept, mean_shifted, g_lp, g_ent, out, plan.chunk_rows,
         )
         return out, None, None, None, None
 
 
-def _active(grad: Optional[torch.Tensor], rows: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    if grad is None:
-        return None
-    grad = grad.to(torch.float32)
-    return (grad if rows is None else grad.index_select(0, rows)).contiguous()
-
-
-def _scatter_rows(values: torch.Tensor, rows: torch.Tensor, n_total: int) -> torch.Tensor:
-    full = torch.zeros(n_total, dtype=values.dtype, device=values.device)
-    full[rows] = values
-    return full
+def _as_fp32(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if grad is None else grad.to(torch.float32).contiguous()

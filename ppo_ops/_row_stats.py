@@ -34,7 +34,8 @@ NEG_INF = float("-inf")
 
 
 def empty_partials(segments: int, rows: int, device) -> torch.Tensor:
-    """Partials of rows with no work (row_mask False): neutral under the merge."""
+    """Partials of rows with no work (row_mask False): neutral under the merge. Backends give dropped rows exactly
+    these values (MAX and TARGET_Z -inf, the sums 0)."""
     p = torch.zeros((segments, NUM_PARTIALS, rows), dtype=torch.float32, device=device)
     p[:, MAX] = NEG_INF
     p[:, TARGET_Z] = NEG_INF
@@ -51,19 +52,22 @@ def all_gather_partials(partials: torch.Tensor, layout: VocabLayout) -> torch.Te
 
 
 class RowStats(NamedTuple):
-    log_prob: torch.Tensor  # [R] fp32
-    entropy: torch.Tensor  # [R] fp32 (zeros when not asked for)
-    shift: torch.Tensor  # [R] M, the row max of z (0 where the row has no finite logit)
-    log_sum: torch.Tensor  # [R] log Σ_valid e^(z - M) (0 where the row has no finite logit)
-    log_sum_kept: Optional[torch.Tensor]  # [R] log Σ_{kept ∪ target} e^(z - M), or None without a keep mask
-    mean_shifted: torch.Tensor  # [R] E_p[z] - M
-    bad_input: torch.Tensor  # [R] bool: NaN or +inf logits reached the row (a kernel's max may skip NaN; the sum not)
-    logprob_defined: torch.Tensor  # [R] bool: the kept set has mass (else log_prob = -inf and its gradient is 0)
-    row_has_mass: torch.Tensor  # [R] bool: some valid logit is finite (else entropy 0 and gradient 0)
+    """Per-row statistics over all T rows; a row the row mask drops has neutral partials, so it merges to a row
+    without mass (log_prob -inf, everything else 0, both flags False)."""
+
+    log_prob: torch.Tensor  # [T] fp32
+    entropy: torch.Tensor  # [T] fp32 (zeros when not asked for)
+    shift: torch.Tensor  # [T] M, the row max of z (0 where the row has no finite logit)
+    log_sum: torch.Tensor  # [T] log Σ_valid e^(z - M) (0 where the row has no finite logit)
+    log_sum_kept: Optional[torch.Tensor]  # [T] log Σ_{kept ∪ target} e^(z - M), or None without a keep mask
+    mean_shifted: torch.Tensor  # [T] E_p[z] - M
+    bad_input: torch.Tensor  # [T] bool: NaN or +inf logits reached the row (a kernel's max may skip NaN; the sum not)
+    logprob_defined: torch.Tensor  # [T] bool: the kept set has mass (else log_prob = -inf and its gradient is 0)
+    row_has_mass: torch.Tensor  # [T] bool: some valid logit is finite (else entropy 0 and gradient 0)
 
 
 def merge_partials(p: torch.Tensor, has_keep_mask: bool) -> RowStats:
-    """Merges [segments, 5, R] partials in segment order (the order fixes the bits)."""
+    """Merges [segments, 5, T] partials in segment order (the order fixes the bits)."""
     m_all = p[:, MAX]
     big_m = m_all.amax(dim=0)
     m_safe = torch.where(torch.isfinite(big_m), big_m, torch.zeros_like(big_m))

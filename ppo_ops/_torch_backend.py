@@ -4,6 +4,11 @@ Works on any device; the CPU path and the fallback where Triton is absent. Rows 
 `chunk_rows` rows, each held as two fp32 [rows, V_local] working buffers, so peak memory is bounded by the chunk,
 never by T (backward recomputes the softmax per chunk from the logits and O(T) row statistics instead of keeping it).
 
+Row mask: the contract passes it as a [T] bool mask with [T]-sized per-row tensors. This backend turns it into the
+index list of the kept rows (`nonzero`, a host sync on CUDA: acceptable for the fallback) and works on those rows
+only, gathered into its chunks, so a dropped row costs neither compute nor working memory; dropped rows get the
+neutral partials and zero gradient rows.
+
 Bitwise invariance. Every reduction over the vocabulary is either a max (exact, order-free) or `_fold_sum`, a fixed
 pairwise fold made of element-wise adds on views. Element-wise ops give the same bits at every position, so a row's
 result never depends on how many rows share its chunk, which rank holds its segment, or the thread count. (A plain
@@ -24,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from ppo_ops._row_stats import ENT_SUM, KEPT_SUMEXP, MAX, NUM_PARTIALS, SUMEXP, TARGET_Z
+from ppo_ops._row_stats import ENT_SUM, KEPT_SUMEXP, MAX, NUM_PARTIALS, SUMEXP, TARGET_Z, empty_partials
 
 # Rows per chunk when the caller sets no bound: each of the two fp32 working buffers stays under this size.
 AUTO_CHUNK_BYTES = 64 * 1024 * 1024
@@ -88,9 +93,14 @@ def _restrict_to_kept(x, keep_mask, rows, start, end, target_col) -> None:
     x[owned, target_col[owned]] = target_values
 
 
+def _kept_rows(row_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Indices of the rows the mask keeps (None: every row)."""
+    return None if row_mask is None else torch.nonzero(row_mask).squeeze(1)
+
+
 def forward_partials(
     logits: torch.Tensor,
-    rows: Optional[torch.Tensor],
+    row_mask: Optional[torch.Tensor],
     target_col: torch.Tensor,
     keep_mask: Optional[torch.Tensor],
     inv_temperature: float,
@@ -99,6 +109,20 @@ def forward_partials(
     with_entropy: bool,
     chunk_rows: Optional[int],
 ) -> torch.Tensor:
+    rows = _kept_rows(row_mask)
+    if rows is None:
+        return _partials_of_rows(logits, None, target_col, keep_mask, inv_temperature, n_valid, seg_len,
+                                 with_entropy, chunk_rows)
+    kept = _partials_of_rows(logits, rows, target_col.index_select(0, rows), keep_mask, inv_temperature, n_valid,
+                             seg_len, with_entropy, chunk_rows)
+    out = empty_partials(kept.shape[0], logits.shape[0], logits.device)  # dropped rows: neutral under the merge
+    out[:, :, rows] = kept
+    return out
+
+
+def _partials_of_rows(logits, rows, target_col, keep_mask, inv_temperature, n_valid, seg_len, with_entropy,
+                      chunk_rows) -> torch.Tensor:
+    """[nseg, 5, R] partials of the rows `rows` (all T rows when None); target_col is [R]."""
     n_rows = logits.shape[0] if rows is None else rows.numel()
     v_local = logits.shape[1]
     n_seg = v_local // seg_len
@@ -134,7 +158,7 @@ def forward_partials(
 
 def backward_grad(
     logits: torch.Tensor,
-    rows: Optional[torch.Tensor],
+    row_mask: Optional[torch.Tensor],
     target_col: torch.Tensor,
     keep_mask: Optional[torch.Tensor],
     inv_temperature: float,
@@ -148,13 +172,17 @@ def backward_grad(
     out: torch.Tensor,
     chunk_rows: Optional[int],
 ) -> None:
+    rows = _kept_rows(row_mask)
     n_rows = logits.shape[0] if rows is None else rows.numel()
     v_local = logits.shape[1]
     if rows is not None:
         # Dropped rows get a zero gradient; written first, so an in-place `out` is never read after this.
-        dropped = torch.ones(out.shape[0], dtype=torch.bool, device=out.device)
-        dropped[rows] = False
-        out[dropped] = 0
+        out.masked_fill_(~row_mask.unsqueeze(1), 0)
+        # The kept rows' per-row values, in chunk order: O(R) gathers.
+        target_col, shift, log_sum, log_sum_kept, mean_shifted, grad_logprob, grad_entropy = (
+            None if t is None else t.index_select(0, rows)
+            for t in (target_col, shift, log_sum, log_sum_kept, mean_shifted, grad_logprob, grad_entropy)
+        )
     for start, end in _chunks(n_rows, v_local, chunk_rows):
         n = end - start
         tcol = target_col[start:end]

@@ -1,10 +1,12 @@
 """Triton backend: the two backend-contract functions over the kernels of `_triton_kernels.py`.
 
-`forward_partials` reads each active row's logits once, in their own dtype, and returns the [nseg, 5, R] fp32 segment
+`forward_partials` reads each kept row's logits once, in their own dtype, and returns the [nseg, 5, T] fp32 segment
 partials (MAX, SUMEXP, KEPT_SUMEXP, ENT_SUM, TARGET_Z); `backward_grad` reads the logits once more and writes the full
-gradient (in place when `out` is the logits). The core (ppo_ops/_function.py) does everything around them: validation,
-the TP all-gather of the partials, their fixed-order merge into row stats, autograd, row masks. No fp32 [T, V] copy is
-ever made, so `chunk_rows` (a bound on fp32 working rows for the torch backend) is accepted and ignored.
+gradient (in place when `out` is the logits). The row mask goes to the kernels as bytes: a dropped row's programs read
+none of its logits and write neutral partials or a zero gradient row, with no host sync and no index list. The core
+(ppo_ops/_function.py) does everything around them: validation, the TP all-gather of the partials, their fixed-order
+merge into row stats, autograd. No fp32 [T, V] copy is ever made, so `chunk_rows` (a bound on fp32 working rows for the
+torch backend) is accepted and ignored.
 
 Forward kernel: "lanes" (per-lane online state, one cross-lane merge per segment) or "tiles" (block-wide reductions per
 tile), see _triton_kernels.py; LaunchConfig.kernel names it, `_GPU_CONFIG` and `_INTERPRET_FORWARD_KERNEL` pick the
@@ -74,6 +76,23 @@ def _check_logits(logits):
     _check_device("logits", logits)
 
 
+def _row_mask_bytes(row_mask, logits):
+    """The row mask as a [T] uint8 vector (bool and uint8 share storage), contiguous."""
+    if row_mask.shape != logits.shape[:1] or row_mask.dtype != torch.bool:
+        raise ValueError(
+            f"`row_mask` must be bool of shape ({logits.shape[0]},), got {row_mask.dtype} {tuple(row_mask.shape)}"
+        )
+    if row_mask.device != logits.device:
+        raise ValueError(f"`row_mask` must be on {logits.device} like `logits`, got {row_mask.device}")
+    return row_mask.contiguous().view(torch.uint8)
+
+
+def _check_row_vector(name, t, logits):
+    """Per-row tensors are indexed by the row itself: one entry per row of the logits."""
+    if t is not None and t.shape != logits.shape[:1]:
+        raise ValueError(f"`{name}` must have shape ({logits.shape[0]},) (one entry per row), got {tuple(t.shape)}")
+
+
 def _keep_bytes(keep_mask, logits):
     """The keep mask as a [T, V_local] uint8 view (bool and uint8 share storage), unit column stride."""
     if keep_mask.shape != logits.shape or keep_mask.dtype != torch.bool:
@@ -141,13 +160,14 @@ def _next_pow2(n):
 
 
 def forward_partials(
-    logits, rows, target_col, keep_mask, inv_temperature, n_valid, seg_len, with_entropy, chunk_rows, **overrides
+    logits, row_mask, target_col, keep_mask, inv_temperature, n_valid, seg_len, with_entropy, chunk_rows, **overrides
 ):
-    """[V_local // seg_len, 5, R] fp32 segment partials (backend contract; `overrides` are LaunchConfig fields)."""
+    """[V_local // seg_len, 5, T] fp32 segment partials, neutral for dropped rows (backend contract; `overrides` are
+    LaunchConfig fields)."""
     del chunk_rows  # no fp32 working copy to bound
     _check_logits(logits)
-    num_rows = logits.shape[0] if rows is None else rows.numel()
-    v_local = logits.shape[1]
+    _check_row_vector("target_col", target_col, logits)
+    num_rows, v_local = logits.shape
     if seg_len <= 0 or v_local % seg_len != 0:
         raise ValueError(f"`seg_len` must be a positive divisor of V_local={v_local}, got {seg_len}")
     if not 0 <= n_valid <= v_local:
@@ -157,21 +177,23 @@ def forward_partials(
         return out
     config = launch_config("forward", logits.dtype, seg_len, interpreting(), **overrides)
     grid, args, kwargs = forward_launch_args(
-        logits, rows, target_col, keep_mask, inv_temperature, n_valid, seg_len, with_entropy, out, config
+        logits, row_mask, target_col, keep_mask, inv_temperature, n_valid, seg_len, with_entropy, out, config
     )
     FORWARD_KERNELS[config.kernel][grid](*args, **kwargs)
     return out
 
 
-def forward_launch_args(logits, rows, target_col, keep_mask, inv_temperature, n_valid, seg_len, with_entropy, out,
-                        config):
-    """(grid, args, kwargs) of one forward launch (both forward kernels take the same arguments)."""
+def forward_launch_args(logits, row_mask, target_col, keep_mask, inv_temperature, n_valid, seg_len, with_entropy,
+                        out, config):
+    """(grid, args, kwargs) of one forward launch (the forward kernels take the same arguments): one program per
+    (row, segment), dropped rows included (they store neutral partials)."""
     num_rows, v_local = out.shape[2], logits.shape[1]
     keep = None if keep_mask is None else _keep_bytes(keep_mask, logits)
+    row_bytes = None if row_mask is None else _row_mask_bytes(row_mask, logits)
     target_col = _vector(target_col, torch.int64)
     args = (
         # data ptrs (an unused pointer gets any tensor: the constexprs switch its loads off)
-        logits, target_col if rows is None else _vector(rows, torch.int64), target_col,
+        logits, target_col if row_bytes is None else row_bytes, target_col,
         logits if keep is None else keep, out,
         # shapes
         num_rows, n_valid, seg_len,
@@ -181,7 +203,7 @@ def forward_launch_args(logits, rows, target_col, keep_mask, inv_temperature, n_
         float(inv_temperature),
     )
     kwargs = dict(
-        HAS_ROWS=rows is not None, HAS_KEEP=keep is not None, WITH_ENTROPY=bool(with_entropy),
+        HAS_ROW_MASK=row_bytes is not None, HAS_KEEP=keep is not None, WITH_ENTROPY=bool(with_entropy),
         SCALE=float(inv_temperature) != 1.0, BLOCK_V=config.block_v,
         LOGITS_ALIGN=_segment_align(seg_len, logits, config.block_v),
         KEEP_ALIGN=1 if keep is None else _segment_align(seg_len, keep, config.block_v),
@@ -192,10 +214,11 @@ def forward_launch_args(logits, rows, target_col, keep_mask, inv_temperature, n_
 
 
 def backward_grad(
-    logits, rows, target_col, keep_mask, inv_temperature, n_valid, shift, log_sum, log_sum_kept, mean_shifted,
+    logits, row_mask, target_col, keep_mask, inv_temperature, n_valid, shift, log_sum, log_sum_kept, mean_shifted,
     grad_logprob, grad_entropy, out, chunk_rows, **overrides
 ):
-    """Writes d(loss)/d(logits) into `out` (backend contract; `out` may be `logits`; `overrides`: LaunchConfig)."""
+    """Writes d(loss)/d(logits) into `out`, zero rows where row_mask is False (backend contract; `out` may be
+    `logits`; `overrides`: LaunchConfig)."""
     del chunk_rows
     _check_logits(logits)
     if out.shape != logits.shape or out.dtype != logits.dtype or out.stride(-1) != 1:
@@ -208,24 +231,21 @@ def backward_grad(
     has_keep = keep_mask is not None and grad_logprob is not None  # the keep mask only shapes q
     if has_keep and log_sum_kept is None:
         raise ValueError("`log_sum_kept` is required when `keep_mask` and `grad_logprob` are given")
-    num_rows_total, v_local = logits.shape
-    if num_rows_total == 0 or v_local == 0:
+    for name, t in (("target_col", target_col), ("shift", shift), ("log_sum", log_sum),
+                    ("log_sum_kept", log_sum_kept), ("mean_shifted", mean_shifted), ("grad_logprob", grad_logprob),
+                    ("grad_entropy", grad_entropy)):
+        _check_row_vector(name, t, logits)
+    num_rows, v_local = logits.shape
+    if num_rows == 0 or v_local == 0:
         return
-    if rows is not None and rows.numel() == 0:
-        out.zero_()  # no active row (right in place too)
-        return
-    row_map = None
-    if rows is not None:
-        # Row id -> index into the [R] tensors, -1 for rows that only get zeros (no host sync, no read of their logits).
-        row_map = torch.full((num_rows_total,), -1, dtype=torch.int64, device=logits.device)
-        row_map[rows] = torch.arange(rows.numel(), dtype=torch.int64, device=logits.device)
+    row_bytes = None if row_mask is None else _row_mask_bytes(row_mask, logits)
     keep = _keep_bytes(keep_mask, logits) if has_keep else None
     config = launch_config("backward", logits.dtype, v_local, interpreting(), **overrides)
     shift = _vector(shift, torch.float32)
     unused = shift  # stands in for pointers the constexprs switch off
-    _triton_kernels.backward_grad_kernel[(num_rows_total, _cdiv(v_local, config.block_v))](
+    _triton_kernels.backward_grad_kernel[(num_rows, _cdiv(v_local, config.block_v))](
         # data ptrs
-        logits, out, unused if row_map is None else row_map, _vector(target_col, torch.int64),
+        logits, out, unused if row_bytes is None else row_bytes, _vector(target_col, torch.int64),
         logits if keep is None else keep,
         shift, _vector(log_sum, torch.float32), _vector(log_sum_kept, torch.float32, unused),
         _vector(mean_shifted, torch.float32, unused), _vector(grad_logprob, torch.float32, unused),
@@ -236,14 +256,14 @@ def backward_grad(
         logits.stride(0), out.stride(0), 0 if keep is None else keep.stride(0),
         # constants
         float(inv_temperature),
-        HAS_ROWS=row_map is not None, HAS_KEEP=has_keep, HAS_GLP=grad_logprob is not None,
+        HAS_ROW_MASK=row_bytes is not None, HAS_KEEP=has_keep, HAS_GLP=grad_logprob is not None,
         HAS_GENT=grad_entropy is not None, SCALE=float(inv_temperature) != 1.0, BLOCK_V=config.block_v,
         ROUND_BF16_BY_BITS=out.dtype == torch.bfloat16 and interpreting(), **_options(config),
     )
 
 
 def _vector(t, dtype, default=None):
-    """An [R] per-row tensor as the kernels index it: contiguous, of `dtype` (no copy when it already is)."""
+    """A [T] per-row tensor as the kernels index it: contiguous, of `dtype` (no copy when it already is)."""
     if t is None:
         return default
     return t.to(dtype).contiguous()

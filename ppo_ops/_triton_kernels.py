@@ -1,13 +1,17 @@
 """Triton kernels of the Triton backend: segment partials (two forward variants) and the fused gradient (backward).
 
-Forward: both variants take the same arguments, run on the grid (active row, vocabulary segment) and write only the
-[nseg, 5, R] fp32 partials; the launcher picks one by name (LaunchConfig.kernel in _triton_backend.py).
+Forward: the variants take the same arguments, run on the grid (row, vocabulary segment) and write only the
+[nseg, 5, T] fp32 partials; the launcher picks one by name (LaunchConfig.kernel in _triton_backend.py).
+Row mask (HAS_ROW_MASK): a dropped row's program takes zero columns (seg_end = seg_start) and target -1, so its tile
+loop runs no iteration, its tail and target loads are masked off, and it reads nothing but its mask byte and target;
+its epilogue then stores exactly the neutral partials (MAX -inf, sums 0, TARGET_Z -inf). No early return: every
+program runs the same code and stores the same channels.
 "tiles", `forward_partials_kernel`:
     each program streams its segment's columns in BLOCK_V tiles, in the logits' own dtype, and keeps four fp32 scalars
     online: the max m, the sum-exp s, the kept sum-exp sk and the entropy sum w = sum exp(z - m) * (z - m). When a tile
     raises the max from m_old to m_new, everything is rescaled by alpha = exp(m_old - m_new) and
     w_new = alpha * (w + (m_old - m_new) * s) + tile terms. The target's logit is one scalar load. It writes only the
-    [nseg, 5, R] fp32 partials. The tile sequence is relative to the segment start and BLOCK_V depends only on the
+    [nseg, 5, T] fp32 partials. The tile sequence is relative to the segment start and BLOCK_V depends only on the
     segment length and dtype, so a (row, segment) gives the same bits whichever rank, or TP size, holds the segment.
     Per tile it needs one block-wide max and two or three block-wide sums, each a cross-warp reduction with barriers.
 "lanes", `forward_lanes_kernel`:
@@ -35,7 +39,8 @@ Backward, `backward_grad_kernel`, grid (row, column tile):
     upstream gradients), d = z - M, p = exp(d - log_sum), q = 1[keep or target] * exp(d - log_sum_kept) (q = p without
     a keep mask) and grad = inv_t * (g_lp * (1[c == target] - q) + g_ent * p * (mean_shifted - d)), stored in the
     output's dtype. Every element is read before it is written by the same program, so `out` may alias the logits.
-    Rows outside the active set (row_map < 0) get zeros without reading anything.
+    Rows the row mask drops get zeros: their logits and keep-mask loads are masked off (their per-row scalars, in
+    bounds, are read and selected away).
 
 -inf guards ("tiles" and backward; "lanes" above): the reference point of exp() is 0 while the running max is -inf, so
 no exp(-inf - -inf); a factor that may be -inf is replaced by 0 where its partner is 0 (no 0 * inf). Padding columns
@@ -62,16 +67,30 @@ _NUM_PARTIALS = tl.constexpr(_row_stats.NUM_PARTIALS)
 FORWARD_UNALIGNED_ARGS = ["n_valid", "logits_row_stride", "keep_row_stride"]
 
 
+@triton.jit
+def _row_extent(row_mask_ptr, target_ptr, row, seg_start, seg_len, n_valid, HAS_ROW_MASK: tl.constexpr):
+    """(end of the segment's valid columns, target column) of a forward program. A row the mask drops gets zero
+    columns and target -1: the kernel then reads none of its logits and stores the neutral partials (no early return,
+    so every program runs the same code)."""
+    seg_end = tl.minimum(seg_start + seg_len, n_valid)
+    target = tl.load(target_ptr + row)
+    if HAS_ROW_MASK:
+        kept = tl.load(row_mask_ptr + row) != 0
+        seg_end = tl.where(kept, seg_end, seg_start)
+        target = tl.where(kept, target, -1)
+    return seg_end, target
+
+
 @triton.jit(do_not_specialize_on_alignment=FORWARD_UNALIGNED_ARGS)
 def forward_partials_kernel(
     # data ptrs
     logits_ptr,  # [T, V_local] logits (fp32/bf16/fp16), READ-ONLY
-    rows_ptr,  # [R] int64 row ids of the active rows (read only when HAS_ROWS)
-    target_ptr,  # [R] int64 target column in this shard, -1 where it lives on another rank
+    row_mask_ptr,  # [T] uint8 row mask, 0 = dropped row (read only when HAS_ROW_MASK)
+    target_ptr,  # [T] int64 target column in this shard, -1 where it lives on another rank
     keep_ptr,  # [T, V_local] uint8 keep mask, READ-ONLY (read only when HAS_KEEP)
-    out_ptr,  # [nseg, 5, R] fp32 partials, WRITTEN
+    out_ptr,  # [nseg, 5, T] fp32 partials, WRITTEN
     # shapes
-    num_rows,  # R
+    num_rows,  # T
     n_valid,  # columns >= n_valid are padding
     seg_len,  # columns per segment
     # strides
@@ -79,7 +98,7 @@ def forward_partials_kernel(
     keep_row_stride,
     # constants
     inv_temperature,  # fp32 scalar, used only when SCALE
-    HAS_ROWS: tl.constexpr,
+    HAS_ROW_MASK: tl.constexpr,
     HAS_KEEP: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
     SCALE: tl.constexpr,
@@ -87,15 +106,10 @@ def forward_partials_kernel(
     LOGITS_ALIGN: tl.constexpr,  # divides seg_len and logits_row_stride
     KEEP_ALIGN: tl.constexpr,  # divides seg_len and keep_row_stride
 ):
-    pid_r = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     seg = tl.program_id(1)
-    if HAS_ROWS:
-        row = tl.load(rows_ptr + pid_r)
-    else:
-        row = pid_r.to(tl.int64)
-    target = tl.load(target_ptr + pid_r)
     seg_start = tl.multiple_of(seg * seg_len, LOGITS_ALIGN)
-    seg_end = tl.minimum(seg_start + seg_len, n_valid)  # end of the valid columns
+    seg_end, target = _row_extent(row_mask_ptr, target_ptr, row, seg_start, seg_len, n_valid, HAS_ROW_MASK)
     mem_end = seg_start + seg_len  # loads are masked by the segment (TP-independent), padding by a select
     row_ptr = logits_ptr + tl.multiple_of(row * logits_row_stride, LOGITS_ALIGN)
     keep_row_ptr = keep_ptr + tl.multiple_of(row * keep_row_stride, KEEP_ALIGN)
@@ -138,7 +152,7 @@ def forward_partials_kernel(
     # where the core looks for bad input (ppo_ops/_function.py).
     m = tl.where(s != s, float("nan"), m)
 
-    out = out_ptr + seg.to(tl.int64) * (_NUM_PARTIALS * num_rows) + pid_r
+    out = out_ptr + seg.to(tl.int64) * (_NUM_PARTIALS * num_rows) + row
     tl.store(out + _MAX * num_rows, m)
     tl.store(out + _SUMEXP * num_rows, s)
     tl.store(out + _KEPT_SUMEXP * num_rows, sk)
@@ -188,11 +202,11 @@ def _lanes_update(z, keep, is_target, m, s, sk, w, HAS_KEEP: tl.constexpr, WITH_
 
 @triton.jit(do_not_specialize_on_alignment=FORWARD_UNALIGNED_ARGS)
 def forward_lanes_kernel(
-    logits_ptr, rows_ptr, target_ptr, keep_ptr, out_ptr,  # as forward_partials_kernel
+    logits_ptr, row_mask_ptr, target_ptr, keep_ptr, out_ptr,  # as forward_partials_kernel
     num_rows, n_valid, seg_len,
     logits_row_stride, keep_row_stride,
     inv_temperature,
-    HAS_ROWS: tl.constexpr,
+    HAS_ROW_MASK: tl.constexpr,
     HAS_KEEP: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
     SCALE: tl.constexpr,
@@ -200,15 +214,10 @@ def forward_lanes_kernel(
     LOGITS_ALIGN: tl.constexpr,
     KEEP_ALIGN: tl.constexpr,
 ):
-    pid_r = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     seg = tl.program_id(1)
-    if HAS_ROWS:
-        row = tl.load(rows_ptr + pid_r)
-    else:
-        row = pid_r.to(tl.int64)
-    target = tl.load(target_ptr + pid_r)
     seg_start = tl.multiple_of(seg * seg_len, LOGITS_ALIGN)
-    seg_end = tl.minimum(seg_start + seg_len, n_valid)
+    seg_end, target = _row_extent(row_mask_ptr, target_ptr, row, seg_start, seg_len, n_valid, HAS_ROW_MASK)
     mem_end = seg_start + seg_len
     row_ptr = logits_ptr + tl.multiple_of(row * logits_row_stride, LOGITS_ALIGN)
     keep_row_ptr = keep_ptr + tl.multiple_of(row * keep_row_stride, KEEP_ALIGN)
@@ -254,12 +263,12 @@ def forward_lanes_kernel(
             k = z
         m, s, sk, w = _lanes_update(z, k, offs == target - tail, m, s, sk, w, HAS_KEEP, WITH_ENTROPY)
 
-    _merge_lanes_and_store(m, s, sk, w, row_ptr, target, seg_start, seg_end, seg, pid_r, num_rows, out_ptr,
+    _merge_lanes_and_store(m, s, sk, w, row_ptr, target, seg_start, seg_end, seg, row, num_rows, out_ptr,
                            inv_temperature, HAS_KEEP, WITH_ENTROPY, SCALE)
 
 
 @triton.jit
-def _merge_lanes_and_store(m, s, sk, w, row_ptr, target, seg_start, seg_end, seg, pid_r, num_rows, out_ptr,
+def _merge_lanes_and_store(m, s, sk, w, row_ptr, target, seg_start, seg_end, seg, row, num_rows, out_ptr,
                            inv_temperature, HAS_KEEP: tl.constexpr, WITH_ENTROPY: tl.constexpr, SCALE: tl.constexpr):
     """Merges per-lane online states (m, s, sk, w: vectors, each sum relative to its lane's max m) into the segment's
     partials with the formulas of _row_stats.merge_partials, adds the target's logit and stores the five channels.
@@ -287,7 +296,7 @@ def _merge_lanes_and_store(m, s, sk, w, row_ptr, target, seg_start, seg_end, seg
     # NaN or +inf logits make s NaN (tl.max may drop NaN): report it through MAX, where the core looks.
     m_top = tl.where(s_seg != s_seg, float("nan"), m_top)
 
-    out = out_ptr + seg.to(tl.int64) * (_NUM_PARTIALS * num_rows) + pid_r
+    out = out_ptr + seg.to(tl.int64) * (_NUM_PARTIALS * num_rows) + row
     tl.store(out + _MAX * num_rows, m_top)
     tl.store(out + _SUMEXP * num_rows, s_seg)
     tl.store(out + _KEPT_SUMEXP * num_rows, sk_seg)
@@ -315,11 +324,11 @@ def _chunks_update(z, keep, is_target, m, s, sk, w, HAS_KEEP: tl.constexpr, WITH
 
 @triton.jit(do_not_specialize_on_alignment=FORWARD_UNALIGNED_ARGS)
 def forward_chunks_kernel(
-    logits_ptr, rows_ptr, target_ptr, keep_ptr, out_ptr,  # as forward_partials_kernel
+    logits_ptr, row_mask_ptr, target_ptr, keep_ptr, out_ptr,  # as forward_partials_kernel
     num_rows, n_valid, seg_len,
     logits_row_stride, keep_row_stride,
     inv_temperature,
-    HAS_ROWS: tl.constexpr,
+    HAS_ROW_MASK: tl.constexpr,
     HAS_KEEP: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
     SCALE: tl.constexpr,
@@ -328,15 +337,10 @@ def forward_chunks_kernel(
     KEEP_ALIGN: tl.constexpr,
     CHUNK: tl.constexpr,  # contiguous columns per lane and tile; divides BLOCK_V
 ):
-    pid_r = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     seg = tl.program_id(1)
-    if HAS_ROWS:
-        row = tl.load(rows_ptr + pid_r)
-    else:
-        row = pid_r.to(tl.int64)
-    target = tl.load(target_ptr + pid_r)
     seg_start = tl.multiple_of(seg * seg_len, LOGITS_ALIGN)
-    seg_end = tl.minimum(seg_start + seg_len, n_valid)
+    seg_end, target = _row_extent(row_mask_ptr, target_ptr, row, seg_start, seg_len, n_valid, HAS_ROW_MASK)
     mem_end = seg_start + seg_len
     row_ptr = logits_ptr + tl.multiple_of(row * logits_row_stride, LOGITS_ALIGN)
     keep_row_ptr = keep_ptr + tl.multiple_of(row * keep_row_stride, KEEP_ALIGN)
@@ -381,7 +385,7 @@ def forward_chunks_kernel(
         else:
             k = z
         m, s, sk, w = _chunks_update(z, k, offs == target - tail, m, s, sk, w, HAS_KEEP, WITH_ENTROPY)
-    _merge_lanes_and_store(m, s, sk, w, row_ptr, target, seg_start, seg_end, seg, pid_r, num_rows, out_ptr,
+    _merge_lanes_and_store(m, s, sk, w, row_ptr, target, seg_start, seg_end, seg, row, num_rows, out_ptr,
                            inv_temperature, HAS_KEEP, WITH_ENTROPY, SCALE)
 
 
@@ -393,15 +397,15 @@ def backward_grad_kernel(
     # data ptrs
     logits_ptr,  # [T, V_local] logits, READ-ONLY unless out aliases it
     out_ptr,  # [T, V_local] gradient in out's dtype, WRITTEN (may be logits_ptr: each element is read first)
-    row_map_ptr,  # [T] int64: index into the [R] row tensors, -1 for inactive rows (read only when HAS_ROWS)
-    target_ptr,  # [R] int64 target column in this shard, -1 where it lives on another rank
+    row_mask_ptr,  # [T] uint8 row mask, 0 = dropped row: zeros, no logits read (read only when HAS_ROW_MASK)
+    target_ptr,  # [T] int64 target column in this shard, -1 where it lives on another rank
     keep_ptr,  # [T, V_local] uint8 keep mask, READ-ONLY (read only when HAS_KEEP)
-    shift_ptr,  # [R] fp32 row max M of z over the global vocabulary (0 for rows without mass)
-    log_sum_ptr,  # [R] fp32 log sum_valid exp(z - M)
-    log_sum_kept_ptr,  # [R] fp32 log sum_{kept + target} exp(z - M) (read only when HAS_KEEP)
-    mean_shifted_ptr,  # [R] fp32 E_p[z] - M (read only when HAS_GENT)
-    grad_logprob_ptr,  # [R] fp32 upstream gradient of log_prob (read only when HAS_GLP)
-    grad_entropy_ptr,  # [R] fp32 upstream gradient of entropy (read only when HAS_GENT)
+    shift_ptr,  # [T] fp32 row max M of z over the global vocabulary (0 for rows without mass)
+    log_sum_ptr,  # [T] fp32 log sum_valid exp(z - M)
+    log_sum_kept_ptr,  # [T] fp32 log sum_{kept + target} exp(z - M) (read only when HAS_KEEP)
+    mean_shifted_ptr,  # [T] fp32 E_p[z] - M (read only when HAS_GENT)
+    grad_logprob_ptr,  # [T] fp32 upstream gradient of log_prob (read only when HAS_GLP)
+    grad_entropy_ptr,  # [T] fp32 upstream gradient of entropy (read only when HAS_GENT)
     # shapes
     v_local,
     n_valid,
@@ -411,7 +415,7 @@ def backward_grad_kernel(
     keep_row_stride,
     # constants
     inv_temperature,
-    HAS_ROWS: tl.constexpr,
+    HAS_ROW_MASK: tl.constexpr,
     HAS_KEEP: tl.constexpr,
     HAS_GLP: tl.constexpr,
     HAS_GENT: tl.constexpr,
@@ -422,40 +426,37 @@ def backward_grad_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     in_row = cols < v_local
-    if HAS_ROWS:
-        idx = tl.load(row_map_ptr + row)
-        # Inactive rows read nothing and get zeros. (A vector-scalar compare: the interpreter mis-types
+    if HAS_ROW_MASK:
+        # Dropped rows read no logits and get zeros. (A vector-scalar compare: the interpreter mis-types
         # `vector & scalar` masks.)
-        load = cols < tl.where(idx >= 0, v_local, 0)
-        idx = tl.maximum(idx, 0)  # a valid index (R >= 1, the launcher ensures it): row scalars load unmasked
+        load = cols < tl.where(tl.load(row_mask_ptr + row) != 0, v_local, 0)
     else:
-        idx = row
         load = in_row
     valid = load & (cols < n_valid)  # padding is read with its vector and selected away: n_valid never splits one
 
     z = tl.load(logits_ptr + row * logits_row_stride + cols, mask=load, other=float("-inf")).to(tl.float32)
     if SCALE:
         z = z * inv_temperature
-    d = z - tl.load(shift_ptr + idx)
-    p = tl.exp(d - tl.load(log_sum_ptr + idx))  # 0 for -inf logits
+    d = z - tl.load(shift_ptr + row)
+    p = tl.exp(d - tl.load(log_sum_ptr + row))  # 0 for -inf logits
 
     grad = tl.zeros([BLOCK_V], tl.float32)
     if HAS_GLP:
-        g_lp = tl.load(grad_logprob_ptr + idx)
-        is_target = cols == tl.load(target_ptr + idx)
+        g_lp = tl.load(grad_logprob_ptr + row)
+        is_target = cols == tl.load(target_ptr + row)
         if HAS_KEEP:
             keep = tl.load(keep_ptr + row * keep_row_stride + cols, mask=load, other=0)
-            q = tl.where((keep != 0) | is_target, tl.exp(d - tl.load(log_sum_kept_ptr + idx)), 0.0)
+            q = tl.where((keep != 0) | is_target, tl.exp(d - tl.load(log_sum_kept_ptr + row)), 0.0)
         else:
             q = p
         grad = g_lp * (tl.where(is_target, 1.0, 0.0) - q)
     if HAS_GENT:
-        g_ent = tl.load(grad_entropy_ptr + idx)
-        mean_shifted = tl.load(mean_shifted_ptr + idx)
+        g_ent = tl.load(grad_entropy_ptr + row)
+        mean_shifted = tl.load(mean_shifted_ptr + row)
         grad += g_ent * (p * tl.where(p == 0.0, 0.0, mean_shifted - d))  # p == 0 (d = -inf): no 0 * inf
     if SCALE:
         grad = grad * inv_temperature
-    grad = tl.where(valid, grad, 0.0)  # padding and inactive rows: 0, whatever the padding holds
+    grad = tl.where(valid, grad, 0.0)  # padding and dropped rows: 0, whatever they hold (NaN included)
     if ROUND_BF16_BY_BITS:
         # Triton 3.9's interpreter truncates fp32 -> bf16 casts (compiled code rounds to nearest even, as torch does):
         # there, round to nearest even on the bits. Gradients are finite, so no NaN payload to protect.

@@ -5,7 +5,7 @@ segments that is ~90 launches per forward, a few hundred microseconds next to a 
 the same math (see _row_stats.py's docstring) for a block of rows per program, segments merged in global order with a
 compile-time loop, so the bits do not depend on which rank or TP size produced the partials.
 
-Output rows of `out` ([MERGED_FIELDS, R] fp32): log_prob, entropy, shift (row max M, 0 without mass),
+Output rows of `out` ([MERGED_FIELDS, T] fp32): log_prob, entropy, shift (row max M, 0 without mass),
 log_sum = log Σ e^(z-M), log_sum_kept, mean_shifted = E_p[z] - M, and three 0/1 flags: log-prob defined (the kept
 set has mass), row has mass, bad input (NaN or +inf logits reached the row).
 """
@@ -35,9 +35,9 @@ _BAD_INPUT = tl.constexpr(BAD_INPUT)
 
 @triton.jit
 def merge_partials_kernel(
-    partials_ptr,  # [NUM_SEG, 5, R] fp32 segment partials in global segment order, READ-ONLY
-    out_ptr,  # [9, R] fp32 merged row statistics, WRITTEN
-    num_rows,  # R
+    partials_ptr,  # [NUM_SEG, 5, T] fp32 segment partials in global segment order, READ-ONLY
+    out_ptr,  # [9, T] fp32 merged row statistics, WRITTEN
+    num_rows,  # T
     NUM_SEG: tl.constexpr,
     HAS_KEEP: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -103,7 +103,7 @@ _BLOCK_R = 256
 
 
 def merge_partials(partials: torch.Tensor, has_keep_mask: bool) -> _row_stats.RowStats:
-    """[segments, 5, R] fp32 partials -> RowStats, the same math as _row_stats.merge_partials in one launch."""
+    """[segments, 5, T] fp32 partials -> RowStats, the same math as _row_stats.merge_partials in one launch."""
     num_seg, _, num_rows = partials.shape
     partials = partials.contiguous()
     out = torch.empty((MERGED_FIELDS, num_rows), dtype=torch.float32, device=partials.device)

@@ -4,7 +4,8 @@
   int64 tokens, strided logits, stride-0 upstream gradients and validate=False change nothing.
 - -inf logits (masked or padded vocabulary): no NaN anywhere, finite log-probs for finite kept targets; rows that are
   -inf except the target; a target whose own logit is -inf (log-prob -inf, gradient finite).
-- Empty input (T == 0, and zero-size leading dimensions); a row_mask that drops every row.
+- Empty input (T == 0, and zero-size leading dimensions); a row_mask that drops every row; NaN logits in dropped rows
+  (never read: no error, zeros there, the kept rows' bits unchanged).
 - The caller's tensors are never modified, except with inplace_grad=True, where the returned gradient IS the logits'
   storage and equals the out-of-place gradient bitwise.
 - The slime-compatible calculate_log_probs_and_entropy agrees with log_probs_and_entropy.
@@ -207,6 +208,19 @@ def test_row_mask_all_false(backend):
     assert torch.equal(got.log_probs.cpu(), torch.zeros(shape[:-1]))
     assert torch.equal(got.entropy.cpu(), torch.zeros(shape[:-1]))
     assert torch.equal(got.grad.cpu(), torch.zeros(shape))
+
+
+@with_each_backend
+def test_row_mask_never_reads_dropped_rows(backend):
+    """NaN logits in dropped rows (validate on): no error, zeros for those rows, and the kept rows' bits unchanged."""
+    logits, tokens, opts, weights = _full_case()
+    expected = run_op(logits, tokens, backend=backend, **opts, **weights)
+    poisoned = logits.clone()
+    poisoned[~opts["row_mask"]] = float("nan")
+    got = run_op(poisoned, tokens, backend=backend, **opts, **weights)
+    _assert_results_identical(got, expected, "NaN logits in dropped rows")
+    dropped = ~opts["row_mask"].to(got.grad.device)
+    assert bool((got.log_probs[dropped] == 0).all()) and bool((got.grad[dropped] == 0).all())
 
 
 # --- caller's tensors and inplace_grad ---

@@ -5,10 +5,11 @@
 partials of tests/triton_reference.py (MAX and TARGET_Z exactly: selections of the same fp32 z), `backward_grad`
 against the float64 gradient defined by float64 row statistics, given them rounded to fp32 as the core passes them.
 Edge cases have their own tests: -inf logits and rows, NaN/inf padding, targets on another rank, multi-tile online
-rescaling, strided and in-place tensors, empty inputs; then determinism, bitwise invariance of a segment's partials
-and of the gradient under vocabulary sharding (the backend half of the TP-invariance claim), bad input. Last, the
-kernels are compiled for sm_90 in a child process (the interpreter accepts code the compiler rejects), which also shows
-each forward kernel's compiled code is the same at every TP size.
+rescaling, strided and in-place tensors, empty inputs, row masks (a dropped row is never read: NaN logits there give
+exactly neutral partials and a zero gradient row, and kept rows keep the bits of an unmasked run); then determinism,
+bitwise invariance of a segment's partials and of the gradient under vocabulary sharding (the backend half of the
+TP-invariance claim), bad input. Last, the kernels are compiled for sm_90 in a child process (the interpreter accepts
+code the compiler rejects), which also shows each forward kernel's compiled code is the same at every TP size.
 
 End-to-end numerics through the public API run for both backends in tests/test_core_*.py; tests/test_tp_invariance.py
 checks bitwise TP invariance over gloo; tests/test_triton_backend_gpu.py runs the compiled kernels on a GPU.
@@ -31,7 +32,7 @@ if _SKIP:
 
 # Imported after the skip: these load the kernels, which must see TRITON_INTERPRET first (tests/conftest.py sets it).
 from ppo_ops import _triton_backend as tb  # noqa: E402
-from ppo_ops._row_stats import ENT_SUM, MAX, SUMEXP, TARGET_Z  # noqa: E402
+from ppo_ops._row_stats import ENT_SUM, MAX, SUMEXP, TARGET_Z, empty_partials  # noqa: E402
 from tests.triton_reference import (NEG_INF, assert_grad_close, check_once, make_case, reference_grad,  # noqa: E402
                                     reference_stats, results_per_tp)
 
@@ -64,21 +65,21 @@ def test_dtypes_and_temperatures(dtype, inv_t, kernel):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_keep_mask(dtype, kernel):
-    logits, rows, target_col, keep_mask, g_lp, g_ent = make_case(6, 128, dtype=dtype, keep=True)
+    logits, row_mask, target_col, keep_mask, g_lp, g_ent = make_case(6, 128, dtype=dtype, keep=True)
     keep_mask[0, target_col[0]] = False  # the target joins the kept set even where the mask drops it
     keep_mask[1] = False  # only the target is kept: log_prob 0, q one-hot
-    check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, seg_len=16, kernel=kernel)
+    check_once(logits, row_mask, target_col, keep_mask, g_lp, g_ent, seg_len=16, kernel=kernel)
 
 
 def test_keep_mask_strided_is_read_correctly():
-    logits, rows, target_col, keep_mask, g_lp, g_ent = make_case(4, 64, keep=True)
+    logits, row_mask, target_col, keep_mask, g_lp, g_ent = make_case(4, 64, keep=True)
     keep_t = keep_mask.t().contiguous().t()  # column-major: stride(-1) != 1
-    check_once(logits, rows, target_col, keep_t, g_lp, g_ent, seg_len=8)
+    check_once(logits, row_mask, target_col, keep_t, g_lp, g_ent, seg_len=8)
 
 
 @pytest.mark.parametrize("n_active", [0, 1, 5])
 def test_row_subset(n_active):
-    # Only active rows are computed; the others get a zero gradient.
+    # Only kept rows are computed; the others get neutral partials and a zero gradient (check_once checks both).
     check_once(*make_case(9, 64, n_rows_active=n_active, keep=True), seg_len=16)
 
 
@@ -86,27 +87,27 @@ def test_row_subset(n_active):
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_padding_is_never_read_as_vocabulary(n_valid, kernel):
     # 70: segment 5 is split and 6-7 are all padding; 60: a boundary; 0: a shard that is all padding.
-    logits, rows, target_col, keep_mask, g_lp, g_ent = make_case(4, 96, keep=True)
+    logits, row_mask, target_col, keep_mask, g_lp, g_ent = make_case(4, 96, keep=True)
     target_col = target_col.clamp(max=max(n_valid - 1, 0))
     if n_valid == 0:
         target_col[:] = -1
     logits[:, n_valid:] = float("nan")
     logits[0, n_valid:] = float("inf")
-    got, grad = check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, n_valid=n_valid, seg_len=12,
+    got, grad = check_once(logits, row_mask, target_col, keep_mask, g_lp, g_ent, n_valid=n_valid, seg_len=12,
                            kernel=kernel)
     assert bool((grad[:, n_valid:] == 0).all())
 
 
 def test_targets_on_another_rank():
-    logits, rows, target_col, keep_mask, g_lp, g_ent = make_case(5, 64, keep=True)
+    logits, row_mask, target_col, keep_mask, g_lp, g_ent = make_case(5, 64, keep=True)
     target_col[::2] = -1
-    got, _ = check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, seg_len=16)
+    got, _ = check_once(logits, row_mask, target_col, keep_mask, g_lp, g_ent, seg_len=16)
     assert bool((got[:, TARGET_Z, ::2] == NEG_INF).all())
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_neg_inf_logits(kernel):
-    logits, rows, target_col, keep_mask, g_lp, g_ent = make_case(6, 64, keep=True)
+    logits, row_mask, target_col, keep_mask, g_lp, g_ent = make_case(6, 64, keep=True)
     logits[0, ::3] = NEG_INF  # scattered
     logits[1] = NEG_INF  # a whole row: no mass anywhere
     logits[2, :16] = NEG_INF  # a whole segment
@@ -115,7 +116,7 @@ def test_neg_inf_logits(kernel):
     logits[4, target_col[4]] = NEG_INF  # empty kept set
     g_lp[[1, 4]] = 0.0  # as the core passes them: no log-prob gradient where the kept set has no mass,
     g_ent[1] = 0.0  # no entropy gradient where the row has none
-    got, grad = check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, seg_len=16, kernel=kernel)
+    got, grad = check_once(logits, row_mask, target_col, keep_mask, g_lp, g_ent, seg_len=16, kernel=kernel)
     assert not torch.isnan(got).any()
     assert bool((got[:, MAX, 1] == NEG_INF).all()) and bool((got[:, SUMEXP:ENT_SUM + 1, 1] == 0).all())
     assert bool((grad[1] == 0).all())
@@ -137,10 +138,10 @@ def test_nan_and_pos_inf_logits_reach_max(bad, kernel, block_v):
 def test_online_rescaling_across_tiles(kernel):
     # Tiles of 4 columns, logits rising along the row: the running max grows at (almost) every tile, which rescales
     # s, sk and w (with the (m_old - m_new) * s term); a -inf first tile exercises the start from an empty state.
-    logits, rows, target_col, keep_mask, g_lp, g_ent = make_case(3, 64, keep=True, scale=1.0)
+    logits, row_mask, target_col, keep_mask, g_lp, g_ent = make_case(3, 64, keep=True, scale=1.0)
     logits += torch.linspace(-20, 20, 64)
     logits[1, :4] = NEG_INF
-    check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, seg_len=32, block_v=4, kernel=kernel)
+    check_once(logits, row_mask, target_col, keep_mask, g_lp, g_ent, seg_len=32, block_v=4, kernel=kernel)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -149,7 +150,7 @@ def test_lanes_online_state(dtype):
     # lane seeing its own sequence: new maxima in some lanes and not others, repeated maxima (d = 0), lanes that stay
     # -inf for several tiles (empty state, then a first finite value), a lane that is -inf throughout (drops out of
     # the merge), a whole -inf tile, and a row with a single finite logit.
-    logits, rows, target_col, keep_mask, g_lp, g_ent = make_case(5, 104, dtype=dtype, keep=True, scale=4.0)
+    logits, row_mask, target_col, keep_mask, g_lp, g_ent = make_case(5, 104, dtype=dtype, keep=True, scale=4.0)
     logits[0, 3::8] = NEG_INF  # lane 3 empty throughout
     logits[0, 5:40:8] = NEG_INF  # lane 5 empty for five tiles
     logits[1, 16:24] = NEG_INF  # a whole tile
@@ -158,52 +159,52 @@ def test_lanes_online_state(dtype):
     logits[3, 77] = 1.5  # one finite logit in the row
     logits[4] += torch.linspace(-30, 30, 104).to(dtype)  # rising: a new max in every lane at every tile
     target_col[3] = 77  # the target is that logit: log_prob 0 whatever the keep mask
-    check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, n_valid=100, seg_len=104, block_v=8,
+    check_once(logits, row_mask, target_col, keep_mask, g_lp, g_ent, n_valid=100, seg_len=104, block_v=8,
                kernel="lanes", inv_t=float(torch.tensor(1.0 / 0.7, dtype=torch.float32)))
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_entropy_channel_off(kernel):
-    logits, rows, target_col, keep_mask, g_lp, g_ent = make_case(3, 64)
-    got, _ = check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, seg_len=16, with_entropy=False,
+    logits, row_mask, target_col, keep_mask, g_lp, g_ent = make_case(3, 64)
+    got, _ = check_once(logits, row_mask, target_col, keep_mask, g_lp, g_ent, seg_len=16, with_entropy=False,
                         kernel=kernel)
     assert bool((got[:, ENT_SUM] == 0).all())
 
 
 @pytest.mark.parametrize("which", ["log_prob", "entropy", "none"])
 def test_backward_with_one_upstream_gradient(which):
-    logits, rows, target_col, keep_mask, g_lp, g_ent = make_case(4, 64, keep=True)
-    stats = reference_stats(logits, rows, target_col, keep_mask, 1.0, 64)
+    logits, row_mask, target_col, keep_mask, g_lp, g_ent = make_case(4, 64, keep=True)
+    stats = reference_stats(logits, row_mask, target_col, keep_mask, 1.0, 64)
     g_lp = g_lp if which == "log_prob" else None
     g_ent = g_ent if which == "entropy" else None
     out = torch.full_like(logits, 7.0)
-    tb.backward_grad(logits, rows, target_col, keep_mask, 1.0, 64, *(s.float() for s in stats), g_lp, g_ent, out,
+    tb.backward_grad(logits, row_mask, target_col, keep_mask, 1.0, 64, *(s.float() for s in stats), g_lp, g_ent, out,
                      None)
-    assert_grad_close(out, reference_grad(logits, rows, target_col, keep_mask, 1.0, 64, stats, g_lp, g_ent))
+    assert_grad_close(out, reference_grad(logits, row_mask, target_col, keep_mask, 1.0, 64, stats, g_lp, g_ent))
 
 
 def test_strided_rows_and_inplace_gradient():
     # Logits and gradient as column slices of wider buffers (row stride != V_local); then in place (out is logits).
-    logits, rows, target_col, keep_mask, g_lp, g_ent = make_case(5, 64, dtype=torch.bfloat16, n_rows_active=3)
+    logits, row_mask, target_col, keep_mask, g_lp, g_ent = make_case(5, 64, dtype=torch.bfloat16, n_rows_active=3)
     wide = torch.zeros((5, 80), dtype=torch.bfloat16)
     wide[:, 8:72] = logits
     view = wide[:, 8:72]
-    stats = [s.float() for s in reference_stats(logits, rows, target_col, None, 1.0, 64)]
-    got = tb.forward_partials(view, rows, target_col, None, 1.0, 64, 16, True, None)
-    assert torch.equal(got, tb.forward_partials(logits, rows, target_col, None, 1.0, 64, 16, True, None))
+    stats = [s.float() for s in reference_stats(logits, row_mask, target_col, None, 1.0, 64)]
+    got = tb.forward_partials(view, row_mask, target_col, None, 1.0, 64, 16, True, None)
+    assert torch.equal(got, tb.forward_partials(logits, row_mask, target_col, None, 1.0, 64, 16, True, None))
     expected = torch.empty_like(logits)
-    tb.backward_grad(logits, rows, target_col, None, 1.0, 64, *stats, g_lp, g_ent, expected, None)
+    tb.backward_grad(logits, row_mask, target_col, None, 1.0, 64, *stats, g_lp, g_ent, expected, None)
     before = wide.clone()
-    tb.backward_grad(view, rows, target_col, None, 1.0, 64, *stats, g_lp, g_ent, view, None)
+    tb.backward_grad(view, row_mask, target_col, None, 1.0, 64, *stats, g_lp, g_ent, view, None)
     assert torch.equal(view, expected)
     assert torch.equal(wide[:, :8], before[:, :8]) and torch.equal(wide[:, 72:], before[:, 72:])
 
 
 def test_inputs_are_not_mutated():
-    logits, rows, target_col, keep_mask, g_lp, g_ent = make_case(4, 64, keep=True, n_rows_active=3)
-    originals = [t.clone() for t in (logits, rows, target_col, keep_mask, g_lp, g_ent)]
-    check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, seg_len=16)
-    for before, after in zip(originals, (logits, rows, target_col, keep_mask, g_lp, g_ent)):
+    logits, row_mask, target_col, keep_mask, g_lp, g_ent = make_case(4, 64, keep=True, n_rows_active=3)
+    originals = [t.clone() for t in (logits, row_mask, target_col, keep_mask, g_lp, g_ent)]
+    check_once(logits, row_mask, target_col, keep_mask, g_lp, g_ent, seg_len=16)
+    for before, after in zip(originals, (logits, row_mask, target_col, keep_mask, g_lp, g_ent)):
         assert torch.equal(before, after)
 
 
@@ -213,8 +214,14 @@ def test_empty_inputs():
     assert tb.forward_partials(logits, None, none, None, 1.0, 64, 16, True, None).shape == (4, 5, 0)
     empty = torch.zeros(0)
     tb.backward_grad(logits, None, none, None, 1.0, 64, empty, empty, None, empty, empty, empty, logits, None)
-    logits = torch.randn(3, 64)
-    assert tb.forward_partials(logits, none, none, None, 1.0, 64, 16, True, None).shape == (4, 5, 0)
+    # Every row dropped: neutral partials and zero gradient rows, NaN logits never read.
+    logits = torch.full((3, 64), float("nan"))
+    no_row = torch.zeros(3, dtype=torch.bool)
+    target_col, stats = torch.zeros(3, dtype=torch.int64), torch.ones(3)
+    got = tb.forward_partials(logits, no_row, target_col, None, 1.0, 64, 16, True, None)
+    assert torch.equal(got, empty_partials(4, 3, "cpu"))
+    tb.backward_grad(logits, no_row, target_col, None, 1.0, 64, stats, stats, None, stats, stats, stats, logits, None)
+    assert bool((logits == 0).all())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -226,9 +233,44 @@ def test_deterministic_and_row_independent(kernel):
     full = tb.forward_partials(logits, None, target_col, keep_mask, 1.0, 90, 12, True, None, kernel=kernel)
     assert torch.equal(full, tb.forward_partials(logits, None, target_col, keep_mask, 1.0, 90, 12, True, 3,
                                                  kernel=kernel))
-    rows = torch.tensor([1, 4, 7])
-    part = tb.forward_partials(logits, rows, target_col[rows], keep_mask, 1.0, 90, 12, True, None, kernel=kernel)
-    assert torch.equal(part, full[:, :, rows])  # a row's bits do not depend on which other rows run
+    row_mask = torch.zeros(8, dtype=torch.bool)
+    row_mask[[1, 4, 7]] = True
+    part = tb.forward_partials(logits, row_mask, target_col, keep_mask, 1.0, 90, 12, True, None, kernel=kernel)
+    # a row's bits do not depend on which other rows run
+    assert torch.equal(part[:, :, row_mask], full[:, :, row_mask])
+
+
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("block_v", [None, 4, 8])  # per 12-column segment: a partial tile only; 3 whole tiles; both
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_row_mask_never_reads_dropped_rows(kernel, block_v, keep):
+    # Dropped rows hold NaN logits, and NaN row statistics and upstream gradients (a real target column too): had a
+    # program read or used any of them, NaN would reach its partials or gradient row. Kept rows: the bits of an
+    # unmasked run.
+    logits, _, target_col, keep_mask, g_lp, g_ent = make_case(8, 96, keep=keep)
+    row_mask = torch.tensor([True, False, False, True, True, False, True, False])
+    n_valid, seg_len, inv_t = 90, 12, float(torch.tensor(1 / 0.7, dtype=torch.float32))
+    masked = logits.clone()
+    masked[~row_mask] = float("nan")
+    opts = dict(kernel=kernel, block_v=block_v)
+
+    unmasked = tb.forward_partials(logits, None, target_col, keep_mask, inv_t, n_valid, seg_len, True, None, **opts)
+    got = tb.forward_partials(masked, row_mask, target_col, keep_mask, inv_t, n_valid, seg_len, True, None, **opts)
+    assert torch.equal(got[:, :, row_mask], unmasked[:, :, row_mask])
+    neutral = empty_partials(96 // seg_len, int((~row_mask).sum()), "cpu")
+    assert torch.equal(got[:, :, ~row_mask], neutral)
+
+    stats = [s.float() for s in reference_stats(logits, None, target_col, keep_mask, inv_t, n_valid)]
+    expected = torch.empty_like(logits)
+    tb.backward_grad(logits, None, target_col, keep_mask, inv_t, n_valid, *stats, g_lp, g_ent, expected, None,
+                     block_v=block_v)
+    junk = [torch.where(row_mask, t, float("nan")) for t in (*stats, g_lp, g_ent)]
+    grad = torch.full_like(logits, 7.0)  # every entry must be written
+    tb.backward_grad(masked, row_mask, target_col, keep_mask, inv_t, n_valid, *junk, grad, None, block_v=block_v)
+    assert torch.equal(grad[row_mask], expected[row_mask])
+    assert bool((grad[~row_mask] == 0).all())
+    tb.backward_grad(masked, row_mask, target_col, keep_mask, inv_t, n_valid, *junk, masked, None, block_v=block_v)
+    assert torch.equal(masked, grad)  # in place: the NaN rows are overwritten with zeros, never read
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -239,11 +281,12 @@ def test_shards_give_the_same_bits(dtype, kernel, block_v):
     # inside them. Its partials must equal, bit for bit, the same segments computed at TP=1, and its gradient (given
     # the same row stats) the same columns of the TP=1 gradient.
     n_rows, v_global, vocab_size = 4, 256, 250  # 6 padding columns, all on the last rank
-    logits, rows, tokens, keep_mask, g_lp, g_ent = make_case(n_rows, v_global, dtype=dtype, keep=True, n_rows_active=3)
+    logits, row_mask, tokens, keep_mask, g_lp, g_ent = make_case(n_rows, v_global, dtype=dtype, keep=True,
+                                                                 n_rows_active=3)
     tokens = tokens.clamp(max=vocab_size - 1)
     seg_len = v_global // 8
-    stats = [s.float() for s in reference_stats(logits, rows, tokens, keep_mask, 1.0, vocab_size)]
-    results = results_per_tp(logits, rows, tokens, keep_mask, stats, g_lp, g_ent, vocab_size, seg_len,
+    stats = [s.float() for s in reference_stats(logits, row_mask, tokens, keep_mask, 1.0, vocab_size)]
+    results = results_per_tp(logits, row_mask, tokens, keep_mask, stats, g_lp, g_ent, vocab_size, seg_len,
                              kernel=kernel, block_v=block_v)
     for tp in (2, 4, 8):
         assert torch.equal(results[tp][0], results[1][0]), f"partials differ at TP={tp}"

@@ -47,29 +47,29 @@ def _ptx(kernel, args, kwargs):
                           options=options.__dict__).asm["ptx"]
 
 
-def _forward_args(logits, rows, keep_mask, seg_len, n_valid, kernel):
-    n_rows = logits.shape[0] if rows is None else rows.numel()
+def _forward_args(logits, row_mask, keep_mask, seg_len, n_valid, kernel):
+    n_rows = logits.shape[0]
     out = torch.empty((logits.shape[1] // seg_len, 5, n_rows))
     config = tb.launch_config("forward", logits.dtype, seg_len, interpreted=False, kernel=kernel)
     target_col = torch.zeros(n_rows, dtype=torch.int64)
-    _, args, kwargs = tb.forward_launch_args(logits, rows, target_col, keep_mask, 1.0, n_valid, seg_len, True, out,
-                                             config)
+    _, args, kwargs = tb.forward_launch_args(logits, row_mask, target_col, keep_mask, 1.0, n_valid, seg_len, True,
+                                             out, config)
     return args, kwargs
 
 
 def forward_key_count(kernel, dtype, n_rows=3, v_global=8000, vocab_size=7990):
     """Distinct forward binaries over all ranks of TP = 1, 2, 4, 8 (V_local = 8000, 4000, 2000, 1000: only the last
-    is not a multiple of 16), with a keep mask, a row subset and padding on the last rank."""
+    is not a multiple of 16), with a keep mask, a row mask and padding on the last rank."""
     logits = torch.zeros((n_rows, v_global), dtype=dtype)
     keep_mask = torch.zeros((n_rows, v_global), dtype=torch.bool)
-    rows = torch.tensor([0, 2])
+    row_mask = torch.arange(n_rows) % 2 == 0
     keys = set()
     for tp in (1, 2, 4, 8):
         v_local = v_global // tp
         for rank in range(tp):
             cols = slice(rank * v_local, (rank + 1) * v_local)
             n_valid = max(0, min(v_local, vocab_size - rank * v_local))
-            args, kwargs = _forward_args(logits[:, cols].contiguous(), rows, keep_mask[:, cols].contiguous(),
+            args, kwargs = _forward_args(logits[:, cols].contiguous(), row_mask, keep_mask[:, cols].contiguous(),
                                          v_global // 8, n_valid, kernel)
             keys.add(_specialize(tb.FORWARD_KERNELS[kernel], args, kwargs)[0])
     return len(keys)
@@ -78,17 +78,17 @@ def forward_key_count(kernel, dtype, n_rows=3, v_global=8000, vocab_size=7990):
 def qwen3_ptx(pass_name, dtype, keep, n_rows=8, v_local=151936):
     logits = torch.empty((n_rows, v_local), dtype=dtype)
     keep_mask = torch.zeros((n_rows, v_local), dtype=torch.bool) if keep else None
-    rows = torch.arange(0, n_rows, 2)
+    row_mask = torch.arange(n_rows) % 2 == 0
     if pass_name.startswith("forward "):
         kernel = pass_name.split()[1]
-        args, kwargs = _forward_args(logits, rows, keep_mask, v_local // 8, v_local - 5, kernel)
+        args, kwargs = _forward_args(logits, row_mask, keep_mask, v_local // 8, v_local - 5, kernel)
         return _ptx(tb.FORWARD_KERNELS[kernel], args, kwargs)
     config = tb.launch_config("backward", dtype, v_local, interpreted=False)
-    vec = torch.zeros(rows.numel())
-    args = (logits, logits, torch.zeros(n_rows, dtype=torch.int64), torch.zeros(rows.numel(), dtype=torch.int64),
+    vec = torch.zeros(n_rows)
+    args = (logits, logits, row_mask.view(torch.uint8), torch.zeros(n_rows, dtype=torch.int64),
             logits if keep_mask is None else keep_mask.view(torch.uint8), vec, vec, vec, vec, vec, vec,
             v_local, v_local - 5, v_local, v_local, v_local, 1.5)
-    kwargs = dict(HAS_ROWS=True, HAS_KEEP=keep, HAS_GLP=True, HAS_GENT=True, SCALE=True, BLOCK_V=config.block_v,
+    kwargs = dict(HAS_ROW_MASK=True, HAS_KEEP=keep, HAS_GLP=True, HAS_GENT=True, SCALE=True, BLOCK_V=config.block_v,
                   ROUND_BF16_BY_BITS=False, **tb._options(config))
     return _ptx(_triton_kernels.backward_grad_kernel, args, kwargs)
 

@@ -1,11 +1,13 @@
 """Float64 reference of the backend contract (ppo_ops/_triton_backend.py, ppo_ops/_torch_backend.py) and the checks
 built on it, shared by tests/test_triton_backend.py (CPU, interpreter) and tests/test_triton_backend_gpu.py (H200).
 
-- `reference_partials`: the [segments, 5, R] partials in float64, from the same fp32 z = fp32(logits) * inv_temperature
-  the contract defines, so MAX and TARGET_Z (selections, not sums) must match exactly.
+- `reference_partials`: the [segments, 5, T] partials in float64, from the same fp32 z = fp32(logits) * inv_temperature
+  the contract defines, so MAX and TARGET_Z (selections, not sums) must match exactly; rows a row mask drops get the
+  neutral partials (MAX and TARGET_Z -inf, sums 0), so they too must match exactly.
 - `reference_stats` / `reference_grad`: float64 row statistics relative to the row max, as the core passes them to
   backward, and the float64 gradient they define.
-- `check_once`: one forward_partials + backward_grad on `device`, both compared with the references.
+- `check_once`: one forward_partials + backward_grad on `device`, both compared with the references (and, with a row
+  mask, the dropped rows' gradient checked to be exactly 0).
 """
 
 import torch
@@ -39,22 +41,26 @@ def _z32(logits, inv_t):
 
 
 def _kept(keep_mask, target_col, shape):
-    """keep ∪ {target} as a bool [R, V] (targets of -1 live on another rank)."""
+    """keep ∪ {target} as a bool [T, V] (targets of -1 live on another rank)."""
     kept = torch.zeros(shape, dtype=torch.bool) if keep_mask is None else keep_mask.clone()
     own = torch.nonzero(target_col >= 0).squeeze(1)
     kept[own, target_col[own]] = True
     return kept
 
 
-def reference_partials(logits, rows, target_col, keep_mask, inv_t, n_valid, seg_len, with_entropy):
-    """float64 [nseg, 5, R] partials of the contract."""
-    if rows is not None:
-        logits = logits[rows]
-        keep_mask = None if keep_mask is None else keep_mask[rows]
+def _dropped(row_mask, n_rows):
+    """[T] bool: the rows a row mask drops (none without one)."""
+    return torch.zeros(n_rows, dtype=torch.bool) if row_mask is None else ~row_mask.cpu()
+
+
+def reference_partials(logits, row_mask, target_col, keep_mask, inv_t, n_valid, seg_len, with_entropy):
+    """float64 [nseg, 5, T] partials of the contract; a dropped row is neutral, whatever its logits and target."""
     n_rows, v_local = logits.shape
+    dropped = _dropped(row_mask, n_rows)
     z = _z32(logits, inv_t).double()
     cols = torch.arange(v_local)
-    z = torch.where(cols < n_valid, z, NEG_INF)
+    z = torch.where((cols < n_valid) & ~dropped[:, None], z, NEG_INF)  # a dropped row has no mass (NaN included)
+    target_col = torch.where(dropped, -1, target_col)
     kept = None if keep_mask is None else _kept(keep_mask, target_col, z.shape)
     out = torch.zeros((v_local // seg_len, 5, n_rows), dtype=torch.float64)
     for j in range(v_local // seg_len):
@@ -73,9 +79,10 @@ def reference_partials(logits, rows, target_col, keep_mask, inv_t, n_valid, seg_
     return out
 
 
-def reference_stats(logits, rows, target_col, keep_mask, inv_t, n_valid):
-    """float64 global row stats relative to the row max M: (M, log_sum, log_sum_kept, mean_shifted), per active row."""
-    p = reference_partials(logits, rows, target_col, keep_mask, inv_t, n_valid, logits.shape[1], True)[0]
+def reference_stats(logits, row_mask, target_col, keep_mask, inv_t, n_valid):
+    """float64 global row stats relative to the row max M: (M, log_sum, log_sum_kept, mean_shifted), per row (0 for a
+    dropped row, as the core passes them)."""
+    p = reference_partials(logits, row_mask, target_col, keep_mask, inv_t, n_valid, logits.shape[1], True)[0]
     m = torch.where(p[MAX] == NEG_INF, 0.0, p[MAX])
     has_mass = p[SUMEXP] > 0
     log_sum = torch.where(has_mass, torch.log(p[SUMEXP]), 0.0)
@@ -84,11 +91,14 @@ def reference_stats(logits, rows, target_col, keep_mask, inv_t, n_valid):
     return m, log_sum, log_sum_kept, mean_shifted
 
 
-def reference_grad(logits, rows, target_col, keep_mask, inv_t, n_valid, stats, g_lp, g_ent):
-    """float64 gradient of the contract for all T rows (rows outside `rows` are 0), from float64 stats."""
+def reference_grad(logits, row_mask, target_col, keep_mask, inv_t, n_valid, stats, g_lp, g_ent):
+    """float64 gradient of the contract for all T rows (rows the row mask drops are 0), from float64 stats."""
     n_total, v_local = logits.shape
-    active = torch.arange(n_total) if rows is None else rows
-    m, log_sum, log_sum_kept, mean_shifted = stats
+    active = torch.nonzero(~_dropped(row_mask, n_total)).squeeze(1)
+    m, log_sum, log_sum_kept, mean_shifted = (t[active] for t in stats)
+    target_col = target_col[active]
+    g_lp = None if g_lp is None else g_lp[active]
+    g_ent = None if g_ent is None else g_ent[active]
     z = torch.where(torch.arange(v_local) < n_valid, _z32(logits[active], inv_t).double(), NEG_INF)
     d = z - m[:, None]
     p = torch.exp(d - log_sum[:, None])
@@ -142,17 +152,20 @@ def assert_grad_close(got, expected, what="grad", row_scale=None):
 
 
 def make_case(n_rows, v_local, *, dtype=torch.float32, seed=0, scale=3.0, keep=False, n_rows_active=None):
+    """(logits, row_mask, target_col, keep_mask, g_lp, g_ent); a row mask keeping `n_rows_active` random rows when
+    given. Per-row tensors cover all rows; a dropped row's target and upstream gradients are junk the backend must
+    ignore (a real target column, nonzero gradients), not the zeros the core would pass."""
     gen = torch.Generator().manual_seed(seed)
     logits = (torch.randn((n_rows, v_local), generator=gen) * scale).to(dtype)
-    rows = None
+    row_mask = None
     if n_rows_active is not None:
-        rows = torch.sort(torch.randperm(n_rows, generator=gen)[:n_rows_active]).values
-    n_act = n_rows if rows is None else rows.numel()
-    target_col = torch.randint(0, v_local, (n_act,), generator=gen)
+        row_mask = torch.zeros(n_rows, dtype=torch.bool)
+        row_mask[torch.randperm(n_rows, generator=gen)[:n_rows_active]] = True
+    target_col = torch.randint(0, v_local, (n_rows,), generator=gen)
     keep_mask = (torch.rand((n_rows, v_local), generator=gen) < 0.5) if keep else None
-    g_lp = torch.rand(n_act, generator=gen) + 0.5
-    g_ent = torch.rand(n_act, generator=gen) * 2 - 1
-    return logits, rows, target_col, keep_mask, g_lp, g_ent
+    g_lp = torch.rand(n_rows, generator=gen) + 0.5
+    g_ent = torch.rand(n_rows, generator=gen) * 2 - 1
+    return logits, row_mask, target_col, keep_mask, g_lp, g_ent
 
 
 def on(device, *tensors):
@@ -160,33 +173,32 @@ def on(device, *tensors):
     return [None if t is None else t.to(device) for t in tensors]
 
 
-def check_once(logits, rows, target_col, keep_mask, g_lp, g_ent, *, inv_t=1.0, n_valid=None, seg_len=None,
+def check_once(logits, row_mask, target_col, keep_mask, g_lp, g_ent, *, inv_t=1.0, n_valid=None, seg_len=None,
                with_entropy=True, device="cpu", **overrides):
     """Forward partials and backward gradient on `device` against float64 (inputs are CPU tensors); returns both
     results on the CPU."""
     n_valid = logits.shape[1] if n_valid is None else n_valid
     seg_len = logits.shape[1] if seg_len is None else seg_len
     g_ent = g_ent if with_entropy else None
-    d_logits, d_rows, d_target, d_keep, d_glp, d_gent = on(device, logits, rows, target_col, keep_mask, g_lp, g_ent)
+    d_logits, d_rows, d_target, d_keep, d_glp, d_gent = on(device, logits, row_mask, target_col, keep_mask, g_lp,
+                                                            g_ent)
     got = tb.forward_partials(d_logits, d_rows, d_target, d_keep, inv_t, n_valid, seg_len, with_entropy, None,
                               **overrides).cpu()
-    assert_partials_close(got, reference_partials(logits, rows, target_col, keep_mask, inv_t, n_valid, seg_len,
+    assert_partials_close(got, reference_partials(logits, row_mask, target_col, keep_mask, inv_t, n_valid, seg_len,
                                                   with_entropy))
-    stats = reference_stats(logits, rows, target_col, keep_mask, inv_t, n_valid)
+    stats = reference_stats(logits, row_mask, target_col, keep_mask, inv_t, n_valid)
     out = torch.full_like(d_logits, 7.0)  # every entry must be written
     tb.backward_grad(d_logits, d_rows, d_target, d_keep, inv_t, n_valid, *on(device, *(s.float() for s in stats)),
                      d_glp, d_gent, out, None, **overrides)
     out = out.cpu()
-    scale = upstream_scale(g_lp, g_ent, inv_t)
-    if rows is not None:
-        scale = torch.ones(logits.shape[0], dtype=torch.float64).index_copy_(0, rows, scale)
-    assert_grad_close(out, reference_grad(logits, rows, target_col, keep_mask, inv_t, n_valid, stats, g_lp, g_ent),
-                      row_scale=scale)
+    assert_grad_close(out, reference_grad(logits, row_mask, target_col, keep_mask, inv_t, n_valid, stats, g_lp, g_ent),
+                      row_scale=upstream_scale(g_lp, g_ent, inv_t))
+    assert bool((out[_dropped(row_mask, logits.shape[0])] == 0).all()), "a dropped row's gradient is not exactly 0"
     return got, out
 
 
-def results_per_tp(logits, rows, tokens, keep_mask, stats, g_lp, g_ent, vocab_size, seg_len, tp_sizes=(1, 2, 4, 8),
-                   **overrides):
+def results_per_tp(logits, row_mask, tokens, keep_mask, stats, g_lp, g_ent, vocab_size, seg_len,
+                   tp_sizes=(1, 2, 4, 8), **overrides):
     """{tp: (partials, gradient)} with rank r of each TP size holding columns [r*V/tp, (r+1)*V/tp) and its fixed
     segments: the ranks' partials stacked in rank order, their gradient shards concatenated. `stats` are the global
     row stats; `overrides` go to forward_partials (kernel, block_v, ...)."""
@@ -201,10 +213,10 @@ def results_per_tp(logits, rows, tokens, keep_mask, stats, g_lp, g_ent, vocab_si
             local = tokens - rank * v_local
             target_col = torch.where((local >= 0) & (local < v_local), local, -1)
             n_valid = max(0, min(v_local, vocab_size - rank * v_local))
-            partials.append(tb.forward_partials(shard, rows, target_col, keep, 1.0, n_valid, seg_len, True, None,
+            partials.append(tb.forward_partials(shard, row_mask, target_col, keep, 1.0, n_valid, seg_len, True, None,
                                                 **overrides))
             grad = torch.empty_like(shard)
-            tb.backward_grad(shard, rows, target_col, keep, 1.0, n_valid, *stats, g_lp, g_ent, grad, None)
+            tb.backward_grad(shard, row_mask, target_col, keep, 1.0, n_valid, *stats, g_lp, g_ent, grad, None)
             grads.append(grad)
         results[tp] = (torch.cat(partials), torch.cat(grads, dim=1))
     return results

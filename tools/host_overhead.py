@@ -2,8 +2,9 @@
 
     python tools/host_overhead.py [--rows 8192] [--vocab 151936] [--profile]
 
-Why: a host sync inside the op (validate=True's checks, a row mask's index list) makes the GPU wait for the host to
-launch everything that follows it, so the step costs device time + the host time after the sync. This tool shows
+Why: a host sync inside the op (validate=True's checks; a row mask's index list before the Triton kernels took the
+mask itself) makes the GPU wait for the host to launch everything that follows it, so the step costs device time +
+the host time after the sync. This tool shows
 how large that is, per configuration (validate on/off, row mask off/10%), with bf16 logits and entropy="grad":
 - `pipelined ms`: CUDA-event time per step over back-to-back steps (what the bench reports);
 - `isolated ms`: wall time of one step between two device syncs (host and device serialised);
