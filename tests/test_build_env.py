@@ -11,6 +11,7 @@ import pathlib
 import re
 import socket
 import sys
+import sysconfig
 
 import pytest
 
@@ -87,7 +88,11 @@ def test_constraints_hold_torch_at_the_locked_cpu_wheel():
 
 def test_installed_packages_are_exactly_the_lock():
     pins = _lock_pins()
-    installed = {_normalize(dist.metadata["Name"]): dist.version for dist in importlib.metadata.distributions()}
+    # The venv's own site-packages only: in a shared pytest process an import may have put a vendored copy on
+    # sys.path (setuptools/_vendor holds its own packaging-*.dist-info), which is not an installed package.
+    site_packages = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    installed = {_normalize(dist.metadata["Name"]): dist.version
+                 for dist in importlib.metadata.distributions(path=site_packages)}
     wrong = {name: (installed.get(name), version) for name, version in pins.items() if installed.get(name) != version}
     assert not wrong, f"installed vs locked: {wrong}; run tools/bootstrap.sh"
     unlocked = sorted(set(installed) - set(pins))
