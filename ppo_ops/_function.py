@@ -8,9 +8,11 @@ Backend contract (ppo_ops/_torch_backend.py and ppo_ops/_triton_backend.py imple
            row (row_mask False) gets the neutral partials of _row_stats.empty_partials, its logits never read.
     backward_grad(logits, row_mask, target_col, keep_mask, inv_temperature, n_valid, shift [T], log_sum [T],
                   log_sum_kept [T] or None, mean_shifted [T] or None, grad_logprob [T] or None,
-                  grad_entropy [T] or None, out [T, V_local], chunk_rows)
+                  grad_entropy [T] or None, out [T, V_local], chunk_rows, logprob_ok=None [T] bool,
+                  row_has_mass=None [T] bool)
         -> None; writes every row of `out` (dropped rows get 0, their logits never read); `out` may be `logits`
-           itself (inplace_grad).
+           itself (inplace_grad). grad_logprob counts as 0 where logprob_ok is False (the log-prob is -inf or the
+           row has no mass), grad_entropy as 0 where row_has_mass is False, whatever they hold.
     merge_partials(partials [segments, 5, T], has_keep_mask) -> RowStats   (optional; default: _row_stats's, in torch
         ops; the Triton backend fuses it into one launch, see ppo_ops/_triton_merge.py)
         With d = z - shift: log p = d - log_sum, q = 1[keep ∪ target] e^(d - log_sum_kept) (q = p without a keep mask),
@@ -59,7 +61,7 @@ class Plan:
     validate: bool
 
 
-def compute_row_stats(plan: Plan, logits, tokens, row_mask, target_col, keep_mask):
+def compute_row_stats(plan: Plan, logits, row_mask, target_col, keep_mask):
     """Forward partials on this rank, all-gather across ranks, merge. Returns RowStats over all T rows (neutral, i.e.
     without mass, for rows the row mask drops)."""
     layout = plan.layout
@@ -70,10 +72,7 @@ def compute_row_stats(plan: Plan, logits, tokens, row_mask, target_col, keep_mas
     if layout.group is not None and logits.shape[0] > 0:
         partials = _row_stats.all_gather_partials(partials, layout)  # [segments, 5, T]: the same shape on every rank
     merge = getattr(plan.backend, "merge_partials", _row_stats.merge_partials)  # a backend may fuse the merge
-    stats = merge(partials, keep_mask is not None)
-    if plan.validate:
-        _check_values(plan, stats, tokens, row_mask)
-    return stats
+    return merge(partials, keep_mask is not None)
 
 
 def _check_values(plan: Plan, stats, tokens, row_mask) -> None:
@@ -97,21 +96,25 @@ class LogProbEntropyFunction(torch.autograd.Function):
         # A dropped row's token may be junk (-100 for prompt rows): its column is -1 or unused, never read.
         target_col = target_columns(tokens, plan.layout)
 
-        stats = compute_row_stats(plan, logits, tokens, row_mask, target_col, keep_mask)
+        stats = compute_row_stats(plan, logits, row_mask, target_col, keep_mask)
 
         log_prob, entropy = stats.log_prob, stats.entropy  # a dropped row's entropy is 0 already (no mass)
         if row_mask is not None:
             log_prob = torch.where(row_mask, log_prob, torch.zeros_like(log_prob))  # no mass would give -inf
+        logprob_ok = stats.logprob_defined & stats.row_has_mass
+        if plan.validate:
+            # Last: every launch of the forward is queued before the host waits, and little host work follows.
+            _check_values(plan, stats, tokens, row_mask)
 
         ctx.plan = plan
         ctx.consumed = False
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no work for it
-        # The stats are sanitised (0 where a row has no mass, dropped rows included); backward zeroes those rows'
+        # The stats are sanitised (0 where a row has no mass, dropped rows included); the backend zeroes those rows'
         # upstream gradients.
         ctx.save_for_backward(
             logits, keep_mask, row_mask, target_col, stats.shift, stats.log_sum, stats.log_sum_kept,
             stats.mean_shifted if plan.entropy_mode == "grad" else None,
-            stats.logprob_defined, stats.row_has_mass,
+            logprob_ok, stats.row_has_mass,
         )
         if plan.entropy_mode == "none":
             return log_prob
@@ -132,21 +135,17 @@ class LogProbEntropyFunction(torch.autograd.Function):
                 "logits with their gradient, so a second would read a gradient as logits"
             )
         ctx.consumed = True
-        logits, keep_mask, row_mask, target_col, shift, log_sum, log_sum_kept, mean_shifted, defined, has_mass = (
+        logits, keep_mask, row_mask, target_col, shift, log_sum, log_sum_kept, mean_shifted, logprob_ok, has_mass = (
             ctx.saved_tensors
         )
-
-        g_lp = _as_fp32(grad_logprob)
-        g_ent = _as_fp32(grad_entropy) if plan.entropy_mode == "grad" else None
-        if g_lp is not None:
-            g_lp = torch.where(defined & has_mass, g_lp, torch.zeros_like(g_lp))
-        if g_ent is not None:
-            g_ent = torch.where(has_mass, g_ent, torch.zeros_like(g_ent))
-
+        # Everything between here and the backend's launch is host time on the critical path when the forward
+        # synchronised (validate=True): the backends zero the upstream gradients of rows without one themselves.
         out = logits if plan.inplace_grad else torch.empty_like(logits)
         plan.backend.backward_grad(
             logits, row_mask, target_col, keep_mask, plan.inv_temperature, plan.layout.n_valid,
-            shift, log_sum, log_sum_kept, mean_shifted, g_lp, g_ent, out, plan.chunk_rows,
+            shift, log_sum, log_sum_kept, mean_shifted, _as_fp32(grad_logprob),
+            _as_fp32(grad_entropy) if plan.entropy_mode == "grad" else None, out, plan.chunk_rows,
+            logprob_ok=logprob_ok, row_has_mass=has_mass,
         )
         return out, None, None, None, None
 

@@ -171,7 +171,14 @@ def backward_grad(
     grad_entropy: Optional[torch.Tensor],
     out: torch.Tensor,
     chunk_rows: Optional[int],
+    logprob_ok: Optional[torch.Tensor] = None,
+    row_has_mass: Optional[torch.Tensor] = None,
 ) -> None:
+    # Upstream gradients count only where their quantity has one (elsewhere 0, whatever they hold).
+    if grad_logprob is not None and logprob_ok is not None:
+        grad_logprob = torch.where(logprob_ok, grad_logprob, torch.zeros_like(grad_logprob))
+    if grad_entropy is not None and row_has_mass is not None:
+        grad_entropy = torch.where(row_has_mass, grad_entropy, torch.zeros_like(grad_entropy))
     rows = _kept_rows(row_mask)
     n_rows = logits.shape[0] if rows is None else rows.numel()
     v_local = logits.shape[1]

@@ -8,9 +8,9 @@ none of its logits and write neutral partials or a zero gradient row, with no ho
 merge into row stats, autograd. No fp32 [T, V] copy is ever made, so `chunk_rows` (a bound on fp32 working rows for the
 torch backend) is accepted and ignored.
 
-Forward kernel: "lanes" (per-lane online state, one cross-lane merge per segment) or "tiles" (block-wide reductions per
-tile), see _triton_kernels.py; LaunchConfig.kernel names it, `_GPU_CONFIG` and `_INTERPRET_FORWARD_KERNEL` pick the
-default. Both give partials within the same tolerances, not the same bits, so every rank must use the same kernel.
+Forward kernel: one, `forward_partials_kernel` (lanes of CHUNK contiguous columns, see _triton_kernels.py); CHUNK is a
+launch option like the tile size. Different CHUNKs give partials within the same tolerances, not the same bits, so
+every rank must use the same config (they do: it depends only on the dtype and segment length).
 Tile sizes: on CUDA they come from `_GPU_CONFIG` (per pass and dtype, see tools/triton_tune.py); under the interpreter
 (TRITON_INTERPRET=1, CPU tensors) each loop iteration costs about a millisecond, so tiles cover a whole segment or row
 up to a cap. The forward tile depends only on the segment length and dtype, never on V_local: that keeps a segment's bits
@@ -28,21 +28,17 @@ from ppo_ops import _triton_kernels
 from ppo_ops._triton_merge import merge_partials  # noqa: F401  the core uses it in place of the torch-op merge
 from ppo_ops._row_stats import NUM_PARTIALS
 
-# (BLOCK_V, num_warps, num_stages, forward kernel, chunk) per pass and logits element size in bytes: the fastest
-# correct variants of tools/triton_tune.py on an H200 (T=8192, V=151936, 8 segments;
-# tools/bench/results/triton_tune_h200.log): forward "chunks" bf16 1024/4/1 chunk 8 0.612 ms (96% of the copy
-# bandwidth's rate), fp32 4096/8/1 chunk 4 1.094 ms; backward bf16 4096/4/1 1.328 ms, fp32 1024/4/1 2.510 ms.
+# (BLOCK_V, num_warps, num_stages[, chunk]) per pass and logits element size in bytes: the fastest correct variants of
+# tools/triton_tune.py on an H200 (T=8192, V=151936, 8 segments; tools/bench/results/triton_tune_h200.log): forward
+# bf16 1024/4/1 chunk 8 0.612 ms (96% of the copy bandwidth's rate), fp32 4096/8/1 chunk 4 1.094 ms; backward bf16
+# 4096/4/1 1.328 ms, fp32 1024/4/1 2.510 ms.
 _GPU_CONFIG = {
-    ("forward", 2): (1024, 4, 1, "chunks", 8),
-    ("forward", 4): (4096, 8, 1, "chunks", 4),
-    ("backward", 2): (4096, 4, 1, "tiles", 8),
-    ("backward", 4): (1024, 4, 1, "tiles", 8),
+    ("forward", 2): (1024, 4, 1, 8),
+    ("forward", 4): (4096, 8, 1, 4),
+    ("backward", 2): (4096, 4, 1),
+    ("backward", 4): (1024, 4, 1),
 }
-# The forward kernels by name (the backward has one kernel; its config's `kernel` is ignored).
-FORWARD_KERNELS = {"tiles": _triton_kernels.forward_partials_kernel, "lanes": _triton_kernels.forward_lanes_kernel,
-                   "chunks": _triton_kernels.forward_chunks_kernel}
-_DEFAULT_CHUNK = 8  # "chunks": columns per lane and tile (16 bytes of bf16)
-_INTERPRET_FORWARD_KERNEL = "chunks"  # the interpreter runs the kernel CUDA runs by default
+_INTERPRET_CHUNK = 8  # the interpreter runs the chunk CUDA runs for bf16
 # Largest interpreter tile: big enough for few loop iterations, small enough for cheap numpy temporaries.
 _INTERPRET_MAX_BLOCK = 1 << 16
 
@@ -108,31 +104,27 @@ class LaunchConfig(NamedTuple):
     block_v: int  # columns per tile (a power of two)
     num_warps: Optional[int]  # None under the interpreter
     num_stages: Optional[int]
-    kernel: str = "tiles"  # forward kernel, a key of FORWARD_KERNELS (ignored by the backward)
-    chunk: int = _DEFAULT_CHUNK  # "chunks" kernel: contiguous columns per lane and tile (capped at block_v)
+    chunk: int = 1  # forward: contiguous columns per lane and tile, a power of two <= block_v (ignored by the backward)
 
 
-def launch_config(pass_name, dtype, n_cols, interpreted, block_v=None, num_warps=None, num_stages=None, kernel=None,
-                  chunk=None):
+def launch_config(pass_name, dtype, n_cols, interpreted, block_v=None, num_warps=None, num_stages=None, chunk=None):
     """Tile and launch options of a pass whose tiles cover n_cols columns (forward: a segment; backward: a row).
 
     The forward's config depends only on (seg_len, dtype), never on V_local, so every TP size runs the same code on a
-    segment. The keywords override single fields (tools/triton_tune.py)."""
+    segment. The keywords override single fields (tools/triton_tune.py); the chunk is capped at the tile."""
     if interpreted:
-        default = LaunchConfig(min(_next_pow2(n_cols), _INTERPRET_MAX_BLOCK), None, None,
-                               _INTERPRET_FORWARD_KERNEL if pass_name == "forward" else "tiles")
+        default = LaunchConfig(min(_next_pow2(n_cols), _INTERPRET_MAX_BLOCK), None, None, _INTERPRET_CHUNK)
     else:
         default = LaunchConfig(*_GPU_CONFIG[(pass_name, dtype.itemsize)])
     config = LaunchConfig(
         default.block_v if block_v is None else block_v,
         default.num_warps if num_warps is None else num_warps,
         default.num_stages if num_stages is None else num_stages,
-        default.kernel if kernel is None else kernel,
+        default.chunk if chunk is None else chunk,
     )
-    config = config._replace(chunk=min(default.chunk if chunk is None else chunk, config.block_v))
-    if pass_name == "forward" and config.kernel not in FORWARD_KERNELS:
-        raise ValueError(f"`kernel` must be one of {sorted(FORWARD_KERNELS)}, got {config.kernel!r}")
-    return config
+    if config.chunk < 1 or config.chunk & (config.chunk - 1):
+        raise ValueError(f"`chunk` must be a power of two, got {config.chunk}")
+    return config._replace(chunk=min(config.chunk, config.block_v))
 
 
 def _options(config):
@@ -179,14 +171,14 @@ def forward_partials(
     grid, args, kwargs = forward_launch_args(
         logits, row_mask, target_col, keep_mask, inv_temperature, n_valid, seg_len, with_entropy, out, config
     )
-    FORWARD_KERNELS[config.kernel][grid](*args, **kwargs)
+    _triton_kernels.forward_partials_kernel[grid](*args, **kwargs)
     return out
 
 
 def forward_launch_args(logits, row_mask, target_col, keep_mask, inv_temperature, n_valid, seg_len, with_entropy,
                         out, config):
-    """(grid, args, kwargs) of one forward launch (the forward kernels take the same arguments): one program per
-    (row, segment), dropped rows included (they store neutral partials)."""
+    """(grid, args, kwargs) of one forward launch: one program per (row, segment), dropped rows included (they store
+    neutral partials)."""
     num_rows, v_local = out.shape[2], logits.shape[1]
     keep = None if keep_mask is None else _keep_bytes(keep_mask, logits)
     row_bytes = None if row_mask is None else _row_mask_bytes(row_mask, logits)
@@ -207,7 +199,7 @@ def forward_launch_args(logits, row_mask, target_col, keep_mask, inv_temperature
         SCALE=float(inv_temperature) != 1.0, BLOCK_V=config.block_v,
         LOGITS_ALIGN=_segment_align(seg_len, logits, config.block_v),
         KEEP_ALIGN=1 if keep is None else _segment_align(seg_len, keep, config.block_v),
-        **({"CHUNK": config.chunk} if config.kernel == "chunks" else {}),
+        CHUNK=config.chunk,
         **_options(config),
     )
     return (num_rows, v_local // seg_len), args, kwargs
@@ -215,10 +207,11 @@ def forward_launch_args(logits, row_mask, target_col, keep_mask, inv_temperature
 
 def backward_grad(
     logits, row_mask, target_col, keep_mask, inv_temperature, n_valid, shift, log_sum, log_sum_kept, mean_shifted,
-    grad_logprob, grad_entropy, out, chunk_rows, **overrides
+    grad_logprob, grad_entropy, out, chunk_rows, logprob_ok=None, row_has_mass=None, **overrides
 ):
     """Writes d(loss)/d(logits) into `out`, zero rows where row_mask is False (backend contract; `out` may be
-    `logits`; `overrides`: LaunchConfig)."""
+    `logits`; `overrides`: LaunchConfig). The kernel applies logprob_ok / row_has_mass to the upstream gradients
+    itself: no torch ops between autograd and the launch (with validate=True the host is on the critical path)."""
     del chunk_rows
     _check_logits(logits)
     if out.shape != logits.shape or out.dtype != logits.dtype or out.stride(-1) != 1:
@@ -233,7 +226,7 @@ def backward_grad(
         raise ValueError("`log_sum_kept` is required when `keep_mask` and `grad_logprob` are given")
     for name, t in (("target_col", target_col), ("shift", shift), ("log_sum", log_sum),
                     ("log_sum_kept", log_sum_kept), ("mean_shifted", mean_shifted), ("grad_logprob", grad_logprob),
-                    ("grad_entropy", grad_entropy)):
+                    ("grad_entropy", grad_entropy), ("logprob_ok", logprob_ok), ("row_has_mass", row_has_mass)):
         _check_row_vector(name, t, logits)
     num_rows, v_local = logits.shape
     if num_rows == 0 or v_local == 0:
@@ -250,6 +243,7 @@ def backward_grad(
         shift, _vector(log_sum, torch.float32), _vector(log_sum_kept, torch.float32, unused),
         _vector(mean_shifted, torch.float32, unused), _vector(grad_logprob, torch.float32, unused),
         _vector(grad_entropy, torch.float32, unused),
+        unused if logprob_ok is None else _flag_bytes(logprob_ok), unused if row_has_mass is None else _flag_bytes(row_has_mass),
         # shapes
         v_local, n_valid,
         # strides
@@ -257,9 +251,17 @@ def backward_grad(
         # constants
         float(inv_temperature),
         HAS_ROW_MASK=row_bytes is not None, HAS_KEEP=has_keep, HAS_GLP=grad_logprob is not None,
-        HAS_GENT=grad_entropy is not None, SCALE=float(inv_temperature) != 1.0, BLOCK_V=config.block_v,
+        HAS_GENT=grad_entropy is not None, HAS_LP_OK=logprob_ok is not None, HAS_MASS=row_has_mass is not None,
+        SCALE=float(inv_temperature) != 1.0, BLOCK_V=config.block_v,
         ROUND_BF16_BY_BITS=out.dtype == torch.bfloat16 and interpreting(), **_options(config),
     )
+
+
+def _flag_bytes(flags):
+    """A [T] bool per-row flag as uint8 (same storage), contiguous."""
+    if flags.dtype != torch.bool:
+        raise ValueError(f"per-row flags must be bool, got {flags.dtype}")
+    return flags.contiguous().view(torch.uint8)
 
 
 def _vector(t, dtype, default=None):

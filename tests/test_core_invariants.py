@@ -177,6 +177,9 @@ def test_target_logit_neg_inf(backend):
     assert_log_probs_close(got.log_probs, ref.log_probs)
     assert_entropy_close(got.entropy[:3], ref.entropy[:3])  # row 3 has no distribution: only "finite" is asked
     assert_grad_close(got.grad[:3], ref.grad[:3], torch.float32)
+    # No mass at all: the log-prob is -inf whatever the logits do, so no gradient reaches them, not even at the
+    # target (one-hot minus q would give the upstream gradient there).
+    assert torch.equal(got.grad[3].cpu(), torch.zeros(shape[1]))
 
 
 # --- empty input and fully masked rows ---

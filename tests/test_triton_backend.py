@@ -1,7 +1,7 @@
 """Contract-level tests of the Triton backend (ppo_ops/_triton_backend.py) on CPU tensors under TRITON_INTERPRET=1.
 
-`forward_partials` is checked, for each forward kernel ("lanes" and "tiles", see ppo_ops/_triton_kernels.py; the
-"lanes" kernel's per-lane online state has its own test over many small tiles), channel by channel against the float64
+`forward_partials` is checked, for lanes of 1, 8 and a whole tile's columns (CHUNK, see ppo_ops/_triton_kernels.py;
+per-column lanes' online state has its own test over many small tiles), channel by channel against the float64
 partials of tests/triton_reference.py (MAX and TARGET_Z exactly: selections of the same fp32 z), `backward_grad`
 against the float64 gradient defined by float64 row statistics, given them rounded to fp32 as the core passes them.
 Edge cases have their own tests: -inf logits and rows, NaN/inf padding, targets on another rank, multi-tile online
@@ -9,7 +9,7 @@ rescaling, strided and in-place tensors, empty inputs, row masks (a dropped row 
 exactly neutral partials and a zero gradient row, and kept rows keep the bits of an unmasked run); then determinism,
 bitwise invariance of a segment's partials and of the gradient under vocabulary sharding (the backend half of the
 TP-invariance claim), bad input. Last, the kernels are compiled for sm_90 in a child process (the interpreter accepts
-code the compiler rejects), which also shows each forward kernel's compiled code is the same at every TP size.
+code the compiler rejects), which also shows the forward's compiled code is the same at every TP size.
 
 End-to-end numerics through the public API run for both backends in tests/test_core_*.py; tests/test_tp_invariance.py
 checks bitwise TP invariance over gloo; tests/test_triton_backend_gpu.py runs the compiled kernels on a GPU.
@@ -36,8 +36,10 @@ from ppo_ops._row_stats import ENT_SUM, MAX, SUMEXP, TARGET_Z, empty_partials  #
 from tests.triton_reference import (NEG_INF, assert_grad_close, check_once, make_case, reference_grad,  # noqa: E402
                                     reference_stats, results_per_tp)
 
-COMPILE_TIMEOUT_S = 300  # the child compiles 12 kernels for sm_90 (about 15 s on 2 cores); a hang fails the test
-KERNELS = sorted(tb.FORWARD_KERNELS)  # every forward kernel runs the forward tests
+COMPILE_TIMEOUT_S = 300  # the child compiles 11 kernels for sm_90 (about 15 s on 2 cores); a hang fails the test
+# The forward's lane width: per-column lanes, the bf16 default (one 16-byte vector per lane), one lane per tile (a
+# block-wide online softmax; the chunk is capped at the tile). Every forward test runs each.
+CHUNKS = [1, 8, 1 << 16]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -49,26 +51,26 @@ KERNELS = sorted(tb.FORWARD_KERNELS)  # every forward kernel runs the forward te
     ((4, 1000), 125),  # odd segment length: no vector alignment
     ((2, 151936), 18992),  # Qwen3's vocabulary in its eight fixed segments: long sums
 ])
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_shapes(shape, seg_len, kernel):
-    check_once(*make_case(*shape), seg_len=seg_len, kernel=kernel)
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_shapes(shape, seg_len, chunk):
+    check_once(*make_case(*shape), seg_len=seg_len, chunk=chunk)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("inv_t", [1.0, 1.0 / 0.7, 1.0 / 1.3])
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_dtypes_and_temperatures(dtype, inv_t, kernel):
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_dtypes_and_temperatures(dtype, inv_t, chunk):
     inv_t = float(torch.tensor(inv_t, dtype=torch.float32))  # the core passes an fp32-representable value
-    check_once(*make_case(4, 256, dtype=dtype), inv_t=inv_t, seg_len=32, kernel=kernel)
+    check_once(*make_case(4, 256, dtype=dtype), inv_t=inv_t, seg_len=32, chunk=chunk)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_keep_mask(dtype, kernel):
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_keep_mask(dtype, chunk):
     logits, row_mask, target_col, keep_mask, g_lp, g_ent = make_case(6, 128, dtype=dtype, keep=True)
     keep_mask[0, target_col[0]] = False  # the target joins the kept set even where the mask drops it
     keep_mask[1] = False  # only the target is kept: log_prob 0, q one-hot
-    check_once(logits, row_mask, target_col, keep_mask, g_lp, g_ent, seg_len=16, kernel=kernel)
+    check_once(logits, row_mask, target_col, keep_mask, g_lp, g_ent, seg_len=16, chunk=chunk)
 
 
 def test_keep_mask_strided_is_read_correctly():
@@ -84,8 +86,8 @@ def test_row_subset(n_active):
 
 
 @pytest.mark.parametrize("n_valid", [70, 60, 0])
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_padding_is_never_read_as_vocabulary(n_valid, kernel):
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_padding_is_never_read_as_vocabulary(n_valid, chunk):
     # 70: segment 5 is split and 6-7 are all padding; 60: a boundary; 0: a shard that is all padding.
     logits, row_mask, target_col, keep_mask, g_lp, g_ent = make_case(4, 96, keep=True)
     target_col = target_col.clamp(max=max(n_valid - 1, 0))
@@ -94,7 +96,7 @@ def test_padding_is_never_read_as_vocabulary(n_valid, kernel):
     logits[:, n_valid:] = float("nan")
     logits[0, n_valid:] = float("inf")
     got, grad = check_once(logits, row_mask, target_col, keep_mask, g_lp, g_ent, n_valid=n_valid, seg_len=12,
-                           kernel=kernel)
+                           chunk=chunk)
     assert bool((grad[:, n_valid:] == 0).all())
 
 
@@ -105,8 +107,8 @@ def test_targets_on_another_rank():
     assert bool((got[:, TARGET_Z, ::2] == NEG_INF).all())
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_neg_inf_logits(kernel):
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_neg_inf_logits(chunk):
     logits, row_mask, target_col, keep_mask, g_lp, g_ent = make_case(6, 64, keep=True)
     logits[0, ::3] = NEG_INF  # scattered
     logits[1] = NEG_INF  # a whole row: no mass anywhere
@@ -116,37 +118,37 @@ def test_neg_inf_logits(kernel):
     logits[4, target_col[4]] = NEG_INF  # empty kept set
     g_lp[[1, 4]] = 0.0  # as the core passes them: no log-prob gradient where the kept set has no mass,
     g_ent[1] = 0.0  # no entropy gradient where the row has none
-    got, grad = check_once(logits, row_mask, target_col, keep_mask, g_lp, g_ent, seg_len=16, kernel=kernel)
+    got, grad = check_once(logits, row_mask, target_col, keep_mask, g_lp, g_ent, seg_len=16, chunk=chunk)
     assert not torch.isnan(got).any()
     assert bool((got[:, MAX, 1] == NEG_INF).all()) and bool((got[:, SUMEXP:ENT_SUM + 1, 1] == 0).all())
     assert bool((grad[1] == 0).all())
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("block_v", [None, 4])  # one tile per segment; four tiles, the bad value in the third
-def test_nan_and_pos_inf_logits_reach_max(bad, kernel, block_v):
+def test_nan_and_pos_inf_logits_reach_max(bad, chunk, block_v):
     # The core rejects bad logits by looking at the merged MAX (NaN or +inf); tl.max alone would drop a NaN.
     logits, _, target_col, _, _, _ = make_case(3, 64)
     logits[1, 41] = bad
-    got = tb.forward_partials(logits, None, target_col, None, 1.0, 64, 16, True, None, block_v=block_v, kernel=kernel)
+    got = tb.forward_partials(logits, None, target_col, None, 1.0, 64, 16, True, None, block_v=block_v, chunk=chunk)
     flagged = torch.isnan(got[:, MAX]) | (got[:, MAX] == float("inf"))
     assert flagged[2, 1] and int(flagged.sum()) == 1  # only segment 2 of row 1
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_online_rescaling_across_tiles(kernel):
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_online_rescaling_across_tiles(chunk):
     # Tiles of 4 columns, logits rising along the row: the running max grows at (almost) every tile, which rescales
     # s, sk and w (with the (m_old - m_new) * s term); a -inf first tile exercises the start from an empty state.
     logits, row_mask, target_col, keep_mask, g_lp, g_ent = make_case(3, 64, keep=True, scale=1.0)
     logits += torch.linspace(-20, 20, 64)
     logits[1, :4] = NEG_INF
-    check_once(logits, row_mask, target_col, keep_mask, g_lp, g_ent, seg_len=32, block_v=4, kernel=kernel)
+    check_once(logits, row_mask, target_col, keep_mask, g_lp, g_ent, seg_len=32, block_v=4, chunk=chunk)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lanes_online_state(dtype):
-    # The "lanes" kernel's per-lane state over 12 tiles of 8 columns (plus a partial, masked 13th and padding), each
+    # Per-column lanes (chunk 1): each lane's online state over 12 tiles of 8 columns (plus a partial, masked 13th and padding), each
     # lane seeing its own sequence: new maxima in some lanes and not others, repeated maxima (d = 0), lanes that stay
     # -inf for several tiles (empty state, then a first finite value), a lane that is -inf throughout (drops out of
     # the merge), a whole -inf tile, and a row with a single finite logit.
@@ -160,14 +162,14 @@ def test_lanes_online_state(dtype):
     logits[4] += torch.linspace(-30, 30, 104).to(dtype)  # rising: a new max in every lane at every tile
     target_col[3] = 77  # the target is that logit: log_prob 0 whatever the keep mask
     check_once(logits, row_mask, target_col, keep_mask, g_lp, g_ent, n_valid=100, seg_len=104, block_v=8,
-               kernel="lanes", inv_t=float(torch.tensor(1.0 / 0.7, dtype=torch.float32)))
+               chunk=1, inv_t=float(torch.tensor(1.0 / 0.7, dtype=torch.float32)))
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_entropy_channel_off(kernel):
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_entropy_channel_off(chunk):
     logits, row_mask, target_col, keep_mask, g_lp, g_ent = make_case(3, 64)
     got, _ = check_once(logits, row_mask, target_col, keep_mask, g_lp, g_ent, seg_len=16, with_entropy=False,
-                        kernel=kernel)
+                        chunk=chunk)
     assert bool((got[:, ENT_SUM] == 0).all())
 
 
@@ -227,23 +229,23 @@ def test_empty_inputs():
 # ---------------------------------------------------------------------------------------------------------------------
 # bits: determinism and sharding invariance
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_deterministic_and_row_independent(kernel):
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_deterministic_and_row_independent(chunk):
     logits, _, target_col, keep_mask, _, _ = make_case(8, 96, keep=True)
-    full = tb.forward_partials(logits, None, target_col, keep_mask, 1.0, 90, 12, True, None, kernel=kernel)
+    full = tb.forward_partials(logits, None, target_col, keep_mask, 1.0, 90, 12, True, None, chunk=chunk)
     assert torch.equal(full, tb.forward_partials(logits, None, target_col, keep_mask, 1.0, 90, 12, True, 3,
-                                                 kernel=kernel))
+                                                 chunk=chunk))
     row_mask = torch.zeros(8, dtype=torch.bool)
     row_mask[[1, 4, 7]] = True
-    part = tb.forward_partials(logits, row_mask, target_col, keep_mask, 1.0, 90, 12, True, None, kernel=kernel)
+    part = tb.forward_partials(logits, row_mask, target_col, keep_mask, 1.0, 90, 12, True, None, chunk=chunk)
     # a row's bits do not depend on which other rows run
     assert torch.equal(part[:, :, row_mask], full[:, :, row_mask])
 
 
 @pytest.mark.parametrize("keep", [False, True])
 @pytest.mark.parametrize("block_v", [None, 4, 8])  # per 12-column segment: a partial tile only; 3 whole tiles; both
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_row_mask_never_reads_dropped_rows(kernel, block_v, keep):
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_row_mask_never_reads_dropped_rows(chunk, block_v, keep):
     # Dropped rows hold NaN logits, and NaN row statistics and upstream gradients (a real target column too): had a
     # program read or used any of them, NaN would reach its partials or gradient row. Kept rows: the bits of an
     # unmasked run.
@@ -252,7 +254,7 @@ def test_row_mask_never_reads_dropped_rows(kernel, block_v, keep):
     n_valid, seg_len, inv_t = 90, 12, float(torch.tensor(1 / 0.7, dtype=torch.float32))
     masked = logits.clone()
     masked[~row_mask] = float("nan")
-    opts = dict(kernel=kernel, block_v=block_v)
+    opts = dict(chunk=chunk, block_v=block_v)
 
     unmasked = tb.forward_partials(logits, None, target_col, keep_mask, inv_t, n_valid, seg_len, True, None, **opts)
     got = tb.forward_partials(masked, row_mask, target_col, keep_mask, inv_t, n_valid, seg_len, True, None, **opts)
@@ -274,9 +276,9 @@ def test_row_mask_never_reads_dropped_rows(kernel, block_v, keep):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("block_v", [None, 8])  # one tile per segment; four tiles per segment
-def test_shards_give_the_same_bits(dtype, kernel, block_v):
+def test_shards_give_the_same_bits(dtype, chunk, block_v):
     # Backend half of TP invariance: rank r of a TP group holds columns [r*V/tp, (r+1)*V/tp) and the fixed segments
     # inside them. Its partials must equal, bit for bit, the same segments computed at TP=1, and its gradient (given
     # the same row stats) the same columns of the TP=1 gradient.
@@ -287,7 +289,7 @@ def test_shards_give_the_same_bits(dtype, kernel, block_v):
     seg_len = v_global // 8
     stats = [s.float() for s in reference_stats(logits, row_mask, tokens, keep_mask, 1.0, vocab_size)]
     results = results_per_tp(logits, row_mask, tokens, keep_mask, stats, g_lp, g_ent, vocab_size, seg_len,
-                             kernel=kernel, block_v=block_v)
+                             chunk=chunk, block_v=block_v)
     for tp in (2, 4, 8):
         assert torch.equal(results[tp][0], results[1][0]), f"partials differ at TP={tp}"
         assert torch.equal(results[tp][1], results[1][1]), f"gradient differs at TP={tp}"
@@ -308,8 +310,8 @@ def test_errors_name_the_argument():
         tb.forward_partials(logits, None, target_col, None, 1.0, 65, 16, True, None)
     with pytest.raises(ValueError, match="`keep_mask`"):
         tb.forward_partials(logits, None, target_col, torch.ones(2, 64, dtype=torch.uint8), 1.0, 64, 16, True, None)
-    with pytest.raises(ValueError, match="`kernel`"):
-        tb.forward_partials(logits, None, target_col, None, 1.0, 64, 16, True, None, kernel="rows")
+    with pytest.raises(ValueError, match="`chunk`"):
+        tb.forward_partials(logits, None, target_col, None, 1.0, 64, 16, True, None, chunk=6)
     stats = [torch.zeros(2)] * 4
     with pytest.raises(ValueError, match="`out`"):
         tb.backward_grad(logits, None, target_col, None, 1.0, 64, *stats, stats[0], None, logits.half(), None)
@@ -338,14 +340,13 @@ def compile_report(tmp_path_factory):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_forward_binary_is_the_same_at_every_tp_size(compile_report, kernel, dtype):
+def test_forward_binary_is_the_same_at_every_tp_size(compile_report, dtype):
     # Same specialization => same compiled kernel => same bits per (row, segment) at TP = 1, 2, 4, 8, even where the
     # row stride (V_local = 1000 at TP=8) is not a multiple of 16 while it is at TP=1 (8000).
-    assert compile_report["forward_keys"][f"{kernel} {dtype}"] == 1
+    assert compile_report["forward_keys"][dtype] == 1
 
 
-@pytest.mark.parametrize("case", [f"{p} {d} keep={k}" for p in [f"forward {n}" for n in KERNELS] + ["backward"]
+@pytest.mark.parametrize("case", [f"{p} {d} keep={k}" for p in ("forward", "backward")
                                   for d in ("bf16", "fp32") for k in (False, True)])
 def test_kernels_compile_for_sm90_with_vector_loads(compile_report, case):
     # The interpreter accepts code the compiler rejects; both kernels must compile as an H200 runs them, reading the
@@ -354,6 +355,12 @@ def test_kernels_compile_for_sm90_with_vector_loads(compile_report, case):
     assert ptx["v4_load"], f"{case}: logits not read with 16-byte vector loads"
     if case.startswith("backward"):
         assert ptx["v4_store"], f"{case}: gradient not written with 16-byte vector stores"
+
+
+def test_temperature_scaling_is_rounded_before_use(compile_report):
+    # MAX holds fp32(logit * inv_t); d = z - m must come from that same rounded z, not from an FMA of the unrounded
+    # product (on an H200 that put the entropy partial 2.3e-6 off, beyond PARTIAL_SUM_RTOL).
+    assert compile_report["forward_scaled_mul_rn"]
 
 
 @pytest.mark.parametrize("keep", [False, True])

@@ -5,11 +5,12 @@ It must run WITHOUT TRITON_INTERPRET: in an interpreting process Triton's code g
 through the interpreter and cannot compile. No GPU is needed: Triton's bundled ptxas compiles for a fixed target.
 
 Prints one JSON object:
-- "forward_keys": {"<forward kernel> <dtype>": number of distinct forward binaries over every rank of TP = 1, 2, 4, 8}
+- "forward_keys": {"<dtype>": number of distinct forward binaries over every rank of TP = 1, 2, 4, 8}
   for a vocabulary whose local width is a multiple of 16 at some TP sizes and not at others; 1 means every TP size
   runs the same code on a segment (bitwise TP invariance on the GPU, given the same inputs).
 - "ptx": {"<pass> <dtype> keep=<bool>": {"v4_load": bool, "v4_store": bool}} for Qwen3-sized launches, where <pass> is
-  "forward <kernel>" for each forward kernel (_triton_backend.FORWARD_KERNELS) or "backward".
+  "forward" or "backward", each with its GPU launch config (_triton_backend._GPU_CONFIG).
+- "forward_scaled_mul_rn": the forward with a temperature rounds the scaled logits with mul.rn (never contracted).
 """
 
 import json
@@ -47,17 +48,17 @@ def _ptx(kernel, args, kwargs):
                           options=options.__dict__).asm["ptx"]
 
 
-def _forward_args(logits, row_mask, keep_mask, seg_len, n_valid, kernel):
+def _forward_args(logits, row_mask, keep_mask, seg_len, n_valid, inv_t=1.0):
     n_rows = logits.shape[0]
     out = torch.empty((logits.shape[1] // seg_len, 5, n_rows))
-    config = tb.launch_config("forward", logits.dtype, seg_len, interpreted=False, kernel=kernel)
+    config = tb.launch_config("forward", logits.dtype, seg_len, interpreted=False)
     target_col = torch.zeros(n_rows, dtype=torch.int64)
-    _, args, kwargs = tb.forward_launch_args(logits, row_mask, target_col, keep_mask, 1.0, n_valid, seg_len, True,
+    _, args, kwargs = tb.forward_launch_args(logits, row_mask, target_col, keep_mask, inv_t, n_valid, seg_len, True,
                                              out, config)
     return args, kwargs
 
 
-def forward_key_count(kernel, dtype, n_rows=3, v_global=8000, vocab_size=7990):
+def forward_key_count(dtype, n_rows=3, v_global=8000, vocab_size=7990):
     """Distinct forward binaries over all ranks of TP = 1, 2, 4, 8 (V_local = 8000, 4000, 2000, 1000: only the last
     is not a multiple of 16), with a keep mask, a row mask and padding on the last rank."""
     logits = torch.zeros((n_rows, v_global), dtype=dtype)
@@ -70,8 +71,8 @@ def forward_key_count(kernel, dtype, n_rows=3, v_global=8000, vocab_size=7990):
             cols = slice(rank * v_local, (rank + 1) * v_local)
             n_valid = max(0, min(v_local, vocab_size - rank * v_local))
             args, kwargs = _forward_args(logits[:, cols].contiguous(), row_mask, keep_mask[:, cols].contiguous(),
-                                         v_global // 8, n_valid, kernel)
-            keys.add(_specialize(tb.FORWARD_KERNELS[kernel], args, kwargs)[0])
+                                         v_global // 8, n_valid)
+            keys.add(_specialize(_triton_kernels.forward_partials_kernel, args, kwargs)[0])
     return len(keys)
 
 
@@ -79,29 +80,31 @@ def qwen3_ptx(pass_name, dtype, keep, n_rows=8, v_local=151936):
     logits = torch.empty((n_rows, v_local), dtype=dtype)
     keep_mask = torch.zeros((n_rows, v_local), dtype=torch.bool) if keep else None
     row_mask = torch.arange(n_rows) % 2 == 0
-    if pass_name.startswith("forward "):
-        kernel = pass_name.split()[1]
-        args, kwargs = _forward_args(logits, row_mask, keep_mask, v_local // 8, v_local - 5, kernel)
-        return _ptx(tb.FORWARD_KERNELS[kernel], args, kwargs)
+    if pass_name == "forward":
+        args, kwargs = _forward_args(logits, row_mask, keep_mask, v_local // 8, v_local - 5)
+        return _ptx(_triton_kernels.forward_partials_kernel, args, kwargs)
     config = tb.launch_config("backward", dtype, v_local, interpreted=False)
     vec = torch.zeros(n_rows)
     args = (logits, logits, row_mask.view(torch.uint8), torch.zeros(n_rows, dtype=torch.int64),
             logits if keep_mask is None else keep_mask.view(torch.uint8), vec, vec, vec, vec, vec, vec,
-            v_local, v_local - 5, v_local, v_local, v_local, 1.5)
-    kwargs = dict(HAS_ROW_MASK=True, HAS_KEEP=keep, HAS_GLP=True, HAS_GENT=True, SCALE=True, BLOCK_V=config.block_v,
+            row_mask.view(torch.uint8), row_mask.view(torch.uint8), v_local, v_local - 5, v_local, v_local, v_local, 1.5)
+    kwargs = dict(HAS_ROW_MASK=True, HAS_KEEP=keep, HAS_GLP=True, HAS_GENT=True, HAS_LP_OK=True, HAS_MASS=True, SCALE=True, BLOCK_V=config.block_v,
                   ROUND_BF16_BY_BITS=False, **tb._options(config))
     return _ptx(_triton_kernels.backward_grad_kernel, args, kwargs)
 
 
 def main():
-    report = {"forward_keys": {f"{kernel} {name}": forward_key_count(kernel, dtype) for kernel in tb.FORWARD_KERNELS
-                               for name, dtype in DTYPES.items()}, "ptx": {}}
-    for pass_name in [f"forward {kernel}" for kernel in tb.FORWARD_KERNELS] + ["backward"]:
+    report = {"forward_keys": {name: forward_key_count(dtype) for name, dtype in DTYPES.items()}, "ptx": {}}
+    for pass_name in ("forward", "backward"):
         for name, dtype in DTYPES.items():
             for keep in (False, True):
                 ptx = qwen3_ptx(pass_name, dtype, keep)
                 report["ptx"][f"{pass_name} {name} keep={keep}"] = {
                     "v4_load": "ld.global.v4" in ptx, "v4_store": "st.global.v4" in ptx}
+    # With a temperature the scaled logit must be rounded on its own (mul.rn), not contracted into d = z - m.
+    logits = torch.empty((8, 151936), dtype=torch.bfloat16)
+    args, kwargs = _forward_args(logits, None, None, 151936 // 8, 151936, inv_t=1.5)
+    report["forward_scaled_mul_rn"] = "mul.rn.f32" in _ptx(_triton_kernels.forward_partials_kernel, args, kwargs)
     report["merge"] = {}
     for keep in (False, True):  # the fused merge: the interpreter does not enforce the compiler's rules on globals
         n_rows = 300

@@ -3,16 +3,16 @@
     python tools/triton_tune.py [--rows 8192] [--vocab 151936] [--dtypes bf16,fp32] [--keep]
 
 For each logits dtype it times, with triton.testing.do_bench (p20/p50/p80 over ~100 ms of repetitions):
-- forward partials (`_triton_backend.forward_partials`) per (BLOCK_V, num_warps, num_stages, kernel) variant, for both
-  forward kernels ("lanes": per-lane online state; "tiles": block-wide reductions per tile), with the eight fixed
-  segments and, for the default variant, one segment per row (the layout when V_global % 8 != 0);
+- forward partials (`_triton_backend.forward_partials`) per (BLOCK_V, num_warps, num_stages, chunk) variant, chunk
+  being the columns per lane (1: per-column online state; BLOCK_V: one block-wide online softmax per tile), with the
+  eight fixed segments and, for the default variant, one segment per row (the layout when V_global % 8 != 0);
 - backward gradient (`_triton_backend.backward_grad`) per variant, out of place;
 - a device-to-device copy of the logits (bytes read + written): the bandwidth every case is set against.
 Bytes: forward reads the logits (and the keep mask, 1 byte per element, with --keep); backward reads them and writes
 the gradient (and reads the keep mask). Every variant's results on a few rows are checked against a float64 torch
 reference (partials; gradient from the same fp32 row stats); a variant that fails to compile, run or check is
 reported and the run goes on. The last table is the compact summary: the best variant of each pass (the forward's
-label names its kernel), their sum against the floor (3 x logits bytes at copy bandwidth) and the config in
+label names its chunk), their sum against the floor (3 x logits bytes at copy bandwidth) and the config in
 ppo_ops/_triton_backend.py::_GPU_CONFIG.
 About 1 to 2 minutes on one H200 (compiles dominate).
 """
@@ -34,17 +34,14 @@ _KEEP = flags.DEFINE_bool("keep", False, "also pass a keep mask (log-prob renorm
 _CHECK_ROWS = flags.DEFINE_integer("check_rows", 4, "rows checked against float64 per variant")
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-# Forward: (BLOCK_V, num_warps, num_stages, kernel) per logits element size; None is ppo_ops' current default. "lanes"
-# keeps 3-4 fp32 accumulators per column of a tile in registers, so its tiles stay small per thread (8-16 columns);
-# num_stages > 1 lets Triton prefetch the next tile through shared memory, more bytes in flight than registers allow.
+# Forward: (BLOCK_V, num_warps, num_stages, chunk) per logits element size; None is ppo_ops' current default. A lane
+# keeps 3-4 fp32 accumulators in registers, so lanes per thread stay few; num_stages > 1 lets Triton prefetch through
+# shared memory on top of the kernel's own register double buffering. The chunk extremes are there for the record.
 FORWARD_VARIANTS = {
-    2: [None, (1024, 4, 1, "lanes"), (2048, 4, 1, "lanes"), (2048, 4, 1, "tiles"),
-        (1024, 4, 1, "chunks", 8), (2048, 4, 1, "chunks", 8), (2048, 8, 1, "chunks", 8), (4096, 8, 1, "chunks", 8),
-        (4096, 4, 1, "chunks", 8), (2048, 4, 1, "chunks", 16), (4096, 8, 1, "chunks", 16), (1024, 4, 1, "chunks", 4),
-        (2048, 4, 2, "chunks", 8), (8192, 8, 1, "chunks", 8)],
-    4: [None, (1024, 4, 1, "lanes"), (1024, 4, 1, "tiles"),
-        (1024, 4, 1, "chunks", 4), (2048, 4, 1, "chunks", 4), (1024, 4, 1, "chunks", 8), (2048, 4, 1, "chunks", 8),
-        (2048, 8, 1, "chunks", 8), (4096, 8, 1, "chunks", 8), (4096, 8, 1, "chunks", 4)],
+    2: [None, (1024, 4, 1, 1), (1024, 4, 1, 1024), (1024, 4, 1, 4), (2048, 4, 1, 8), (4096, 4, 1, 8), (2048, 8, 1, 8),
+        (2048, 4, 1, 16), (2048, 4, 2, 8), (512, 4, 1, 8), (1024, 8, 1, 8)],
+    4: [None, (1024, 4, 1, 1), (1024, 4, 1, 1024), (1024, 4, 1, 4), (2048, 4, 1, 4), (1024, 4, 1, 8),
+        (2048, 8, 1, 8), (4096, 8, 1, 8), (4096, 4, 1, 4)],
 }
 # Backward: (BLOCK_V, num_warps, num_stages).
 BACKWARD_VARIANTS = {
@@ -164,10 +161,10 @@ def _tune_dtype(name, n_rows, vocab, keep, check_rows):
     for pass_name, variant, seg_len in jobs:
         config = tb.launch_config(pass_name, dtype, seg_len or vocab, interpreted=False,
                                   **({} if variant is None else dict(zip(("block_v", "num_warps", "num_stages",
-                                                                          "kernel", "chunk"), variant))))
+                                                                          "chunk"), variant))))
         label = f"{config.block_v}/{config.num_warps}/{config.num_stages}" + (" (default)" if variant is None else "")
         if pass_name == "forward":
-            label = f"{config.kernel}{config.chunk if config.kernel == 'chunks' else ''} {label}"
+            label = f"chunk {config.chunk} {label}"
         overrides = config._asdict()
         try:
             if pass_name == "forward":
@@ -200,7 +197,7 @@ def _tune_dtype(name, n_rows, vocab, keep, check_rows):
                           f"ERROR {type(error).__name__}: {str(error).splitlines()[0][:80]}"])
             traceback.print_exc(limit=2)
         torch.cuda.empty_cache()
-    _print_table(["pass", "kernel BLOCK_V/warps/stages", "segments", "p20 ms", "p50 ms", "p80 ms", "GB/s", "of copy",
+    _print_table(["pass", "[chunk] BLOCK_V/warps/stages", "segments", "p20 ms", "p50 ms", "p80 ms", "GB/s", "of copy",
                   "check vs float64"], table)
     return copy_gbs, nbytes, keep_bytes, best
 
@@ -235,7 +232,7 @@ def main(argv):
                         f"{floor_ms:.3f}", f"{floor_ms / total_ms:.2f}", f"{copy_gbs:.0f}",
                         f"fwd {tb._GPU_CONFIG[('forward', DTYPES[name].itemsize)]}, "
                         f"bwd {tb._GPU_CONFIG[('backward', DTYPES[name].itemsize)]}"])
-    print("== summary: best passing variant per pass ([forward kernel] BLOCK_V/warps/stages), forward + backward "
+    print("== summary: best passing variant per pass ([chunk] BLOCK_V/warps/stages), forward + backward "
           "against the floor")
     _print_table(["dtype", "forward (8 segments)", "backward", "fwd+bwd ms", "floor ms", "of floor", "copy GB/s",
                   "current _GPU_CONFIG"], summary)
