@@ -270,6 +270,19 @@ def test_target_verdicts():
     assert verdicts == ["met", "met", "missed by 36.0 MiB", "missed: 25.0% slower", "missed by 0.060 x"]
 
 
+def test_validate_off_rows_get_their_own_verdicts():
+    rows = [
+        _row("triton", 2.6, frac=0.68),  # default: missed
+        _row("triton", 2.0, frac=0.88, validate="off"),  # no host sync: met
+        _row("triton", 1.3, tp=2, validate="off"),
+        _row("triton", 1.0, V=75968, validate="off"),  # 1.3 x: missed
+    ]
+    verdicts = {t.split(":")[0]: v for t, _, v in report.target_rows(rows)}
+    assert verdicts["time"].startswith("missed")
+    assert verdicts["time with validate=False"] == "met"
+    assert verdicts["TP=2 with validate=False"] == "missed by 0.150 x"
+
+
 def test_target_on_a_wrong_forward_is_invalid():
     row = _row("triton", 1.0, frac=0.95)
     row["check"] = "fail: log_prob row 0: -3 vs reference -12"
