@@ -81,8 +81,9 @@ def make_layout(tp_group, v_local: int, vocab_size: Optional[int]) -> VocabLayou
     )
 
 
-def target_columns(tokens: torch.Tensor, layout: VocabLayout) -> torch.Tensor:
-    """Local column of each token's target on this rank, or -1 where another rank owns it."""
-    local = tokens.to(torch.int64) - layout.vocab_start
-    owned = (local >= 0) & (local < layout.v_local)
+def target_columns(tokens: torch.Tensor, vocab_start: int, v_local: int) -> torch.Tensor:
+    """Local column of each token's target in the shard [vocab_start, vocab_start + v_local), or -1 where another
+    rank owns it (or the id is out of range). The Triton kernels compute the same in-kernel (_target_column)."""
+    local = tokens.to(torch.int64) - vocab_start
+    owned = (local >= 0) & (local < v_local)
     return torch.where(owned, local, torch.full_like(local, -1))

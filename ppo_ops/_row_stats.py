@@ -46,9 +46,11 @@ def all_gather_partials(partials: torch.Tensor, layout: VocabLayout) -> torch.Te
     """[segments_local, 5, T] on each rank -> [segments_global, 5, T], in global segment order."""
     if layout.group is None:
         return partials
-    parts = [torch.empty_like(partials) for _ in range(layout.world_size)]
-    dist.all_gather(parts, partials.contiguous(), group=layout.group)
-    return torch.cat(parts, dim=0)
+    # Into one tensor: rank-major along dim 0 is the global segment order, with no list and no cat (host time).
+    out = torch.empty((layout.world_size * partials.shape[0],) + tuple(partials.shape[1:]), dtype=partials.dtype,
+                      device=partials.device)
+    dist.all_gather_into_tensor(out, partials.contiguous(), group=layout.group)
+    return out
 
 
 class RowStats(NamedTuple):

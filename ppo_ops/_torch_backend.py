@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from ppo_ops._layout import target_columns
 from ppo_ops._row_stats import ENT_SUM, KEPT_SUMEXP, MAX, NUM_PARTIALS, SUMEXP, TARGET_Z, empty_partials
 
 # Rows per chunk when the caller sets no bound: each of the two fp32 working buffers stays under this size.
@@ -101,14 +102,16 @@ def _kept_rows(row_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 def forward_partials(
     logits: torch.Tensor,
     row_mask: Optional[torch.Tensor],
-    target_col: torch.Tensor,
+    tokens: torch.Tensor,
     keep_mask: Optional[torch.Tensor],
     inv_temperature: float,
     n_valid: int,
     seg_len: int,
     with_entropy: bool,
     chunk_rows: Optional[int],
+    vocab_start: int = 0,
 ) -> torch.Tensor:
+    target_col = target_columns(tokens, vocab_start, logits.shape[1])
     rows = _kept_rows(row_mask)
     if rows is None:
         return _partials_of_rows(logits, None, target_col, keep_mask, inv_temperature, n_valid, seg_len,
@@ -159,7 +162,7 @@ def _partials_of_rows(logits, rows, target_col, keep_mask, inv_temperature, n_va
 def backward_grad(
     logits: torch.Tensor,
     row_mask: Optional[torch.Tensor],
-    target_col: torch.Tensor,
+    tokens: torch.Tensor,
     keep_mask: Optional[torch.Tensor],
     inv_temperature: float,
     n_valid: int,
@@ -173,7 +176,9 @@ def backward_grad(
     chunk_rows: Optional[int],
     logprob_ok: Optional[torch.Tensor] = None,
     row_has_mass: Optional[torch.Tensor] = None,
+    vocab_start: int = 0,
 ) -> None:
+    target_col = target_columns(tokens, vocab_start, logits.shape[1])
     # Upstream gradients count only where their quantity has one (elsewhere 0, whatever they hold).
     if grad_logprob is not None and logprob_ok is not None:
         grad_logprob = torch.where(logprob_ok, grad_logprob, torch.zeros_like(grad_logprob))

@@ -152,13 +152,14 @@ def _next_pow2(n):
 
 
 def forward_partials(
-    logits, row_mask, target_col, keep_mask, inv_temperature, n_valid, seg_len, with_entropy, chunk_rows, **overrides
+    logits, row_mask, tokens, keep_mask, inv_temperature, n_valid, seg_len, with_entropy, chunk_rows, vocab_start=0,
+    **overrides
 ):
     """[V_local // seg_len, 5, T] fp32 segment partials, neutral for dropped rows (backend contract; `overrides` are
     LaunchConfig fields)."""
     del chunk_rows  # no fp32 working copy to bound
     _check_logits(logits)
-    _check_row_vector("target_col", target_col, logits)
+    _check_row_vector("tokens", tokens, logits)
     num_rows, v_local = logits.shape
     if seg_len <= 0 or v_local % seg_len != 0:
         raise ValueError(f"`seg_len` must be a positive divisor of V_local={v_local}, got {seg_len}")
@@ -169,26 +170,26 @@ def forward_partials(
         return out
     config = launch_config("forward", logits.dtype, seg_len, interpreting(), **overrides)
     grid, args, kwargs = forward_launch_args(
-        logits, row_mask, target_col, keep_mask, inv_temperature, n_valid, seg_len, with_entropy, out, config
+        logits, row_mask, tokens, keep_mask, inv_temperature, n_valid, seg_len, with_entropy, out, config, vocab_start
     )
     _triton_kernels.forward_partials_kernel[grid](*args, **kwargs)
     return out
 
 
-def forward_launch_args(logits, row_mask, target_col, keep_mask, inv_temperature, n_valid, seg_len, with_entropy,
-                        out, config):
+def forward_launch_args(logits, row_mask, tokens, keep_mask, inv_temperature, n_valid, seg_len, with_entropy,
+                        out, config, vocab_start=0):
     """(grid, args, kwargs) of one forward launch: one program per (row, segment), dropped rows included (they store
     neutral partials)."""
     num_rows, v_local = out.shape[2], logits.shape[1]
     keep = None if keep_mask is None else _keep_bytes(keep_mask, logits)
     row_bytes = None if row_mask is None else _row_mask_bytes(row_mask, logits)
-    target_col = _vector(target_col, torch.int64)
+    tokens = _vector(tokens, torch.int64)
     args = (
         # data ptrs (an unused pointer gets any tensor: the constexprs switch its loads off)
-        logits, target_col if row_bytes is None else row_bytes, target_col,
+        logits, tokens if row_bytes is None else row_bytes, tokens,
         logits if keep is None else keep, out,
         # shapes
-        num_rows, n_valid, seg_len,
+        num_rows, n_valid, seg_len, v_local, int(vocab_start),
         # strides
         logits.stride(0), 0 if keep is None else keep.stride(0),
         # constants
@@ -206,8 +207,8 @@ def forward_launch_args(logits, row_mask, target_col, keep_mask, inv_temperature
 
 
 def backward_grad(
-    logits, row_mask, target_col, keep_mask, inv_temperature, n_valid, shift, log_sum, log_sum_kept, mean_shifted,
-    grad_logprob, grad_entropy, out, chunk_rows, logprob_ok=None, row_has_mass=None, **overrides
+    logits, row_mask, tokens, keep_mask, inv_temperature, n_valid, shift, log_sum, log_sum_kept, mean_shifted,
+    grad_logprob, grad_entropy, out, chunk_rows, logprob_ok=None, row_has_mass=None, vocab_start=0, **overrides
 ):
     """Writes d(loss)/d(logits) into `out`, zero rows where row_mask is False (backend contract; `out` may be
     `logits`; `overrides`: LaunchConfig). The kernel applies logprob_ok / row_has_mass to the upstream gradients
@@ -224,7 +225,7 @@ def backward_grad(
     has_keep = keep_mask is not None and grad_logprob is not None  # the keep mask only shapes q
     if has_keep and log_sum_kept is None:
         raise ValueError("`log_sum_kept` is required when `keep_mask` and `grad_logprob` are given")
-    for name, t in (("target_col", target_col), ("shift", shift), ("log_sum", log_sum),
+    for name, t in (("tokens", tokens), ("shift", shift), ("log_sum", log_sum),
                     ("log_sum_kept", log_sum_kept), ("mean_shifted", mean_shifted), ("grad_logprob", grad_logprob),
                     ("grad_entropy", grad_entropy), ("logprob_ok", logprob_ok), ("row_has_mass", row_has_mass)):
         _check_row_vector(name, t, logits)
@@ -238,14 +239,14 @@ def backward_grad(
     unused = shift  # stands in for pointers the constexprs switch off
     _triton_kernels.backward_grad_kernel[(num_rows, _cdiv(v_local, config.block_v))](
         # data ptrs
-        logits, out, unused if row_bytes is None else row_bytes, _vector(target_col, torch.int64),
+        logits, out, unused if row_bytes is None else row_bytes, _vector(tokens, torch.int64),
         logits if keep is None else keep,
         shift, _vector(log_sum, torch.float32), _vector(log_sum_kept, torch.float32, unused),
         _vector(mean_shifted, torch.float32, unused), _vector(grad_logprob, torch.float32, unused),
         _vector(grad_entropy, torch.float32, unused),
         unused if logprob_ok is None else _flag_bytes(logprob_ok), unused if row_has_mass is None else _flag_bytes(row_has_mass),
         # shapes
-        v_local, n_valid,
+        v_local, n_valid, int(vocab_start),
         # strides
         logits.stride(0), out.stride(0), 0 if keep is None else keep.stride(0),
         # constants

@@ -58,16 +58,25 @@ _NUM_PARTIALS = tl.constexpr(_row_stats.NUM_PARTIALS)
 # The row stride (V_local) and n_valid differ between TP sizes: they must not change the compiled code (vector width,
 # hence register layout, hence the order of the tile sums). Their alignment comes from the ALIGN constexprs instead,
 # which the launcher derives from the segment length and dtype, the same at every TP size.
-FORWARD_UNALIGNED_ARGS = ["n_valid", "logits_row_stride", "keep_row_stride"]
+FORWARD_UNALIGNED_ARGS = ["n_valid", "v_local", "vocab_start", "logits_row_stride", "keep_row_stride"]
 
 
 @triton.jit
-def _row_extent(row_mask_ptr, target_ptr, row, seg_start, seg_len, n_valid, HAS_ROW_MASK: tl.constexpr):
+def _target_column(tokens_ptr, row, vocab_start, v_local):
+    """The row's target column in this shard, -1 where another rank owns it (or the id is out of range): the same as
+    _layout.target_columns, computed here so the core launches no torch ops for it."""
+    col = tl.load(tokens_ptr + row).to(tl.int64) - vocab_start
+    return tl.where((col >= 0) & (col < v_local), col, -1)
+
+
+@triton.jit
+def _row_extent(row_mask_ptr, tokens_ptr, row, seg_start, seg_len, n_valid, vocab_start, v_local,
+                HAS_ROW_MASK: tl.constexpr):
     """(end of the segment's valid columns, target column) of a forward program. A row the mask drops gets zero
     columns and target -1: the kernel then reads none of its logits and stores the neutral partials (no early return,
     so every program runs the same code)."""
     seg_end = tl.minimum(seg_start + seg_len, n_valid)
-    target = tl.load(target_ptr + row)
+    target = _target_column(tokens_ptr, row, vocab_start, v_local)
     if HAS_ROW_MASK:
         kept = tl.load(row_mask_ptr + row) != 0
         seg_end = tl.where(kept, seg_end, seg_start)
@@ -166,13 +175,15 @@ def forward_partials_kernel(
     # data ptrs
     logits_ptr,  # [T, V_local] logits (fp32/bf16/fp16), READ-ONLY
     row_mask_ptr,  # [T] uint8 row mask, 0 = dropped row (read only when HAS_ROW_MASK)
-    target_ptr,  # [T] int64 target column in this shard, -1 where it lives on another rank
+    tokens_ptr,  # [T] int64 global token ids; the target column is token - vocab_start when in [0, v_local)
     keep_ptr,  # [T, V_local] uint8 keep mask, READ-ONLY (read only when HAS_KEEP)
     out_ptr,  # [nseg, 5, T] fp32 partials, WRITTEN
     # shapes
     num_rows,  # T
     n_valid,  # columns >= n_valid are padding
     seg_len,  # columns per segment
+    v_local,  # columns of this shard
+    vocab_start,  # global id of this shard's first column
     # strides
     logits_row_stride,
     keep_row_stride,
@@ -190,7 +201,8 @@ def forward_partials_kernel(
     row = tl.program_id(0).to(tl.int64)
     seg = tl.program_id(1)
     seg_start = tl.multiple_of(seg * seg_len, LOGITS_ALIGN)
-    seg_end, target = _row_extent(row_mask_ptr, target_ptr, row, seg_start, seg_len, n_valid, HAS_ROW_MASK)
+    seg_end, target = _row_extent(row_mask_ptr, tokens_ptr, row, seg_start, seg_len, n_valid, vocab_start, v_local,
+                                  HAS_ROW_MASK)
     mem_end = seg_start + seg_len
     row_ptr = logits_ptr + tl.multiple_of(row * logits_row_stride, LOGITS_ALIGN)
     keep_row_ptr = keep_ptr + tl.multiple_of(row * keep_row_stride, KEEP_ALIGN)
@@ -248,7 +260,7 @@ def backward_grad_kernel(
     logits_ptr,  # [T, V_local] logits, READ-ONLY unless out aliases it
     out_ptr,  # [T, V_local] gradient in out's dtype, WRITTEN (may be logits_ptr: each element is read first)
     row_mask_ptr,  # [T] uint8 row mask, 0 = dropped row: zeros, no logits read (read only when HAS_ROW_MASK)
-    target_ptr,  # [T] int64 target column in this shard, -1 where it lives on another rank
+    tokens_ptr,  # [T] int64 global token ids (the target column as in the forward)
     keep_ptr,  # [T, V_local] uint8 keep mask, READ-ONLY (read only when HAS_KEEP)
     shift_ptr,  # [T] fp32 row max M of z over the global vocabulary (0 for rows without mass)
     log_sum_ptr,  # [T] fp32 log sum_valid exp(z - M)
@@ -256,11 +268,12 @@ def backward_grad_kernel(
     mean_shifted_ptr,  # [T] fp32 E_p[z] - M (read only when HAS_GENT)
     grad_logprob_ptr,  # [T] fp32 upstream gradient of log_prob (read only when HAS_GLP)
     grad_entropy_ptr,  # [T] fp32 upstream gradient of entropy (read only when HAS_GENT)
-    lp_ok_ptr,  # [T] uint8: 0 where the log-prob has no gradient (undefined, or no mass), read when HAS_LP_OK
+    lp_ok_ptr,  # [T] uint8: 0 where the log-prob is -inf (its kept set has no mass): no gradient (HAS_LP_OK)
     mass_ptr,  # [T] uint8: 0 where the row has no mass (no entropy gradient), read when HAS_MASS
     # shapes
     v_local,
     n_valid,
+    vocab_start,
     # strides
     logits_row_stride,
     out_row_stride,
@@ -299,7 +312,7 @@ def backward_grad_kernel(
         g_lp = tl.load(grad_logprob_ptr + row)
         if HAS_LP_OK:
             g_lp = tl.where(tl.load(lp_ok_ptr + row) != 0, g_lp, 0.0)  # whatever it holds (inf, NaN)
-        is_target = cols == tl.load(target_ptr + row)
+        is_target = cols == _target_column(tokens_ptr, row, vocab_start, v_local)
         if HAS_KEEP:
             keep = tl.load(keep_ptr + row * keep_row_stride + cols, mask=load, other=0)
             q = tl.where((keep != 0) | is_target, tl.exp(d - tl.load(log_sum_kept_ptr + row)), 0.0)

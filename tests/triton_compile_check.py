@@ -48,13 +48,13 @@ def _ptx(kernel, args, kwargs):
                           options=options.__dict__).asm["ptx"]
 
 
-def _forward_args(logits, row_mask, keep_mask, seg_len, n_valid, inv_t=1.0):
+def _forward_args(logits, row_mask, keep_mask, seg_len, n_valid, inv_t=1.0, vocab_start=0):
     n_rows = logits.shape[0]
     out = torch.empty((logits.shape[1] // seg_len, 5, n_rows))
     config = tb.launch_config("forward", logits.dtype, seg_len, interpreted=False)
     target_col = torch.zeros(n_rows, dtype=torch.int64)
     _, args, kwargs = tb.forward_launch_args(logits, row_mask, target_col, keep_mask, inv_t, n_valid, seg_len, True,
-                                             out, config)
+                                             out, config, vocab_start)
     return args, kwargs
 
 
@@ -71,7 +71,7 @@ def forward_key_count(dtype, n_rows=3, v_global=8000, vocab_size=7990):
             cols = slice(rank * v_local, (rank + 1) * v_local)
             n_valid = max(0, min(v_local, vocab_size - rank * v_local))
             args, kwargs = _forward_args(logits[:, cols].contiguous(), row_mask, keep_mask[:, cols].contiguous(),
-                                         v_global // 8, n_valid)
+                                         v_global // 8, n_valid, vocab_start=rank * v_local)
             keys.add(_specialize(_triton_kernels.forward_partials_kernel, args, kwargs)[0])
     return len(keys)
 
@@ -87,7 +87,7 @@ def qwen3_ptx(pass_name, dtype, keep, n_rows=8, v_local=151936):
     vec = torch.zeros(n_rows)
     args = (logits, logits, row_mask.view(torch.uint8), torch.zeros(n_rows, dtype=torch.int64),
             logits if keep_mask is None else keep_mask.view(torch.uint8), vec, vec, vec, vec, vec, vec,
-            row_mask.view(torch.uint8), row_mask.view(torch.uint8), v_local, v_local - 5, v_local, v_local, v_local, 1.5)
+            row_mask.view(torch.uint8), row_mask.view(torch.uint8), v_local, v_local - 5, 0, v_local, v_local, v_local, 1.5)
     kwargs = dict(HAS_ROW_MASK=True, HAS_KEEP=keep, HAS_GLP=True, HAS_GENT=True, HAS_LP_OK=True, HAS_MASS=True, SCALE=True, BLOCK_V=config.block_v,
                   ROUND_BF16_BY_BITS=False, **tb._options(config))
     return _ptx(_triton_kernels.backward_grad_kernel, args, kwargs)
