@@ -29,9 +29,9 @@ from ppo_ops._triton_merge import merge_partials  # noqa: F401  the core uses it
 from ppo_ops._row_stats import NUM_PARTIALS
 
 # (BLOCK_V, num_warps, num_stages[, chunk]) per pass and logits element size in bytes: the fastest correct variants of
-# tools/triton_tune.py on an H200 (T=8192, V=151936, 8 segments; tools/bench/results/triton_tune_h200.log): forward
-# bf16 1024/4/1 chunk 8 0.612 ms (96% of the copy bandwidth's rate), fp32 4096/8/1 chunk 4 1.094 ms; backward bf16
-# 4096/4/1 1.328 ms, fp32 1024/4/1 2.510 ms.
+# tools/triton_tune.py on H200s (T=8192, V=151936, 8 segments; tools/bench/results/triton_tune_h200.log, whose run
+# has them at: forward bf16 1024/4/1 chunk 8 0.628 ms (93% of the copy bandwidth's rate), fp32 4096/8/1 chunk 4
+# 1.131 ms (other chunk-4 variants within 0.3%); backward bf16 4096/4/1 1.377 ms, fp32 1024/4/1 2.508 ms).
 _GPU_CONFIG = {
     ("forward", 2): (1024, 4, 1, 8),
     ("forward", 4): (4096, 8, 1, 4),

@@ -59,7 +59,8 @@ def log_probs_and_entropy(
         uses), and a second backward through this op raises.
       backend: "auto" (triton for CUDA tensors when triton imports, else torch), "torch" or "triton".
       validate: run the checks that read tensor values (token range; NaN / +inf logits; ranks agreeing on rows,
-        tokens and options). On CUDA they cost host syncs; set False once inputs are known good.
+        tokens and options). On CUDA they cost host syncs (one at TP = 1, at the end of the forward; three at
+        TP > 1), each exposing the host time of what follows; set False once inputs are known good.
 
     Returns:
       LogProbsEntropy(log_probs, entropy), float32, shaped like tokens. Bitwise deterministic run to run.
