@@ -49,7 +49,9 @@ def all_gather_partials(partials: torch.Tensor, layout: VocabLayout) -> torch.Te
     # Into one tensor: rank-major along dim 0 is the global segment order, with no list and no cat (host time).
     out = torch.empty((layout.world_size * partials.shape[0],) + tuple(partials.shape[1:]), dtype=partials.dtype,
                       device=partials.device)
-    dist.all_gather_into_tensor(out, partials.contiguous(), group=layout.group)
+    # torch >= 2.13 names it all_gather_single and deprecates all_gather_into_tensor, the only name torch 2.11 has.
+    gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather_single(out, partials.contiguous(), group=layout.group)
     return out
 
 

@@ -161,8 +161,8 @@ def test_second_backward_after_inplace_grad_raises(backend):
 
 # --- before any collective (gloo, 2 ranks) ---
 
-_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
-                "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather", "reduce",
+_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "all_reduce",
+                "all_to_all", "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather", "reduce",
                 "reduce_scatter", "reduce_scatter_tensor", "scatter", "send", "recv", "isend", "irecv")
 
 
