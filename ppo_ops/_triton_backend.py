@@ -72,15 +72,16 @@ def _check_logits(logits):
     _check_device("logits", logits)
 
 
-def _row_mask_bytes(row_mask, logits):
-    """The row mask as a [T] uint8 vector (bool and uint8 share storage), contiguous."""
-    if row_mask.shape != logits.shape[:1] or row_mask.dtype != torch.bool:
+def _row_bytes(name, flags, logits):
+    """A [T] bool per-row tensor (the row mask, the gradient flags) as uint8 (bool and uint8 share storage),
+    contiguous, on the logits' device."""
+    if flags.shape != logits.shape[:1] or flags.dtype != torch.bool:
         raise ValueError(
-            f"`row_mask` must be bool of shape ({logits.shape[0]},), got {row_mask.dtype} {tuple(row_mask.shape)}"
+            f"`{name}` must be bool of shape ({logits.shape[0]},), got {flags.dtype} {tuple(flags.shape)}"
         )
-    if row_mask.device != logits.device:
-        raise ValueError(f"`row_mask` must be on {logits.device} like `logits`, got {row_mask.device}")
-    return row_mask.contiguous().view(torch.uint8)
+    if flags.device != logits.device:
+        raise ValueError(f"`{name}` must be on {logits.device} like `logits`, got {flags.device}")
+    return flags.contiguous().view(torch.uint8)
 
 
 def _check_row_vector(name, t, logits):
@@ -182,7 +183,7 @@ def forward_launch_args(logits, row_mask, tokens, keep_mask, inv_temperature, n_
     neutral partials)."""
     num_rows, v_local = out.shape[2], logits.shape[1]
     keep = None if keep_mask is None else _keep_bytes(keep_mask, logits)
-    row_bytes = None if row_mask is None else _row_mask_bytes(row_mask, logits)
+    row_bytes = None if row_mask is None else _row_bytes("row_mask", row_mask, logits)
     tokens = _vector(tokens, torch.int64)
     args = (
         # data ptrs (an unused pointer gets any tensor: the constexprs switch its loads off)
@@ -227,12 +228,12 @@ def backward_grad(
         raise ValueError("`log_sum_kept` is required when `keep_mask` and `grad_logprob` are given")
     for name, t in (("tokens", tokens), ("shift", shift), ("log_sum", log_sum),
                     ("log_sum_kept", log_sum_kept), ("mean_shifted", mean_shifted), ("grad_logprob", grad_logprob),
-                    ("grad_entropy", grad_entropy), ("logprob_ok", logprob_ok), ("row_has_mass", row_has_mass)):
+                    ("grad_entropy", grad_entropy)):
         _check_row_vector(name, t, logits)
     num_rows, v_local = logits.shape
     if num_rows == 0 or v_local == 0:
         return
-    row_bytes = None if row_mask is None else _row_mask_bytes(row_mask, logits)
+    row_bytes = None if row_mask is None else _row_bytes("row_mask", row_mask, logits)
     keep = _keep_bytes(keep_mask, logits) if has_keep else None
     config = launch_config("backward", logits.dtype, v_local, interpreting(), **overrides)
     shift = _vector(shift, torch.float32)
@@ -244,7 +245,8 @@ def backward_grad(
         shift, _vector(log_sum, torch.float32), _vector(log_sum_kept, torch.float32, unused),
         _vector(mean_shifted, torch.float32, unused), _vector(grad_logprob, torch.float32, unused),
         _vector(grad_entropy, torch.float32, unused),
-        unused if logprob_ok is None else _flag_bytes(logprob_ok), unused if row_has_mass is None else _flag_bytes(row_has_mass),
+        unused if logprob_ok is None else _row_bytes("logprob_ok", logprob_ok, logits),
+        unused if row_has_mass is None else _row_bytes("row_has_mass", row_has_mass, logits),
         # shapes
         v_local, n_valid, int(vocab_start),
         # strides
@@ -256,13 +258,6 @@ def backward_grad(
         SCALE=float(inv_temperature) != 1.0, BLOCK_V=config.block_v,
         ROUND_BF16_BY_BITS=out.dtype == torch.bfloat16 and interpreting(), **_options(config),
     )
-
-
-def _flag_bytes(flags):
-    """A [T] bool per-row flag as uint8 (same storage), contiguous."""
-    if flags.dtype != torch.bool:
-        raise ValueError(f"per-row flags must be bool, got {flags.dtype}")
-    return flags.contiguous().view(torch.uint8)
 
 
 def _vector(t, dtype, default=None):
