@@ -101,20 +101,13 @@ def _label(row: dict) -> str:
 
 
 def target_rows(rows: list[dict]) -> list[tuple[str, str, str]]:
-    """(target, measured, verdict) for each issue-5 target, from the latest rows."""
+    """(target, measured, verdict) for each issue-5 target, from the latest rows. The time and TP=2 targets get a
+    second row for validate=False (no host sync) when that was measured."""
     out = []
     head = dict(HEADLINE, entropy="grad")
     tri = _find(rows, provider="triton", validate="on", inplace_grad="off", **head)
     if tri:
-        frac = _num(tri, "frac_copy_bw")
-        goal_ms = _num(tri, "p50_ms") * frac / TIME_TARGET_FRAC if frac else None
-        out.append((
-            f"time: >= {TIME_TARGET_FRAC:.0%} of copy BW (T=8192 bf16 TP=1, log-prob + entropy grad)",
-            f"{_fmt(tri, 'p50_ms', '.3f')} ms, {_fmt(tri, 'gbps', 'g')} GB/s = {frac:.1%} of the copy's "
-            f"{_fmt(tri, 'copy_gbps', 'g')} GB/s" if frac else "n/a",
-            _verdict(frac is not None and frac >= TIME_TARGET_FRAC,
-                     f"missed: needs <= {goal_ms:.3g} ms" if goal_ms else "not measured", tri),
-        ))
+        out.append(_time_target(tri, "time"))
         peak, grad = _num(tri, "peak_extra_mib"), _num(tri, "grad_mib")
         if peak is not None:
             out.append((
@@ -125,15 +118,8 @@ def target_rows(rows: list[dict]) -> list[tuple[str, str, str]]:
     else:
         out.append(("time and memory of the headline (triton)", "not measured", "n/a"))
     fast = _find(rows, provider="triton", validate="off", inplace_grad="off", **head)
-    if fast:  # the same without validate's host sync
-        frac = _num(fast, "frac_copy_bw")
-        out.append((
-            f"time with validate=False: >= {TIME_TARGET_FRAC:.0%} of copy BW (same case)",
-            f"{_fmt(fast, 'p50_ms', '.3f')} ms = {frac:.1%} of copy BW" if frac else "n/a",
-            _verdict(frac is not None and frac >= TIME_TARGET_FRAC,
-                     f"missed: needs <= {_num(fast, 'p50_ms') * frac / TIME_TARGET_FRAC:.3g} ms" if frac
-                     else "not measured", fast),
-        ))
+    if fast:
+        out.append(_time_target(fast, "time with validate=False"))
     inplace = _find(rows, provider="triton", validate="on", inplace_grad="on", **head)
     peak = _num(inplace, "peak_extra_mib") if inplace else None
     out.append((
@@ -152,25 +138,37 @@ def target_rows(rows: list[dict]) -> list[tuple[str, str, str]]:
                         _verdict(a < b, f"missed: {a / b - 1:.1%} slower", mine, liger)))
         elif dtype == "bf16":
             out.append((f"log-prob only, {dtype}: faster than Liger-Kernel CE", "not measured (liger absent?)", "n/a"))
-    tp2 = _find(rows, provider="triton", validate="on", inplace_grad="off", **dict(head, tp="2"))
-    ref = _find(rows, provider="triton", validate="on", inplace_grad="off",
-                **dict(head, V=str(int(HEADLINE["V"]) // 2)))
-    if tp2 and ref:
-        a, b = _num(tp2, "p50_ms"), _num(ref, "p50_ms")
-        out.append((f"TP=2: slowest rank <= {TP2_SLOWDOWN:.2f} x TP=1 on the same local shape [8192, 75968]",
-                    f"{a:.3f} ms vs {b:.3f} ms ({a / b:.3f} x)",
-                    _verdict(a <= TP2_SLOWDOWN * b, f"missed by {a / b - TP2_SLOWDOWN:.3f} x", tp2, ref)))
-    else:
-        out.append(("TP=2 vs TP=1 on the same local shape", "not measured", "n/a"))
-    tp2_fast = _find(rows, provider="triton", validate="off", inplace_grad="off", **dict(head, tp="2"))
-    ref_fast = _find(rows, provider="triton", validate="off", inplace_grad="off",
-                     **dict(head, V=str(int(HEADLINE["V"]) // 2)))
-    if tp2_fast and ref_fast:
-        a, b = _num(tp2_fast, "p50_ms"), _num(ref_fast, "p50_ms")
-        out.append((f"TP=2 with validate=False: slowest rank <= {TP2_SLOWDOWN:.2f} x TP=1 on the same local shape",
-                    f"{a:.3f} ms vs {b:.3f} ms ({a / b:.3f} x)",
-                    _verdict(a <= TP2_SLOWDOWN * b, f"missed by {a / b - TP2_SLOWDOWN:.3f} x", tp2_fast, ref_fast)))
+    tp2 = _tp2_target(rows, head, "on", "TP=2")
+    out.append(tp2 or ("TP=2 vs TP=1 on the same local shape", "not measured", "n/a"))
+    tp2_fast = _tp2_target(rows, head, "off", "TP=2 with validate=False")
+    if tp2_fast:
+        out.append(tp2_fast)
     return out
+
+
+def _time_target(row: dict, name: str) -> tuple[str, str, str]:
+    frac = _num(row, "frac_copy_bw")
+    goal_ms = _num(row, "p50_ms") * frac / TIME_TARGET_FRAC if frac else None
+    return (
+        f"{name}: >= {TIME_TARGET_FRAC:.0%} of copy BW (T=8192 bf16 TP=1, log-prob + entropy grad)",
+        f"{_fmt(row, 'p50_ms', '.3f')} ms, {_fmt(row, 'gbps', 'g')} GB/s = {frac:.1%} of the copy's "
+        f"{_fmt(row, 'copy_gbps', 'g')} GB/s" if frac else "n/a",
+        _verdict(frac is not None and frac >= TIME_TARGET_FRAC,
+                 f"missed: needs <= {goal_ms:.3g} ms" if goal_ms else "not measured", row),
+    )
+
+
+def _tp2_target(rows: list[dict], head: dict, validate: str, name: str) -> Optional[tuple[str, str, str]]:
+    """TP=2's slowest rank against TP=1 on the same local shape, both with the given validate; None if unmeasured."""
+    tp2 = _find(rows, provider="triton", validate=validate, inplace_grad="off", **dict(head, tp="2"))
+    ref = _find(rows, provider="triton", validate=validate, inplace_grad="off",
+                **dict(head, V=str(int(HEADLINE["V"]) // 2)))
+    if not (tp2 and ref):
+        return None
+    a, b = _num(tp2, "p50_ms"), _num(ref, "p50_ms")
+    return (f"{name}: slowest rank <= {TP2_SLOWDOWN:.2f} x TP=1 on the same local shape [8192, 75968]",
+            f"{a:.3f} ms vs {b:.3f} ms ({a / b:.3f} x)",
+            _verdict(a <= TP2_SLOWDOWN * b, f"missed by {a / b - TP2_SLOWDOWN:.3f} x", tp2, ref))
 
 
 def _verdict(met: bool, missed: str, *rows: dict) -> str:
