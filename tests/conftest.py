@@ -3,21 +3,22 @@
 - Import paths: pytest.ini puts the repository root on sys.path (`pythonpath = .`); this file does too, for a run
   whose ini file is not ours, so `ppo_ops`, `sglang_checks` and `tests.*` import without installing anything.
 - Environment defaults: the values tools/pytest.bzl gives CPU tests, applied only where the variable is unset, so a
-  plain pytest run on a CPU machine behaves as the Bazel one. TRITON_INTERPRET=1 is left out when the run names a
-  GPU file (*_gpu.py, or a GPU + SGLang file named by its issue): those run compiled Triton kernels on the GPU (run
-  them in their own pytest call).
+  plain pytest run on a CPU machine behaves as the Bazel one. TRITON_INTERPRET=1 is set only where no GPU is
+  visible: a plain run on a GPU machine runs compiled kernels on CUDA, as the `_gpu` Bazel targets do.
+- Ranks per case: a test that needs n ranks is marked `world_size(n)` (tests/ranks.py). A GPU target
+  ($PPO_OPS_GPUS GPUs, tools/pytest.bzl) deselects the cases that need more ranks than it has GPUs (they run in
+  its wider `_gpuN` targets, which keep only those, and on CPU over gloo) and says so in its summary; plain pytest
+  on a GPU machine skips them with the reason.
 - File names with a '.' (test_qwen3_0.6B_parallel_check.py, fixed by issue 6) are imported by path.
 - Seeds: every test starts from torch/numpy/random seeded with $PPO_OPS_TEST_SEED (default 0).
 - Sharding: a test declared with shard_count runs its share of the collected tests ($TEST_SHARD_INDEX of
   $TEST_TOTAL_SHARDS, set by Bazel).
-- free_port(): a free loopback TCP port for a gloo rendezvous (MASTER_ADDR=127.0.0.1).
 """
 
 import importlib.util
 import os
 import pathlib
 import random
-import socket
 import sys
 
 
@@ -29,7 +30,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 DEFAULT_SEED = 0
-GPU_FILE_SUFFIX = "_gpu.py"
+GPUS_VAR = "PPO_OPS_GPUS"  # tools/pytest.bzl: GPUs a GPU target declares
+RANKS_ABOVE_VAR = "PPO_OPS_RANKS_ABOVE"  # tools/pytest.bzl: a wider GPU target runs only cases above this many ranks
 
 # Defaults shared by every plain-pytest run (GPU files included); tools/pytest.bzl sets the same values explicitly.
 _COMMON_DEFAULTS = {
@@ -37,19 +39,6 @@ _COMMON_DEFAULTS = {
     "GLOO_SOCKET_IFNAME": "lo",  # multi-rank CPU tests rendezvous on loopback
     "PPO_OPS_TEST_SEED": str(DEFAULT_SEED),
 }
-
-
-# GPU + SGLang test files keep the names their issue fixed; they count as GPU files too.
-SGLANG_GPU_FILES = ("test_qwen3_0.6B_parallel_check.py",)
-
-
-def is_gpu_file(path) -> bool:
-    name = pathlib.Path(str(path).split("::")[0]).name
-    return name.endswith(GPU_FILE_SUFFIX) or name in SGLANG_GPU_FILES
-
-
-def _names_gpu_file(args):
-    return any(is_gpu_file(arg) for arg in args)
 
 
 class _PathImportedModule(pytest.Module):
@@ -74,30 +63,82 @@ def pytest_pycollect_makemodule(module_path, parent):
 def pytest_configure(config):
     for name, value in _COMMON_DEFAULTS.items():
         os.environ.setdefault(name, value)
+    config.addinivalue_line("markers", "world_size(n): the case runs on n ranks (tests/ranks.py)")
+    config.addinivalue_line("markers", 'device(name): runs only where tests/ranks.py\'s DEVICE is "cpu" or "cuda"')
     # Before any test module (and so any Triton kernel) is imported: Triton reads it when a kernel is decorated.
-    if not _names_gpu_file(config.args):
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if "TRITON_INTERPRET" not in os.environ and not _gpu_visible():
+        os.environ["TRITON_INTERPRET"] = "1"
 
 
-def pytest_collection_modifyitems(config, items):
-    _skip_gpu_files_under_interpreter(items)
-    _keep_this_shard(config, items)
-
-
-def _skip_gpu_files_under_interpreter(items):
-    gpu_items = [item for item in items if is_gpu_file(item.path)]
-    if not gpu_items or os.environ.get("TRITON_INTERPRET") != "1":
-        return
+def _gpu_visible() -> bool:
     try:
         import torch
     except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    _keep_this_device(config, items)
+    _place_by_world_size(config, items)
+    _keep_this_shard(config, items)
+
+
+_deselected_for_device = []
+
+
+def _keep_this_device(config, items):
+    """Cases marked device("cpu") or device("cuda") run only where that is the test device (the interpreter's checks on
+    CPU, compiled kernels at real sizes on CUDA); device("any") and unmarked cases run everywhere."""
+    marked = [(item, item.get_closest_marker("device")) for item in items]
+    if not any(marker for _, marker in marked):
         return
-    if not torch.cuda.is_available():
-        return  # GPU files skip themselves where there is no GPU
-    reason = ("GPU test collected in a run with TRITON_INTERPRET=1 (CPU files were named too): "
-              "run `pytest tests/*_gpu.py` on its own")
-    for item in gpu_items:
-        item.add_marker(pytest.mark.skip(reason=reason))
+    here = "cuda" if _gpu_visible() else "cpu"
+    dropped = [item for item, marker in marked if marker and marker.args[0] not in ("any", here)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        _deselected_for_device.append((len(dropped), here))
+        items[:] = [item for item in items if item not in dropped]
+
+
+def _world_size(item) -> int:
+    marker = item.get_closest_marker("world_size")
+    return marker.args[0] if marker else 1
+
+
+_deselected_for_ranks = []
+
+
+def _place_by_world_size(config, items):
+    declared = int(os.environ.get(GPUS_VAR, "0"))
+    if declared:  # a GPU target: run exactly the cases its GPUs hold (a skip would fail it)
+        above = int(os.environ.get(RANKS_ABOVE_VAR, "0"))
+        kept = [item for item in items if above < _world_size(item) <= declared]
+        dropped = [item for item in items if item not in kept]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            _deselected_for_ranks.append((len(dropped), declared, above))
+        items[:] = kept
+        return
+    if _gpu_visible():
+        import torch
+
+        count = torch.cuda.device_count()
+        for item in items:
+            if _world_size(item) > count:
+                item.add_marker(pytest.mark.skip(
+                    reason=f"needs {_world_size(item)} GPUs for its NCCL ranks, {count} visible"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    for dropped, here in _deselected_for_device:
+        other = "CUDA (the _gpu target)" if here == "cpu" else "CPU under the Triton interpreter (the CPU target)"
+        terminalreporter.write_line(f"{dropped} case(s) deselected: written for {other}; this run is on {here}")
+    for dropped, declared, above in _deselected_for_ranks:
+        where = (f"only cases needing more than {above} ranks run here" if above else
+                 "they run in this file's wider _gpuN targets (bazel test --config=gpu4 / gpu8) and on CPU over gloo")
+        terminalreporter.write_line(
+            f"{dropped} case(s) deselected: this target declares {declared} GPU(s); {where}")
 
 
 def _keep_this_shard(config, items):
@@ -126,10 +167,3 @@ def _seed_everything():
     if "torch" in sys.modules:
         sys.modules["torch"].manual_seed(seed)  # also seeds every CUDA device
     yield
-
-
-def free_port():
-    """A TCP port on 127.0.0.1 that was free a moment ago (for MASTER_PORT of a gloo/NCCL rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -5,20 +5,16 @@
   (TRITON_INTERPRET=1, set by tests/conftest.py and the Bazel macro before triton is imported), else it is skipped.
 - Seeded inputs (`make_*`), built on the CPU with their own generator so every rank and every run sees the same values.
 - `run_op`: one forward + backward of `ppo_ops.log_probs_and_entropy` on a private leaf copy of the logits.
-- `run_gloo`: spawns a gloo process group on loopback and runs a worker on every rank (vocab-parallel tests).
+- `run_gloo`, `run_ranks`: process groups on loopback (tests/ranks.py).
 """
 
-import datetime
 import os
-import socket
 from typing import NamedTuple, Optional
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+from tests.ranks import DEVICE  # noqa: E402  cuda when a GPU is visible, else cpu
 BACKENDS = ("torch", "triton")
 
 
@@ -111,34 +107,8 @@ def run_op(logits, tokens, *, grad_log_probs=None, grad_entropy=None, device=DEV
     return Result(out.log_probs.detach(), None if out.entropy is None else out.entropy.detach(), grad)
 
 
-# --- gloo process groups ---
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-GLOO_TIMEOUT = datetime.timedelta(seconds=120)  # a rank stuck in a collective fails the test instead of hanging CI
-
-
-def _gloo_entry(rank, world_size, port, worker, args):
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    torch.set_num_threads(1)  # world_size processes share the CI machine's 2 cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=GLOO_TIMEOUT)
-    try:
-        worker(rank, world_size, *args)
-        dist.barrier()  # every rank done before any tears the group down (a peer's early exit can abort gloo)
-    finally:
-        dist.destroy_process_group()
-
-
-def run_gloo(world_size: int, worker, *args):
-    """Runs worker(rank, world_size, *args) on `world_size` spawned processes joined in a gloo group on loopback.
-    An exception on any rank fails the caller (torch.multiprocessing re-raises it with the rank's traceback)."""
-    mp.spawn(_gloo_entry, args=(world_size, free_port(), worker, args), nprocs=world_size, join=True)
+# --- process groups: tests/ranks.py (re-exported here for the suites that import them from this module) ---
+from tests.ranks import free_port, run_gloo, run_ranks  # noqa: E402,F401
 
 
 class CaseFailures:

@@ -21,7 +21,6 @@ import dataclasses
 import datetime
 import json
 import os
-import socket
 import traceback
 from typing import Callable, Dict, List, Optional
 
@@ -31,6 +30,7 @@ import torch.multiprocessing as mp
 
 import ppo_ops
 import ppo_ops.legacy
+from tests.ranks import free_port
 
 # --- tolerances ------------------------------------------------------------------------------------------------
 # The inputs keep |logit| <= PARITY_MAX_ABS_LOGIT = 12 and every row's logsumexp below 16, so the largest magnitude
@@ -197,13 +197,6 @@ def _assert_legacy_parity(
 
 
 # --- multi-rank plumbing --------------------------------------------------------------------------------------------
-def free_port() -> int:
-    """A TCP port free on loopback right now (chosen per test, so parallel tests do not collide)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def case_id(vocab: int, scenario: ParityScenario) -> str:
     return f"V{vocab}-{scenario.id}"
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import ppo_ops
+from tests.ranks import DEVICE, rank_device
 from tests.core_support import (Result, make_keep_mask, make_logits, make_row_mask, make_tokens, make_weights,
                                 run_op)
 from tests.reference import (assert_entropy_close, assert_grad_close, assert_log_probs_close,
@@ -79,30 +80,37 @@ def has_fixed_segments(case: ShardedCase, world_size: int) -> bool:
     return (case.v_local * world_size) % 8 == 0 and 8 % world_size == 0
 
 
+def _on_cpu(result: Result) -> Result:
+    return Result(*(None if t is None else t.cpu() for t in result))
+
+
 def tp1_result(case: ShardedCase, world_size: int, backend: str) -> Result:
-    """The same call on the global logits at TP=1 (no process group in this process)."""
+    """The same call on the global logits at TP=1 (no process group in this process), on the test device."""
     logits, tokens, opts, weights = global_inputs(case, world_size)
-    return run_op(logits, tokens, device="cpu", backend=backend, **opts, **weights)
+    return _on_cpu(run_op(logits, tokens, device=DEVICE, backend=backend, **opts, **weights))
 
 
 def _run_rank(case, logits, tokens, opts, weights, rank, world_size, backend):
+    device = rank_device(rank, dist.get_backend())  # a gloo group computes on CPU tensors, also on a GPU machine
     x = shard_vocab(logits, rank, world_size)
     local = dict(opts)
     if "keep_mask" in local:
         local["keep_mask"] = shard_vocab(local["keep_mask"], rank, world_size)
     tp_group = None if case.default_group else dist.group.WORLD
     if not case.inplace_grad:
-        return run_op(x, tokens, device="cpu", backend=backend, tp_group=tp_group, **local, **weights)
+        return _on_cpu(run_op(x, tokens, device=device, backend=backend, tp_group=tp_group, **local, **weights))
     # inplace_grad: the op's input must be a non-leaf (as lm-head logits are), whose storage receives the gradient.
-    y = x.requires_grad_(True) * 1
-    out = ppo_ops.log_probs_and_entropy(y, tokens, backend=backend, tp_group=tp_group, inplace_grad=True, **local)
-    outputs, grads = [out.log_probs], [weights["grad_log_probs"]]
+    local = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in local.items()}
+    y = x.to(device).requires_grad_(True) * 1
+    out = ppo_ops.log_probs_and_entropy(y, tokens.to(device), backend=backend, tp_group=tp_group, inplace_grad=True,
+                                        **local)
+    outputs, grads = [out.log_probs], [weights["grad_log_probs"].to(device)]
     if case.entropy == "grad":
         outputs.append(out.entropy)
-        grads.append(weights["grad_entropy"])
+        grads.append(weights["grad_entropy"].to(device))
     (grad,) = torch.autograd.grad(outputs, y, grads)
     assert grad.data_ptr() == y.data_ptr(), "inplace_grad=True did not return the logits' storage"
-    return Result(out.log_probs.detach(), None if out.entropy is None else out.entropy.detach(), grad)
+    return _on_cpu(Result(out.log_probs.detach(), None if out.entropy is None else out.entropy.detach(), grad))
 
 
 def check_rank(case: ShardedCase, rank: int, world_size: int, backend: str, tp1: Optional[Result] = None):

@@ -22,6 +22,9 @@ SUMMARY_LINES = [
     ("//tests:test_h                                      FAILED TO BUILD", "failed"),
     ("//tests:test_i                                      INCOMPLETE", "failed"),
     ("//tests:test_j                                      \x1b[32mPASSED\x1b[0m in 0.9s", "passed"),  # colour
+    # tools/check_gpu_wiring.sh, run by .ci/run after the suite
+    ("gpu-wiring PASSED: --config=gpu without PPO_OPS_GPU_PYTHON fails naming the variable", "passed"),
+    ("gpu-wiring FAILED: GPU targets declared with their tags and GPU counts (bazel query)", "failed"),
 ]
 
 # Lines around the summary that must not be counted.

@@ -187,7 +187,7 @@ def test_gloo_all_reduce_over_loopback():
     # The multi-rank CPU tests rely on this: two spawned ranks rendezvous on 127.0.0.1 and all-reduce.
     import torch.multiprocessing as mp
 
-    from tests.conftest import free_port
+    from tests.ranks import free_port
 
     results = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_gloo_rank, args=(free_port(), results), nprocs=GLOO_WORLD_SIZE, join=True)

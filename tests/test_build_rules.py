@@ -18,6 +18,7 @@ BAZELRC = pathlib.Path(".bazelrc")
 
 GPU_TAGS = {"gpu", "requires-gpu-nvidia", "exclusive"}
 GPU_REPRODUCIBILITY_ENV = {
+    "TRITON_INTERPRET": "0",
     "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -98,11 +99,15 @@ def _declared_tests(build_file, files=()):
     return {attrs["name"]: attrs for kind, attrs in native.rules if kind == "py_test"}
 
 
-def _one_test(macro_name, **kwargs):
+def _tests_of(macro_name, **kwargs):
     native = _Native()
     _load_macros(native)[macro_name](**kwargs)
-    (kind, attrs), = native.rules
-    assert kind == "py_test"
+    assert all(kind == "py_test" for kind, _ in native.rules)
+    return {attrs["name"]: attrs for _, attrs in native.rules}
+
+
+def _one_test(macro_name, **kwargs):
+    (attrs,) = _tests_of(macro_name, **kwargs).values()
     return attrs
 
 
@@ -129,26 +134,50 @@ def test_cpu_macro_passes_options_through():
 
 
 def test_gpu_macro_tags_a_single_gpu_test():
-    attrs = _one_test("gpu_pytest", name="t_gpu", src="test_t_gpu.py")
+    attrs = _one_test("gpu_pytest", name="t", src="test_t.py")
     assert set(attrs["tags"]) == GPU_TAGS
     assert GPU_REPRODUCIBILITY_ENV.items() <= attrs["env"].items()
-    assert "TRITON_INTERPRET" not in attrs["env"]
+    assert attrs["env"]["PPO_OPS_GPUS"] == "1"  # tools/pytest_main.py fails the target unless 1 GPU is visible
     assert attrs["size"] == "large"
 
 
 @pytest.mark.parametrize("gpus", [2, 4, 8])  # the multi-GPU machines on offer
 def test_gpu_macro_tags_multi_gpu_tests_with_their_count(gpus):
-    attrs = _one_test("gpu_pytest", name="t_gpu", src="test_t_gpu.py", gpus=gpus, tags=["gpu", "nccl"])
+    attrs = _one_test("gpu_pytest", name="t", src="test_t.py", gpus=gpus, tags=["gpu", "nccl"])
     assert set(attrs["tags"]) == GPU_TAGS | {"multiaccelerator", f"gpus_{gpus}", "nccl"}
     assert len(attrs["tags"]) == len(set(attrs["tags"])), "a tag given twice is kept once"
+    assert attrs["env"]["PPO_OPS_GPUS"] == str(gpus)
+
+
+def test_one_declaration_gives_a_cpu_and_gpu_targets():
+    tests = _tests_of("cpu_gpu_pytest", name="t", src="test_t.py", deps=["//ppo_ops"], gpus=2, wider_gpus=[4, 8],
+                      args=["-x"], gpu_args=["-k", "cuda"])
+    assert sorted(tests) == ["t", "t_gpu", "t_gpu4", "t_gpu8"]
+    assert all(attrs["srcs"][0] == "test_t.py" and attrs["deps"] == ["//ppo_ops"] for attrs in tests.values())
+    cpu = tests["t"]
+    assert not GPU_TAGS & set(cpu["tags"]) and CPU_ENV.items() <= cpu["env"].items()
+    assert cpu["args"] == ["$(rootpath test_t.py)", "-x"]
+    gpu = tests["t_gpu"]
+    assert set(gpu["tags"]) == GPU_TAGS | {"multiaccelerator", "gpus_2"}
+    assert gpu["env"]["PPO_OPS_GPUS"] == "2" and "PPO_OPS_RANKS_ABOVE" not in gpu["env"]
+    assert gpu["args"] == ["$(rootpath test_t.py)", "-x", "-k", "cuda"]
+    # The wider targets run only what the narrower one cannot hold: ranks in (2, 4], then (4, 8].
+    for name, gpus, above in (("t_gpu4", 4, 2), ("t_gpu8", 8, 4)):
+        assert f"gpus_{gpus}" in tests[name]["tags"]
+        assert (tests[name]["env"]["PPO_OPS_GPUS"], tests[name]["env"]["PPO_OPS_RANKS_ABOVE"]) == (str(gpus), str(above))
+
+
+def test_sglang_tests_carry_the_recorded_sglang_interpreter():
+    attrs = _one_test("gpu_pytest", name="t", src="test_t.py", gpus=2, tags=["sglang"])
+    assert {"@ppo_sglang_python//:runner_env.json", "@ppo_sglang_python//:sglang_python.txt"} <= set(attrs["data"])
 
 
 @pytest.mark.parametrize("macro_name, kwargs, message", [
     ("cpu_pytest", dict(name="t", src="test_t.py", tags=["gpu"]), "use gpu_pytest"),
     ("cpu_pytest", dict(name="t", src="test_t.txt"), "one .py test file"),
-    ("cpu_pytest", dict(name="t", src="test_t_gpu.py"), "use gpu_pytest"),
-    ("gpu_pytest", dict(name="t", src="test_t.py"), "*_gpu.py"),
-    ("gpu_pytest", dict(name="t", src="test_t_gpu.py", gpus=0), "gpus must be >= 1"),
+    ("gpu_pytest", dict(name="t", src="test_t.py", gpus=0), "gpus must be >= 1"),
+    ("cpu_gpu_pytest", dict(name="t", src="test_t.py", gpus=2, wider_gpus=[2]), "must each exceed"),
+    ("cpu_gpu_pytest", dict(name="t", src="test_t.py", tags=["gpu"]), "do not tag it gpu"),
 ])
 def test_macros_reject_misuse(macro_name, kwargs, message):
     with pytest.raises(StarlarkError, match=message.replace("*", r"\*")):
@@ -159,8 +188,7 @@ def test_declared_targets_split_cleanly_into_cpu_and_gpu():
     declared = _declared_tests(TESTS_BUILD_FILE)
     assert "test_build_rules" in declared, "this file's own target is missing from tests/BUILD"
     for name, attrs in declared.items():
-        src = attrs["srcs"][0]
-        if src.endswith("_gpu.py") or "sglang" in attrs["tags"]:
+        if "PPO_OPS_GPUS" in attrs["env"]:
             assert GPU_TAGS <= set(attrs["tags"]), f"{name}: GPU test without {GPU_TAGS - set(attrs['tags'])}"
             assert attrs["env"]["NCCL_NVLS_ENABLE"] == "0", name
         else:
@@ -168,14 +196,31 @@ def test_declared_targets_split_cleanly_into_cpu_and_gpu():
             assert attrs["env"]["TRITON_INTERPRET"] == "1", name
 
 
+# What --config=gpu must run on two GPUs: every suite that makes sense there (the core suites, Triton, memory, errors,
+# TP invariance and the multi-rank core over NCCL, parity, the Qwen3 check).
+GPU_SUITES = {
+    "test_core_values_gpu": 1, "test_core_invariants_gpu": 1, "test_core_errors_gpu": 1, "test_core_properties_gpu": 1,
+    "test_core_memory_gpu": 1, "test_core_parallel_gpu": 2, "test_triton_backend_gpu": 1,
+    "test_tp_invariance_gpu": 2, "test_tp_invariance_gpu4": 4, "test_tp_invariance_gpu8": 8,
+    "test_ppo_logprob_entropy_gpu": 2,
+}
+
+
+def test_gpu_suites_are_declared_with_their_gpu_counts():
+    declared = _declared_tests(TESTS_BUILD_FILE)
+    for name, gpus in GPU_SUITES.items():
+        assert name in declared, f"GPU target {name} missing from tests/BUILD"
+        assert declared[name]["env"]["PPO_OPS_GPUS"] == str(gpus), name
+
+
 def test_undeclared_check_names_test_files_without_a_target(tmp_path):
     build = "\n".join([
-        'load("//tools:pytest.bzl", "cpu_pytest", "gpu_pytest", "undeclared_tests_check")',
+        'load("//tools:pytest.bzl", "cpu_gpu_pytest", "cpu_pytest", "undeclared_tests_check")',
         'cpu_pytest(name = "test_a", src = "test_a.py")',
-        'gpu_pytest(name = "test_b_gpu", src = "test_b_gpu.py", gpus = 2)',
+        'cpu_gpu_pytest(name = "test_b", src = "test_b.py", gpus = 2)',
         'undeclared_tests_check(name = "test_check", src = "test_check.py")',
     ])
-    files = ["test_a.py", "test_b_gpu.py", "test_c.py", "test_d_gpu.py", "test_check.py", "helper.py"]
+    files = ["test_a.py", "test_b.py", "test_c.py", "test_d_gpu.py", "test_check.py", "helper.py"]
     path = tmp_path / "BUILD"
     path.write_text(build)
     check = _declared_tests(path, files)["test_check"]
@@ -194,8 +239,13 @@ def _bazelrc_flags():
 def test_bazelrc_default_runs_cpu_tests_and_gpu_config_only_gpu_tests():
     flags = _bazelrc_flags()
     assert "--test_tag_filters=-gpu" in flags["test"]
-    assert "--test_tag_filters=gpu" in flags["test:gpu"]
+    assert "--test_tag_filters=gpu,-gpus_4,-gpus_8,-sglang" in flags["test:gpu"]
     assert "--local_test_jobs=1" in flags["test:gpu"]  # one GPU test at a time
+    assert "--extra_toolchains=@ppo_gpu_python//:py_toolchain" in flags["build:gpu"]
+    assert "--repo_env=PPO_OPS_BUILD_CONFIG=gpu" in flags["build:gpu"]
+    assert flags["test:gpu4"][-1] == "--test_tag_filters=gpu,-gpus_8,-sglang"
+    assert flags["test:gpu8"][-1] == "--test_tag_filters=gpu,-sglang"
+    assert "--config=gpu" in flags["test:sglang"] and flags["test:sglang"][-1] == "--test_tag_filters=sglang"
 
 
 def test_bazelrc_keeps_actions_hermetic():

@@ -1,4 +1,5 @@
-"""Peak extra memory of ppo_ops.log_probs_and_entropy (torch backend, CPU), forward + backward, measured for real.
+"""Peak extra memory of ppo_ops.log_probs_and_entropy, forward + backward, measured for real: the torch backend on CPU
+(the CPU target; torch.profiler), both backends on CUDA (the `_gpu` target; the CUDA allocator's peak).
 
 Measurement: torch.profiler with profile_memory=True records every CPU allocation and free made through torch's
 allocator, each with the allocator's running "Total Allocated"; the peak of that count over the call, minus the
@@ -11,6 +12,8 @@ Bounds (issue 3, at T=512, V=32768, where one fp32 [T, V] buffer is 64 MiB):
 - row_mask keeping R rows: at most the gradient plus two fp32 [R, V_local] buffers (dropped rows cost no work).
 Each test also measures the naive computation (log_softmax + gather + softmax entropy, with autograd) in the same way
 and requires it to exceed the bound: the bound is tight enough to catch a memory-hungry implementation.
+On CUDA: the Triton backend within the returned gradient plus O(T) row statistics; the torch backend within the same
+two fp32 buffers plus the gradient as on CPU.
 """
 
 import json
@@ -21,6 +24,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import ppo_ops
 from tests.core_support import make_keep_mask, make_logits, make_tokens, make_weights
+
+pytestmark = pytest.mark.device("cpu")  # the profiler's CPU allocations; the CUDA measurements are marked below
 
 N_ROWS, N_VOCAB = 512, 32768
 FP32_BUFFER = N_ROWS * N_VOCAB * 4  # 64 MiB
@@ -127,3 +132,39 @@ def test_row_mask_skips_dropped_rows(tmp_path):
     kept_fp32_buffer = KEPT_ROWS * N_VOCAB * 4
     _check_bound(tmp_path, inputs, FP32_BUFFER + 2 * kept_fp32_buffer + SLACK,
                  f"gradient + two fp32 [{KEPT_ROWS}, V] buffers")
+
+
+# --- CUDA: the allocator's own peak ------------------------------------------------------------------------------------
+
+def _cuda_peak_extra_bytes(fn) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+@pytest.mark.device("cuda")
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype,keep", [(torch.bfloat16, False), (torch.float32, True)])
+def test_cuda_peak_extra_memory(backend, dtype, keep):
+    logits, tokens, opts, weights = _inputs(dtype, keep=keep)
+    logits = logits.detach().cuda().requires_grad_(True)
+    tokens = tokens.cuda()
+    opts = {k: v.cuda() for k, v in opts.items()}
+    weights = tuple(w.cuda() for w in weights)
+    grad_bytes = N_ROWS * N_VOCAB * dtype.itemsize
+
+    def run_backend():
+        out = ppo_ops.log_probs_and_entropy(logits, tokens, entropy="grad", backend=backend, **opts)
+        run_backend.grad = torch.autograd.grad([out.log_probs, out.entropy], logits, list(weights))[0]
+
+    run_backend()  # compile and warm the allocator outside the measurement
+    del run_backend.grad
+    peak = _cuda_peak_extra_bytes(run_backend)
+    naive = _cuda_peak_extra_bytes(_naive_call(logits, tokens, opts, weights))
+    bound = grad_bytes + SLACK if backend == "triton" else 2 * FP32_BUFFER + grad_bytes + SLACK
+    mib = 1 << 20
+    assert naive > bound, f"naive {naive / mib:.1f} MiB within the bound {bound / mib:.1f} MiB: bound too loose"
+    assert peak <= bound, f"{backend} peak extra {peak / mib:.1f} MiB > bound {bound / mib:.1f} MiB"

@@ -1,4 +1,5 @@
-"""Vocab-parallel ppo_ops.log_probs_and_entropy on 2 and 4 spawned gloo ranks (CPU), both backends.
+"""Vocab-parallel ppo_ops.log_probs_and_entropy on 2 and 4 spawned ranks, both backends: gloo on CPU (the CPU target),
+NCCL with one GPU per rank on CUDA (the `_gpu` target on two GPUs; 4 ranks in `_gpu4`).
 
 Every rank builds the same GLOBAL inputs from seeds, keeps its vocabulary shard, runs forward and backward, and
 checks (tests/sharded_case.py):
@@ -20,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 import ppo_ops
-from tests.core_support import CaseFailures, backend_params, run_gloo, run_op
+from tests.core_support import CaseFailures, backend_params, run_op
+from tests.ranks import DEVICE, rank_device, run_ranks, world_size_param
 from tests.reference import shard_vocab
 from tests.sharded_case import ShardedCase, check_rank, global_inputs, has_fixed_segments, tp1_result
 
@@ -46,15 +48,17 @@ def _check_calculate_api(rank, world_size):
     """slime's signature at TP > 1: same values and gradient as log_probs_and_entropy, [T, 1] log-probs."""
     case = ShardedCase("calculate_api", (6,), 48, keep="random", chunk_size=2)
     logits, tokens, opts, weights = global_inputs(case, world_size)
-    x = shard_vocab(logits, rank, world_size)
-    keep = shard_vocab(opts["keep_mask"], rank, world_size)
+    device = rank_device(rank)
+    x = shard_vocab(logits, rank, world_size).to(device)
+    keep = shard_vocab(opts["keep_mask"], rank, world_size).to(device)
+    weights = {k: v.to(device) for k, v in weights.items()}
     x_slime = x.clone().requires_grad_(True)
     log_prob, entropy = ppo_ops.calculate_log_probs_and_entropy(
-        x_slime, tokens, dist.group.WORLD, with_entropy=True, chunk_size=2, log_prob_keep_mask=keep)
+        x_slime, tokens.to(device), dist.group.WORLD, with_entropy=True, chunk_size=2, log_prob_keep_mask=keep)
     assert log_prob.shape == (6, 1) and entropy.shape == (6,) and entropy.requires_grad
     (g_slime,) = torch.autograd.grad([log_prob, entropy], x_slime,
                                      [weights["grad_log_probs"][:, None], weights["grad_entropy"]])
-    new = run_op(x, tokens, device="cpu", tp_group=dist.group.WORLD, entropy="grad", keep_mask=keep, chunk_size=2,
+    new = run_op(x, tokens, device=device, tp_group=dist.group.WORLD, entropy="grad", keep_mask=keep, chunk_size=2,
                  **weights)
     assert torch.equal(log_prob[:, 0].detach(), new.log_probs) and torch.equal(entropy.detach(), new.entropy)
     assert torch.equal(g_slime, new.grad)
@@ -64,13 +68,13 @@ def _parallel_worker(rank, world_size, backend, tp1_results):
     failures = CaseFailures(rank)
     for case in CASES:
         failures.run(case.name, check_rank, case, rank, world_size, backend, tp1_results.get(case.name))
-    if backend == "torch":  # the slime API has no backend argument ("auto" is torch on CPU tensors)
+    if backend == ("triton" if DEVICE.type == "cuda" else "torch"):  # the slime API's "auto" backend on this device
         failures.run("calculate_api", _check_calculate_api, rank, world_size)
     failures.raise_if_any()
 
 
-@pytest.mark.parametrize("backend", backend_params("cpu"))  # gloo moves CPU tensors, also on a GPU machine
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+@pytest.mark.parametrize("world_size", [world_size_param(2), world_size_param(4)])
 def test_vocab_parallel_matches_reference(world_size, backend):
     tp1 = {case.name: tp1_result(case, world_size, backend) for case in CASES if has_fixed_segments(case, world_size)}
-    run_gloo(world_size, _parallel_worker, backend, tp1)
+    run_ranks(world_size, _parallel_worker, backend, tp1)

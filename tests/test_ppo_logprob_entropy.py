@@ -1,8 +1,10 @@
-"""Parity of the fused core with the legacy reference on CPU: TP=1 in-process, TP=2 over gloo (two spawned ranks).
+"""Parity of the fused core with the legacy reference: TP=1 in-process, TP=2 on two spawned ranks. On CPU (the CPU
+target) over gloo; on CUDA (the `_gpu` target, two GPUs) the core takes its Triton backend and the ranks use NCCL,
+one GPU each; the legacy runs Megatron's fused CE (eager: TORCHDYNAMO_DISABLE=1, set by the Bazel macros).
 
 Both sides go through the slime-compatible `calculate_log_probs_and_entropy`; the 12 scenarios, inputs, tolerances and
-comparisons live in tests/parity_common.py (shared with the GPU file). The TP=2 cases all run inside ONE spawned gloo
-group (module fixture), each case then reported as its own test. Negative controls at the end feed
+comparisons live in tests/parity_common.py. The TP=2 cases all run inside ONE spawned group (module fixture), each
+case then reported as its own test. Negative controls at the end feed
 `_assert_legacy_parity` deliberately wrong "cores" to prove each comparison can fail.
 """
 
@@ -13,6 +15,7 @@ import ppo_ops
 import ppo_ops.legacy
 from tests import parity_common
 from tests.parity_common import PARITY_SCENARIOS, PARITY_VOCABS, ParityScenario, _assert_legacy_parity
+from tests.ranks import DEVICE, DIST_BACKEND
 
 _CASES = [
     pytest.param(vocab, scenario, id=parity_common.case_id(vocab, scenario))
@@ -24,20 +27,24 @@ _CPU = torch.device("cpu")
 
 @pytest.mark.parametrize("vocab, scenario", _CASES)
 def test_parity_tp1(vocab, scenario):
-    _assert_legacy_parity(scenario, parity_common.make_parity_inputs(_CPU, vocab))
+    _assert_legacy_parity(scenario, parity_common.make_parity_inputs(torch.device(DEVICE.type, 0) if DEVICE.type ==
+                                                                      "cuda" else _CPU, vocab))
 
 
 @pytest.fixture(scope="module")
-def tp2_gloo_results(tmp_path_factory):
-    """Every case on two gloo ranks, in one spawned group; per rank {case id: failure text or None}."""
-    result_dir = str(tmp_path_factory.mktemp("parity_tp2_gloo"))
-    return parity_common.spawn_tp_group(parity_common.parity_worker, 2, "gloo", result_dir, "cpu")
+def tp2_results(tmp_path_factory):
+    """Every case on two ranks (gloo on CPU, NCCL on two GPUs), in one spawned group; per rank {case id: failure text
+    or None}."""
+    result_dir = str(tmp_path_factory.mktemp("parity_tp2"))
+    return parity_common.spawn_tp_group(parity_common.parity_worker, 2, DIST_BACKEND, result_dir, DEVICE.type)
 
 
+@pytest.mark.world_size(2)
 @pytest.mark.parametrize("vocab, scenario", _CASES)
-def test_parity_tp2_gloo(vocab, scenario, tp2_gloo_results):
-    failures = parity_common.case_failures(tp2_gloo_results, vocab, scenario)
-    assert not failures, f"TP=2 gloo parity failed for {parity_common.case_id(vocab, scenario)}:\n{failures}"
+def test_parity_tp2(vocab, scenario, tp2_results):
+    failures = parity_common.case_failures(tp2_results, vocab, scenario)
+    assert not failures, (f"TP=2 {DIST_BACKEND} parity failed for {parity_common.case_id(vocab, scenario)}:\n"
+                          f"{failures}")
 
 
 @pytest.mark.parametrize("with_entropy", [False, True])

@@ -1,9 +1,10 @@
-"""Moonshot (issue 5, item 4): bitwise tensor-parallel invariance at TP = 1, 2, 4 and 8, through the public API.
+"""Bitwise tensor-parallel invariance at TP = 1, 2, 4 and 8, through the public API.
 
 The same GLOBAL logits (V_global = 8 * 40, so the vocabulary splits into the eight fixed segments of ppo_ops/_layout.py)
-go through `ppo_ops.log_probs_and_entropy` at TP = 1 (no process group) and on 2, 4 and 8 spawned gloo ranks, each rank
-holding its contiguous vocabulary shard. For each backend ("torch" and "triton", the latter under TRITON_INTERPRET=1 on
-CPU) and each case, the log-probs and entropy of every rank and the concatenated gradient shards must equal the TP=1
+go through `ppo_ops.log_probs_and_entropy` at TP = 1 (no process group) and on 2, 4 and 8 spawned ranks, each rank
+holding its contiguous vocabulary shard: gloo on CPU (the CPU target), NCCL with one GPU per rank on CUDA (the `_gpu`
+targets: TP = 2 on two GPUs, TP = 4 and 8 in `_gpu4` / `_gpu8` on hosts with that many). For each backend ("torch" and
+"triton", the latter under TRITON_INTERPRET=1 on CPU, compiled on CUDA) and each case, the log-probs and entropy of every rank and the concatenated gradient shards must equal the TP=1
 result bit for bit (`torch.equal`). The TP=1 result is also held to the float64 reference, so the bits compared are
 right ones.
 
@@ -26,7 +27,8 @@ import torch.distributed as dist
 
 import ppo_ops
 from tests.core_support import (BACKENDS, backend_params, make_keep_mask, make_logits, make_row_mask, make_tokens,
-                                make_weights, run_gloo, triton_skip_reason)
+                                make_weights, triton_skip_reason)
+from tests.ranks import DEVICE, rank_device, run_ranks, world_size_param
 from tests.reference import (assert_entropy_close, assert_grad_close, assert_log_probs_close,
                              reference_log_probs_and_entropy)
 
@@ -87,12 +89,15 @@ def _shard(x, rank, world_size):
     return x[..., rank * width:(rank + 1) * width].clone()
 
 
-def _run(case, backend, rank, world_size, tp_group):
-    """Forward + backward on this rank's shard: (log_probs, entropy or None, gradient shard)."""
+def _run(case, backend, rank, world_size, tp_group, device):
+    """Forward + backward on this rank's shard, on `device`: (log_probs, entropy or None, gradient shard), on CPU."""
     logits, tokens, opts, weights = _global_inputs(case)
     if "keep_mask" in opts:
         opts["keep_mask"] = _shard(opts["keep_mask"], rank, world_size)
-    x = _shard(logits, rank, world_size).requires_grad_(True)
+    opts = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in opts.items()}
+    weights = {k: v.to(device) for k, v in weights.items()}
+    tokens = tokens.to(device)
+    x = _shard(logits, rank, world_size).to(device).requires_grad_(True)
     # inplace_grad needs a non-leaf input (as lm-head logits are): its storage receives the gradient.
     y = x * 1 if case.inplace_grad else x
     out = ppo_ops.log_probs_and_entropy(y, tokens, tp_group=tp_group, backend=backend,
@@ -102,43 +107,51 @@ def _run(case, backend, rank, world_size, tp_group):
         outputs.append(out.entropy)
         grads.append(weights["grad_entropy"])
     (grad,) = torch.autograd.grad(outputs, y, grads)
-    entropy = None if out.entropy is None else out.entropy.detach()
-    return out.log_probs.detach(), entropy, grad.detach()
+    entropy = None if out.entropy is None else out.entropy.detach().cpu()
+    return out.log_probs.detach().cpu(), entropy, grad.detach().cpu()
 
 
-def _all_results(rank, world_size, tp_group):
-    return {(backend, case.name): _run(case, backend, rank, world_size, tp_group)
+def _all_results(rank, world_size, tp_group, device):
+    return {(backend, case.name): _run(case, backend, rank, world_size, tp_group, device)
             for backend in _runnable_backends() for case in CASES}
 
 
 def _runnable_backends():
-    return [b for b in BACKENDS if b == "torch" or triton_skip_reason("cpu") is None]
+    return [b for b in BACKENDS if b == "torch" or triton_skip_reason(DEVICE) is None]
 
 
 def _worker(rank, world_size, out_dir):
-    results = _all_results(rank, world_size, dist.group.WORLD)
+    results = _all_results(rank, world_size, dist.group.WORLD, rank_device(rank))
     torch.save(results, os.path.join(out_dir, f"tp{world_size}_rank{rank}.pt"))
 
 
 @pytest.fixture(scope="module")
 def results_by_tp(tmp_path_factory):
-    """{tp: [per-rank {(backend, case): (log_probs, entropy, grad shard)}]}, TP=1 in this process."""
+    """tp -> [per-rank {(backend, case): (log_probs, entropy, grad shard)}]; TP=1 in this process, each TP > 1 spawned
+    the first time a test asks for it (a GPU target runs only the TP sizes its GPUs hold)."""
     out_dir = str(tmp_path_factory.mktemp("tp_invariance"))
-    by_tp = {1: [_all_results(0, 1, None)]}
-    for tp in TP_SIZES[1:]:
-        run_gloo(tp, _worker, out_dir)
-        by_tp[tp] = [torch.load(os.path.join(out_dir, f"tp{tp}_rank{r}.pt")) for r in range(tp)]
-    return by_tp
+    cache = {}
+
+    def results(tp):
+        if tp not in cache:
+            if tp == 1:
+                cache[1] = [_all_results(0, 1, None, DEVICE)]
+            else:
+                run_ranks(tp, _worker, out_dir)
+                cache[tp] = [torch.load(os.path.join(out_dir, f"tp{tp}_rank{r}.pt")) for r in range(tp)]
+        return cache[tp]
+
+    return results
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-@pytest.mark.parametrize("backend", backend_params("cpu"))
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
 def test_tp1_matches_float64_reference(results_by_tp, backend, case):
     logits, tokens, opts, weights = _global_inputs(case)
     ref = reference_log_probs_and_entropy(
         logits, tokens, grad_log_probs=weights["grad_log_probs"],
         grad_entropy=weights["grad_entropy"] if case.entropy == "grad" else None, **opts)
-    log_probs, entropy, grad = results_by_tp[1][0][(backend, case.name)]
+    log_probs, entropy, grad = results_by_tp(1)[0][(backend, case.name)]
     assert_log_probs_close(log_probs, ref.log_probs)
     if case.entropy != "none":
         assert_entropy_close(entropy, ref.entropy)
@@ -146,12 +159,12 @@ def test_tp1_matches_float64_reference(results_by_tp, backend, case):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-@pytest.mark.parametrize("tp", TP_SIZES[1:])
-@pytest.mark.parametrize("backend", backend_params("cpu"))
+@pytest.mark.parametrize("tp", [world_size_param(tp) for tp in TP_SIZES[1:]])
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
 def test_bitwise_identical_to_tp1(results_by_tp, backend, tp, case):
     key = (backend, case.name)
-    log_probs, entropy, grad = results_by_tp[1][0][key]
-    ranks = [per_rank[key] for per_rank in results_by_tp[tp]]
+    log_probs, entropy, grad = results_by_tp(1)[0][key]
+    ranks = [per_rank[key] for per_rank in results_by_tp(tp)]
     for rank, (lp, ent, _) in enumerate(ranks):
         assert torch.equal(lp, log_probs), f"TP={tp} rank {rank}: log_probs differ bitwise from TP=1"
         if entropy is not None:

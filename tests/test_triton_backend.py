@@ -1,4 +1,5 @@
-"""Contract-level tests of the Triton backend (ppo_ops/_triton_backend.py) on CPU tensors under TRITON_INTERPRET=1.
+"""Contract-level tests of the Triton backend (ppo_ops/_triton_backend.py): under TRITON_INTERPRET=1 on CPU tensors
+(the CPU target), and compiled on CUDA at Qwen3 sizes (the `_gpu` target; the last section).
 
 `forward_partials` is checked, for lanes of 1, 8 and a whole tile's columns (CHUNK, see ppo_ops/_triton_kernels.py;
 per-column lanes' online state has its own test over many small tiles), channel by channel against the float64
@@ -12,7 +13,9 @@ TP-invariance claim), bad input. Last, the kernels are compiled for sm_90 in a c
 code the compiler rejects), which also shows the forward's compiled code is the same at every TP size.
 
 End-to-end numerics through the public API run for both backends in tests/test_core_*.py; tests/test_tp_invariance.py
-checks bitwise TP invariance over gloo; tests/test_triton_backend_gpu.py runs the compiled kernels on a GPU.
+checks bitwise TP invariance over ranks. Tests marked `device("cpu")` (the interpreter's contract checks, the
+module's default) or `device("cuda")` (compiled kernels) run where tests/ranks.py's DEVICE is that device and are
+deselected elsewhere (tests/conftest.py); the sm_90 compile checks run on both.
 """
 
 import json
@@ -24,17 +27,18 @@ import sys
 import pytest
 import torch
 
-from tests.core_support import triton_skip_reason
+from tests.core_support import DEVICE, triton_skip_reason
 
-_SKIP = triton_skip_reason("cpu")
+_SKIP = triton_skip_reason(DEVICE)
 if _SKIP:
     pytest.skip(_SKIP, allow_module_level=True)
+pytestmark = pytest.mark.device("cpu")  # the interpreter's contract checks; compiled ones are marked cuda below
 
 # Imported after the skip: these load the kernels, which must see TRITON_INTERPRET first (tests/conftest.py sets it).
 from ppo_ops import _triton_backend as tb  # noqa: E402
 from ppo_ops._row_stats import ENT_SUM, MAX, SUMEXP, TARGET_Z, empty_partials  # noqa: E402
-from tests.triton_reference import (NEG_INF, assert_grad_close, check_once, make_case, reference_grad,  # noqa: E402
-                                    reference_stats, results_per_tp)
+from tests.triton_reference import (NEG_INF, assert_grad_close, assert_partials_close, check_once,  # noqa: E402
+                                    make_case, reference_grad, reference_partials, reference_stats, results_per_tp)
 
 COMPILE_TIMEOUT_S = 300  # the child compiles 11 kernels for sm_90 (about 15 s on 2 cores); a hang fails the test
 # The forward's lane width: per-column lanes, the bf16 default (one 16-byte vector per lane), one lane per tile (a
@@ -328,6 +332,9 @@ def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
 # compiled code (no GPU needed: Triton compiles for sm_90 with its bundled ptxas, in a child process without the
 # interpreter, see tests/triton_compile_check.py)
 
+any_device = pytest.mark.device("any")  # compiles in a child process, whatever this process runs on
+
+
 @pytest.fixture(scope="module")
 def compile_report(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -339,6 +346,7 @@ def compile_report(tmp_path_factory):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@any_device
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_forward_binary_is_the_same_at_every_tp_size(compile_report, dtype):
     # Same specialization => same compiled kernel => same bits per (row, segment) at TP = 1, 2, 4, 8, even where the
@@ -346,6 +354,7 @@ def test_forward_binary_is_the_same_at_every_tp_size(compile_report, dtype):
     assert compile_report["forward_keys"][dtype] == 1
 
 
+@any_device
 @pytest.mark.parametrize("case", [f"{p} {d} keep={k}" for p in ("forward", "backward")
                                   for d in ("bf16", "fp32") for k in (False, True)])
 def test_kernels_compile_for_sm90_with_vector_loads(compile_report, case):
@@ -357,12 +366,14 @@ def test_kernels_compile_for_sm90_with_vector_loads(compile_report, case):
         assert ptx["v4_store"], f"{case}: gradient not written with 16-byte vector stores"
 
 
+@any_device
 def test_temperature_scaling_is_rounded_before_use(compile_report):
     # MAX holds fp32(logit * inv_t); d = z - m must come from that same rounded z, not from an FMA of the unrounded
     # product (on an H200 that put the entropy partial 2.3e-6 off, beyond PARTIAL_SUM_RTOL).
     assert compile_report["forward_scaled_mul_rn"]
 
 
+@any_device
 @pytest.mark.parametrize("keep", [False, True])
 def test_fused_merge_compiles_for_sm90(compile_report, keep):
     # The interpreter runs kernels that read non-constexpr module globals; the compiler rejects them.
@@ -408,3 +419,104 @@ def test_fused_merge_matches_torch_merge(has_keep):
             assert torch.allclose(have, want, rtol=MERGE_RTOL, atol=MERGE_RTOL, equal_nan=True), field
     assert bool(got.bad_input[30]) and not bool(got.bad_input[31])
     assert not bool(got.row_has_mass[20]) and bool(got.row_has_mass[21])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# compiled kernels on one GPU: Qwen3-size values vs float64, bitwise shard invariance, determinism, T x V > 2^31
+
+on_cuda = pytest.mark.device("cuda")
+QWEN3_VOCAB = 151936  # 8 segments of 18992 = 16 * 1187
+
+
+@on_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("keep", [False, True])
+def test_qwen3_rows(dtype, keep):
+    inv_t = float(torch.tensor(1 / 0.7, dtype=torch.float32))
+    check_once(*make_case(48, QWEN3_VOCAB, dtype=dtype, keep=keep, n_rows_active=40), inv_t=inv_t,
+               seg_len=QWEN3_VOCAB // 8, device=DEVICE)
+
+
+@on_cuda
+@pytest.mark.parametrize("n_valid", [QWEN3_VOCAB, QWEN3_VOCAB - 293])  # 293: Qwen3's padding, splits a vector
+def test_one_segment_per_rank_and_padding(n_valid):
+    logits, row_mask, target_col, keep_mask, g_lp, g_ent = make_case(16, QWEN3_VOCAB, dtype=torch.bfloat16, keep=True)
+    logits[:, n_valid:] = float("nan")  # never read as vocabulary
+    check_once(logits, row_mask, target_col.clamp(max=n_valid - 1), keep_mask, g_lp, g_ent, n_valid=n_valid,
+               device=DEVICE)
+
+
+@on_cuda
+def test_online_rescaling_across_small_tiles():
+    logits, row_mask, target_col, keep_mask, g_lp, g_ent = make_case(8, 4096, keep=True, scale=1.0)
+    logits += torch.linspace(-30, 30, 4096)  # the running max grows at every tile
+    check_once(logits, row_mask, target_col, keep_mask, g_lp, g_ent, seg_len=2048, device=DEVICE, block_v=256)
+
+
+@on_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("v_global,vocab_size", [(QWEN3_VOCAB, QWEN3_VOCAB - 293), (8000, 7990)])
+def test_compiled_shards_give_the_same_bits(dtype, v_global, vocab_size):
+    # Each TP rank's forward partials (its fixed segments) and gradient shard equal those of TP=1 bit for bit. 8000:
+    # V_local = 1000 at TP=8 is not a multiple of 16 (another vector alignment than at TP=1 unless the kernel pins it).
+    logits, row_mask, tokens, keep_mask, g_lp, g_ent = make_case(24, v_global, dtype=dtype, keep=True, n_rows_active=20)
+    tokens = tokens.clamp(max=vocab_size - 1)
+    stats = [s.float().to(DEVICE) for s in reference_stats(logits, row_mask, tokens, keep_mask, 1.0, vocab_size)]
+    logits, row_mask, keep_mask, g_lp, g_ent = (t.to(DEVICE) for t in (logits, row_mask, keep_mask, g_lp, g_ent))
+    tokens = tokens.to(DEVICE)
+    results = results_per_tp(logits, row_mask, tokens, keep_mask, stats, g_lp, g_ent, vocab_size, v_global // 8)
+    for tp in (2, 4, 8):
+        assert torch.equal(results[tp][0], results[1][0]), f"partials differ at TP={tp}"
+        assert torch.equal(results[tp][1], results[1][1]), f"gradient differs at TP={tp}"
+
+
+@on_cuda
+def test_deterministic_run_to_run():
+    logits, row_mask, target_col, keep_mask, g_lp, g_ent = make_case(512, QWEN3_VOCAB, dtype=torch.bfloat16, keep=True)
+    args = [t.to(DEVICE) for t in (logits, target_col, keep_mask)]
+    first = tb.forward_partials(args[0], None, args[1], args[2], 1.0, QWEN3_VOCAB, QWEN3_VOCAB // 8, True, None)
+    for _ in range(3):
+        again = tb.forward_partials(args[0], None, args[1], args[2], 1.0, QWEN3_VOCAB, QWEN3_VOCAB // 8, True, None)
+        assert torch.equal(again, first)
+    stats = [s.float().to(DEVICE) for s in reference_stats(logits, None, target_col, keep_mask, 1.0, QWEN3_VOCAB)]
+    grads = []
+    for _ in range(2):
+        grads.append(torch.empty_like(args[0]))
+        tb.backward_grad(args[0], None, args[1], args[2], 1.0, QWEN3_VOCAB, *stats, g_lp.to(DEVICE),
+                         g_ent.to(DEVICE), grads[-1], None)
+    assert torch.equal(grads[0], grads[1])
+
+
+@on_cuda
+def test_int64_offsets():
+    # T x V > 2^31 elements (4.3 GB of bf16): the last rows' offsets overflow int32. Forward over all rows and with a
+    # row mask keeping the last two; backward in place (no second 4.3 GB buffer) with only the last two rows kept.
+    n_rows = 2**31 // QWEN3_VOCAB + 2
+    small, _, target_col, _, g_lp, g_ent = make_case(2, QWEN3_VOCAB, dtype=torch.bfloat16)
+    logits = torch.zeros((n_rows, QWEN3_VOCAB), dtype=torch.bfloat16, device=DEVICE)
+    logits[-2:] = small.to(DEVICE)
+    assert logits.numel() > 2**31
+    seg_len = QWEN3_VOCAB // 8
+    expected = reference_partials(small, None, target_col, None, 1.0, QWEN3_VOCAB, seg_len, True)
+    targets = torch.zeros(n_rows, dtype=torch.int64, device=DEVICE)
+    targets[-2:] = target_col.to(DEVICE)
+    everything = tb.forward_partials(logits, None, targets, None, 1.0, QWEN3_VOCAB, seg_len, True, None)
+    assert_partials_close(everything[:, :, -2:].cpu(), expected)
+    row_mask = torch.zeros(n_rows, dtype=torch.bool, device=DEVICE)
+    row_mask[-2:] = True
+    last = tb.forward_partials(logits, row_mask, targets, None, 1.0, QWEN3_VOCAB, seg_len, True, None)
+    assert_partials_close(last[:, :, -2:].cpu(), expected)
+    assert torch.equal(last[:, :, :-2], empty_partials(last.shape[0], n_rows - 2, DEVICE))
+
+    def last_two(values):  # [2] per-row values of the small case -> [T], zeros elsewhere (as the core passes them)
+        full = torch.zeros(n_rows, dtype=torch.float32, device=DEVICE)
+        full[-2:] = values.float().to(DEVICE)
+        return full
+
+    stats = [last_two(s) for s in reference_stats(small, None, target_col, None, 1.0, QWEN3_VOCAB)]
+    tb.backward_grad(logits, row_mask, targets, None, 1.0, QWEN3_VOCAB, *stats, last_two(g_lp), last_two(g_ent),
+                     logits, None)
+    stats64 = reference_stats(small, None, target_col, None, 1.0, QWEN3_VOCAB)
+    assert_grad_close(logits[-2:].cpu(), reference_grad(small, None, target_col, None, 1.0, QWEN3_VOCAB, stats64,
+                                                        g_lp, g_ent))
+    assert int(torch.count_nonzero(logits[:-2])) == 0

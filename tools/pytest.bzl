@@ -1,14 +1,24 @@
-"""Test macros: one pytest file per Bazel test, split into CPU and GPU variants by tags (as JAX's per-backend tests).
+"""Test macros: one pytest file per Bazel test, with CPU and GPU variants split by tags (as JAX's per-backend tests).
 
-    load("//tools:pytest.bzl", "cpu_pytest", "gpu_pytest")
+    load("//tools:pytest.bzl", "cpu_pytest", "gpu_pytest", "cpu_gpu_pytest")
     cpu_pytest(name = "test_foo", src = "test_foo.py", deps = ["//ppo_ops", ":test_support"])
-    gpu_pytest(name = "test_foo_gpu", src = "test_foo_gpu.py", deps = ["//ppo_ops"], gpus = 2)
+    cpu_gpu_pytest(name = "test_bar", src = "test_bar.py", deps = [...], gpus = 2, wider_gpus = [4, 8])
+    gpu_pytest(name = "test_baz", src = "test_baz.py", gpus = 2, tags = ["sglang"])
+
+cpu_gpu_pytest is the usual one: a file that makes sense on both devices is declared once and runs as `test_bar`
+(CPU: Triton under its interpreter, gloo for several ranks) and `test_bar_gpu` (compiled Triton on CUDA, NCCL with one
+GPU per rank); `wider_gpus` adds `test_bar_gpu4`, `test_bar_gpu8` for the cases that need more ranks than `gpus`
+(tests mark them `@pytest.mark.world_size(n)`; tests/conftest.py deselects what a target's GPUs cannot hold and
+runs it where they can). The test file picks its device from what it sees (tests/core_support.py: cuda when visible).
+
+A GPU target never passes by skipping (tools/pytest_main.py): it fails at once when fewer GPUs than it declares are
+visible, and a test that skips inside it fails the target.
 
 Each macro emits one py_test whose main is //tools:pytest_main.py; it runs pytest on `src` alone, from the runfiles
 copy of the workspace, so the same file also runs with plain `pytest tests/FILE.py` from the repository root (where
 pytest.ini and tests/conftest.py give the same imports and defaults). The interpreter is the pinned venv registered
 in WORKSPACE (tools/python_toolchain.bzl). `.bazelrc` filters on the `gpu` tag: the default `bazel test //...` skips
-GPU tests, `--config=gpu` runs only them.
+GPU tests, `--config=gpu` runs only them, with the GPU runner's interpreter (tools/runner_toolchains.bzl).
 
 Kept to the Python-compatible subset of Starlark: tests/test_build_rules.py executes this file with a stub `native`
 to check the tags and environment each macro produces.
@@ -23,6 +33,13 @@ _COMMON_DATA = [
 ]
 
 _PYTEST_MAIN = "//tools:pytest_main.py"
+
+# SGLang-tagged tests: the probed record of the SGLang interpreter and its path, which tools/pytest_main.py passes to
+# the test as PPO_OPS_SGLANG_PYTHON (placeholders unless --config=sglang; tools/runner_toolchains.bzl).
+_SGLANG_DATA = [
+    "@ppo_sglang_python//:runner_env.json",
+    "@ppo_sglang_python//:sglang_python.txt",
+]
 
 # Read by tests/conftest.py to seed torch, numpy and random before every test.
 _SEED_ENV = {
@@ -46,6 +63,8 @@ CPU_TEST_ENV = dict(_SEED_ENV, **{
 })
 
 GPU_TEST_ENV = dict(_SEED_ENV, **{
+    # Compiled Triton kernels on the GPU (tests/conftest.py would otherwise default a plain run to the interpreter).
+    "TRITON_INTERPRET": "0",
     # Deterministic cuBLAS (needed by torch.use_deterministic_algorithms for matmuls).
     "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
     # NVLink multicast (NVLS) off for NCCL, torch symmetric memory and NVSHMEM, as the lent GPU machines require.
@@ -55,6 +74,13 @@ GPU_TEST_ENV = dict(_SEED_ENV, **{
     # Same megatron-core setting as on CPU, so GPU results compare against the same code path.
     "TORCHDYNAMO_DISABLE": "1",
 })
+
+# Read by tools/pytest_main.py (fail unless this many GPUs are visible; a skip fails the target) and tests/conftest.py
+# (deselect cases that need more ranks than GPUs).
+GPUS_VAR = "PPO_OPS_GPUS"
+
+# Set on wider_gpus targets: only the cases that need more ranks than the base GPU target holds run there.
+RANKS_ABOVE_VAR = "PPO_OPS_RANKS_ABOVE"
 
 def gpu_tags(gpus):
     """Tags of a GPU test needing `gpus` GPUs; each tag's reason is next to it."""
@@ -96,8 +122,8 @@ def _pytest(name, src, deps, data, env, tags, args, size, timeout, shard_count):
 
 def cpu_pytest(name, src, deps = [], data = [], size = "medium", env = {}, tags = [], args = [], shard_count = None, timeout = None):
     """pytest on one CPU test file; Triton runs under its interpreter. Included in the default `bazel test //...`."""
-    if "gpu" in tags or src.endswith("_gpu.py"):
-        fail("%s: %s is a GPU test (tagged gpu or named *_gpu.py); use gpu_pytest" % (name, src))
+    if "gpu" in tags:
+        fail("%s: %s is a GPU test (tagged gpu); use gpu_pytest or cpu_gpu_pytest" % (name, src))
     _pytest(
         name = name,
         src = src,
@@ -111,26 +137,88 @@ def cpu_pytest(name, src, deps = [], data = [], size = "medium", env = {}, tags 
         shard_count = shard_count,
     )
 
+def _gpu_env(gpus, env):
+    return dict(GPU_TEST_ENV, **dict({GPUS_VAR: str(gpus)}, **env))
+
+def _gpu_test_tags(gpus, tags):
+    return gpu_tags(gpus) + [t for t in tags if t not in gpu_tags(gpus)]
+
 def gpu_pytest(name, src, deps = [], data = [], gpus = 1, size = "large", env = {}, tags = [], args = []):
-    """pytest on one *_gpu.py file on `gpus` NVIDIA GPUs; run by `bazel test --config=gpu //...`, one at a time."""
+    """pytest on one file on `gpus` NVIDIA GPUs only; run by `bazel test --config=gpu //...`, one at a time.
+    For a file that also makes sense on CPU, use cpu_gpu_pytest."""
     if gpus < 1:
         fail("%s: gpus must be >= 1, got %d" % (name, gpus))
-    # GPU + SGLang tests keep the file name their issue fixed (tests/test_qwen3_0.6B_parallel_check.py); they are
-    # recognised by their `sglang` tag instead of the *_gpu.py suffix.
-    if not src.endswith("_gpu.py") and "sglang" not in tags:
-        fail("%s: GPU test files are named *_gpu.py (plain pytest runs them apart from CPU files), got %r" % (name, src))
+    if "sglang" in tags:
+        data = data + _SGLANG_DATA
     _pytest(
         name = name,
         src = src,
         deps = deps,
         data = data,
-        env = dict(GPU_TEST_ENV, **env),
-        tags = gpu_tags(gpus) + [t for t in tags if t not in gpu_tags(gpus)],
+        env = _gpu_env(gpus, env),
+        tags = _gpu_test_tags(gpus, tags),
         args = args,
         size = size,
         timeout = None,
         shard_count = None,
     )
+
+def cpu_gpu_pytest(
+        name,
+        src,
+        deps = [],
+        data = [],
+        gpus = 1,
+        wider_gpus = [],
+        size = "medium",
+        env = {},
+        tags = [],
+        args = [],
+        gpu_args = [],
+        shard_count = None,
+        timeout = None):
+    """One test file on both devices: `name` on CPU and `name_gpu` on `gpus` GPUs; `wider_gpus` (e.g. [4, 8]) adds
+    `name_gpuN` with only the cases that need more than `gpus` ranks. `gpu_args` go to the GPU targets' pytest."""
+    if "gpu" in tags:
+        fail("%s: cpu_gpu_pytest makes the GPU targets itself; do not tag it gpu" % name)
+    for wider in wider_gpus:
+        if wider <= gpus:
+            fail("%s: wider_gpus must each exceed gpus=%d, got %d" % (name, gpus, wider))
+    cpu_pytest(
+        name = name,
+        src = src,
+        deps = deps,
+        data = data,
+        size = size,
+        env = env,
+        tags = tags,
+        args = args,
+        shard_count = shard_count,
+        timeout = timeout,
+    )
+    gpu_pytest(
+        name = name + "_gpu",
+        src = src,
+        deps = deps,
+        data = data,
+        gpus = gpus,
+        env = env,
+        tags = tags,
+        args = args + gpu_args,
+    )
+    below = gpus
+    for wider in wider_gpus:
+        gpu_pytest(
+            name = "%s_gpu%d" % (name, wider),
+            src = src,
+            deps = deps,
+            data = data,
+            gpus = wider,
+            env = dict(env, **{RANKS_ABOVE_VAR: str(below)}),
+            tags = tags,
+            args = args + gpu_args,
+        )
+        below = wider
 
 def _file_name(label):
     return label.split(":")[-1].split("/")[-1]

@@ -12,6 +12,10 @@ WORKSPACE usage:
     register_toolchains("@ppo_python//:py_toolchain")
 """
 
+# .bazelrc's runner configs set it (--repo_env): there the runner's own interpreter replaces the venv.
+_CONFIG_VAR = "PPO_OPS_BUILD_CONFIG"
+_RUNNER_CONFIGS = ("gpu", "sglang")
+
 # Written by tools/bootstrap.sh after a successful install: the sha256 of the lock the venv was built from.
 _VENV_STAMP = ".venv/.ppo_ops_lock.sha256"
 
@@ -53,13 +57,20 @@ def _venv_python_impl(rctx):
     lock = rctx.path(Label("//:requirements.lock"))  # by label: the rule re-runs when the lock changes
     root = rctx.path(Label("//:WORKSPACE")).dirname
     python = "%s/.venv/bin/python3" % root
+    lock_hash = _sha256(rctx, lock)
+    rctx.file("lock_stamp.txt", "%s\n" % lock_hash)
+    rctx.file("WORKSPACE", 'workspace(name = "%s")\n' % rctx.name)
+    rctx.file("BUILD", _BUILD_TEMPLATE.format(python = python))
+    if rctx.os.environ.get(_CONFIG_VAR, "") in _RUNNER_CONFIGS:
+        # A GPU runner has no CPU venv: its own toolchain (--extra_toolchains) takes precedence over this one,
+        # which is declared but never run, so there is nothing to probe.
+        return
     probe = rctx.execute([python, "-c", "import sys; print(sys.prefix)"])
     if probe.return_code != 0:
         fail(("venv_python: the pinned interpreter %s does not run (%s). " +
               "Run tools/bootstrap.sh from the repository root to create the venv from requirements.lock.") %
              (python, probe.stderr.strip() or "not found"))
 
-    lock_hash = _sha256(rctx, lock)
     stamp = rctx.path("%s/%s" % (root, _VENV_STAMP))
     venv_hash = rctx.read(stamp).strip() if stamp.exists else ""
     if venv_hash != lock_hash:
@@ -67,11 +78,8 @@ def _venv_python_impl(rctx):
         print(("WARNING: %s was not built from the current requirements.lock (stamp %s, lock %s); " +
                "run tools/bootstrap.sh.") % (python, venv_hash or "missing", lock_hash))
 
-    rctx.file("lock_stamp.txt", "%s\n" % lock_hash)
-    rctx.file("WORKSPACE", 'workspace(name = "%s")\n' % rctx.name)
-    rctx.file("BUILD", _BUILD_TEMPLATE.format(python = python))
-
 venv_python = repository_rule(
     implementation = _venv_python_impl,
+    environ = [_CONFIG_VAR],
     doc = "Python toolchain whose interpreter is <workspace>/.venv/bin/python3 (see the module docstring).",
 )

@@ -1,0 +1,69 @@
+"""Multi-rank test plumbing: one place for the device, the rendezvous port and spawning a process group.
+
+- `DEVICE`: cuda when a GPU is visible (GPU targets, or plain pytest on a GPU machine), else cpu. CPU Bazel targets
+  hide GPUs (CUDA_VISIBLE_DEVICES=""), so a file runs on the CPU there and on the GPU in its `_gpu` target.
+- `run_ranks(world_size, worker, *args)`: spawns `world_size` processes joined in a process group on loopback and
+  runs `worker(rank, world_size, *args)` on each: NCCL with rank r on cuda:r when DEVICE is cuda, else gloo. A rank
+  that raises fails the caller with its traceback; a rank stuck in a collective fails after RANK_TIMEOUT.
+- `run_gloo`: the same on gloo and CPU tensors, wherever the test runs (checks of the CPU path itself).
+- `world_size_param(n)`: a pytest parameter for a case that needs n ranks, marked `world_size(n)`: a GPU target runs
+  it only where n GPUs are declared (tests/conftest.py), plain pytest on a GPU machine skips it with the reason.
+"""
+
+import datetime
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DIST_BACKEND = "nccl" if DEVICE.type == "cuda" else "gloo"
+RANK_TIMEOUT = datetime.timedelta(seconds=120)  # a rank stuck in a collective fails the test instead of hanging CI
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (MASTER_PORT of a rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rank_device(rank: int, backend: str = DIST_BACKEND) -> torch.device:
+    """The device rank `rank` computes on: its own GPU under NCCL, the CPU under gloo."""
+    return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+
+
+def _entry(rank, world_size, port, backend, worker, args):
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)  # world_size processes share the CI machine's 2 cores
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=RANK_TIMEOUT)
+    try:
+        worker(rank, world_size, *args)
+        dist.barrier()  # every rank done before any tears the group down (a peer's early exit can abort gloo)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, worker, *args, backend: str = DIST_BACKEND):
+    """Runs worker(rank, world_size, *args) on `world_size` spawned ranks (module docstring)."""
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise RuntimeError(f"{world_size} NCCL ranks need {world_size} GPUs, {torch.cuda.device_count()} visible")
+    mp.spawn(_entry, args=(world_size, free_port(), backend, worker, args), nprocs=world_size, join=True)
+
+
+def run_gloo(world_size: int, worker, *args):
+    """run_ranks over gloo: the ranks compute on CPU tensors even where a GPU is visible."""
+    run_ranks(world_size, worker, *args, backend="gloo")
+
+
+def world_size_param(n: int, **kwargs):
+    """pytest.param(n) for a case that runs on n ranks, marked so GPU targets place it by GPU count."""
+    return pytest.param(n, marks=[pytest.mark.world_size(n)], id=kwargs.pop("id", f"tp{n}"), **kwargs)
