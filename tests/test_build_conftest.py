@@ -22,7 +22,7 @@ SHARDED_TESTS = 5  # odd, so the two shards differ in size
 @pytest.fixture
 def session(pytester, monkeypatch):
     """A pytester folder with our conftest and none of the Bazel test environment that would mask its defaults."""
-    for var in ("TRITON_INTERPRET", "TEST_TOTAL_SHARDS", "TEST_SHARD_INDEX"):
+    for var in ("TRITON_INTERPRET", "TEST_TOTAL_SHARDS", "TEST_SHARD_INDEX", "PPO_OPS_GPUS", "PPO_OPS_RANKS_ABOVE"):
         monkeypatch.delenv(var, raising=False)
     pytester.makeconftest(CONFTEST.read_text())
     return pytester
@@ -46,13 +46,50 @@ def test_cpu_files_get_the_triton_interpreter(session):
     session.runpytest_subprocess("test_cpu.py", "-p", "no:cacheprovider").assert_outcomes(passed=1)
 
 
-def test_gpu_files_get_compiled_triton(session):
-    session.makepyfile(test_kernels_gpu="""
-        import os
-        def test_env():
-            assert "TRITON_INTERPRET" not in os.environ
+_RANKS_FILE = """
+    import pytest
+    @pytest.mark.parametrize("n", [pytest.param(n, marks=pytest.mark.world_size(n)) for n in (1, 2, 4, 8)])
+    def test_ranks(n):
+        pass
+"""
+
+
+@pytest.mark.parametrize("gpus, above, ran", [
+    ("2", None, {"1", "2"}),  # the _gpu target on two GPUs: what two ranks hold
+    ("4", "2", {"4"}),  # its _gpu4 target: only what needs more than two
+    ("8", "4", {"8"}),
+])
+def test_a_gpu_target_runs_exactly_the_cases_its_gpus_hold(session, monkeypatch, gpus, above, ran):
+    monkeypatch.setenv("PPO_OPS_GPUS", gpus)
+    if above:
+        monkeypatch.setenv("PPO_OPS_RANKS_ABOVE", above)
+    session.makepyfile(test_ranks=_RANKS_FILE)
+    result = session.runpytest_subprocess("test_ranks.py", "-p", "no:cacheprovider", "-v")
+    result.assert_outcomes(passed=len(ran), deselected=4 - len(ran))
+    assert {line.split("[")[1].split("]")[0] for line in result.outlines if "PASSED" in line} == ran
+    assert any("deselected: this target declares" in line for line in result.outlines)
+
+
+def test_cpu_targets_run_every_rank_count_over_gloo(session):
+    session.makepyfile(test_ranks=_RANKS_FILE)
+    session.runpytest_subprocess("test_ranks.py", "-p", "no:cacheprovider").assert_outcomes(passed=4)
+
+
+def test_device_marked_cases_run_only_on_their_device(session):
+    # No GPU here: the CPU-marked and unmarked cases run, the CUDA-marked one is deselected (not skipped).
+    session.makepyfile(test_devices="""
+        import pytest
+        @pytest.mark.device("cpu")
+        def test_cpu(): pass
+        @pytest.mark.device("cuda")
+        def test_cuda(): pass
+        @pytest.mark.device("any")
+        def test_any(): pass
+        def test_unmarked(): pass
     """)
-    session.runpytest_subprocess("test_kernels_gpu.py", "-p", "no:cacheprovider").assert_outcomes(passed=1)
+    result = session.runpytest_subprocess("test_devices.py", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=3, deselected=1)
+    assert any("written for CUDA" in line for line in result.outlines)
 
 
 def test_shards_split_the_tests_without_overlap(session):

@@ -114,7 +114,7 @@ def _tp_worker(rank, world_size, backends, drawn, tp1_results):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_tp_sizes_match_reference(world_size):
     # One spawn for both backends (spawning dominates the cost). gloo moves CPU tensors, so Triton runs here only
-    # under the interpreter; on a GPU machine without it the Triton TP path is covered by the *_gpu.py tests.
+    # under the interpreter; on a GPU the Triton TP path is covered by the _gpu targets of the TP suites.
     backends = ["torch"] + ([] if triton_skip_reason("cpu") else ["triton"])
     drawn = _draw_tp_cases(world_size)
     assert drawn, "hypothesis drew no case"
