@@ -245,7 +245,8 @@ def test_bazelrc_default_runs_cpu_tests_and_gpu_config_only_gpu_tests():
     assert "--repo_env=PPO_OPS_BUILD_CONFIG=gpu" in flags["build:gpu"]
     assert flags["test:gpu4"][-1] == "--test_tag_filters=gpu,-gpus_8,-sglang"
     assert flags["test:gpu8"][-1] == "--test_tag_filters=gpu,-sglang"
-    assert "--config=gpu" in flags["test:sglang"] and flags["test:sglang"][-1] == "--test_tag_filters=sglang"
+    assert "--config=gpu" in flags["build:sglang"] and flags["test:sglang"][-1] == "--test_tag_filters=sglang"
+    assert "--repo_env=PPO_OPS_BUILD_CONFIG=sglang" in flags["build:sglang"]
 
 
 def test_bazelrc_keeps_actions_hermetic():

@@ -12,7 +12,8 @@ Why it holds: each rank computes per-row partials of the fixed segments it holds
 which rank holds them or how many ranks there are; one all-gather brings every segment to every rank, which merges them
 in global segment order; the backward is element-wise given the merged row stats (ppo_ops/_row_stats.py).
 
-The cases mix the options that touch the partials or the gradient: dtypes, temperature, keep mask, row mask, padded
+On CUDA two cases run at Qwen3's real vocabulary (151936 columns, 267 of them padding) in bf16 and fp32. The cases mix
+the options that touch the partials or the gradient: dtypes, temperature, keep mask, row mask, padded
 vocabulary (the last rank at TP=8 holds padding), -inf logits, chunking, inplace_grad, entropy modes. All cases and
 both backends run in one spawn per TP size (14 processes in all on the CI's 2 cores), each rank saving its results.
 """
@@ -34,6 +35,8 @@ from tests.reference import (assert_entropy_close, assert_grad_close, assert_log
 
 TP_SIZES = (1, 2, 4, 8)
 V_GLOBAL = 320  # eight segments of 40; V_local = 40 at TP=8: neither a power of two nor a multiple of 16
+QWEN3_VOCAB = 151936  # Qwen3's LM head: eight segments of 18992
+QWEN3_PADDING = 151936 - 151669  # columns past Qwen3's 151669 tokens
 NEG_INF_FRACTION = 0.2  # share of -inf logits in the cases that ask for them (targets stay finite)
 
 
@@ -46,11 +49,12 @@ class Case:
     temperature: float = 1.0
     keep: bool = False
     rows: bool = False
-    padding: Optional[int] = None  # vocab_size = V_GLOBAL - padding
+    padding: Optional[int] = None  # vocab_size = v_global - padding
     neg_inf: bool = False
     chunk_size: Optional[int] = None
     inplace_grad: bool = False
     seed: int = 0
+    v_global: int = V_GLOBAL
 
 
 CASES = [
@@ -60,17 +64,26 @@ CASES = [
     # padding 45: at TP=8 the last rank holds only padding, the one before it some.
     Case("fp16_entropy_value", (4,), torch.float16, entropy="value", padding=45, seed=20),
 ]
+if DEVICE.type == "cuda":
+    # Qwen3's vocabulary at real size, compiled: bf16 and fp32 logits, temperature, -inf columns, row mask and the
+    # padding of Qwen3's LM head (151936 columns for 151669 tokens), so each of TP = 2, 4, 8 cuts through real data.
+    CASES += [
+        Case("qwen3_bf16", (24,), torch.bfloat16, temperature=0.7, rows=True, padding=QWEN3_PADDING, neg_inf=True,
+             seed=30, v_global=QWEN3_VOCAB),
+        Case("qwen3_fp32_keep", (16,), torch.float32, temperature=1.3, keep=True, padding=QWEN3_PADDING, seed=40,
+             v_global=QWEN3_VOCAB),
+    ]
 
 
 def _global_inputs(case):
-    """(logits [..., V_GLOBAL], tokens, options with global masks, upstream weights), the same on every process."""
-    vocab_size = None if case.padding is None else V_GLOBAL - case.padding
-    shape = case.lead + (V_GLOBAL,)
+    """(logits [..., v_global], tokens, options with global masks, upstream weights), the same on every process."""
+    vocab_size = None if case.padding is None else case.v_global - case.padding
+    shape = case.lead + (case.v_global,)
     logits = make_logits(shape, case.dtype, case.seed, scale=3.0)
-    tokens = make_tokens(case.lead, vocab_size or V_GLOBAL, case.seed + 1)
+    tokens = make_tokens(case.lead, vocab_size or case.v_global, case.seed + 1)
     if case.neg_inf:
         gen = torch.Generator().manual_seed(case.seed + 6)
-        masked = (torch.rand(shape, generator=gen) < NEG_INF_FRACTION).view(-1, V_GLOBAL)
+        masked = (torch.rand(shape, generator=gen) < NEG_INF_FRACTION).view(-1, case.v_global)
         masked[torch.arange(masked.shape[0]), tokens.reshape(-1)] = False
         logits = logits.masked_fill(masked.view(shape), float("-inf"))
     opts = dict(entropy=case.entropy, temperature=case.temperature, vocab_size=vocab_size, chunk_size=case.chunk_size)

@@ -61,7 +61,7 @@ def _probe_or_fail(rctx, python, kind, var, args, what):
     result = rctx.execute([python, str(rctx.path(Label(_PROBE))), "check", kind] + args + [_RECORD], timeout = 300)
     if result.return_code == 0:
         return
-    reasons = result.stderr.strip() or result.stdout.strip() or "(no output)"
+    reasons = result.stderr.rstrip() or result.stdout.rstrip() or "(no output)"
     if not rctx.path(_RECORD).exists:
         fail("%s=%s does not run: %s" % (var, python, reasons))
     fail("%s=%s is not %s:\n%s" % (var, python, what, reasons))
