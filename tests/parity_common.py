@@ -18,7 +18,6 @@ reports one test per case from it (`case_failures`).
 """
 
 import dataclasses
-import datetime
 import json
 import os
 import traceback
@@ -26,11 +25,10 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import ppo_ops
 import ppo_ops.legacy
-from tests.ranks import free_port
+from tests.ranks import run_ranks
 
 # --- tolerances ------------------------------------------------------------------------------------------------
 # The inputs keep |logit| <= PARITY_MAX_ABS_LOGIT = 12 and every row's logsumexp below 16, so the largest magnitude
@@ -216,42 +214,19 @@ def parity_worker(rank: int, tp_size: int, group: "dist.ProcessGroup", device_ty
     return results
 
 
-def _tp_entry(rank, world_size, port, backend, worker, result_dir, worker_args):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    else:  # CPU ranks share the machine's cores instead of each taking all of them (2-core CI)
-        torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // world_size)))
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=120),  # a desynchronised collective fails the test instead of hanging CI
-    )
-    try:
-        results = worker(rank, world_size, dist.group.WORLD, *worker_args)
-        with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        if backend == "gloo":  # every rank done before any tears the group down (a peer's early exit can abort gloo)
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _json_results_worker(rank, world_size, worker, result_dir, worker_args):
+    """Runs worker(rank, world_size, group, *worker_args) and saves its JSON-serialisable result for the parent."""
+    results = worker(rank, world_size, dist.group.WORLD, *worker_args)
+    with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
 
 
 def spawn_tp_group(worker: Callable, world_size: int, backend: str, result_dir: str, *worker_args) -> List[Dict]:
-    """Spawns ``world_size`` ranks (one process each) that run ``worker(rank, world_size, group, *worker_args)``.
+    """Spawns ``world_size`` ranks (tests/ranks.py) that run ``worker(rank, world_size, group, *worker_args)``.
 
     Returns each rank's JSON-serialisable result. A crash in a rank re-raises here with its traceback.
     """
-    port = free_port()
-    mp.start_processes(
-        _tp_entry,
-        args=(world_size, port, backend, worker, result_dir, worker_args),
-        nprocs=world_size,
-        join=True,
-        start_method="spawn",
-    )
+    run_ranks(world_size, _json_results_worker, worker, result_dir, worker_args, backend=backend)
     results = []
     for rank in range(world_size):
         with open(os.path.join(result_dir, f"rank{rank}.json")) as f:

@@ -170,29 +170,22 @@ def test_shared_memory_is_writable():
 GLOO_WORLD_SIZE = 2
 
 
-def _gloo_rank(rank, port, results):
+def _gloo_all_reduce(rank, world_size, out_dir):
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=GLOO_WORLD_SIZE)
-    try:
-        value = torch.tensor([float(rank + 1)])
-        dist.all_reduce(value)
-        results.put((rank, value.item()))
-    finally:
-        dist.destroy_process_group()
+    value = torch.tensor([float(rank + 1)])
+    dist.all_reduce(value)
+    pathlib.Path(out_dir, f"rank{rank}").write_text(str(value.item()))
 
 
-def test_gloo_all_reduce_over_loopback():
-    # The multi-rank CPU tests rely on this: two spawned ranks rendezvous on 127.0.0.1 and all-reduce.
-    import torch.multiprocessing as mp
+def test_gloo_all_reduce_over_loopback(tmp_path):
+    # The multi-rank CPU tests rely on this: spawned ranks rendezvous on 127.0.0.1 and all-reduce.
+    from tests.ranks import run_gloo
 
-    from tests.ranks import free_port
-
-    results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_gloo_rank, args=(free_port(), results), nprocs=GLOO_WORLD_SIZE, join=True)
-    got = sorted(results.get() for _ in range(GLOO_WORLD_SIZE))
-    assert got == [(0, 3.0), (1, 3.0)]
+    run_gloo(GLOO_WORLD_SIZE, _gloo_all_reduce, str(tmp_path))
+    got = [float((tmp_path / f"rank{r}").read_text()) for r in range(GLOO_WORLD_SIZE)]
+    assert got == [3.0, 3.0]
 
 
 def test_library_imports_from_the_checkout_layout():
