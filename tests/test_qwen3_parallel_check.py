@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from sglang_checks import check, layouts, logprob_kinds, trainer
+from sglang_checks import check, controls, layouts, logprob_kinds, trainer
 from sglang_checks.engines import SamplingSettings, hf_engine
 from sglang_checks.errors import CheckError
 
@@ -124,6 +124,51 @@ def test_trainer_temperature_mismatch_fails(default_run, cache_dir, tmp_path):
                 and c["subject"].endswith("(sampler)"))
     assert mean["value"] > 100 * mean["tolerance"]  # a real mismatch, not rounding
     assert "**FAIL" in open(os.path.join(s.report_dir, "report.md")).read()
+
+
+# ------------------------------------------------------------------------------------------- negative controls
+
+
+@pytest.mark.parametrize("control", list(controls.CONTROLS))
+def test_negative_control_fails_with_the_metric_that_should_catch_it(control, default_run, cache_dir, tmp_path):
+    """Each injected fault FAILs the check, and the comparisons held to the tolerances named for it are among the
+    failures (controls.CAUGHT_BY); run on the default run's saved rollout, with only the layouts each fault needs."""
+    _, first_dir = default_run
+    s = _settings(tmp_path, cache_dir, rollout_data=os.path.join(first_dir, "rollout.json"), negative_control=control,
+                  trainer_layouts="tp1,tp2" if control == controls.VOCAB_OFFSET else "tp1",
+                  engine_layouts="tp1,dp2" if control == controls.ENGINE_LAYOUT_WEIGHTS else "tp1")
+    assert check.run(s) == 1
+    report = _report(s.report_dir)
+    assert report["negative_control"] == control and report["passed"] is False
+    failed = {c["tolerance_name"] for c in report["comparisons"] if not c["passed"]}
+    assert set(controls.CONTROLS[control][1]) <= failed, failed
+    for c in report["comparisons"]:  # and far out, not by rounding
+        if not c["passed"] and c["tolerance_name"] in controls.CONTROLS[control][1]:
+            assert c["value"] > 10 * c["tolerance"], c
+
+
+@pytest.mark.parametrize("control, overrides, message", [
+    (controls.ENGINE_LAYOUT_WEIGHTS, {}, "needs at least two --engine_layouts"),
+    (controls.VOCAB_OFFSET, dict(trainer_layouts="tp1,cp2"), "needs a tensor-parallel trainer layout"),
+])
+def test_negative_control_without_what_it_breaks_is_refused(control, overrides, message, tmp_path, cache_dir):
+    with pytest.raises(CheckError, match=message):
+        check.run(_settings(tmp_path, cache_dir, negative_control=control, **overrides))
+
+
+def test_expect_bitwise_fails_naming_the_metric(default_run, cache_dir, tmp_path):
+    """The hf engine scores with a batched forward and the trainer with its own: equal to ~1e-6, not bitwise, so
+    --expect_bitwise FAILs on the max |d| rows (and an identical engine layout, dp2's split batch, may pass)."""
+    _, first_dir = default_run
+    s = _settings(tmp_path, cache_dir, rollout_data=os.path.join(first_dir, "rollout.json"), trainer_layouts="tp1",
+                  expect_bitwise=True)
+    code = check.run(s)
+    report = _report(s.report_dir)
+    bitwise = [c for c in report["comparisons"] if c["tolerance_name"] == "expect_bitwise"]
+    assert bitwise and all(c["tolerance"] == 0 for c in bitwise)
+    assert [c["metric"] for c in bitwise] == ["max |trainer - engine| log-prob"]
+    assert code == (0 if bitwise[0]["value"] == 0 else 1)
+    assert report["expect_bitwise"] is True
 
 
 # ------------------------------------------------------------------------------- trainer math vs float64 reference
@@ -279,7 +324,7 @@ def test_malformed_model_directory_is_refused(kind, message, tmp_path, cache_dir
 @pytest.mark.skipif(__import__("importlib").util.find_spec("sglang") is not None,
                     reason="sglang is installed here, so its absence cannot be tested")
 def test_missing_sglang_says_what_to_install(tmp_path, cache_dir):
-    with pytest.raises(CheckError, match=r"sglang package is not installed.*pip install 'sglang==0\.5\.10\.post1'"):
+    with pytest.raises(CheckError, match=r"sglang package is not installed.*pip install 'sglang==0\.5\.17'"):
         check.run(_settings(tmp_path, cache_dir, engine="sglang", engine_layouts="tp1"))
 
 
