@@ -273,8 +273,7 @@ def _source_tree() -> str:
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    del argv  # flags_parser refused stray arguments
     try:
         s = cli.settings_from_flags()
         if not _OUT_DIR.value:
@@ -337,4 +336,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.flags_parser("calibrate"))

@@ -2,8 +2,9 @@
 
 Order matters for bad input: everything that can be checked without running a model (layout names, rank budgets,
 divisibility, the sglang install, the port) is checked first, so a typo costs no time and starts no process.
-`run` returns the exit code: 0 when every comparison is within its tolerance, 1 otherwise; bad input raises
-CheckError (the binary turns it into exit code 2).
+`run` returns the exit code: 0 when every comparison is within its tolerance, 1 otherwise, 3 when a trainer rank
+crashed or timed out (one line on stderr naming the layout and rank; the report holds what finished); bad input
+raises CheckError (the binary turns it into exit code 2).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import dataclasses
 import os
 import platform
 import sys
+import tempfile
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -25,38 +27,44 @@ from sglang_checks.engines import SamplingSettings, hf_engine, sglang_engine
 from sglang_checks.errors import CheckError
 
 
+EXIT_FAIL = 1  # a comparison out of tolerance
+EXIT_BAD_INPUT = 2  # CheckError: a flag, a path, a rollout file, prompts
+EXIT_TRAINER_FAILED = 3  # a trainer rank crashed or timed out (the report holds what finished)
+
+
 @dataclasses.dataclass
 class Settings:
-    """Every knob of the check; the binary's flags map one to one (see qwen3_parallel_check.py for their help)."""
+    """Every knob of the check, named as its flag (sglang_checks/cli.py: the help, the defaults, and `cli.settings`,
+    which builds this from the flag holders; no default is restated here)."""
 
     report_dir: str
-    model: str = "tiny"
-    cache_dir: str = dataclasses.field(default_factory=models.default_cache_dir)
-    seed: int = 0
-    dtype: str = "float32"
-    device: str = "auto"
-    cpu_threads: int = 1
-    engine: str = "hf"
-    engine_layouts: str = "tp1"
-    trainer_layouts: str = "tp1,tp2,tp4,cp2,dp2"
-    temperature: float = 0.8
-    top_p: float = 0.95
-    trainer_temperature: Optional[float] = None
-    max_new_tokens: int = 24
-    num_prompts: int = 8
-    samples_per_prompt: int = 2
-    prompts: Optional[str] = None
-    ignore_eos: bool = False
-    rollout_data: Optional[str] = None
-    explicit_flags: Tuple[str, ...] = ()  # names of the flags the user set (replay conflicts, --num_prompts)
-    seq_len: int = 0
-    entropy_coef: float = 0.01
-    max_ranks: int = 8
-    trainer_timeout_s: float = 900.0
-    tolerances: Dict[str, Optional[float]] = dataclasses.field(default_factory=dict)
-    expect_bitwise: bool = False
-    negative_control: str = controls.NONE
-    sglang: sglang_engine.ServerOptions = dataclasses.field(default_factory=sglang_engine.ServerOptions)
+    model: str
+    cache_dir: str
+    seed: int
+    dtype: str
+    device: str
+    cpu_threads: int
+    engine: str
+    engine_layouts: str
+    trainer_layouts: str
+    temperature: float
+    top_p: float
+    trainer_temperature: Optional[float]
+    max_new_tokens: int
+    num_prompts: int
+    samples_per_prompt: int
+    prompts: Optional[str]
+    ignore_eos: bool
+    rollout_data: Optional[str]
+    explicit_flags: Tuple[str, ...]  # names of the flags the user set (replay conflicts, --num_prompts)
+    seq_len: int
+    entropy_coef: float
+    max_ranks: int
+    trainer_timeout_s: float
+    tolerances: Dict[str, Optional[float]]
+    expect_bitwise: bool
+    negative_control: str
+    sglang: sglang_engine.ServerOptions
 
 
 def _log(message: str) -> None:
@@ -70,10 +78,7 @@ def _progress(iterable, desc: str):
 
 
 def _check_values(s: Settings) -> None:
-    for name, allowed in (("engine", ("hf", "sglang")), ("dtype", ("float32", "bfloat16")),
-                          ("device", ("auto", "cpu", "cuda"))):
-        if getattr(s, name) not in allowed:
-            raise CheckError(f"--{name}: expected one of {', '.join(allowed)}, got {getattr(s, name)!r}")
+    # engine, dtype, device, negative_control, ...: DEFINE_enum flags, validated by absl when parsed.
     if not s.temperature > 0:
         raise CheckError(f"--temperature: expected > 0, got {s.temperature}")
     if s.trainer_temperature is not None and not s.trainer_temperature > 0:
@@ -83,6 +88,8 @@ def _check_values(s: Settings) -> None:
     for name in ("max_new_tokens", "samples_per_prompt", "num_prompts", "max_ranks", "cpu_threads"):
         if getattr(s, name) < 1:
             raise CheckError(f"--{name}: expected >= 1, got {getattr(s, name)}")
+    if not s.trainer_timeout_s > 0:
+        raise CheckError(f"--trainer_timeout_s: expected > 0, got {s.trainer_timeout_s}")
     if s.seq_len < 0:
         raise CheckError(f"--seq_len: expected 0 (automatic) or a positive length, got {s.seq_len}")
     if not np.isfinite(s.entropy_coef):
@@ -140,10 +147,25 @@ class _Plan:
     backend: str  # "gloo" or "nccl"
     trainer_layouts: List[layouts_lib.Layout]
     engine_layouts: List[layouts_lib.Layout]
+    replay: Optional[rollout_lib.Rollout]  # the rollout file's contents (--rollout_data), validated
+    prompt_ids: Optional[List[List[int]]]  # the prompts to sample (None when replaying)
+
+
+def _check_writable(flag: str, path: str) -> None:
+    """The folder exists (or is made) and takes a file, so no result is lost at the end of a long run."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write_test_"):
+            pass
+    except OSError as exc:
+        raise CheckError(f"{flag}={path}: not a writable folder ({exc.strerror or exc})") from exc
 
 
 def _plan(s: Settings) -> _Plan:
-    """Checks every flag that needs no model: layout names, rank budgets, the engine's prerequisites."""
+    """Checks every input that needs no model: folders, layout names, rank budgets, the engine's prerequisites, the
+    rollout file or the prompts."""
+    _check_writable("--report_dir", s.report_dir)
+    _check_writable("--cache_dir", s.cache_dir)
     _check_values(s)
     device = _device(s)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -170,7 +192,13 @@ def _plan(s: Settings) -> _Plan:
         if s.sglang.port:
             sglang_engine.check_port_free(s.sglang.host, s.sglang.port)
     _check_control(s, trainer_layouts, engine_layouts)
-    return _Plan(device, backend, trainer_layouts, engine_layouts)
+    replay, prompt_ids = _rollout_source(s)
+    num_sequences = len(replay.samples) if replay else len(prompt_ids) * s.samples_per_prompt
+    vocab_size, _ = models.peek(s.model)
+    for layout in trainer_layouts:
+        layouts_lib.check_trainer_layout(layout, flag="--trainer_layouts", vocab_size=vocab_size,
+                                         num_sequences=num_sequences)
+    return _Plan(device, backend, trainer_layouts, engine_layouts, replay, prompt_ids)
 
 
 @dataclasses.dataclass
@@ -208,11 +236,9 @@ def run(s: Settings) -> int:
     torch.set_num_threads(s.cpu_threads)
 
     m = load_models(s, plan)
-    replay, prompt_ids = _rollout_source(s, m.info)
-    num_sequences = len(replay.samples) if replay else len(prompt_ids) * s.samples_per_prompt
-    for layout in plan.trainer_layouts:
-        layouts_lib.check_trainer_layout(layout, flag="--trainer_layouts", vocab_size=m.info.vocab_size,
-                                         num_sequences=num_sequences)
+    replay, prompt_ids = plan.replay, plan.prompt_ids
+    if replay:
+        rollout_lib.check_model(replay, m.info.fingerprint, m.info.name, s.rollout_data)
     timings["model_s"] = time.monotonic() - start
 
     t0 = time.monotonic()
@@ -237,9 +263,13 @@ def run(s: Settings) -> int:
     faulty = tuple(l.name for l in plan.trainer_layouts if l.tp > 1) \
         if s.negative_control == controls.VOCAB_OFFSET else ()
     bar = _progress(range(len(plan.trainer_layouts)), desc="trainer layouts")
-    results = trainer.run_layouts(inputs, plan.trainer_layouts, backend=plan.backend, threads=s.cpu_threads,
-                                  timeout_s=s.trainer_timeout_s, progress=lambda layout: bar.update(1),
-                                  vocab_offset_layouts=faulty)
+    trainer_error = None
+    try:
+        results = trainer.run_layouts(inputs, plan.trainer_layouts, backend=plan.backend, threads=s.cpu_threads,
+                                      timeout_s=s.trainer_timeout_s, progress=lambda layout: bar.update(1),
+                                      vocab_offset_layouts=faulty)
+    except trainer.TrainerRankError as exc:  # report what finished, then exit 3 with one line
+        trainer_error, results = exc, exc.finished
     bar.close()
     timings["trainer_s"] = time.monotonic() - t0
 
@@ -266,10 +296,18 @@ def run(s: Settings) -> int:
         "expect_bitwise": s.expect_bitwise,
         "calibration": tolerances.source(s.dtype),
         "trainer_layouts": {r.layout.name: r.losses for r in results},
+        "trainer_error": None if trainer_error is None else {"message": str(trainer_error),
+                                                             "layout": trainer_error.layout,
+                                                             "rank": trainer_error.rank,
+                                                             "detail": trainer_error.detail},
         "tolerances": {name: {"value": tol[name], "reason": tolerances.reason(name, s.dtype)} for name in tol},
         "timings_s": timings,
     }
     paths = report.write_all(s.report_dir, summary, comparisons, mismatch_hist, layout_hist)
+    if trainer_error is not None:
+        print(f"qwen3_parallel_check: error: {trainer_error} (report with what finished: "
+              f"{paths[report.MD_NAME]})", file=sys.stderr, flush=True)
+        return EXIT_TRAINER_FAILED
     failed = [c for c in comparisons if not c.passed]
     for c in failed:
         _log(f"FAIL {c.section}: {c.subject}: {c.metric} = {c.value:.3e} > tolerance {c.tolerance:.1e} "
@@ -277,7 +315,7 @@ def run(s: Settings) -> int:
     verdict = "PASS" if not failed else f"FAIL ({len(failed)} of {len(comparisons)} comparisons out of tolerance)"
     beside = " and ".join(os.path.basename(p) for name, p in paths.items() if name != report.MD_NAME)
     print(f"qwen3_parallel_check: {verdict}; report: {paths[report.MD_NAME]} (with {beside} beside it)", flush=True)
-    return 0 if not failed else 1
+    return 0 if not failed else EXIT_FAIL
 
 
 def trainer_temperature(s: Settings, rollout) -> float:
@@ -312,18 +350,18 @@ def trainer_view(model, packed, rollout, temperature: float, top_p: float) -> Tr
     return TrainerView(hidden, head, logits, temperature, top_p, top_p_set, keep)
 
 
-def _rollout_source(s: Settings, info):
-    """(replayed rollout, None) or (None, prompt token ids)."""
+def _rollout_source(s: Settings):
+    """(replayed rollout, None) or (None, prompt token ids), validated without building or loading the model."""
+    vocab_size, tokenizer_dir = models.peek(s.model)
     if s.rollout_data:
         replay = rollout_lib.load(s.rollout_data)
-        rollout_lib.check_model(replay, info.fingerprint, info.name, s.rollout_data)
-        rollout_lib.check_vocab(replay, info.vocab_size, s.rollout_data)
+        rollout_lib.check_vocab(replay, vocab_size, s.rollout_data)
         _check_replay_flags(replay, s)
         return replay, None
-    tokenize = prompts.Tokenize(info.path if info.has_tokenizer else None)
+    tokenize = prompts.Tokenize(tokenizer_dir)
     if s.prompts:
         limit = s.num_prompts if "num_prompts" in s.explicit_flags else 0
-        prompt_ids = prompts.load_prompts(s.prompts, vocab_size=info.vocab_size, tokenize=tokenize, limit=limit)
+        prompt_ids = prompts.load_prompts(s.prompts, vocab_size=vocab_size, tokenize=tokenize, limit=limit)
     else:
         prompt_ids = prompts.built_in_prompts(s.num_prompts, tokenize)
     _check_prompt_lengths(prompt_ids, s)

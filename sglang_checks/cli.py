@@ -101,30 +101,61 @@ def default_report_dir() -> str:
     return os.path.join(root, "reports", "qwen3_parallel_check")
 
 
-def settings_from_flags() -> check.Settings:
+def _value(holder):
+    """The holder's parsed value, or its default when no command line was parsed (tests, calibrate's callers)."""
+    return flags.FLAGS[holder.name].value
+
+
+def settings(**overrides) -> check.Settings:
+    """The check's settings from the flag holders, then `overrides` (field names as in check.Settings)."""
     import shlex
 
     explicit = tuple(name for name in flags.FLAGS if flags.FLAGS[name].present)
-    return check.Settings(
-        report_dir=os.path.abspath(_REPORT_DIR.value or default_report_dir()),
-        model=_MODEL.value, cache_dir=_CACHE_DIR.value or models.default_cache_dir(), seed=_SEED.value,
-        dtype=_DTYPE.value, device=_DEVICE.value, cpu_threads=_CPU_THREADS.value, engine=_ENGINE.value,
-        engine_layouts=_ENGINE_LAYOUTS.value, trainer_layouts=_TRAINER_LAYOUTS.value,
-        temperature=_TEMPERATURE.value, top_p=_TOP_P.value, trainer_temperature=_TRAINER_TEMPERATURE.value,
-        max_new_tokens=_MAX_NEW_TOKENS.value, num_prompts=_NUM_PROMPTS.value,
-        samples_per_prompt=_SAMPLES_PER_PROMPT.value, prompts=_PROMPTS.value, ignore_eos=_IGNORE_EOS.value,
-        rollout_data=_ROLLOUT_DATA.value, explicit_flags=explicit, seq_len=_SEQ_LEN.value,
-        entropy_coef=_ENTROPY_COEF.value, max_ranks=_MAX_RANKS.value, trainer_timeout_s=_TRAINER_TIMEOUT.value,
-        tolerances={name: holder.value for name, holder in _TOLERANCES.items()},
-        expect_bitwise=_EXPECT_BITWISE.value, negative_control=_NEGATIVE_CONTROL.value,
+    values = dict(
+        report_dir=os.path.abspath(_value(_REPORT_DIR) or default_report_dir()),
+        model=_value(_MODEL), cache_dir=_value(_CACHE_DIR) or models.default_cache_dir(), seed=_value(_SEED),
+        dtype=_value(_DTYPE), device=_value(_DEVICE), cpu_threads=_value(_CPU_THREADS), engine=_value(_ENGINE),
+        engine_layouts=_value(_ENGINE_LAYOUTS), trainer_layouts=_value(_TRAINER_LAYOUTS),
+        temperature=_value(_TEMPERATURE), top_p=_value(_TOP_P), trainer_temperature=_value(_TRAINER_TEMPERATURE),
+        max_new_tokens=_value(_MAX_NEW_TOKENS), num_prompts=_value(_NUM_PROMPTS),
+        samples_per_prompt=_value(_SAMPLES_PER_PROMPT), prompts=_value(_PROMPTS), ignore_eos=_value(_IGNORE_EOS),
+        rollout_data=_value(_ROLLOUT_DATA), explicit_flags=explicit, seq_len=_value(_SEQ_LEN),
+        entropy_coef=_value(_ENTROPY_COEF), max_ranks=_value(_MAX_RANKS), trainer_timeout_s=_value(_TRAINER_TIMEOUT),
+        tolerances={name: _value(holder) for name, holder in _TOLERANCES.items()},
+        expect_bitwise=_value(_EXPECT_BITWISE), negative_control=_value(_NEGATIVE_CONTROL),
         sglang=sglang_engine.ServerOptions(
-            python=_SGLANG_PYTHON.value, port=_SGLANG_PORT.value, start_timeout_s=_SGLANG_START_TIMEOUT.value,
-            request_timeout_s=_SGLANG_REQUEST_TIMEOUT.value, deterministic=_DETERMINISTIC.value,
-            rl_on_policy_target=_RL_ON_POLICY_TARGET.value, attention_backend=_SGLANG_ATTENTION_BACKEND.value,
-            sampling_backend=_SGLANG_SAMPLING_BACKEND.value,
-            disable_custom_all_reduce=_SGLANG_DISABLE_CUSTOM_ALL_REDUCE.value,
-            mm_feature_transport=_SGLANG_MM_FEATURE_TRANSPORT.value, disable_cuda_graph=_SGLANG_DISABLE_CUDA_GRAPH.value,
-            skip_server_warmup=_SGLANG_SKIP_WARMUP.value, mem_fraction_static=_SGLANG_MEM_FRACTION.value, extra_args=tuple(shlex.split(_SGLANG_EXTRA_ARGS.value)),
-            logprob_kind=_SGLANG_LOGPROB_KIND.value))
+            python=_value(_SGLANG_PYTHON), port=_value(_SGLANG_PORT), start_timeout_s=_value(_SGLANG_START_TIMEOUT),
+            request_timeout_s=_value(_SGLANG_REQUEST_TIMEOUT), deterministic=_value(_DETERMINISTIC),
+            rl_on_policy_target=_value(_RL_ON_POLICY_TARGET), attention_backend=_value(_SGLANG_ATTENTION_BACKEND),
+            sampling_backend=_value(_SGLANG_SAMPLING_BACKEND),
+            disable_custom_all_reduce=_value(_SGLANG_DISABLE_CUSTOM_ALL_REDUCE),
+            mm_feature_transport=_value(_SGLANG_MM_FEATURE_TRANSPORT),
+            disable_cuda_graph=_value(_SGLANG_DISABLE_CUDA_GRAPH), skip_server_warmup=_value(_SGLANG_SKIP_WARMUP),
+            mem_fraction_static=_value(_SGLANG_MEM_FRACTION), extra_args=tuple(shlex.split(_value(_SGLANG_EXTRA_ARGS))),
+            logprob_kind=_value(_SGLANG_LOGPROB_KIND)))
+    unknown = set(overrides) - set(values)
+    if unknown:
+        raise TypeError(f"settings: unknown fields {sorted(unknown)}")
+    values.update(overrides)
+    return check.Settings(**values)
 
 
+settings_from_flags = settings  # what the binaries call after parsing
+
+
+def flags_parser(program: str):
+    """An absl flags_parser for app.run: a bad flag value is one line on stderr and exit code 2 (bad input), not
+    absl's usage dump and exit code 1 (which is the check's FAIL)."""
+
+    def parse(argv):
+        try:
+            rest = flags.FLAGS(argv)
+        except flags.Error as exc:
+            print(f"{program}: error: {exc}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        if len(rest) > 1:
+            print(f"{program}: error: unexpected arguments: {' '.join(rest[1:])}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        return rest
+
+    return parse

@@ -5,8 +5,9 @@
     bazel run //sglang_checks:qwen3_parallel_check -- --engine=sglang --engine_layouts=tp1,tp2 \\
         --model=/path/to/Qwen3-0.6B --sglang_python=/path/to/sglang-venv/bin/python --dtype=bfloat16
 
-Exit code: 0 when every comparison is within its tolerance, 1 when one is not, 2 on bad input (the message says what
-was expected). The report folder gets report.md, report.json, logprob_diff_hist.png, rollout.json (replay it with
+Exit code: 0 when every comparison is within its tolerance, 1 when one is not, 2 on bad input (flags, paths, rollout
+files, prompts: one line on stderr saying what was expected, before any model is built or loaded), 3 when a trainer
+rank crashed or timed out (one line naming the layout and rank; the report holds what finished). The report folder gets report.md, report.json, logprob_diff_hist.png, rollout.json (replay it with
 --rollout_data) and, with --engine=sglang, each server's log. See sglang_checks/check.py for the steps.
 """
 
@@ -26,15 +27,14 @@ def _stop_on_sigterm(signum, frame):
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    del argv  # flags_parser refused stray arguments
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         return check.run(cli.settings_from_flags())
     except CheckError as exc:
         print(f"qwen3_parallel_check: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return check.EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.flags_parser("qwen3_parallel_check"))

@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from sglang_checks import check
+from sglang_checks import check, cli
 from sglang_checks.engines import sglang_engine
 from sglang_checks.errors import CheckError
 
@@ -48,7 +48,7 @@ def test_qwen3_0_6b_sglang_engine_and_trainer_layouts(tmp_path, monkeypatch):
     _require_sglang_and_two_gpus()
     # Trainer ranks run compiled Triton kernels on the GPUs, whatever a CPU run of tests/conftest.py set.
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    settings = check.Settings(
+    settings = cli.settings(
         report_dir=str(tmp_path / "report"), cache_dir=os.environ.get("PPO_OPS_MODEL_CACHE") or str(tmp_path / "m"),
         model=os.environ.get("QWEN3_0_6B_PATH", "qwen3-0.6b-random"), device="cuda", dtype="bfloat16",
         engine="sglang", engine_layouts=",".join(ENGINE_LAYOUTS), trainer_layouts=",".join(TRAINER_LAYOUTS),
