@@ -2,8 +2,9 @@
 
 Order matters for bad input: everything that can be checked without running a model (layout names, rank budgets,
 divisibility, the sglang install, the port) is checked first, so a typo costs no time and starts no process.
-`run` returns the exit code: 0 when every comparison is within its tolerance, 1 otherwise; bad input raises
-CheckError (the binary turns it into exit code 2).
+`run` returns the exit code: 0 when every comparison is within its tolerance, 1 otherwise, 3 when a trainer rank
+crashed or timed out (one line on stderr naming the layout and rank; the report holds what finished); bad input
+raises CheckError (the binary turns it into exit code 2).
 """
 
 from __future__ import annotations
@@ -12,48 +13,58 @@ import dataclasses
 import os
 import platform
 import sys
+import tempfile
 import time
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
+from sglang_checks import controls
 from sglang_checks import layouts as layouts_lib
 from sglang_checks import logprob_kinds, metrics, models, prompts, report, rollout as rollout_lib, tolerances, trainer
 from sglang_checks.engines import SamplingSettings, hf_engine, sglang_engine
 from sglang_checks.errors import CheckError
 
 
+EXIT_FAIL = 1  # a comparison out of tolerance
+EXIT_BAD_INPUT = 2  # CheckError: a flag, a path, a rollout file, prompts
+EXIT_TRAINER_FAILED = 3  # a trainer rank crashed or timed out (the report holds what finished)
+
+
 @dataclasses.dataclass
 class Settings:
-    """Every knob of the check; the binary's flags map one to one (see qwen3_parallel_check.py for their help)."""
+    """Every knob of the check, named as its flag (sglang_checks/cli.py: the help, the defaults, and `cli.settings`,
+    which builds this from the flag holders; no default is restated here)."""
 
     report_dir: str
-    model: str = "tiny"
-    cache_dir: str = dataclasses.field(default_factory=models.default_cache_dir)
-    seed: int = 0
-    dtype: str = "float32"
-    device: str = "auto"
-    cpu_threads: int = 1
-    engine: str = "hf"
-    engine_layouts: str = "tp1"
-    trainer_layouts: str = "tp1,tp2,tp4,cp2,dp2"
-    temperature: float = 0.8
-    top_p: float = 0.95
-    trainer_temperature: Optional[float] = None
-    max_new_tokens: int = 24
-    num_prompts: int = 8
-    samples_per_prompt: int = 2
-    prompts: Optional[str] = None
-    ignore_eos: bool = False
-    rollout_data: Optional[str] = None
-    explicit_flags: Tuple[str, ...] = ()  # names of the flags the user set (replay conflicts, --num_prompts)
-    seq_len: int = 0
-    entropy_coef: float = 0.01
-    max_ranks: int = 8
-    trainer_timeout_s: float = 900.0
-    tolerances: Dict[str, Optional[float]] = dataclasses.field(default_factory=dict)
-    sglang: sglang_engine.ServerOptions = dataclasses.field(default_factory=sglang_engine.ServerOptions)
+    model: str
+    cache_dir: str
+    seed: int
+    dtype: str
+    device: str
+    cpu_threads: int
+    engine: str
+    engine_layouts: str
+    trainer_layouts: str
+    temperature: float
+    top_p: float
+    trainer_temperature: Optional[float]
+    max_new_tokens: int
+    num_prompts: int
+    samples_per_prompt: int
+    prompts: Optional[str]
+    ignore_eos: bool
+    rollout_data: Optional[str]
+    explicit_flags: Tuple[str, ...]  # names of the flags the user set (replay conflicts, --num_prompts)
+    seq_len: int
+    entropy_coef: float
+    max_ranks: int
+    trainer_timeout_s: float
+    tolerances: Dict[str, Optional[float]]
+    expect_bitwise: bool
+    negative_control: str
+    sglang: sglang_engine.ServerOptions
 
 
 def _log(message: str) -> None:
@@ -67,10 +78,7 @@ def _progress(iterable, desc: str):
 
 
 def _check_values(s: Settings) -> None:
-    for name, allowed in (("engine", ("hf", "sglang")), ("dtype", ("float32", "bfloat16")),
-                          ("device", ("auto", "cpu", "cuda"))):
-        if getattr(s, name) not in allowed:
-            raise CheckError(f"--{name}: expected one of {', '.join(allowed)}, got {getattr(s, name)!r}")
+    # engine, dtype, device, negative_control, ...: DEFINE_enum flags, validated by absl when parsed.
     if not s.temperature > 0:
         raise CheckError(f"--temperature: expected > 0, got {s.temperature}")
     if s.trainer_temperature is not None and not s.trainer_temperature > 0:
@@ -80,6 +88,8 @@ def _check_values(s: Settings) -> None:
     for name in ("max_new_tokens", "samples_per_prompt", "num_prompts", "max_ranks", "cpu_threads"):
         if getattr(s, name) < 1:
             raise CheckError(f"--{name}: expected >= 1, got {getattr(s, name)}")
+    if not s.trainer_timeout_s > 0:
+        raise CheckError(f"--trainer_timeout_s: expected > 0, got {s.trainer_timeout_s}")
     if s.seq_len < 0:
         raise CheckError(f"--seq_len: expected 0 (automatic) or a positive length, got {s.seq_len}")
     if not np.isfinite(s.entropy_coef):
@@ -89,6 +99,19 @@ def _check_values(s: Settings) -> None:
     for name, value in s.tolerances.items():
         if value is not None and not value >= 0:
             raise CheckError(f"--{name}: expected a tolerance >= 0, got {value}")
+
+
+def _check_control(s: Settings, trainer_layouts, engine_layouts) -> None:
+    """A negative control needs something to break: generated weights for the seed + 1 ones, a layout to fault."""
+    flag = f"--negative_control={s.negative_control}"
+    if s.negative_control in (controls.TRAINER_WEIGHTS, controls.ENGINE_LAYOUT_WEIGHTS) and \
+            s.model not in models.PRESETS:
+        raise CheckError(f"{flag}: needs a generated model ({', '.join(models.PRESETS)}) to draw other weights "
+                         f"from, got --model={s.model}")
+    if s.negative_control == controls.ENGINE_LAYOUT_WEIGHTS and len(engine_layouts) < 2:
+        raise CheckError(f"{flag}: needs at least two --engine_layouts (the last one gets other weights)")
+    if s.negative_control == controls.VOCAB_OFFSET and not any(l.tp > 1 for l in trainer_layouts):
+        raise CheckError(f"{flag}: needs a tensor-parallel trainer layout (tp2 or more) in --trainer_layouts")
 
 
 def _device(s: Settings) -> torch.device:
@@ -124,10 +147,25 @@ class _Plan:
     backend: str  # "gloo" or "nccl"
     trainer_layouts: List[layouts_lib.Layout]
     engine_layouts: List[layouts_lib.Layout]
+    replay: Optional[rollout_lib.Rollout]  # the rollout file's contents (--rollout_data), validated
+    prompt_ids: Optional[List[List[int]]]  # the prompts to sample (None when replaying)
+
+
+def _check_writable(flag: str, path: str) -> None:
+    """The folder exists (or is made) and takes a file, so no result is lost at the end of a long run."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write_test_"):
+            pass
+    except OSError as exc:
+        raise CheckError(f"{flag}={path}: not a writable folder ({exc.strerror or exc})") from exc
 
 
 def _plan(s: Settings) -> _Plan:
-    """Checks every flag that needs no model: layout names, rank budgets, the engine's prerequisites."""
+    """Checks every input that needs no model: folders, layout names, rank budgets, the engine's prerequisites, the
+    rollout file or the prompts."""
+    _check_writable("--report_dir", s.report_dir)
+    _check_writable("--cache_dir", s.cache_dir)
     _check_values(s)
     device = _device(s)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -153,28 +191,59 @@ def _plan(s: Settings) -> _Plan:
             sglang_engine.check_layout(layout, "--engine_layouts", torch.cuda.device_count())
         if s.sglang.port:
             sglang_engine.check_port_free(s.sglang.host, s.sglang.port)
-    return _Plan(device, backend, trainer_layouts, engine_layouts)
+    _check_control(s, trainer_layouts, engine_layouts)
+    replay, prompt_ids = _rollout_source(s)
+    num_sequences = len(replay.samples) if replay else len(prompt_ids) * s.samples_per_prompt
+    vocab_size, _ = models.peek(s.model)
+    for layout in trainer_layouts:
+        layouts_lib.check_trainer_layout(layout, flag="--trainer_layouts", vocab_size=vocab_size,
+                                         num_sequences=num_sequences)
+    return _Plan(device, backend, trainer_layouts, engine_layouts, replay, prompt_ids)
+
+
+@dataclasses.dataclass
+class Models:
+    """The checkpoints and loaded models a run uses (the controls can give the trainer or an engine other weights)."""
+
+    info: models.ModelInfo  # the model under check (the engine's)
+    model: object  # its transformers model, for the hf engine and the trainer
+    trainer_model: object  # the trainer's model: `model`, or other weights under the trainer_weights control
+    other: Optional[models.ModelInfo] = None  # the seed + 1 checkpoint of the weight controls
+    other_model: object = None
+
+
+def load_models(s: Settings, plan: _Plan) -> Models:
+    info = models.resolve_model(s.model, cache_dir=s.cache_dir, seed=s.seed, log=_log)
+    dtype = getattr(torch, s.dtype)
+    model = models.load_hf_model(info, dtype=dtype, device=plan.device)
+    out = Models(info=info, model=model, trainer_model=model)
+    if s.negative_control in (controls.TRAINER_WEIGHTS, controls.ENGINE_LAYOUT_WEIGHTS):
+        out.other = models.resolve_model(s.model, cache_dir=s.cache_dir, seed=s.seed + controls.WEIGHTS_SEED_OFFSET,
+                                         log=_log)
+        if s.negative_control == controls.TRAINER_WEIGHTS or s.engine == "hf":
+            out.other_model = models.load_hf_model(out.other, dtype=dtype, device=plan.device)
+        if s.negative_control == controls.TRAINER_WEIGHTS:
+            out.trainer_model = out.other_model
+    return out
 
 
 def run(s: Settings) -> int:
-    """The whole check; returns the exit code (0: all comparisons within tolerance, 1: some not)."""
+    """The whole check, top to bottom: validate, models, sample + engine scores, trainer scores, compare, report.
+    Returns the exit code (0: all comparisons within tolerance, 1: some not)."""
     timings: Dict[str, float] = {}
     start = time.monotonic()
     plan = _plan(s)
     torch.set_num_threads(s.cpu_threads)
 
-    info = models.resolve_model(s.model, cache_dir=s.cache_dir, seed=s.seed, log=_log)
-    replay, prompt_ids = _rollout_source(s, info)
-    num_sequences = len(replay.samples) if replay else len(prompt_ids) * s.samples_per_prompt
-    for layout in plan.trainer_layouts:
-        layouts_lib.check_trainer_layout(layout, flag="--trainer_layouts", vocab_size=info.vocab_size,
-                                         num_sequences=num_sequences)
-    model = models.load_hf_model(info, dtype=getattr(torch, s.dtype), device=plan.device)
+    m = load_models(s, plan)
+    replay, prompt_ids = plan.replay, plan.prompt_ids
+    if replay:
+        rollout_lib.check_model(replay, m.info.fingerprint, m.info.name, s.rollout_data)
     timings["model_s"] = time.monotonic() - start
 
     t0 = time.monotonic()
     os.makedirs(s.report_dir, exist_ok=True)
-    rollout, engine_scores = _run_engines(s, plan, info, model, replay, prompt_ids)
+    rollout, engine_scores, engine_infos = _run_engines(s, plan, m, replay, prompt_ids)
     timings["engines_s"] = time.monotonic() - t0
 
     t0 = time.monotonic()
@@ -182,26 +251,33 @@ def run(s: Settings) -> int:
     if seq_len < rollout.longest:
         raise CheckError(f"--seq_len={s.seq_len}: shorter than the longest rollout sequence ({rollout.longest})")
     packed = rollout_lib.pack(rollout, seq_len)
-    trainer_temperature = s.trainer_temperature if s.trainer_temperature is not None else rollout.temperature
-    hidden, head, logits = trainer.model_outputs(model, packed.input_ids)
-    del model
-    top_p_set = logprob_kinds.top_p_keep_mask(logits.float() / trainer_temperature, rollout.top_p)
-    _, keep = logprob_kinds.trainer_arguments(rollout.logprob_kind, trainer_temperature, top_p_set)
+    view = trainer_view(m.trainer_model, packed, rollout, trainer_temperature(s, rollout), trainer_top_p(s, rollout))
+    info = m.info
+    del m  # the ranks get what they need through `inputs`; free the models first
     inputs = trainer.TrainerInputs(
-        hidden=hidden.cpu(), lm_head=head.cpu(), targets=packed.targets, row_mask=packed.row_mask,
-        keep_mask=None if keep is None else keep.cpu(), advantages=packed.advantages,
-        temperature=trainer_temperature, entropy_coef=s.entropy_coef)
+        hidden=view.hidden.cpu(), lm_head=view.lm_head.cpu(), targets=packed.targets, row_mask=packed.row_mask,
+        keep_mask=None if view.keep is None else view.keep.cpu(), advantages=packed.advantages,
+        temperature=view.temperature, entropy_coef=s.entropy_coef)
     world = max(l.world_size for l in plan.trainer_layouts)
     _log(f"trainer layouts {','.join(l.name for l in plan.trainer_layouts)} on {world} {plan.backend} ranks")
+    faulty = tuple(l.name for l in plan.trainer_layouts if l.tp > 1) \
+        if s.negative_control == controls.VOCAB_OFFSET else ()
     bar = _progress(range(len(plan.trainer_layouts)), desc="trainer layouts")
-    results = trainer.run_layouts(inputs, plan.trainer_layouts, backend=plan.backend, threads=s.cpu_threads,
-                                  timeout_s=s.trainer_timeout_s, progress=lambda layout: bar.update(1))
+    trainer_error = None
+    try:
+        results = trainer.run_layouts(inputs, plan.trainer_layouts, backend=plan.backend, threads=s.cpu_threads,
+                                      timeout_s=s.trainer_timeout_s, progress=lambda layout: bar.update(1),
+                                      vocab_offset_layouts=faulty)
+    except trainer.TrainerRankError as exc:  # report what finished, then exit 3 with one line
+        trainer_error, results = exc, exc.finished
     bar.close()
     timings["trainer_s"] = time.monotonic() - t0
 
     tol = {name: tolerances.resolve(name, s.tolerances.get(name), s.dtype) for name in tolerances.DEFAULTS}
-    comparisons, mismatch_hist, layout_hist = _compare(
-        s, plan, rollout, packed, results, engine_scores, logits, top_p_set, trainer_temperature, tol)
+    comparisons, mismatch_hist, layout_hist = compare(
+        rollout, packed, results, engine_scores, view, tol, engine=s.engine,
+        first_layout=plan.engine_layouts[0].name, bitwise=s.expect_bitwise,
+        shifted=s.negative_control == controls.SHIFTED_LOGPROBS)
 
     timings["total_s"] = time.monotonic() - start
     summary = {
@@ -212,53 +288,103 @@ def run(s: Settings) -> int:
                     "path": s.rollout_data or os.path.join(s.report_dir, "rollout.json"),
                     "sequences": len(rollout.samples), "completion_tokens": rollout.num_completion_tokens,
                     "longest": rollout.longest, "seq_len": seq_len},
-        "trainer": {"temperature": trainer_temperature, "backend": plan.backend, "entropy_coef": s.entropy_coef,
-                    "logprob_kind": rollout.logprob_kind},
+        "trainer": {"temperature": view.temperature, "top_p": view.top_p, "backend": plan.backend,
+                    "entropy_coef": s.entropy_coef, "logprob_kind": rollout.logprob_kind},
         "engine_layouts": [l.name for l in plan.engine_layouts],
+        "engines": engine_infos,
+        "negative_control": s.negative_control,
+        "expect_bitwise": s.expect_bitwise,
+        "calibration": tolerances.source(s.dtype),
         "trainer_layouts": {r.layout.name: r.losses for r in results},
-        "tolerances": {name: {"value": tol[name], "reason": tolerances.reason(name)} for name in tol},
+        "trainer_error": None if trainer_error is None else {"message": str(trainer_error),
+                                                             "layout": trainer_error.layout,
+                                                             "rank": trainer_error.rank,
+                                                             "detail": trainer_error.detail},
+        "tolerances": {name: {"value": tol[name], "reason": tolerances.reason(name, s.dtype)} for name in tol},
         "timings_s": timings,
     }
     paths = report.write_all(s.report_dir, summary, comparisons, mismatch_hist, layout_hist)
+    if trainer_error is not None:
+        print(f"qwen3_parallel_check: error: {trainer_error} (report with what finished: "
+              f"{paths[report.MD_NAME]})", file=sys.stderr, flush=True)
+        return EXIT_TRAINER_FAILED
     failed = [c for c in comparisons if not c.passed]
     for c in failed:
-        _log(f"FAIL {c.section}: {c.subject}: {c.metric} = {c.value:.3e} > tolerance {c.tolerance:.1e}")
+        _log(f"FAIL {c.section}: {c.subject}: {c.metric} = {c.value:.3e} > tolerance {c.tolerance:.1e} "
+             f"({c.tolerance_name})")
     verdict = "PASS" if not failed else f"FAIL ({len(failed)} of {len(comparisons)} comparisons out of tolerance)"
-    print(f"qwen3_parallel_check: {verdict}; report: {paths[report.MD_NAME]} (with {report.JSON_NAME} and "
-          f"{report.PNG_NAME} beside it)", flush=True)
-    return 0 if not failed else 1
+    beside = " and ".join(os.path.basename(p) for name, p in paths.items() if name != report.MD_NAME)
+    print(f"qwen3_parallel_check: {verdict}; report: {paths[report.MD_NAME]} (with {beside} beside it)", flush=True)
+    return 0 if not failed else EXIT_FAIL
 
 
-def _rollout_source(s: Settings, info):
-    """(replayed rollout, None) or (None, prompt token ids)."""
+def trainer_temperature(s: Settings, rollout) -> float:
+    if s.trainer_temperature is not None:
+        return s.trainer_temperature
+    if s.negative_control == controls.TRAINER_TEMPERATURE:
+        return rollout.temperature * controls.TEMPERATURE_FACTOR
+    return rollout.temperature
+
+
+def trainer_top_p(s: Settings, rollout) -> float:
+    return controls.CONTROL_TOP_P if s.negative_control == controls.TRAINER_TOP_P else rollout.top_p
+
+
+@dataclasses.dataclass
+class TrainerView:
+    """The trainer's model outputs on a packed rollout, in this process (TP = 1): what every comparison starts from."""
+
+    hidden: torch.Tensor  # [B, S, H]
+    lm_head: torch.Tensor  # [V, H]
+    logits: torch.Tensor  # [B, S, V], model dtype, model device
+    temperature: float
+    top_p: float
+    top_p_set: Optional[torch.Tensor]  # [B, S, V] bool, the top-p set at the trainer's temperature (None: top_p 1)
+    keep: Optional[torch.Tensor]  # the keep mask for the rollout's log-prob kind
+
+
+def trainer_view(model, packed, rollout, temperature: float, top_p: float) -> TrainerView:
+    hidden, head, logits = trainer.model_outputs(model, packed.input_ids)
+    top_p_set = logprob_kinds.top_p_keep_mask(logits.float() / temperature, top_p)
+    _, keep = logprob_kinds.trainer_arguments(rollout.logprob_kind, temperature, top_p_set)
+    return TrainerView(hidden, head, logits, temperature, top_p, top_p_set, keep)
+
+
+def _rollout_source(s: Settings):
+    """(replayed rollout, None) or (None, prompt token ids), validated without building or loading the model."""
+    vocab_size, tokenizer_dir = models.peek(s.model)
     if s.rollout_data:
         replay = rollout_lib.load(s.rollout_data)
-        rollout_lib.check_model(replay, info.fingerprint, info.name, s.rollout_data)
-        rollout_lib.check_vocab(replay, info.vocab_size, s.rollout_data)
+        rollout_lib.check_vocab(replay, vocab_size, s.rollout_data)
         _check_replay_flags(replay, s)
         return replay, None
-    tokenize = prompts.Tokenize(info.path if info.has_tokenizer else None)
+    tokenize = prompts.Tokenize(tokenizer_dir)
     if s.prompts:
         limit = s.num_prompts if "num_prompts" in s.explicit_flags else 0
-        prompt_ids = prompts.load_prompts(s.prompts, vocab_size=info.vocab_size, tokenize=tokenize, limit=limit)
+        prompt_ids = prompts.load_prompts(s.prompts, vocab_size=vocab_size, tokenize=tokenize, limit=limit)
     else:
         prompt_ids = prompts.built_in_prompts(s.num_prompts, tokenize)
     _check_prompt_lengths(prompt_ids, s)
     return None, prompt_ids
 
 
-def _run_engines(s: Settings, plan: _Plan, info, model, replay, prompt_ids):
-    """The first engine layout samples the rollout (unless replayed); every layout teacher-force scores it."""
+def _run_engines(s: Settings, plan: _Plan, m: Models, replay, prompt_ids):
+    """The first engine layout samples the rollout (unless replayed); every layout teacher-force scores it.
+    Under the engine_layout_weights control the last layout serves the other weights."""
     sampling = SamplingSettings(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens,
-                                seed=s.seed, eos_token_id=None if s.ignore_eos else info.eos_token_id)
-    rollout, scores = replay, {}
+                                seed=s.seed, eos_token_id=None if s.ignore_eos else m.info.eos_token_id)
+    rollout, scores, infos = replay, {}, []
     for index, layout in enumerate(plan.engine_layouts):
-        with _open_engine(s, layout, model, plan.device, info) as engine:
+        other = s.negative_control == controls.ENGINE_LAYOUT_WEIGHTS and index == len(plan.engine_layouts) - 1
+        with open_engine(s, layout, m.other_model if other and s.engine == "hf" else m.model, plan.device,
+                         m.info) as engine:
+            if other and s.engine == "sglang":
+                engine.load_weights(m.other.path)
             if index == 0 and rollout is None:
                 _log(f"sampling {len(prompt_ids) * s.samples_per_prompt} completions with {s.engine} {layout.name}")
                 samples = engine.generate(prompt_ids, s.samples_per_prompt, sampling)
                 rollout = rollout_lib.Rollout(
-                    model_name=info.name, model_fingerprint=info.fingerprint, engine=s.engine,
+                    model_name=m.info.name, model_fingerprint=m.info.fingerprint, engine=s.engine,
                     engine_layout=layout.name, logprob_kind=engine.sampled_logprob_kind,
                     temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens, seed=s.seed,
                     samples=samples)
@@ -267,44 +393,44 @@ def _run_engines(s: Settings, plan: _Plan, info, model, replay, prompt_ids):
                 _log(f"rollout saved to {path} (replay it with --rollout_data={path})")
             _log(f"teacher-forced scoring with {s.engine} {layout.name}")
             scores[layout.name] = engine.score(rollout.samples)
-    return rollout, scores
+            infos.append(engine.info())
+    return rollout, scores, infos
 
 
-def _compare(s, plan, rollout, packed, results, engine_scores, logits, top_p_set, trainer_temperature, tol):
-    """Every comparison, plus the per-token differences for the histogram."""
+def compare(rollout, packed, results, engine_scores, view: TrainerView, tol, *, engine: str, first_layout: str,
+            bitwise: bool = False, shifted: bool = False):
+    """Every comparison, plus the per-token differences for the histogram. `results` may be empty (no trainer
+    layouts run); `shifted` is the shifted_logprobs control."""
     mask = packed.row_mask.numpy()
     comparisons: List[metrics.Comparison] = []
-    baseline = results[0]
     layout_hist = {}
     for result in results[1:]:
-        comparisons += metrics.trainer_comparisons(baseline, result, mask, logprob_atol=tol["trainer_logprob_atol"],
-                                                   rtol=tol["trainer_rtol"])
-        layout_hist[result.layout.name] = (result.log_probs - baseline.log_probs)[mask]
-    scored = {name: _to_rows(values, rollout, packed.targets.shape[1]) for name, values in engine_scores.items()}
-    first = plan.engine_layouts[0].name
-    for layout in plan.engine_layouts[1:]:
-        comparisons.append(metrics.engine_layout_comparison(first, layout.name, scored[first], scored[layout.name],
-                                                            mask, tol["engine_layout_tol"]))
+        comparisons += metrics.trainer_comparisons(results[0], result, mask, tol)
+        layout_hist[result.layout.name] = (result.log_probs - results[0].log_probs)[mask]
+    scored = {name: to_rows(values, rollout, packed.targets.shape[1]) for name, values in engine_scores.items()}
+    for name in scored:
+        if name != first_layout:
+            comparisons += metrics.engine_layout_comparisons(first_layout, name, scored[first_layout], scored[name],
+                                                             mask, tol, bitwise)
     mismatch_hist = {}
     engine_lp = packed.engine_logprobs.numpy()
-    sampled_lp = _trainer_logprobs(logits, packed, rollout.logprob_kind, trainer_temperature, top_p_set)
+    sampled_lp = trainer_logprobs(view.logits, packed, rollout.logprob_kind, view.temperature, view.top_p_set)
+    raw_lp = trainer_logprobs(view.logits, packed, logprob_kinds.RAW, view.temperature, None)
+    if shifted:
+        sampled_lp, raw_lp = controls.shift_by_one(sampled_lp, mask), controls.shift_by_one(raw_lp, mask)
     subject = f"{rollout.engine} {rollout.engine_layout} sampled ({rollout.logprob_kind})"
-    outside = metrics.outside_top_p_share(top_p_set, packed.targets.to(logits.device),
-                                          packed.row_mask.to(logits.device))
-    comparisons += metrics.mismatch_comparisons(
-        subject, sampled_lp, engine_lp, mask, mean_tol=tol["mismatch_tol"], kl_tol=tol["kl_tol"],
-        outside_share=outside, outside_tol=tol["top_p_outside_tol"])
+    outside = metrics.outside_top_p_share(view.top_p_set, packed.targets.to(view.logits.device),
+                                          packed.row_mask.to(view.logits.device))
+    comparisons += metrics.mismatch_comparisons(subject, sampled_lp, engine_lp, mask, tol, outside_share=outside)
     mismatch_hist[subject] = (sampled_lp - engine_lp)[mask]
-    raw_lp = _trainer_logprobs(logits, packed, logprob_kinds.RAW, trainer_temperature, None)
     for name, rows in scored.items():
-        subject = f"{s.engine} {name} teacher-forced (raw)"
-        comparisons += metrics.mismatch_comparisons(subject, raw_lp, rows, mask, mean_tol=tol["mismatch_tol"],
-                                                    kl_tol=tol["kl_tol"], outside_share=None, outside_tol=0.0)
+        subject = f"{engine} {name} teacher-forced (raw)"
+        comparisons += metrics.mismatch_comparisons(subject, raw_lp, rows, mask, tol, bitwise=bitwise)
         mismatch_hist[subject] = (raw_lp - rows)[mask]
     return comparisons, mismatch_hist, layout_hist
 
 
-def _open_engine(s: Settings, layout, model, device, info):
+def open_engine(s: Settings, layout, model, device, info):
     if s.engine == "hf":
         return hf_engine.HFEngine(model, layout, device, progress=_progress)
     options = dataclasses.replace(s.sglang, dtype=s.dtype, seed=s.seed, log_dir=s.report_dir)
@@ -331,7 +457,7 @@ def _check_prompt_lengths(prompt_ids, s: Settings) -> None:
                              f"--max_new_tokens={s.max_new_tokens} need up to {longest}")
 
 
-def _to_rows(scores: List[List[float]], rollout, seq_len: int) -> np.ndarray:
+def to_rows(scores: List[List[float]], rollout, seq_len: int) -> np.ndarray:
     """Per-sample completion log-probs -> [B, S] at the rows that predict them (as rollout.pack lays out)."""
     rows = np.zeros((len(rollout.samples), seq_len), dtype=np.float32)
     for b, (sample, values) in enumerate(zip(rollout.samples, scores)):
@@ -340,7 +466,7 @@ def _to_rows(scores: List[List[float]], rollout, seq_len: int) -> np.ndarray:
     return rows
 
 
-def _trainer_logprobs(logits, packed, kind: str, trainer_temperature: float, top_p_set) -> np.ndarray:
+def trainer_logprobs(logits, packed, kind: str, trainer_temperature: float, top_p_set) -> np.ndarray:
     """The trainer's log-probs of `kind` at TP=1 (in this process, no process group), [B, S] fp32."""
     import ppo_ops
 

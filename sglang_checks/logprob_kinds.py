@@ -6,10 +6,11 @@ is not there (or hides one that is). Three kinds occur:
   sampler      log of the distribution the sampler drew from: z = logits / T, renormalised over the top-p set.
                The hf engine returns this (log_softmax of transformers' processed scores, see engines/hf_engine.py).
                Trainer: ppo_ops(temperature=T_trainer, keep_mask=top-p set of the trainer's own z).
-  temperature  log_softmax(logits / T) over the whole vocabulary, not renormalised over top-p. SGLang 0.5.10's
+  temperature  log_softmax(logits / T) over the whole vocabulary, not renormalised over top-p. SGLang 0.5.17's
                output_token_logprobs on its standard sampling path (sampler.py: log(softmax(logits / T)) before
-               top-p). Trainer: ppo_ops(temperature=T_trainer, no keep mask).
-  raw          log_softmax(logits), temperature 1. SGLang 0.5.10's input_token_logprobs (teacher-forced scores;
+               top-p; log_softmax(bf16(logits) / T) under --rl-on-policy-target).
+               Trainer: ppo_ops(temperature=T_trainer, no keep mask).
+  raw          log_softmax(logits), temperature 1. SGLang 0.5.17's input_token_logprobs (teacher-forced scores;
                its temperature / top-p flags for them are never set), or its output log-probs under
                SGLANG_RETURN_ORIGINAL_LOGPROB=1. Trainer: ppo_ops(temperature=1, no keep mask).
 

@@ -32,6 +32,7 @@ class Comparison:
     value: float
     tolerance: float
     details: Dict[str, float] = dataclasses.field(default_factory=dict)
+    tolerance_name: str = ""  # the tolerances.py entry (or "expect_bitwise") the value is held to
 
     @property
     def passed(self) -> bool:
@@ -61,37 +62,52 @@ def relative_diff(value: float, reference: float) -> float:
     return abs(value - reference) / scale
 
 
-def trainer_comparisons(baseline, result, mask: np.ndarray, *, logprob_atol: float, rtol: float) -> List[Comparison]:
+def trainer_comparisons(baseline, result, mask: np.ndarray, tol: Dict[str, float]) -> List[Comparison]:
     """One layout's result (trainer.LayoutResult) against the tp1 baseline."""
     subject = f"{result.layout.name} vs {baseline.layout.name}"
     lp = diff_stats(result.log_probs, baseline.log_probs, mask)
     ent = diff_stats(result.entropy, baseline.entropy, mask)
-    out = [Comparison(TRAINER, subject, "max |d log-prob|", lp["max_abs"], logprob_atol, lp),
-           Comparison(TRAINER, subject, "max |d entropy|", ent["max_abs"], logprob_atol, ent)]
+    atol, rtol = "trainer_logprob_atol", "trainer_rtol"
+    out = [Comparison(TRAINER, subject, "max |d log-prob|", lp["max_abs"], tol[atol], lp, atol),
+           Comparison(TRAINER, subject, "max |d entropy|", ent["max_abs"], tol[atol], ent, atol)]
     for variant, values in result.losses.items():
         for key in ("loss", "logits_grad_norm", "lm_head_grad_norm"):
             ref = baseline.losses[variant][key]
-            out.append(Comparison(TRAINER, subject, f"{variant} {key} rel diff",
-                                  relative_diff(values[key], ref), rtol,
-                                  {"value": values[key], "baseline": ref}))
+            out.append(Comparison(TRAINER, subject, f"{variant} {key} rel diff", relative_diff(values[key], ref),
+                                  tol[rtol], {"value": values[key], "baseline": ref}, rtol))
     return out
 
 
-def engine_layout_comparison(first_name: str, name: str, first: np.ndarray, other: np.ndarray,
-                             mask: np.ndarray, tolerance: float) -> Comparison:
+def engine_layout_comparisons(first_name: str, name: str, first: np.ndarray, other: np.ndarray,
+                              mask: np.ndarray, tol: Dict[str, float], bitwise: bool) -> List[Comparison]:
+    """An engine layout's teacher-forced log-probs vs the first layout's; with `bitwise`, every token must be equal."""
     stats = diff_stats(other, first, mask)
-    return Comparison(ENGINE, f"engine {name} vs {first_name} (teacher-forced, raw)", "mean |d log-prob|",
-                      stats["mean_abs"], tolerance, stats)
+    subject = f"engine {name} vs {first_name} (teacher-forced, raw)"
+    out = [Comparison(ENGINE, subject, "mean |d log-prob|", stats["mean_abs"], tol["engine_layout_tol"], stats,
+                      "engine_layout_tol")]
+    if bitwise:
+        out.append(Comparison(ENGINE, subject, "max |d log-prob|", stats["max_abs"], 0.0, stats, BITWISE))
+    return out
 
 
-def mismatch_comparisons(subject: str, trainer_lp: np.ndarray, engine_lp: np.ndarray, mask: np.ndarray, *,
-                         mean_tol: float, kl_tol: float, outside_share: Optional[float],
-                         outside_tol: float) -> List[Comparison]:
+BITWISE = "expect_bitwise"
+
+
+def mismatch_comparisons(subject: str, trainer_lp: np.ndarray, engine_lp: np.ndarray, mask: np.ndarray,
+                         tol: Dict[str, float], *, outside_share: Optional[float] = None,
+                         bitwise: bool = False) -> List[Comparison]:
+    """Trainer vs engine log-probs of one series; with `bitwise`, every token must be equal (max |d| = 0)."""
     stats = diff_stats(trainer_lp, engine_lp, mask)
-    out = [Comparison(MISMATCH, subject, "mean |trainer - engine| log-prob", stats["mean_abs"], mean_tol, stats),
-           Comparison(MISMATCH, subject, "k3 KL(engine || trainer)", k3_kl(trainer_lp, engine_lp, mask), kl_tol)]
+    out = [Comparison(MISMATCH, subject, "mean |trainer - engine| log-prob", stats["mean_abs"], tol["mismatch_tol"],
+                      stats, "mismatch_tol"),
+           Comparison(MISMATCH, subject, "k3 KL(engine || trainer)", k3_kl(trainer_lp, engine_lp, mask),
+                      tol["kl_tol"], {}, "kl_tol")]
     if outside_share is not None:
-        out.append(Comparison(MISMATCH, subject, "share sampled outside trainer top-p", outside_share, outside_tol))
+        out.append(Comparison(MISMATCH, subject, "share sampled outside trainer top-p", outside_share,
+                              tol["top_p_outside_tol"], {}, "top_p_outside_tol"))
+    if bitwise:
+        out.append(Comparison(MISMATCH, subject, "max |trainer - engine| log-prob", stats["max_abs"], 0.0, stats,
+                              BITWISE))
     return out
 
 

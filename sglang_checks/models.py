@@ -144,7 +144,26 @@ def _build(preset: Dict[str, Any], seed: int, path: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def peek(spec: str):
+    """(vocabulary size, tokenizer directory or None) of --model=spec without building or loading weights."""
+    if spec in PRESETS:
+        return PRESETS[spec]["config"]["vocab_size"], None
+    config = _local_config(spec)
+    has_tokenizer = any(os.path.isfile(os.path.join(spec, n)) for n in ("tokenizer.json", "tokenizer_config.json"))
+    return config["vocab_size"], os.path.abspath(spec) if has_tokenizer else None
+
+
 def _local(spec: str) -> ModelInfo:
+    config = _local_config(spec)
+    eos = _eos_ids(spec, config)
+    has_tokenizer = any(os.path.isfile(os.path.join(spec, n)) for n in ("tokenizer.json", "tokenizer_config.json"))
+    return ModelInfo(name=spec, path=os.path.abspath(spec), fingerprint=checkpoint_fingerprint(spec),
+                     vocab_size=config["vocab_size"], eos_token_id=eos, has_tokenizer=has_tokenizer, generated=False,
+                     seed=None)
+
+
+def _local_config(spec: str) -> Dict[str, Any]:
+    """config.json of a local checkpoint directory, checked; the weights must exist (not read here)."""
     flag = f"--model={spec}"
     if not os.path.isdir(spec):
         raise CheckError(
@@ -166,11 +185,7 @@ def _local(spec: str) -> ModelInfo:
             raise CheckError(f"{flag}: config.json needs a positive integer {key!r}, got {config.get(key)!r}")
     if not any(glob.glob(os.path.join(spec, p)) for p in _WEIGHT_PATTERNS):
         raise CheckError(f"{flag}: no weights (*.safetensors or pytorch_model*.bin) in the directory")
-    eos = _eos_ids(spec, config)
-    has_tokenizer = any(os.path.isfile(os.path.join(spec, n)) for n in ("tokenizer.json", "tokenizer_config.json"))
-    return ModelInfo(name=spec, path=os.path.abspath(spec), fingerprint=checkpoint_fingerprint(spec),
-                     vocab_size=config["vocab_size"], eos_token_id=eos, has_tokenizer=has_tokenizer, generated=False,
-                     seed=None)
+    return config
 
 
 def _eos_ids(path: str, config: Dict[str, Any]) -> Optional[List[int]]:

@@ -5,105 +5,21 @@
     bazel run //sglang_checks:qwen3_parallel_check -- --engine=sglang --engine_layouts=tp1,tp2 \\
         --model=/path/to/Qwen3-0.6B --sglang_python=/path/to/sglang-venv/bin/python --dtype=bfloat16
 
-Exit code: 0 when every comparison is within its tolerance, 1 when one is not, 2 on bad input (the message says what
-was expected). The report folder gets report.md, report.json, logprob_diff_hist.png, rollout.json (replay it with
+Exit code: 0 when every comparison is within its tolerance, 1 when one is not, 2 on bad input (flags, paths, rollout
+files, prompts: one line on stderr saying what was expected, before any model is built or loaded), 3 when a trainer
+rank crashed or timed out (one line naming the layout and rank; the report holds what finished). The report folder gets report.md, report.json, logprob_diff_hist.png, rollout.json (replay it with
 --rollout_data) and, with --engine=sglang, each server's log. See sglang_checks/check.py for the steps.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 
-from absl import app, flags
+from absl import app
 
-from sglang_checks import check, logprob_kinds, models, tolerances
-from sglang_checks.engines import sglang_engine
+from sglang_checks import check, cli
 from sglang_checks.errors import CheckError
-
-_MODEL = flags.DEFINE_string(
-    "model", "tiny", "`tiny` (small Qwen3 from --seed, CPU), `qwen3-0.6b-random` (Qwen3-0.6B architecture, seeded "
-    "random weights, GPU) or a local Hugging Face Qwen3 checkpoint directory.")
-_CACHE_DIR = flags.DEFINE_string("cache_dir", None, "Where generated models are cached (default: "
-                                 "$XDG_CACHE_HOME or ~/.cache, then ppo_ops/models).")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the generated model's weights and of sampling.")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
-                           "Model dtype for the engine and the trainer; picks the default tolerances.")
-_DEVICE = flags.DEFINE_enum("device", "auto", ["auto", "cpu", "cuda"],
-                            "Device of the hf engine and the trainer (auto: cuda when visible). cuda runs trainer "
-                            "ranks over NCCL, one GPU each; cpu over gloo.")
-_CPU_THREADS = flags.DEFINE_integer("cpu_threads", 1, "torch threads per process (the tiny model gains nothing "
-                                    "from more; raise it for bigger models on CPU).")
-_ENGINE = flags.DEFINE_enum("engine", "hf", ["hf", "sglang"], "Rollout engine: hf (embedded transformers) or "
-                            "sglang (a launched SGLang server per engine layout).")
-_ENGINE_LAYOUTS = flags.DEFINE_string("engine_layouts", "tp1", "Engine layouts, e.g. tp1,tp2,dp2 (hf: tp1 and dpN "
-                                      "only). The first samples the rollout; each teacher-force scores it.")
-_TRAINER_LAYOUTS = flags.DEFINE_string("trainer_layouts", "tp1,tp2,tp4,cp2,dp2",
-                                       "Trainer layouts: tpN (vocabulary), cpN (sequence), dpN (batch), combined "
-                                       "like tp2cp2; each is compared with tp1 (added when missing).")
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "Rollout sampling temperature.")
-_TOP_P = flags.DEFINE_float("top_p", 0.95, "Rollout top-p.")
-_TRAINER_TEMPERATURE = flags.DEFINE_float("trainer_temperature", None, "Temperature the trainer scores at (default: "
-                                          "the rollout's). Another value reproduces a classic RL bug; the check "
-                                          "then fails.")
-_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 24, "Completion length limit.")
-_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 8, "How many built-in prompts (1-8), or the first N of --prompts.")
-_SAMPLES_PER_PROMPT = flags.DEFINE_integer("samples_per_prompt", 2, "Completions per prompt (a GRPO group).")
-_PROMPTS = flags.DEFINE_string("prompts", None, "JSONL file of prompts: {\"input_ids\": [...]} or {\"text\": ...} "
-                               "per line.")
-_IGNORE_EOS = flags.DEFINE_bool("ignore_eos", False, "Always generate --max_new_tokens tokens.")
-_ROLLOUT_DATA = flags.DEFINE_string("rollout_data", None, "Replay this saved rollout.json instead of sampling.")
-_REPORT_DIR = flags.DEFINE_string("report_dir", None, "Report folder (default: reports/qwen3_parallel_check under "
-                                  "the workspace with `bazel run`, else under the current directory).")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 0, "Trainer sequence length (padded); 0: the longest sequence rounded "
-                                "up so every CP size divides it.")
-_ENTROPY_COEF = flags.DEFINE_float("entropy_coef", 0.01, "Entropy bonus in the surrogate loss (0: entropy is only "
-                                   "reported, not differentiated).")
-_MAX_RANKS = flags.DEFINE_integer("max_ranks", 8, "Most ranks a trainer layout may use (with NCCL also at most one "
-                                  "per visible GPU).")
-_TRAINER_TIMEOUT = flags.DEFINE_float("trainer_timeout_s", 900.0, "Time limit of all trainer layouts together.")
-_TOLERANCES = {name: flags.DEFINE_float(name, None, f"Default {fp32:g} (float32) / {bf16:g} (bfloat16): {why}.")
-               for name, (fp32, bf16, why) in tolerances.DEFAULTS.items()}
-_SGLANG_PYTHON = flags.DEFINE_string("sglang_python", sys.executable, "Interpreter that has sglang installed.")
-_SGLANG_PORT = flags.DEFINE_integer("sglang_port", 0, "Port of the SGLang server on 127.0.0.1 (0: a free one).")
-_SGLANG_START_TIMEOUT = flags.DEFINE_float("sglang_start_timeout_s", 900.0, "How long a server may take to start.")
-_SGLANG_REQUEST_TIMEOUT = flags.DEFINE_float("sglang_request_timeout_s", 600.0, "Time limit of one request.")
-_DETERMINISTIC = flags.DEFINE_bool("deterministic_inference", False, "Launch SGLang with "
-                                   "--enable-deterministic-inference.")
-_SGLANG_MEM_FRACTION = flags.DEFINE_float("sglang_mem_fraction", None, "SGLang --mem-fraction-static.")
-_SGLANG_EXTRA_ARGS = flags.DEFINE_string("sglang_extra_args", "", "More server arguments, shell-quoted.")
-_SGLANG_LOGPROB_KIND = flags.DEFINE_enum(
-    "sglang_logprob_kind", logprob_kinds.TEMPERATURE, [logprob_kinds.TEMPERATURE, logprob_kinds.RAW],
-    "What SGLang's sampled log-probs are: temperature (0.5.10 default: log softmax(logits / T)) or raw (also sets "
-    "SGLANG_RETURN_ORIGINAL_LOGPROB=1 for the server). The trainer computes the same kind.")
-
-
-def default_report_dir() -> str:
-    root = os.environ.get("BUILD_WORKSPACE_DIRECTORY") or os.getcwd()
-    return os.path.join(root, "reports", "qwen3_parallel_check")
-
-
-def settings_from_flags() -> check.Settings:
-    import shlex
-
-    explicit = tuple(name for name in flags.FLAGS if flags.FLAGS[name].present)
-    return check.Settings(
-        report_dir=os.path.abspath(_REPORT_DIR.value or default_report_dir()),
-        model=_MODEL.value, cache_dir=_CACHE_DIR.value or models.default_cache_dir(), seed=_SEED.value,
-        dtype=_DTYPE.value, device=_DEVICE.value, cpu_threads=_CPU_THREADS.value, engine=_ENGINE.value,
-        engine_layouts=_ENGINE_LAYOUTS.value, trainer_layouts=_TRAINER_LAYOUTS.value,
-        temperature=_TEMPERATURE.value, top_p=_TOP_P.value, trainer_temperature=_TRAINER_TEMPERATURE.value,
-        max_new_tokens=_MAX_NEW_TOKENS.value, num_prompts=_NUM_PROMPTS.value,
-        samples_per_prompt=_SAMPLES_PER_PROMPT.value, prompts=_PROMPTS.value, ignore_eos=_IGNORE_EOS.value,
-        rollout_data=_ROLLOUT_DATA.value, explicit_flags=explicit, seq_len=_SEQ_LEN.value,
-        entropy_coef=_ENTROPY_COEF.value, max_ranks=_MAX_RANKS.value, trainer_timeout_s=_TRAINER_TIMEOUT.value,
-        tolerances={name: holder.value for name, holder in _TOLERANCES.items()},
-        sglang=sglang_engine.ServerOptions(
-            python=_SGLANG_PYTHON.value, port=_SGLANG_PORT.value, start_timeout_s=_SGLANG_START_TIMEOUT.value,
-            request_timeout_s=_SGLANG_REQUEST_TIMEOUT.value, deterministic=_DETERMINISTIC.value,
-            mem_fraction_static=_SGLANG_MEM_FRACTION.value, extra_args=tuple(shlex.split(_SGLANG_EXTRA_ARGS.value)),
-            logprob_kind=_SGLANG_LOGPROB_KIND.value))
 
 
 def _stop_on_sigterm(signum, frame):
@@ -111,15 +27,14 @@ def _stop_on_sigterm(signum, frame):
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    del argv  # flags_parser refused stray arguments
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
-        return check.run(settings_from_flags())
+        return check.run(cli.settings_from_flags())
     except CheckError as exc:
         print(f"qwen3_parallel_check: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return check.EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.flags_parser("qwen3_parallel_check"))

@@ -1,9 +1,12 @@
 """The report folder: report.json (everything), report.md (the table a person reads first), logprob_diff_hist.png.
 
-report.json keys: passed, settings (every flag), versions, model, rollout, engine_layouts, trainer_layouts,
-comparisons (section, subject, metric, value, tolerance, passed, details), tolerances (each with its reason), timings_s.
-The PNG has one panel of per-token (trainer - engine) log-prob differences per engine log-prob series, and one of
-(layout - tp1) trainer log-prob differences, over the completion tokens.
+report.json keys: passed, settings (every flag), versions, model, rollout, engine_layouts, engines (per engine layout:
+engine, version, launch command, start-up time), negative_control, expect_bitwise, calibration (where the tolerances
+come from), trainer_layouts, comparisons (section, subject, metric, value, tolerance, tolerance_name, passed,
+details), tolerances (each with its reason), timings_s.
+The PNG has one panel of per-token (trainer - engine) log-prob differences per engine log-prob series, one of
+(layout - tp1) trainer log-prob differences, over the completion tokens, and one of every comparison's value against
+its tolerance (value / tolerance; a bar past 1 is a FAIL).
 """
 
 from __future__ import annotations
@@ -60,6 +63,16 @@ def write_markdown(path: str, report: dict, comparisons: List[Comparison]) -> No
         f"`{','.join(report['trainer_layouts'])}`, backend `{report['trainer']['backend']}`",
         f"- rollout: {r['sequences']} sequences, {r['completion_tokens']} completion tokens, trainer sequence length "
         f"{r['seq_len']}{' (replayed from ' + r['path'] + ')' if r.get('replayed') else ''}",
+        f"- tolerances: {report.get('calibration', 'defaults')}"
+        f"{'; --expect_bitwise: teacher-forced and engine layout differences must be 0' if report.get('expect_bitwise') else ''}",
+    ]
+    if report.get("negative_control", "none") != "none":
+        lines.append(f"- **negative control `{report['negative_control']}`** (a fault injected on purpose; a FAIL is "
+                     f"the expected outcome)")
+    for e in report.get("engines", []):
+        startup = f", started in {e['startup_s']:.1f} s" if e.get("startup_s") else ""
+        lines.append(f"- engine layout `{e['layout']}`: {e['engine']} {e['version']}{startup}; `{e['command']}`")
+    lines += [
         "",
         "| section | subject | metric | value | tolerance | result |",
         "|---|---|---|---|---|---|",
@@ -74,14 +87,17 @@ def write_markdown(path: str, report: dict, comparisons: List[Comparison]) -> No
         f.write("\n".join(lines))
 
 
-def write_histogram(path: str, mismatch: Dict[str, np.ndarray], layouts: Dict[str, np.ndarray]) -> None:
-    """mismatch: label -> per-token (trainer - engine); layouts: layout name -> per-token (layout - tp1)."""
+def write_histogram(path: str, mismatch: Dict[str, np.ndarray], layouts: Dict[str, np.ndarray],
+                    comparisons: List[Comparison] = ()) -> None:
+    """mismatch: label -> per-token (trainer - engine); layouts: layout name -> per-token (layout - tp1);
+    comparisons: each value against its tolerance."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(20, 5), gridspec_kw={"width_ratios": [1, 1, 1.2]})
+    _threshold_panel(axes[2], comparisons)
     for ax, series, title in ((axes[0], mismatch, "trainer - engine log-prob (completion tokens)"),
                               (axes[1], layouts, "trainer layout - tp1 log-prob (completion tokens)")):
         values = [v for v in series.values() if v.size]
@@ -106,6 +122,36 @@ def write_histogram(path: str, mismatch: Dict[str, np.ndarray], layouts: Dict[st
     plt.close(fig)
 
 
+# Where a value of 0 is drawn on the log axis of value / tolerance (0 is exact agreement; log(0) does not exist).
+_ZERO_RATIO = 1e-6
+
+
+def _threshold_panel(ax, comparisons: List[Comparison]) -> None:
+    """Healthy vs threshold: one bar per comparison, value / tolerance on a log axis, the threshold at 1."""
+    if not comparisons:
+        ax.text(0.5, 0.5, "no comparisons", ha="center", va="center", transform=ax.transAxes)
+        return
+    ratios, labels, colors = [], [], []
+    for c in comparisons:
+        if c.tolerance > 0:
+            ratio = c.value / c.tolerance if c.value > 0 else _ZERO_RATIO
+        else:  # a bitwise demand: 0 passes, anything else is off the scale
+            ratio = _ZERO_RATIO if c.value == 0 else 1e3
+        ratios.append(ratio if np.isfinite(ratio) else 1e3)
+        labels.append(f"{c.subject[:34]}: {c.metric[:28]}")
+        colors.append("tab:green" if c.passed else "tab:red")
+    y = np.arange(len(ratios))
+    ax.barh(y, ratios, color=colors, left=_ZERO_RATIO * 0.5)
+    ax.axvline(1.0, color="black", linestyle="--", linewidth=1, label="threshold (value = tolerance)")
+    ax.set_xscale("log")
+    ax.set_yticks(y)
+    ax.set_yticklabels(labels, fontsize=5)
+    ax.invert_yaxis()
+    ax.set_xlabel("value / tolerance")
+    ax.set_title("every comparison vs its threshold (green pass, red FAIL)", fontsize=10)
+    ax.legend(fontsize=7, loc="lower right")
+
+
 def write_all(report_dir: str, report: dict, comparisons: List[Comparison], mismatch, layouts) -> Dict[str, str]:
     os.makedirs(report_dir, exist_ok=True)
     paths = {name: os.path.join(report_dir, name) for name in (JSON_NAME, MD_NAME, PNG_NAME)}
@@ -113,5 +159,12 @@ def write_all(report_dir: str, report: dict, comparisons: List[Comparison], mism
                   passed=all(c.passed for c in comparisons))
     write_json(paths[JSON_NAME], report)
     write_markdown(paths[MD_NAME], report, comparisons)
-    write_histogram(paths[PNG_NAME], mismatch, layouts)
+    try:
+        import matplotlib  # noqa: F401 - optional: GPU images may lack it; the numbers are all in the JSON
+    except ImportError:
+        paths.pop(PNG_NAME)
+        with open(paths[MD_NAME], "a") as f:
+            f.write(f"\n(no {PNG_NAME}: matplotlib is not installed for this interpreter)\n")
+        return paths
+    write_histogram(paths[PNG_NAME], mismatch, layouts, comparisons)
     return paths

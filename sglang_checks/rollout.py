@@ -63,6 +63,7 @@ def save(rollout: Rollout, path: str) -> None:
 
 
 def load(path: str) -> Rollout:
+    """Reads and validates a saved rollout field by field; anything off is bad input (CheckError), never scored."""
     flag = f"--rollout_data={path}"
     try:
         with open(path, encoding="utf-8") as f:
@@ -72,26 +73,61 @@ def load(path: str) -> Rollout:
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         found = record.get("format") if isinstance(record, dict) else None
         raise CheckError(f"{flag}: not a rollout of this check (format {found!r}, expected {FORMAT!r})")
-    try:
-        samples = [Sample(**s) for s in record.pop("samples")]
-        record.pop("format")
-        rollout = Rollout(samples=samples, **record)
-    except (TypeError, KeyError) as exc:
-        raise CheckError(f"{flag}: malformed rollout ({exc})") from exc
-    _check_consistent(rollout, flag)
-    return rollout
+    fields = {f.name for f in dataclasses.fields(Rollout)}
+    unknown = sorted(set(record) - fields - {"format"})
+    missing = sorted(fields - set(record))
+    if unknown or missing:
+        raise CheckError(f"{flag}: malformed rollout ({'missing ' + ', '.join(missing) if missing else ''}"
+                         f"{'; ' if missing and unknown else ''}{'unknown ' + ', '.join(unknown) if unknown else ''})")
+    for name in ("model_name", "model_fingerprint", "engine_layout"):
+        _expect(isinstance(record[name], str) and record[name], flag, name, "a non-empty string", record[name])
+    _expect(record["engine"] in ("hf", "sglang"), flag, "engine", "hf or sglang", record["engine"])
+    _expect(record["logprob_kind"] in KINDS, flag, "logprob_kind", f"one of {', '.join(KINDS)}",
+            record["logprob_kind"])
+    _expect(_is_number(record["temperature"]) and record["temperature"] > 0, flag, "temperature",
+            "a finite number > 0", record["temperature"])
+    _expect(_is_number(record["top_p"]) and 0 < record["top_p"] <= 1, flag, "top_p", "a number in (0, 1]",
+            record["top_p"])
+    _expect(_is_int(record["max_new_tokens"]) and record["max_new_tokens"] >= 1, flag, "max_new_tokens",
+            "an integer >= 1", record["max_new_tokens"])
+    _expect(_is_int(record["seed"]), flag, "seed", "an integer", record["seed"])
+    raw_samples = record["samples"]
+    _expect(isinstance(raw_samples, list) and raw_samples, flag, "samples", "a non-empty list", raw_samples)
+    samples = [_sample(raw, n, flag) for n, raw in enumerate(raw_samples)]
+    return Rollout(**{k: v for k, v in record.items() if k not in ("format", "samples")}, samples=samples)
 
 
-def _check_consistent(rollout: Rollout, flag: str) -> None:
-    if rollout.logprob_kind not in KINDS:
-        raise CheckError(f"{flag}: unknown logprob_kind {rollout.logprob_kind!r}; expected one of {KINDS}")
-    if not rollout.samples:
-        raise CheckError(f"{flag}: the rollout has no samples")
-    for n, s in enumerate(rollout.samples):
-        if not s.prompt_ids or len(s.engine_logprobs) != len(s.completion_ids):
-            raise CheckError(f"{flag}: sample {n} needs a non-empty prompt and one log-prob per completion token")
-        if any(not isinstance(v, (int, float)) or math.isnan(v) for v in s.engine_logprobs):
-            raise CheckError(f"{flag}: sample {n} has a log-prob that is not a number")
+def _is_int(v) -> bool:
+    return type(v) is int  # not bool, not a float that happens to be whole
+
+
+def _is_number(v) -> bool:
+    return type(v) in (int, float) and math.isfinite(v)
+
+
+def _expect(ok, flag: str, field: str, expected: str, got) -> None:
+    if not ok:
+        shown = repr(got) if len(repr(got)) <= 60 else repr(got)[:57] + "..."
+        raise CheckError(f"{flag}: {field} must be {expected}, got {shown}")
+
+
+def _sample(raw, n: int, flag: str) -> Sample:
+    where = f"sample {n}"
+    fields = [f.name for f in dataclasses.fields(Sample)]
+    _expect(isinstance(raw, dict) and sorted(raw) == sorted(fields), flag, where,
+            f"an object with {', '.join(fields)}", raw if not isinstance(raw, dict) else sorted(raw))
+    for name in ("prompt_index", "sample_index"):
+        _expect(_is_int(raw[name]) and raw[name] >= 0, flag, f"{where} {name}", "an integer >= 0", raw[name])
+    for name in ("prompt_ids", "completion_ids"):
+        ids = raw[name]
+        _expect(isinstance(ids, list) and ids and all(_is_int(t) and t >= 0 for t in ids), flag, f"{where} {name}",
+                "a non-empty list of integer token ids >= 0", ids)
+    lps = raw["engine_logprobs"]
+    _expect(isinstance(lps, list) and len(lps) == len(raw["completion_ids"]), flag, f"{where} engine_logprobs",
+            f"a list of {len(raw['completion_ids'])} log-probs (one per completion token)", lps)
+    bad = [v for v in lps if not (_is_number(v) and v <= 0)]
+    _expect(not bad, flag, f"{where} engine_logprobs", "finite log-probs <= 0", bad[:1])
+    return Sample(**raw)
 
 
 def check_model(rollout: Rollout, fingerprint: str, model_name: str, path: str) -> None:

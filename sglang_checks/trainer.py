@@ -34,12 +34,13 @@ import socket
 import tempfile
 import time
 import traceback
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from sglang_checks.controls import VOCAB_OFFSET_ROWS
 from sglang_checks.layouts import Layout
 
 VARIANTS = ("token_mean", "seq_mean")
@@ -68,7 +69,14 @@ class LayoutResult:
 
 
 class TrainerRankError(RuntimeError):
-    """A rank failed; the message holds its traceback."""
+    """A rank failed, crashed or timed out. `layout` and `rank` name where (None when unknown), `detail` holds the
+    rank's traceback or the reason, `finished` the layouts of the first job that completed before it."""
+
+    def __init__(self, message: str, *, layout: Optional[str], rank: Optional[int], detail: str = "",
+                 finished: Optional[List["LayoutResult"]] = None):
+        super().__init__(message)
+        self.layout, self.rank, self.detail = layout, rank, detail
+        self.finished = finished or []
 
 
 def model_outputs(model, input_ids: torch.Tensor):
@@ -85,32 +93,65 @@ def free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclasses.dataclass
+class Job:
+    """One set of inputs scored under some layouts; `vocab_offset_layouts` names layouts given the vocab_offset
+    fault (controls.py): their last TP rank takes LM-head rows VOCAB_OFFSET_ROWS too far."""
+
+    inputs: TrainerInputs
+    layouts: List[Layout]
+    vocab_offset_layouts: Tuple[str, ...] = ()
+
+
 def run_layouts(inputs: TrainerInputs, layouts: List[Layout], *, backend: str, threads: int = 1,
-                timeout_s: float = 900.0, progress=None) -> List[LayoutResult]:
+                timeout_s: float = 900.0, progress=None, vocab_offset_layouts: Tuple[str, ...] = ()
+                ) -> List[LayoutResult]:
     """Runs every layout on one spawned group of ranks; returns results in layout order."""
-    world = max(l.world_size for l in layouts)
+    return run_jobs([Job(inputs, layouts, vocab_offset_layouts)], backend=backend, threads=threads,
+                    timeout_s=timeout_s, progress=progress)[0]
+
+
+def run_jobs(jobs: List[Job], *, backend: str, threads: int = 1, timeout_s: float = 900.0,
+             progress=None) -> List[List[LayoutResult]]:
+    """Runs every job's layouts, job after job, on one spawned group of ranks (one start-up for all)."""
+    world = max(l.world_size for job in jobs for l in job.layouts)
     ctx = torch.multiprocessing.get_context("spawn")
-    results: Dict[str, Dict[int, dict]] = {l.name: {} for l in layouts}
+    results: Dict[Tuple[int, str], Dict[int, dict]] = {(j, l.name): {} for j, job in enumerate(jobs)
+                                                       for l in job.layouts}
+    plan = [(j, [(l, l.name in job.vocab_offset_layouts) for l in job.layouts]) for j, job in enumerate(jobs)]
     with tempfile.TemporaryDirectory(prefix="qwen3_check_trainer_") as tmp:
         payload = os.path.join(tmp, "inputs.pt")
-        torch.save(dataclasses.asdict(inputs), payload)
+        torch.save([dataclasses.asdict(job.inputs) for job in jobs], payload)
         messages = ctx.Queue()
         port = free_loopback_port()
         procs = [ctx.Process(target=_rank_main, daemon=True,
-                             args=(rank, world, port, backend, payload, layouts, messages, threads))
+                             args=(rank, world, port, backend, payload, plan, messages, threads))
                  for rank in range(world)]
         try:
             for p in procs:
                 p.start()
-            _collect(procs, messages, layouts, results, timeout_s, progress)
+            _collect(procs, messages, jobs, results, timeout_s, progress)
+        except TrainerRankError as exc:
+            exc.finished = [_assemble(l, results[(0, l.name)], jobs[0].inputs) for l in jobs[0].layouts
+                            if len(results[(0, l.name)]) == l.world_size]
+            raise
         finally:
             _reap(procs)
             messages.close()
-    return [_assemble(l, results[l.name], inputs) for l in layouts]
+    return [[_assemble(l, results[(j, l.name)], job.inputs) for l in job.layouts] for j, job in enumerate(jobs)]
 
 
-def _collect(procs, messages, layouts, results, timeout_s, progress) -> None:
-    expected = sum(l.world_size for l in layouts)
+def _first_unfinished(jobs, results):
+    for j, job in enumerate(jobs):
+        for l in job.layouts:
+            if len(results[(j, l.name)]) < l.world_size:
+                missing = [r for r in range(l.world_size) if r not in results[(j, l.name)]]
+                return l.name, missing
+    return None, []
+
+
+def _collect(procs, messages, jobs, results, timeout_s, progress) -> None:
+    expected = sum(l.world_size for job in jobs for l in job.layouts)
     received, done, deadline = 0, set(), time.monotonic() + timeout_s
     while received < expected or len(done) < len(procs):
         try:
@@ -118,21 +159,30 @@ def _collect(procs, messages, layouts, results, timeout_s, progress) -> None:
         except queue_lib.Empty:
             dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
             if dead:
-                raise TrainerRankError(f"trainer rank {dead[0][0]} exited with code {dead[0][1]} without a report")
+                layout, _ = _first_unfinished(jobs, results)
+                rank, code = dead[0]
+                raise TrainerRankError(f"trainer layout {layout}: rank {rank} exited with code {code} without a "
+                                       f"report", layout=layout, rank=rank)
             if time.monotonic() > deadline:
-                raise TrainerRankError(f"trainer layouts did not finish within {timeout_s:.0f} s")
+                layout, missing = _first_unfinished(jobs, results)
+                rank = missing[0] if missing else None
+                raise TrainerRankError(f"trainer layout {layout}: rank {rank} did not finish within "
+                                       f"--trainer_timeout_s={timeout_s:g} s", layout=layout, rank=rank)
             continue
         kind = message[0]
         if kind == "error":
-            raise TrainerRankError(f"trainer rank {message[1]} failed:\n{message[2]}")
+            _, rank, layout, tb = message
+            last = tb.strip().splitlines()[-1] if tb.strip() else "unknown error"
+            raise TrainerRankError(f"trainer layout {layout}: rank {rank} failed: {last}", layout=layout, rank=rank,
+                                   detail=tb)
         if kind == "done":
             done.add(message[1])
             continue
-        _, name, rank, payload = message
-        results[name][rank] = payload
+        _, j, name, rank, payload = message
+        results[(j, name)][rank] = payload
         received += 1
-        layout = next(l for l in layouts if l.name == name)
-        if progress is not None and len(results[name]) == layout.world_size:
+        layout = next(l for l in jobs[j].layouts if l.name == name)
+        if progress is not None and len(results[(j, name)]) == layout.world_size:
             progress(layout)
 
 
@@ -165,7 +215,8 @@ def _assemble(layout: Layout, by_rank: Dict[int, dict], inputs: TrainerInputs) -
 # ----------------------------------------------------------------------------------------------- inside each rank
 
 
-def _rank_main(rank, world, port, backend, payload_path, layouts, messages, threads) -> None:
+def _rank_main(rank, world, port, backend, payload_path, plan, messages, threads) -> None:
+    current = None
     try:
         torch.set_num_threads(max(threads, 1))
         if backend == "nccl":
@@ -174,15 +225,19 @@ def _rank_main(rank, world, port, backend, payload_path, layouts, messages, thre
         else:
             device = torch.device("cpu")
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        inputs = torch.load(payload_path, mmap=True, weights_only=True)
-        for layout in layouts:
-            groups = _layout_groups(layout, rank)  # collective over the whole spawned group
-            if rank < layout.world_size:
-                messages.put(("result", layout.name, rank, _run_rank(layout, rank, groups, inputs, device)))
+        all_inputs = torch.load(payload_path, mmap=True, weights_only=True)
+        for j, layouts in plan:
+            for layout, vocab_offset_fault in layouts:
+                current = layout.name
+                groups = _layout_groups(layout, rank)  # collective over the whole spawned group
+                if rank < layout.world_size:
+                    result = _run_rank(layout, rank, groups, all_inputs[j], device, vocab_offset_fault)
+                    messages.put(("result", j, layout.name, rank, result))
+        current = None
         dist.barrier()
         messages.put(("done", rank))
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent, which stops the others
-        messages.put(("error", rank, traceback.format_exc()))
+        messages.put(("error", rank, current, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -217,7 +272,8 @@ def _sum(value: torch.Tensor, group, size: int) -> torch.Tensor:
     return value
 
 
-def _run_rank(layout: Layout, rank: int, groups: _Groups, inputs: dict, device: torch.device) -> dict:
+def _run_rank(layout: Layout, rank: int, groups: _Groups, inputs: dict, device: torch.device,
+              vocab_offset_fault: bool = False) -> dict:
     import ppo_ops
 
     d, c, t = layout.coords(rank)
@@ -225,7 +281,10 @@ def _run_rank(layout: Layout, rank: int, groups: _Groups, inputs: dict, device: 
     vocab = inputs["lm_head"].shape[0]
     rows = slice(d * batch // layout.dp, (d + 1) * batch // layout.dp)
     cols = slice(c * seq // layout.cp, (c + 1) * seq // layout.cp)
-    vocab_part = slice(t * vocab // layout.tp, (t + 1) * vocab // layout.tp)
+    start, end = t * vocab // layout.tp, (t + 1) * vocab // layout.tp
+    if vocab_offset_fault and layout.tp > 1 and t == layout.tp - 1:  # the vocab_offset control (controls.py)
+        start, end = start - VOCAB_OFFSET_ROWS, end - VOCAB_OFFSET_ROWS
+    vocab_part = slice(start, end)
 
     hidden = inputs["hidden"][rows, cols].to(device)
     weight = inputs["lm_head"][vocab_part].to(device)

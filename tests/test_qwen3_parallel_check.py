@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from sglang_checks import check, layouts, logprob_kinds, trainer
+from sglang_checks import check, cli, controls, layouts, logprob_kinds, trainer
 from sglang_checks.engines import SamplingSettings, hf_engine
 from sglang_checks.errors import CheckError
 
@@ -56,7 +56,7 @@ def default_run(tmp_path_factory, cache_dir):
 
 
 def _settings(tmp_path, cache_dir, **overrides):
-    return check.Settings(report_dir=str(tmp_path / "report"), cache_dir=cache_dir, **overrides)
+    return cli.settings(report_dir=str(tmp_path / "report"), cache_dir=cache_dir, **overrides)
 
 
 # ------------------------------------------------------------------------------------------------ end to end
@@ -126,6 +126,51 @@ def test_trainer_temperature_mismatch_fails(default_run, cache_dir, tmp_path):
     assert "**FAIL" in open(os.path.join(s.report_dir, "report.md")).read()
 
 
+# ------------------------------------------------------------------------------------------- negative controls
+
+
+@pytest.mark.parametrize("control", list(controls.CONTROLS))
+def test_negative_control_fails_with_the_metric_that_should_catch_it(control, default_run, cache_dir, tmp_path):
+    """Each injected fault FAILs the check, and the comparisons held to the tolerances named for it are among the
+    failures (controls.CAUGHT_BY); run on the default run's saved rollout, with only the layouts each fault needs."""
+    _, first_dir = default_run
+    s = _settings(tmp_path, cache_dir, rollout_data=os.path.join(first_dir, "rollout.json"), negative_control=control,
+                  trainer_layouts="tp1,tp2" if control == controls.VOCAB_OFFSET else "tp1",
+                  engine_layouts="tp1,dp2" if control == controls.ENGINE_LAYOUT_WEIGHTS else "tp1")
+    assert check.run(s) == 1
+    report = _report(s.report_dir)
+    assert report["negative_control"] == control and report["passed"] is False
+    failed = {c["tolerance_name"] for c in report["comparisons"] if not c["passed"]}
+    assert set(controls.CONTROLS[control][1]) <= failed, failed
+    for c in report["comparisons"]:  # and far out, not by rounding
+        if not c["passed"] and c["tolerance_name"] in controls.CONTROLS[control][1]:
+            assert c["value"] > 10 * c["tolerance"], c
+
+
+@pytest.mark.parametrize("control, overrides, message", [
+    (controls.ENGINE_LAYOUT_WEIGHTS, {}, "needs at least two --engine_layouts"),
+    (controls.VOCAB_OFFSET, dict(trainer_layouts="tp1,cp2"), "needs a tensor-parallel trainer layout"),
+])
+def test_negative_control_without_what_it_breaks_is_refused(control, overrides, message, tmp_path, cache_dir):
+    with pytest.raises(CheckError, match=message):
+        check.run(_settings(tmp_path, cache_dir, negative_control=control, **overrides))
+
+
+def test_expect_bitwise_fails_naming_the_metric(default_run, cache_dir, tmp_path):
+    """The hf engine scores with a batched forward and the trainer with its own: equal to ~1e-6, not bitwise, so
+    --expect_bitwise FAILs on the max |d| rows (and an identical engine layout, dp2's split batch, may pass)."""
+    _, first_dir = default_run
+    s = _settings(tmp_path, cache_dir, rollout_data=os.path.join(first_dir, "rollout.json"), trainer_layouts="tp1",
+                  expect_bitwise=True)
+    code = check.run(s)
+    report = _report(s.report_dir)
+    bitwise = [c for c in report["comparisons"] if c["tolerance_name"] == "expect_bitwise"]
+    assert bitwise and all(c["tolerance"] == 0 for c in bitwise)
+    assert [c["metric"] for c in bitwise] == ["max |trainer - engine| log-prob"]
+    assert code == (0 if bitwise[0]["value"] == 0 else 1)
+    assert report["expect_bitwise"] is True
+
+
 # ------------------------------------------------------------------------------- trainer math vs float64 reference
 
 
@@ -192,8 +237,10 @@ def test_trainer_layouts_match_a_float64_reference():
 def test_a_failing_rank_is_reported_and_every_rank_reaped():
     inputs = _synthetic_inputs()
     inputs.targets[0, 3] = 10_000  # outside the vocabulary on a completion row: ppo_ops rejects it in every rank
-    with pytest.raises(trainer.TrainerRankError, match="tokens"):
+    with pytest.raises(trainer.TrainerRankError, match=r"^trainer layout tp2: rank [01] failed: .*tokens") as info:
         trainer.run_layouts(inputs, [layouts.Layout("tp2", tp=2)], backend="gloo", timeout_s=300)
+    assert info.value.layout == "tp2" and info.value.rank in (0, 1) and "Traceback" in info.value.detail
+    assert "\n" not in str(info.value)  # one line; the traceback is in .detail (and the report)
     assert multiprocessing.active_children() == []
 
 
@@ -248,6 +295,7 @@ QWEN3_CONFIG = {"model_type": "qwen3", "vocab_size": 4096, "hidden_size": 64, "n
     (dict(engine_layouts="tp2"), "hf engine runs unsharded"),
     (dict(engine_layouts="tp1,cp2"), "does not support"),
     (dict(temperature=0.0), "--temperature: expected > 0"),
+    (dict(trainer_timeout_s=0.0), "--trainer_timeout_s: expected > 0"),
     (dict(top_p=1.5), "--top_p"),
     (dict(seq_len=8), "--seq_len=8"),
     (dict(model="/nonexistent/qwen3"), "no such directory"),
@@ -279,7 +327,7 @@ def test_malformed_model_directory_is_refused(kind, message, tmp_path, cache_dir
 @pytest.mark.skipif(__import__("importlib").util.find_spec("sglang") is not None,
                     reason="sglang is installed here, so its absence cannot be tested")
 def test_missing_sglang_says_what_to_install(tmp_path, cache_dir):
-    with pytest.raises(CheckError, match=r"sglang package is not installed.*pip install 'sglang==0\.5\.10\.post1'"):
+    with pytest.raises(CheckError, match=r"sglang package is not installed.*pip install 'sglang==0\.5\.17'"):
         check.run(_settings(tmp_path, cache_dir, engine="sglang", engine_layouts="tp1"))
 
 
@@ -319,3 +367,95 @@ def test_binary_bad_input_exits_2_with_a_message_and_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert "qwen3_parallel_check: error: --trainer_layouts: unknown layout name 'pp2'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------------------------------------------ the CLI: one line, exit code
+
+
+def _one_line(stderr):
+    lines = [l for l in stderr.strip().splitlines() if l.strip()]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dtype=float16"], "flag --dtype=float16: value should be one of"),  # absl's own enum validation
+    (["--num_prompts=many"], "flag --num_prompts=many"),
+    (["--negative_control=typo"], "flag --negative_control=typo"),
+    (["stray"], "unexpected arguments: stray"),
+    (["--trainer_layouts=tp1,pp2"], "--trainer_layouts: unknown layout name 'pp2'"),
+    (["--report_dir={file}/sub"], "--report_dir={file}/sub: not a writable folder"),
+    (["--cache_dir={file}/sub"], "--cache_dir={file}/sub: not a writable folder"),
+    (["--rollout_data={tmp}/missing.json"], "cannot read a rollout from the file"),
+    (["--prompts={tmp}/missing.jsonl"], "--prompts={tmp}/missing.jsonl: cannot read the file"),
+])
+def test_binary_bad_input_is_one_line_and_exit_2_before_any_model(args, message, tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    cache = tmp_path / "cache"
+    fill = lambda text: text.format(file=a_file, tmp=tmp_path)  # noqa: E731
+    args = [fill(a) for a in args]
+    defaults = [f"--report_dir={tmp_path / 'report'}", f"--cache_dir={cache}"]
+    proc = _run_binary([d for d in defaults if d.split("=")[0] not in {a.split("=")[0] for a in args}] + args,
+                       timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    line = _one_line(proc.stderr)
+    assert line.startswith("qwen3_parallel_check: error: ") and fill(message) in line, line
+    assert not cache.exists() or not any(cache.iterdir())  # no model was built
+
+
+def _rollout_with(default_run, tmp_path, mutate):
+    _, first_dir = default_run
+    with open(os.path.join(first_dir, "rollout.json")) as f:
+        record = json.load(f)
+    mutate(record)
+    path = tmp_path / "bad_rollout.json"
+    path.write_text(json.dumps(record))
+    return str(path)
+
+
+def _set(key, value):
+    return lambda r: r.__setitem__(key, value)
+
+
+def _set_sample(key, value):
+    return lambda r: r["samples"][0].__setitem__(key, value)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (_set_sample("prompt_ids", "1 2 3"), "sample 0 prompt_ids must be a non-empty list of integer token ids"),
+    (_set_sample("prompt_ids", [1.0, 2.0]), "sample 0 prompt_ids must be a non-empty list of integer token ids"),
+    (_set_sample("completion_ids", []), "sample 0 completion_ids must be a non-empty list"),
+    (_set("samples", []), "samples must be a non-empty list"),
+    (_set("temperature", 0), "temperature must be a finite number > 0"),
+    (_set("temperature", "0.8"), "temperature must be a finite number > 0"),
+    (_set("top_p", 5), r"top_p must be a number in \(0, 1\]"),
+    (_set("top_p", 0), r"top_p must be a number in \(0, 1\]"),
+    (lambda r: r["samples"][1]["engine_logprobs"].__setitem__(0, float("inf")),
+     "sample 1 engine_logprobs must be finite log-probs <= 0"),
+    (lambda r: r["samples"][1]["engine_logprobs"].__setitem__(0, float("nan")),
+     "sample 1 engine_logprobs must be finite log-probs <= 0"),
+    (lambda r: r["samples"][0]["engine_logprobs"].pop(), "sample 0 engine_logprobs must be a list of"),
+    (_set("seed", True), "seed must be an integer"),
+    (_set("engine", "vllm"), "engine must be hf or sglang"),
+    (lambda r: r.pop("top_p"), "malformed rollout .missing top_p"),
+])
+def test_bad_rollout_file_is_bad_input_before_any_model(mutate, message, default_run, tmp_path):
+    cache = tmp_path / "cache"
+    path = _rollout_with(default_run, tmp_path, mutate)
+    with pytest.raises(CheckError, match=message):
+        check.run(_settings(tmp_path, str(cache), rollout_data=path))
+    assert not any(cache.iterdir())  # refused before the model was built
+
+
+def test_trainer_timeout_is_exit_3_with_one_line_and_the_report(default_run, cache_dir, tmp_path, capsys):
+    _, first_dir = default_run
+    s = _settings(tmp_path, cache_dir, rollout_data=os.path.join(first_dir, "rollout.json"), trainer_layouts="tp1",
+                  trainer_timeout_s=1e-3)
+    assert check.run(s) == check.EXIT_TRAINER_FAILED
+    errors = [l for l in capsys.readouterr().err.splitlines() if l.startswith("qwen3_parallel_check: error:")]
+    assert len(errors) == 1 and "trainer layout tp1: rank 0 did not finish within" in errors[0], errors
+    report = _report(s.report_dir)  # written with what finished: the engine-side comparisons
+    assert report["trainer_error"]["layout"] == "tp1" and report["trainer_error"]["rank"] == 0
+    assert report["trainer_layouts"] == {} and any(c["section"] == "train-rollout mismatch"
+                                                   for c in report["comparisons"])

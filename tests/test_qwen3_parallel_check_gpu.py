@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from sglang_checks import check
+from sglang_checks import check, cli
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -25,7 +25,7 @@ def cache_dir(tmp_path_factory):
 
 
 def _run(tmp_path, cache_dir, trainer_layouts):
-    settings = check.Settings(report_dir=str(tmp_path / "report"), cache_dir=cache_dir, model="qwen3-0.6b-random",
+    settings = cli.settings(report_dir=str(tmp_path / "report"), cache_dir=cache_dir, model="qwen3-0.6b-random",
                               device="cuda", trainer_layouts=trainer_layouts, num_prompts=4, samples_per_prompt=2,
                               max_new_tokens=32)
     code = check.run(settings)

@@ -1,5 +1,5 @@
-"""The SGLang engine on CPU, without sglang: launch command, request and response layout (SGLang 0.5.10's documented
-/generate API, REFERENCE.md), and the server life cycle against a fake server on loopback.
+"""The SGLang engine on CPU, without sglang: launch command, request and response layout (SGLang 0.5.17's
+/generate API), and the server life cycle against a fake server on loopback.
 
 The fake server is this file run as a script (`python test_sglang_engine.py --fake-server MODE --port N ...`): a
 stdlib HTTP server that answers /health and /generate in SGLang's layout, starts a child process the way SGLang starts
@@ -59,12 +59,20 @@ def _fake_server_main(argv):
             self.wfile.write(data)
 
         def do_GET(self):
+            if self.path == "/server_info":
+                self._send(200, {"version": "0.5.17-fake"})
+                return
             health_polls.append(1)
             starting = args.fake_server == "hang" or len(health_polls) < 3
             self._send(503 if starting else 200)
 
         def do_POST(self):
             request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path == "/update_weights_from_disk":
+                with open(os.path.join(args.state, "fake_weights.txt"), "w") as f:
+                    f.write(request["model_path"])
+                self._send(200, {"success": True, "message": "ok"})
+                return
             out = []
             for n, ids in enumerate(request["input_ids"]):
                 if request["logprob_start_len"] == -1:
@@ -99,17 +107,34 @@ SETTINGS = SamplingSettings(temperature=0.8, top_p=0.95, max_new_tokens=3, seed=
 # ------------------------------------------------------------------------------------------------ pure functions
 
 
+# 0.5.17 spells --disable-piecewise-cuda-graph (a deprecated alias there) as:
+PIECEWISE_OFF = ["--cuda-graph-backend-prefill", "disabled"]
+
+
 def test_launch_command_always_disables_piecewise_cuda_graph():
     options = sglang_engine.ServerOptions(python="/venv/bin/python", dtype="bfloat16", seed=3, deterministic=True,
-                                          mem_fraction_static=0.6, extra_args=("--attention-backend", "fa3"))
+                                          mem_fraction_static=0.6, extra_args=("--log-level", "debug"))
     command = sglang_engine.launch_command("/models/q", Layout("tp2dp2", tp=2, dp=2), 31000, options)
     assert command == [
         "/venv/bin/python", "-m", "sglang.launch_server", "--model-path", "/models/q", "--host", "127.0.0.1",
         "--port", "31000", "--tp-size", "2", "--dp-size", "2", "--dtype", "bfloat16", "--random-seed", "3",
-        "--skip-tokenizer-init", "--disable-piecewise-cuda-graph", "--enable-deterministic-inference",
-        "--mem-fraction-static", "0.6", "--attention-backend", "fa3"]
+        "--skip-tokenizer-init", *PIECEWISE_OFF, "--enable-deterministic-inference",
+        "--mem-fraction-static", "0.6", "--log-level", "debug"]
     plain = sglang_engine.launch_command("/m", Layout("tp1"), 1, sglang_engine.ServerOptions())
-    assert "--disable-piecewise-cuda-graph" in plain and "--enable-deterministic-inference" not in plain
+    assert plain[-2:] == PIECEWISE_OFF and "--enable-deterministic-inference" not in plain
+
+
+def test_launch_command_with_the_h200_bundle_and_on_policy_options():
+    options = sglang_engine.ServerOptions(
+        python="/tmp/sgl_python", dtype="bfloat16", rl_on_policy_target="fsdp", attention_backend="triton",
+        sampling_backend="pytorch", disable_custom_all_reduce=True, mm_feature_transport="cpu",
+        disable_cuda_graph=True, skip_server_warmup=True)
+    command = sglang_engine.launch_command("/m", Layout("dp2", dp=2), 30000, options)
+    tail = command[command.index("--skip-tokenizer-init") + 1:]
+    assert tail == [*PIECEWISE_OFF, "--cuda-graph-backend-decode", "disabled", "--skip-server-warmup",
+                    "--rl-on-policy-target", "fsdp", "--attention-backend", "triton", "--sampling-backend", "pytorch",
+                    "--disable-custom-all-reduce", "--mm-feature-transport", "cpu"]
+    assert command[command.index("--tp-size") + 1] == "1" and command[command.index("--dp-size") + 1] == "2"
 
 
 def test_generation_request_layout():
@@ -173,7 +198,7 @@ def test_engine_layouts_need_their_gpus():
 @pytest.mark.skipif(__import__("importlib").util.find_spec("sglang") is not None,
                     reason="sglang is installed here, so its absence cannot be tested")
 def test_missing_sglang_names_the_package_and_version():
-    with pytest.raises(CheckError, match=r"not installed for .*pip install 'sglang==0\.5\.10\.post1'.*--sglang_python"):
+    with pytest.raises(CheckError, match=r"not installed for .*pip install 'sglang==0\.5\.17'.*--sglang_python"):
         sglang_engine.check_installed(sys.executable)
 
 
@@ -245,14 +270,18 @@ def test_engine_end_to_end_through_a_fake_sglang_python(tmp_path):
     with sglang_engine.SGLangEngine("/models/qwen", Layout("tp1"), options) as engine:
         samples = engine.generate([[1, 2], [3]], 2, SETTINGS)
         scores = engine.score(samples)
+        info = engine.info()
+        engine.load_weights("/models/other")
         pids = _pids(tmp_path)
     assert _all_gone(pids)
     assert [s.completion_ids for s in samples] == [[3, 4, 5], [3, 4, 5], [3, 4, 5], [3, 4, 5]]
     assert samples[0].engine_logprobs == [-0.5, -1.0, -1.5]
     assert scores[0] == pytest.approx([-0.02, -0.03, -0.04])  # the fake scores input position i as -0.01 * i
     argv = json.loads((tmp_path / "fake_argv.json").read_text())
-    assert argv[:3] == ["-m", "sglang.launch_server", "--model-path"] and "--disable-piecewise-cuda-graph" in argv
+    assert argv[:3] == ["-m", "sglang.launch_server", "--model-path"] and "--cuda-graph-backend-prefill" in argv
     assert (tmp_path / "sglang_tp1.log").exists()
+    assert info["version"] == "0.5.17-fake" and info["startup_s"] > 0 and "--skip-tokenizer-init" in info["command"]
+    assert (tmp_path / "fake_weights.txt").read_text() == "/models/other"  # /update_weights_from_disk reached it
 
 
 def test_server_dying_during_start_up_shows_its_log_tail(tmp_path):

@@ -3,6 +3,7 @@
     engine.generate(prompts, samples_per_prompt, settings) -> [Sample]   # sample completions + their log-probs
     engine.score(samples) -> [[float]]   # teacher-forced "raw" log-prob of every completion token
     engine.sampled_logprob_kind          # what generate's log-probs are (logprob_kinds.py)
+    engine.info() -> dict                # what ran: engine, layout, version, command, startup_s
     engine.close()                       # also on failure; engines are context managers
 
 hf_engine.py is the embedded default (transformers, CPU or GPU); sglang_engine.py drives an SGLang server.

@@ -58,6 +58,12 @@ class HFEngine:
     def close(self) -> None:
         self.model = None
 
+    def info(self) -> dict:
+        import transformers
+
+        return {"engine": "hf", "layout": self.layout.name, "version": f"transformers {transformers.__version__}",
+                "command": "embedded (eager attention)", "startup_s": 0.0}
+
     def generate(self, prompts: List[List[int]], samples_per_prompt: int, settings: SamplingSettings) -> List[Sample]:
         from transformers import GenerationConfig
 

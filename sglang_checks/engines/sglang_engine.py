@@ -1,24 +1,39 @@
 """The SGLang engine: one `python -m sglang.launch_server` subprocess per engine layout, driven over HTTP.
 
+Version facts (SGLang 0.5.17, the release the check is written against; 0.5.11-0.5.17 pin torch 2.11.0):
+  - `python -m sglang.launch_server` still starts a server (0.5.17 prefers `sglang serve` and warns).
+  - Piecewise (prefill) CUDA graphs are on by default and a known source of flaky results in such checks; 0.5.17
+    turns them off with `--cuda-graph-backend-prefill disabled` (its `--disable-piecewise-cuda-graph` is a deprecated
+    alias of that), which every launch passes. `--disable-cuda-graph` is likewise deprecated: --sglang_disable_cuda_graph
+    passes `--cuda-graph-backend-decode disabled` as well.
+  - `--enable-deterministic-inference` (batch-invariant kernels) and `--rl-on-policy-target fsdp` (true on-policy:
+    sampler log-probs from log_softmax of bf16 logits / T, sampling from them; it implies deterministic inference).
+  - `GET /server_info` (0.5.17; `/get_server_info` is its deprecated alias) reports `version`; it is recorded with
+    the launch command and the start-up time in the report.
+  - `POST /update_weights_from_disk {"model_path": ...}` reloads weights in a running server (the RL weight sync);
+    the negative control `engine_layout_weights` uses it to give one engine layout other weights.
+  - A minimal H200 bundle of SGLang without FA3/FlashInfer sampling needs `--attention-backend triton
+    --sampling-backend pytorch --disable-custom-all-reduce --mm-feature-transport cpu` (the --sglang_* flags).
+
 Server: started on 127.0.0.1 at a free port (or --sglang_port, refused up front if taken) in a session of its own,
 so its scheduler and detokenizer processes share its process group; its stdout and stderr go to a log file in the
-report folder. Always launched with `--disable-piecewise-cuda-graph` (on by default in SGLang and a known source of
-flaky results in such checks) and `--skip-tokenizer-init` (we send token ids), optionally with
-`--enable-deterministic-inference`. Start-up waits for `GET /health` to answer 200 (503 while it loads); if the
-process exits first, or the wait times out, the error shows the tail of its log. Shutdown (`close`, also on failure
-and Ctrl-C via the context manager, and at interpreter exit as a backstop) sends SIGTERM to the whole group, then
-SIGKILL to whatever is left.
+report folder. Always launched with `--skip-tokenizer-init` (we send token ids). Start-up waits for `GET /health`
+to answer 200 (503 while it loads); if the process exits first, or the wait times out, the error shows the tail of
+its log. Shutdown (`close`, also on failure and Ctrl-C via the context manager, and at interpreter exit as a
+backstop) sends SIGTERM to the whole group, then SIGKILL to whatever is left.
 
 sglang itself is never imported here: the server runs in `--sglang_python` (default: this interpreter; SGLang pins
-its own torch, so it often lives in a venv of its own), which is checked for the package before anything starts.
+its own torch, so it often lives in an environment of its own), which is checked for the package before anything
+starts.
 
-Requests (SGLang 0.5.10 native API, REFERENCE.md): `POST /generate` with `input_ids` (a list of id lists),
-`sampling_params`, `return_logprob: true`, `logprob_start_len`. Responses are one object per input with
-`output_ids` and `meta_info.output_token_logprobs` / `meta_info.input_token_logprobs`, lists of
-`[logprob, token_id, text_or_null]`; the first input entry's logprob is null.
+Requests (SGLang's native API): `POST /generate` with `input_ids` (a list of id lists), `sampling_params`,
+`return_logprob: true`, `logprob_start_len`. Responses are one object per input with `output_ids` and
+`meta_info.output_token_logprobs` / `meta_info.input_token_logprobs`, lists of `[logprob, token_id, text_or_null]`;
+the first input entry's logprob is null.
   - sampling: `logprob_start_len = -1` (output tokens only); the returned log-probs are of kind `temperature`
-    (log softmax(logits / T) over the full vocabulary; logprob_kinds.py), or `raw` under
-    SGLANG_RETURN_ORIGINAL_LOGPROB=1 (--sglang_logprob_kind says which).
+    (log softmax(logits / T) over the full vocabulary, before top-p: 0.5.17's sampler.py keeps the unfiltered
+    probabilities for them; logprob_kinds.py), or `raw` under SGLANG_RETURN_ORIGINAL_LOGPROB=1
+    (--sglang_logprob_kind says which).
   - teacher-forced scoring: prompt + completion as input, `max_new_tokens = 1` (the extra token is ignored),
     `logprob_start_len = len(prompt) - 1`; the last len(completion) input entries are the completion's log-probs
     (kind `raw`), and their token ids are checked against the completion.
@@ -47,10 +62,11 @@ from sglang_checks.layouts import Layout
 from sglang_checks.rollout import Sample
 
 ALLOWED_DIMS = ("tp", "dp")
-SGLANG_VERSION = "0.5.10.post1"
+SGLANG_VERSION = "0.5.17"
 INSTALL_HINT = (
-    f"pip install 'sglang=={SGLANG_VERSION}' in an environment with NVIDIA GPUs and CUDA (it pins torch 2.9.1 and "
+    f"pip install 'sglang=={SGLANG_VERSION}' in an environment with NVIDIA GPUs and CUDA (it pins torch 2.11.0 and "
     f"pulls CUDA wheels), then pass that environment's interpreter as --sglang_python=/path/to/venv/bin/python")
+RL_ON_POLICY_TARGETS = ("fsdp",)  # 0.5.17's choices for --rl-on-policy-target
 LOG_TAIL_LINES = 40
 
 
@@ -62,6 +78,13 @@ class ServerOptions:
     dtype: str = "float32"
     seed: int = 0
     deterministic: bool = False
+    rl_on_policy_target: Optional[str] = None  # one of RL_ON_POLICY_TARGETS; implies deterministic inference
+    attention_backend: Optional[str] = None  # e.g. "triton" (the H200 bundle has no FA3)
+    sampling_backend: Optional[str] = None  # e.g. "pytorch" (the H200 bundle has no FlashInfer sampling)
+    disable_custom_all_reduce: bool = False
+    mm_feature_transport: Optional[str] = None  # "cpu" for the H200 bundle
+    disable_cuda_graph: bool = False  # decode graphs too (piecewise prefill graphs are always off)
+    skip_server_warmup: bool = False
     mem_fraction_static: Optional[float] = None
     extra_args: Tuple[str, ...] = ()
     start_timeout_s: float = 900.0
@@ -81,10 +104,24 @@ def launch_command(model_path: str, layout: Layout, port: int, options: ServerOp
         "--dtype", options.dtype,
         "--random-seed", str(options.seed),
         "--skip-tokenizer-init",
-        "--disable-piecewise-cuda-graph",
+        "--cuda-graph-backend-prefill", "disabled",  # piecewise CUDA graphs off (module docstring)
     ]
+    if options.disable_cuda_graph:
+        command += ["--cuda-graph-backend-decode", "disabled"]
+    if options.skip_server_warmup:
+        command.append("--skip-server-warmup")
     if options.deterministic:
         command.append("--enable-deterministic-inference")
+    if options.rl_on_policy_target:
+        command += ["--rl-on-policy-target", options.rl_on_policy_target]
+    if options.attention_backend:
+        command += ["--attention-backend", options.attention_backend]
+    if options.sampling_backend:
+        command += ["--sampling-backend", options.sampling_backend]
+    if options.disable_custom_all_reduce:
+        command.append("--disable-custom-all-reduce")
+    if options.mm_feature_transport:
+        command += ["--mm-feature-transport", options.mm_feature_transport]
     if options.mem_fraction_static is not None:
         command += ["--mem-fraction-static", str(options.mem_fraction_static)]
     return command + list(options.extra_args)
@@ -159,6 +196,7 @@ class Server:
         self.request_timeout_s = request_timeout_s
         self.env = env
         self.process: Optional[subprocess.Popen] = None
+        self.startup_s: Optional[float] = None  # launch to healthy
 
     def __enter__(self) -> "Server":
         try:
@@ -172,11 +210,13 @@ class Server:
         self.close()
 
     def start(self) -> None:
+        started = time.monotonic()
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True, env=self.env)
         _LIVE_SERVERS[id(self)] = self
         self.wait_healthy()
+        self.startup_s = time.monotonic() - started
 
     def wait_healthy(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s
@@ -199,9 +239,15 @@ class Server:
         except (urllib.error.URLError, ConnectionError, socket.timeout, OSError):
             return False
 
+    def get(self, path: str):
+        return self._request(urllib.request.Request(self.url + path, method="GET"), path)
+
     def post(self, path: str, payload: dict):
         request = urllib.request.Request(self.url + path, data=json.dumps(payload).encode(),
                                          headers={"Content-Type": "application/json"}, method="POST")
+        return self._request(request, path)
+
+    def _request(self, request, path: str):
         try:
             with urllib.request.urlopen(request, timeout=self.request_timeout_s) as response:
                 return json.loads(response.read())
@@ -342,8 +388,27 @@ class SGLangEngine:
     def close(self) -> None:
         self.server.close()
 
+    def info(self) -> dict:
+        """What ran: the SGLang version the server reports, its launch command and how long it took to start."""
+        version = "unknown"
+        for path in ("/server_info", "/get_server_info"):  # 0.5.17; its deprecated alias (older releases)
+            try:
+                version = str(self.server.get(path).get("version", "unknown"))
+                break
+            except (RuntimeError, ValueError, AttributeError):  # no such endpoint, not JSON, not an object
+                continue
+        return {"engine": "sglang", "layout": self.layout.name, "version": version,
+                "command": " ".join(self.server.command[1:]), "startup_s": self.server.startup_s}
+
+    def load_weights(self, model_path: str) -> None:
+        """Replaces the served weights (the RL weight sync); the cache of computed prefixes is flushed with them."""
+        answer = self.server.post("/update_weights_from_disk", {"model_path": model_path, "flush_cache": True})
+        if not isinstance(answer, dict) or not answer.get("success", False):
+            raise RuntimeError(f"SGLang /update_weights_from_disk failed for {model_path}: {answer}")
+
     def generate(self, prompts, samples_per_prompt, settings: SamplingSettings) -> List[Sample]:
-        request = generation_request(prompts, samples_per_prompt, settings, self.options.deterministic)
+        seeded = self.options.deterministic or bool(self.options.rl_on_policy_target)
+        request = generation_request(prompts, samples_per_prompt, settings, seeded)
         return parse_generation_response(self.server.post("/generate", request), prompts, samples_per_prompt)
 
     def score(self, samples: List[Sample]) -> List[List[float]]:

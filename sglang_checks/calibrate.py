@@ -1,0 +1,339 @@
+"""calibrate: measure every metric of the check on healthy setups and under every negative control; derive thresholds.
+
+    bazel run //sglang_checks:calibrate -- --out_dir=/tmp/cal_cpu                      # CPU fp32, tiny, hf engine
+    bazel run //sglang_checks:calibrate -- --engine=sglang --model=qwen3-0.6b-random --dtype=bfloat16 \\
+        --engine_layouts=tp1,tp2,dp2 --trainer_layouts=tp1,tp2,cp2,dp2 --sglang_python=... --out_dir=/tmp/cal_sgl
+    bazel run //sglang_checks:calibrate -- ... --include=/tmp/cal_sgl/measurements.json --install
+
+Takes every flag of qwen3_parallel_check (the same sampling, model, engine and SGLang settings; sglang_checks/cli.py)
+plus the few below. Healthy configurations: every engine layout samples a rollout for every sampling seed (--seeds)
+and prompt set (--prompt_sets: the built-in prompts, and random token ids), and teacher-force scores the rollouts of
+the first layout; the trainer scores all of them (in this process at TP = 1 for the train-rollout comparisons, and
+under every trainer layout on one spawned group of ranks). Each engine layout is started ONCE (an SGLang server
+start costs 1-2.5 min) and serves every seed, prompt set and control. Negative controls (controls.py) run against the
+first seed's and prompt set's rollout; engine_layout_weights reloads the last engine layout with other weights at the
+end (SGLang: /update_weights_from_disk on the running server), so it costs no extra start.
+
+Derivation, per tolerance (tolerances.py names): healthy max = the largest value of its comparisons over all healthy
+configurations (at least HEALTHY_FLOOR); broken min = over the controls that must be caught by it (controls.py), the
+smallest of each control's largest value. threshold = sqrt(healthy max * broken min), the geometric middle, so it
+sits `margin` = sqrt(broken min / healthy max) times above the worst healthy value and as far below the best broken
+one. Written to --out_dir: measurements.json (every value), calibration.json (the thresholds, in the format
+tolerances.py reads), calibration.md (the table). --include merges earlier measurements (e.g. the other engine's)
+before deriving; --install copies calibration.json to sglang_checks/calibration/<dtype>.json in the source tree, where
+the check picks it up as its default tolerances.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from typing import Dict, List, Tuple
+
+from absl import app, flags
+
+from sglang_checks import check, cli, controls, layouts as layouts_lib, metrics, models, prompts, tolerances, trainer
+from sglang_checks import rollout as rollout_lib
+from sglang_checks.engines import SamplingSettings, hf_engine
+from sglang_checks.errors import CheckError
+
+_OUT_DIR = flags.DEFINE_string("out_dir", None, "Where measurements.json, calibration.json and calibration.md go.")
+_SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Sampling seeds of the healthy rollouts (the model's weights "
+                           "stay those of --seed).")
+_PROMPT_SETS = flags.DEFINE_list("prompt_sets", ["builtin", "random"], "Prompt sets: builtin (the check's "
+                                 "prompts) and random (seeded random token ids).")
+_INCLUDE = flags.DEFINE_list("include", [], "measurements.json files of earlier calibrate runs to merge before "
+                             "deriving (same dtype).")
+_INSTALL = flags.DEFINE_bool("install", False, "Copy calibration.json to sglang_checks/calibration/<dtype>.json in "
+                             "the source tree (the check's default tolerances from then on).")
+
+# Healthy values below fp32's resolution of O(1) log-probs (eps 1.2e-7) are rounding noise or exact zeros; the
+# healthy side is taken as at least this, so a threshold always sits above rounding.
+HEALTHY_FLOOR = 1.2e-7
+# A separation (broken min / healthy max) below MIN_MARGIN**2 leaves the threshold within 2x of one side: flagged.
+MIN_MARGIN = 2.0
+# Random prompt set: lengths drawn from this range (as short and as long as the built-in prompts, in tokens).
+RANDOM_PROMPT_LENGTHS = (4, 32)
+VOCAB_OFFSET_LAYOUT = "tp2_vocab_offset"
+
+
+def _log(message: str) -> None:
+    print(f"[calibrate] {message}", file=sys.stderr, flush=True)
+
+
+def prompt_set(name: str, n: int, info, seed: int) -> List[List[int]]:
+    if name == "builtin":
+        return prompts.built_in_prompts(n, prompts.Tokenize(info.path if info.has_tokenizer else None))
+    if name == "random":
+        import numpy as np
+
+        rng = np.random.default_rng(seed)
+        return [rng.integers(0, info.vocab_size, rng.integers(*RANDOM_PROMPT_LENGTHS)).tolist() for _ in range(n)]
+    raise CheckError(f"--prompt_sets: unknown prompt set {name!r}; expected builtin or random")
+
+
+@dataclasses.dataclass
+class Row:
+    """One measured value: a comparison of a healthy configuration or of a control's run."""
+
+    kind: str  # "healthy" or "control"
+    control: str
+    engine: str
+    config: str  # engine layout / seed / prompt set it came from
+    section: str
+    subject: str
+    metric: str
+    tolerance_name: str
+    value: float
+
+
+def _rows(kind, control, engine, config, comparisons) -> List[Row]:
+    return [Row(kind, control, engine, config, c.section, c.subject, c.metric, c.tolerance_name, float(c.value))
+            for c in comparisons if c.tolerance_name in tolerances.DEFAULTS]
+
+
+def measure(s: check.Settings, seeds: List[int], prompt_sets: List[str]) -> Tuple[List[Row], List[dict]]:
+    """Every healthy configuration and every control; returns the rows and the engines' info."""
+    plan = check._plan(s)
+    info = models.resolve_model(s.model, cache_dir=s.cache_dir, seed=s.seed, log=_log)
+    other = models.resolve_model(s.model, cache_dir=s.cache_dir, seed=s.seed + controls.WEIGHTS_SEED_OFFSET,
+                                 log=_log) if s.model in models.PRESETS else None
+    if other is None:
+        raise CheckError(f"--model={s.model}: the weight controls need a generated model ({', '.join(models.PRESETS)})")
+    import torch
+
+    dtype = getattr(torch, s.dtype)
+    model = models.load_hf_model(info, dtype=dtype, device=plan.device)
+    other_model = models.load_hf_model(other, dtype=dtype, device=plan.device)
+    sets = {name: prompt_set(name, s.num_prompts, info, seed=1000 + n) for n, name in enumerate(prompt_sets)}
+    keys = [(seed, name) for seed in seeds for name in prompt_sets]
+    first, last = plan.engine_layouts[0].name, plan.engine_layouts[-1].name
+    canonical: Dict[tuple, rollout_lib.Rollout] = {}
+    own: Dict[str, Dict[tuple, rollout_lib.Rollout]] = {}
+    scores: Dict[str, Dict[tuple, list]] = {}
+    other_scores = None
+    infos = []
+    for index, layout in enumerate(plan.engine_layouts):
+        t0 = time.monotonic()
+        with check.open_engine(s, layout, model, plan.device, info) as engine:
+            own[layout.name], scores[layout.name] = {}, {}
+            for seed, name in keys:
+                sampling = SamplingSettings(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens,
+                                            seed=seed, eos_token_id=None if s.ignore_eos else info.eos_token_id)
+                samples = engine.generate(sets[name], s.samples_per_prompt, sampling)
+                own[layout.name][(seed, name)] = rollout_lib.Rollout(
+                    model_name=info.name, model_fingerprint=info.fingerprint, engine=s.engine,
+                    engine_layout=layout.name, logprob_kind=engine.sampled_logprob_kind, temperature=s.temperature,
+                    top_p=s.top_p, max_new_tokens=s.max_new_tokens, seed=seed, samples=samples)
+            if index == 0:
+                canonical = dict(own[layout.name])
+            for key in keys:
+                scores[layout.name][key] = engine.score(canonical[key].samples)
+            infos.append(engine.info())
+            if layout.name == last and len(plan.engine_layouts) > 1:  # engine_layout_weights, on the last layout
+                if s.engine == "sglang":
+                    engine.load_weights(other.path)
+                    other_scores = engine.score(canonical[keys[0]].samples)
+                else:
+                    with hf_engine.HFEngine(other_model, layout, plan.device) as other_engine:
+                        other_scores = other_engine.score(canonical[keys[0]].samples)
+        _log(f"engine layout {layout.name}: {time.monotonic() - t0:.1f} s")
+
+    tol = {name: tolerances.resolve(name, None, s.dtype) for name in tolerances.DEFAULTS}
+    rows: List[Row] = []
+    packed, views = {}, {}
+    for key in keys:
+        r = canonical[key]
+        seq_len = layouts_lib.auto_seq_len(r.longest, plan.trainer_layouts)
+        packed[key] = rollout_lib.pack(r, seq_len)
+        views[key] = check.trainer_view(model, packed[key], r, r.temperature, r.top_p)
+        engine_scores = {name: scores[name][key] for name in scores}
+        comparisons, _, _ = check.compare(r, packed[key], [], engine_scores, views[key], tol, engine=s.engine,
+                                          first_layout=first)
+        rows += _rows("healthy", controls.NONE, s.engine, f"{first} sampled, seed {key[0]}, {key[1]}", comparisons)
+        for name, by_key in own.items():
+            if name == first:
+                continue
+            o = by_key[key]
+            p = rollout_lib.pack(o, layouts_lib.auto_seq_len(o.longest, plan.trainer_layouts))
+            comparisons, _, _ = check.compare(o, p, [], {}, check.trainer_view(model, p, o, o.temperature, o.top_p),
+                                              tol, engine=s.engine, first_layout=first)
+            rows += _rows("healthy", controls.NONE, s.engine, f"{name} sampled, seed {key[0]}, {key[1]}",
+                          comparisons)
+
+    key0 = keys[0]
+    r0, p0, v0 = canonical[key0], packed[key0], views[key0]
+    config0 = f"{first} sampled, seed {key0[0]}, {key0[1]}"
+    all_scores0 = {name: scores[name][key0] for name in scores}
+
+    def control(name, view, engine_scores, **kw):
+        comparisons, _, _ = check.compare(r0, p0, [], engine_scores, view, tol, engine=s.engine, first_layout=first,
+                                          **kw)
+        return _rows("control", name, s.engine, config0, comparisons)
+
+    rows += control(controls.TRAINER_TEMPERATURE, check.trainer_view(
+        model, p0, r0, r0.temperature * controls.TEMPERATURE_FACTOR, r0.top_p), {})
+    rows += control(controls.TRAINER_TOP_P, check.trainer_view(model, p0, r0, r0.temperature, controls.CONTROL_TOP_P),
+                    {})
+    rows += control(controls.TRAINER_WEIGHTS, check.trainer_view(other_model, p0, r0, r0.temperature, r0.top_p),
+                    all_scores0)
+    rows += control(controls.SHIFTED_LOGPROBS, v0, all_scores0, shifted=True)
+    if other_scores is not None:
+        rows += control(controls.ENGINE_LAYOUT_WEIGHTS, v0, {first: scores[first][key0], last: other_scores})
+    del model, other_model
+
+    jobs = []
+    for key in keys:
+        v = views[key]
+        inputs = trainer.TrainerInputs(
+            hidden=v.hidden.cpu(), lm_head=v.lm_head.cpu(), targets=packed[key].targets,
+            row_mask=packed[key].row_mask, keep_mask=None if v.keep is None else v.keep.cpu(),
+            advantages=packed[key].advantages, temperature=v.temperature, entropy_coef=s.entropy_coef)
+        layouts = list(plan.trainer_layouts)
+        faulty = ()
+        if key == key0:
+            layouts.append(layouts_lib.Layout(VOCAB_OFFSET_LAYOUT, tp=2))
+            faulty = (VOCAB_OFFSET_LAYOUT,)
+        jobs.append(trainer.Job(inputs, layouts, faulty))
+    views.clear()
+    t0 = time.monotonic()
+    results = trainer.run_jobs(jobs, backend=plan.backend, threads=s.cpu_threads, timeout_s=s.trainer_timeout_s)
+    _log(f"trainer layouts, {len(jobs)} rollouts: {time.monotonic() - t0:.1f} s")
+    for key, job_results in zip(keys, results):
+        mask = packed[key].row_mask.numpy()
+        base = job_results[0]
+        for result in job_results[1:]:
+            comparisons = metrics.trainer_comparisons(base, result, mask, tol)
+            if result.layout.name == VOCAB_OFFSET_LAYOUT:
+                rows += _rows("control", controls.VOCAB_OFFSET, s.engine, config0, comparisons)
+            else:
+                rows += _rows("healthy", controls.NONE, s.engine, f"trainer {result.layout.name}, seed {key[0]}, "
+                              f"{key[1]}", comparisons)
+    return rows, infos
+
+
+def derive(rows: List[dict]) -> List[dict]:
+    """One entry per tolerance: healthy max, broken min, threshold, margin (see the module docstring)."""
+    out = []
+    for name in tolerances.DEFAULTS:
+        healthy = [r for r in rows if r["kind"] == "healthy" and r["tolerance_name"] == name]
+        by_control = {}
+        for r in rows:
+            if r["kind"] == "control" and r["tolerance_name"] == name and name in controls.CONTROLS[r["control"]][1]:
+                if r["control"] not in by_control or r["value"] > by_control[r["control"]]["value"]:
+                    by_control[r["control"]] = r
+        entry = {"name": name, "healthy_n": len(healthy), "controls": sorted(by_control)}
+        if not healthy or not by_control:
+            entry.update(status="not measured")
+            out.append(entry)
+            continue
+        worst = max(healthy, key=lambda r: r["value"])
+        best = min(by_control.values(), key=lambda r: r["value"])
+        h, b = max(worst["value"], HEALTHY_FLOOR), best["value"]
+        entry.update(healthy_max=worst["value"], healthy_where=f"{worst['engine']}: {worst['config']}: "
+                     f"{worst['subject']}: {worst['metric']}", broken_min=b,
+                     broken_where=f"{best['control']}: {best['subject']}: {best['metric']}")
+        if not (math.isfinite(b) and b > h):
+            entry.update(status="NOT SEPARATED")
+        else:
+            margin = math.sqrt(b / h)
+            entry.update(value=math.sqrt(h * b), margin=margin, status="ok" if margin >= MIN_MARGIN else "weak")
+        out.append(entry)
+    return out
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.3g}"
+
+
+def markdown(table: List[dict], *, source: str, dtype: str) -> str:
+    lines = [f"### {dtype}: {source}", "",
+             "| tolerance | healthy max | broken min (control) | derived threshold | margin | in use | status |",
+             "|---|---|---|---|---|---|---|"]
+    for e in table:
+        in_use = tolerances.resolve(e["name"], None, dtype)
+        broken = f"{_fmt(e.get('broken_min'))} ({', '.join(e['controls'])})" if e.get("controls") else "-"
+        lines.append(f"| `{e['name']}` | {_fmt(e.get('healthy_max'))} | {broken} | {_fmt(e.get('value'))} | "
+                     f"{_fmt(e.get('margin'))}x | {in_use:.3g} | {e['status']} |")
+    lines += ["", "Where the extremes come from:", ""]
+    for e in table:
+        if "healthy_where" in e:
+            lines.append(f"- `{e['name']}`: worst healthy {e['healthy_where']}; best broken {e['broken_where']}")
+    return "\n".join(lines) + "\n"
+
+
+def _source_tree() -> str:
+    return os.environ.get("BUILD_WORKSPACE_DIRECTORY") or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(argv):
+    del argv  # flags_parser refused stray arguments
+    try:
+        s = cli.settings_from_flags()
+        if not _OUT_DIR.value:
+            raise CheckError("--out_dir: required (where the calibration table goes)")
+        try:
+            seeds = [int(x) for x in _SEEDS.value]
+        except ValueError as exc:
+            raise CheckError(f"--seeds: expected integers, got {_SEEDS.value}") from exc
+        os.makedirs(_OUT_DIR.value, exist_ok=True)
+        s = dataclasses.replace(s, report_dir=os.path.join(os.path.abspath(_OUT_DIR.value), "logs"))
+        included = []
+        for path in _INCLUDE.value:
+            try:
+                with open(path) as f:
+                    included.append(json.load(f))
+            except (OSError, ValueError) as exc:
+                raise CheckError(f"--include={path}: cannot read measurements ({exc})") from exc
+            if included[-1].get("dtype") != s.dtype:
+                raise CheckError(f"--include={path}: measured in {included[-1].get('dtype')}, not --dtype={s.dtype}")
+        t0 = time.monotonic()
+        rows, infos = measure(s, seeds, _PROMPT_SETS.value)
+    except CheckError as exc:
+        print(f"calibrate: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    import torch
+
+    device = torch.cuda.get_device_name(0) if s.device != "cpu" and torch.cuda.is_available() else "CPU"
+    run = {"engine": s.engine, "model": s.model, "dtype": s.dtype, "device": device, "engines": infos,
+           "engine_layouts": s.engine_layouts, "trainer_layouts": s.trainer_layouts, "seeds": seeds,
+           "prompt_sets": _PROMPT_SETS.value, "num_prompts": s.num_prompts, "samples_per_prompt": s.samples_per_prompt,
+           "max_new_tokens": s.max_new_tokens, "date": datetime.date.today().isoformat(),
+           "wall_s": round(time.monotonic() - t0, 1), "rows": [dataclasses.asdict(r) for r in rows]}
+    runs = [run] + [r for inc in included for r in inc.get("runs", [inc])]
+    all_rows = [row for r in runs for row in r["rows"]]
+    table = derive(all_rows)
+    source = "; ".join(f"{r['engine']} engine, {r['model']}, {r['dtype']}, {r['device']}, engine layouts "
+                       f"{r['engine_layouts']}, seeds {r['seeds']}, prompt sets {r['prompt_sets']}, {r['date']}"
+                       for r in runs)
+    out = os.path.abspath(_OUT_DIR.value)
+    with open(os.path.join(out, "measurements.json"), "w") as f:
+        json.dump({"dtype": s.dtype, "runs": runs}, f, indent=1)
+    calibration = {"source": source, "dtype": s.dtype,
+                   "thresholds": {e["name"]: {k: e[k] for k in ("value", "healthy_max", "broken_min", "margin")}
+                                  for e in table if e["status"] in ("ok", "weak")},
+                   "table": table}
+    with open(os.path.join(out, "calibration.json"), "w") as f:
+        json.dump(calibration, f, indent=1)
+    with open(os.path.join(out, "calibration.md"), "w") as f:
+        f.write(markdown(table, source=source, dtype=s.dtype))
+    print(markdown(table, source=source, dtype=s.dtype))
+    if _INSTALL.value:
+        target = os.path.join(_source_tree(), "sglang_checks", "calibration", f"{s.dtype}.json")
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.copy(os.path.join(out, "calibration.json"), target)
+        print(f"calibrate: installed {target}")
+    bad = [e["name"] for e in table if e["status"] not in ("ok", "weak")]
+    print(f"calibrate: {len(all_rows)} values, wrote {out}/calibration.md, calibration.json, measurements.json"
+          + (f"; NOT separated or not measured: {', '.join(bad)}" if bad else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=cli.flags_parser("calibrate"))

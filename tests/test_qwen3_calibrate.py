@@ -1,0 +1,52 @@
+"""The calibration program on CPU (fp32, `tiny`, hf engine), kept small: one sampling seed, one prompt set of two
+prompts, engine layouts tp1 and dp2, trainer layouts tp1 and tp2. Every negative control must be measured and
+separated from the healthy values; the outputs must be what the check and the docs read. About 30-60 s on 2 cores
+(one model pair, two engine layouts, one group of 2 gloo ranks).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+from sglang_checks import calibrate, controls, tolerances
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_calibrate_measures_every_control_and_separates_it(tmp_path):
+    out = tmp_path / "cal"
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_checks.calibrate", f"--out_dir={out}", f"--cache_dir={tmp_path / 'models'}",
+         "--seeds=0", "--prompt_sets=builtin", "--num_prompts=2", "--max_new_tokens=8", "--engine_layouts=tp1,dp2",
+         "--trainer_layouts=tp1,tp2"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    cal = json.loads((out / "calibration.json").read_text())
+    assert set(cal["thresholds"]) == set(tolerances.DEFAULTS)
+    for name, t in cal["thresholds"].items():
+        assert t["healthy_max"] < t["value"] < t["broken_min"], (name, t)
+        assert t["margin"] >= calibrate.MIN_MARGIN, (name, t)
+    rows = json.loads((out / "measurements.json").read_text())["runs"][0]["rows"]
+    assert {r["control"] for r in rows if r["kind"] == "control"} == set(controls.CONTROLS)
+    md = (out / "calibration.md").read_text()
+    assert all(f"`{name}`" in md for name in tolerances.DEFAULTS)
+
+
+def test_derive_places_the_threshold_between_healthy_and_broken():
+    def row(kind, control, name, value):
+        return {"kind": kind, "control": control, "tolerance_name": name, "value": value, "engine": "hf",
+                "config": "c", "subject": "s", "metric": "m"}
+
+    rows = [row("healthy", "none", "kl_tol", 1e-3), row("healthy", "none", "kl_tol", 4e-3),
+            row("control", controls.TRAINER_TEMPERATURE, "kl_tol", 0.1),
+            row("control", controls.TRAINER_TEMPERATURE, "kl_tol", 0.2),  # the control's largest value counts
+            row("control", controls.SHIFTED_LOGPROBS, "kl_tol", 0.4),
+            row("control", controls.TRAINER_TOP_P, "kl_tol", 1e-4),  # not a kl_tol control: ignored
+            row("healthy", "none", "mismatch_tol", 0.5), row("control", controls.SHIFTED_LOGPROBS, "mismatch_tol", 0.3)]
+    table = {e["name"]: e for e in calibrate.derive(rows)}
+    kl = table["kl_tol"]
+    assert kl["healthy_max"] == 4e-3 and kl["broken_min"] == 0.2 and kl["status"] == "ok"
+    assert abs(kl["value"] - (4e-3 * 0.2) ** 0.5) < 1e-12 and abs(kl["margin"] - (0.2 / 4e-3) ** 0.5) < 1e-9
+    assert table["mismatch_tol"]["status"] == "NOT SEPARATED"
+    assert table["engine_layout_tol"]["status"] == "not measured"
