@@ -1,5 +1,8 @@
-"""The Qwen3 parallel check on CPU (issue 6): the default run end to end, replay, the temperature-mismatch failure,
-the trainer's loss and gradient math against a float64 reference, and every bad input.
+"""The Qwen3 parallel check with the embedded hf engine. On CPU (the CPU target): the default run end to end, replay,
+the temperature-mismatch failure, the negative controls, the trainer's loss and gradient math against a float64
+reference, and every bad input. On CUDA (the `_gpu` target, two GPUs; the last section): `qwen3-0.6b-random` (the
+real Qwen3-0.6B architecture, seeded random weights) sampled and scored on cuda:0, trainer layouts tp1, tp2, cp2, dp2
+on NCCL ranks, one GPU each (fp32 model, so the fp32 tolerances apply; ~1-2 minutes per test on an H200 host).
 
 The default run is the binary itself as a subprocess (`python -m sglang_checks.qwen3_parallel_check`, only the cache
 and report folders set); replays reuse its rollout.json in-process through check.run. Models are cached in a
@@ -20,6 +23,8 @@ import torch
 from sglang_checks import check, cli, controls, layouts, logprob_kinds, trainer
 from sglang_checks.engines import SamplingSettings, hf_engine
 from sglang_checks.errors import CheckError
+
+pytestmark = pytest.mark.device("cpu")  # the CUDA runs at the end are marked cuda (tests/conftest.py places them)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TRAINER_LAYOUTS = ["tp1", "tp2", "tp4", "cp2", "dp2"]
@@ -459,3 +464,37 @@ def test_trainer_timeout_is_exit_3_with_one_line_and_the_report(default_run, cac
     assert report["trainer_error"]["layout"] == "tp1" and report["trainer_error"]["rank"] == 0
     assert report["trainer_layouts"] == {} and any(c["section"] == "train-rollout mismatch"
                                                    for c in report["comparisons"])
+
+
+# ------------------------------------------------------------------------------------------------ on CUDA
+
+def _run_on_cuda(tmp_path, cache_dir, trainer_layouts):
+    settings = cli.settings(report_dir=str(tmp_path / "report"), cache_dir=cache_dir, model="qwen3-0.6b-random",
+                              device="cuda", trainer_layouts=trainer_layouts, num_prompts=4, samples_per_prompt=2,
+                              max_new_tokens=32)
+    code = check.run(settings)
+    with open(os.path.join(settings.report_dir, "report.json")) as f:
+        report = json.load(f)
+    failed = [c for c in report["comparisons"] if not c["passed"]]
+    return code, report, failed
+
+
+@pytest.mark.device("cuda")
+def test_qwen3_0_6b_random_on_one_gpu(tmp_path, cache_dir):
+    code, report, failed = _run_on_cuda(tmp_path, cache_dir, "tp1")
+    assert code == 0, failed
+    assert report["trainer"]["backend"] == "nccl" and report["model"]["vocab_size"] == 151936
+    mismatch = [c for c in report["comparisons"] if c["section"] == "train-rollout mismatch"]
+    assert mismatch and all(c["passed"] for c in mismatch)
+    print(json.dumps({c["subject"] + " / " + c["metric"]: c["value"] for c in report["comparisons"]}, indent=1))
+
+
+@pytest.mark.device("cuda")
+@pytest.mark.world_size(2)
+def test_qwen3_0_6b_random_trainer_layouts_on_two_gpus(tmp_path, cache_dir):
+    code, report, failed = _run_on_cuda(tmp_path, cache_dir, "tp1,tp2,cp2,dp2")
+    assert code == 0, failed
+    assert list(report["trainer_layouts"]) == ["tp1", "tp2", "cp2", "dp2"]
+    trainer_rows = [c for c in report["comparisons"] if c["section"] == "trainer layouts"]
+    assert len(trainer_rows) == 3 * 8 and all(c["passed"] for c in trainer_rows)
+    print(json.dumps({c["subject"] + " / " + c["metric"]: c["value"] for c in report["comparisons"]}, indent=1))
