@@ -11,6 +11,7 @@
 import datetime
 import os
 import socket
+import time
 from typing import NamedTuple, Optional
 
 import pytest
@@ -122,12 +123,13 @@ def free_port() -> int:
 GLOO_TIMEOUT = datetime.timedelta(seconds=120)  # a rank stuck in a collective fails the test instead of hanging CI
 
 
-def _gloo_entry(rank, world_size, port, worker, args):
+def _gloo_entry(rank, world_size, port, timeout_s, worker, args):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     torch.set_num_threads(1)  # world_size processes share the CI machine's 2 cores
+    timeout = GLOO_TIMEOUT if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=GLOO_TIMEOUT)
+                            timeout=timeout)
     try:
         worker(rank, world_size, *args)
         dist.barrier()  # every rank done before any tears the group down (a peer's early exit can abort gloo)
@@ -135,10 +137,27 @@ def _gloo_entry(rank, world_size, port, worker, args):
         dist.destroy_process_group()
 
 
-def run_gloo(world_size: int, worker, *args):
+def run_gloo(world_size: int, worker, *args, timeout_s: Optional[float] = None, deadline_s: Optional[float] = None):
     """Runs worker(rank, world_size, *args) on `world_size` spawned processes joined in a gloo group on loopback.
-    An exception on any rank fails the caller (torch.multiprocessing re-raises it with the rank's traceback)."""
-    mp.spawn(_gloo_entry, args=(world_size, free_port(), worker, args), nprocs=world_size, join=True)
+    An exception on any rank fails the caller (torch.multiprocessing re-raises it with the rank's traceback).
+
+    timeout_s: the group's collective timeout (default GLOO_TIMEOUT). deadline_s: the ranks must all have finished
+    this many seconds after the spawn, or they are terminated and the caller fails with "hang"."""
+    port = free_port()
+    if deadline_s is None:
+        mp.spawn(_gloo_entry, args=(world_size, port, timeout_s, worker, args), nprocs=world_size, join=True)
+        return
+    context = mp.spawn(_gloo_entry, args=(world_size, port, timeout_s, worker, args), nprocs=world_size, join=False)
+    end = time.monotonic() + deadline_s
+    while not context.join(timeout=max(0.0, end - time.monotonic())):
+        if time.monotonic() >= end:
+            alive = [rank for rank, proc in enumerate(context.processes) if proc.is_alive()]
+            for proc in context.processes:
+                if proc.is_alive():
+                    proc.terminate()
+            for proc in context.processes:
+                proc.join(5)
+            raise AssertionError(f"ranks {alive} of {world_size} still running after {deadline_s} s: a hang")
 
 
 class CaseFailures:
