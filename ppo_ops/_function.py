@@ -24,12 +24,13 @@ Backend contract (ppo_ops/_torch_backend.py and ppo_ops/_triton_backend.py imple
     A dropped row's token and per-row values are unspecified (its token may be junk such as -100); backends ignore
     them. The row mask is passed as a mask, not as an index list: building one (nonzero) is a host sync on CUDA. The
     Triton backend skips dropped rows inside its kernels; the torch backend (the CPU fallback) builds the list itself.
-    Host time: with validate=True the forward ends in a host sync, after which the host's work up to the backward's
-    launch is on the GPU's critical path; at small shapes the whole call is host-bound. So the core launches as few
+    Host time: with validate=True the forward has one host sync (at TP = 1 at its end, at TP > 1 after the header
+    exchange), after which the host's work up to the next launch is on the GPU's critical path; at small shapes the
+    whole call is host-bound. So the core launches as few
     torch ops as it can (targets and gradient masks are formed inside the kernels).
 
-Communication: at TP > 1 forward issues one all-gather of [segments, 5, T] fp32 (plus, with validate=True, one tiny
-all-gather of a consistency header issued earlier by the caller). Backward issues none: given the global row stats the
+Communication: at TP > 1 forward issues one all-gather of [segments, 5, T] fp32 (plus, with validate=True and before
+it, one all-gather of a fixed-size int64 header per rank: ppo_ops/_validate.py). Backward issues none: given the global row stats the
 gradient is element-wise. At TP = 1 it is the same code with the collectives skipped.
 
 What is kept for backward: a reference to the logits (no copy), the keep mask and the row mask the caller passed, and
@@ -59,7 +60,8 @@ class Plan:
     fn_name: str
     layout: VocabLayout
     backend: object  # module implementing the contract above
-    inv_temperature: float
+    temperature: float  # as the caller gave it (the ranks compare it)
+    inv_temperature: float  # 1 / temperature rounded to fp32 once: every backend multiplies by the same constant
     entropy_mode: str  # "none" | "value" | "grad"
     chunk_rows: Optional[int]
     inplace_grad: bool
@@ -67,32 +69,29 @@ class Plan:
 
 
 def compute_row_stats(plan: Plan, logits, row_mask, tokens, keep_mask):
-    """Forward partials on this rank, all-gather across ranks, merge. Returns RowStats over all T rows (neutral, i.e.
-    without mass, for rows the row mask drops)."""
+    """Forward partials on this rank, (validate=True, TP > 1) the header exchange and its one host read, the
+    all-gather of the partials, the merge. Returns RowStats over all T rows (neutral, i.e. without mass, for rows
+    the row mask drops)."""
     layout = plan.layout
     partials = plan.backend.forward_partials(
         logits, row_mask, tokens, keep_mask, plan.inv_temperature, layout.n_valid, layout.seg_len,
         plan.entropy_mode != "none", plan.chunk_rows, vocab_start=layout.vocab_start,
     )
-    if layout.group is not None and logits.shape[0] > 0:
-        partials = _row_stats.all_gather_partials(partials, layout)  # [segments, 5, T]: the same shape on every rank
+    if layout.group is not None:
+        if plan.validate:
+            # Before the all-gather of the partials, whose size depends on the call: ranks that disagree, or whose
+            # tokens or logits are bad, all raise here together.
+            header = _validate.rank_header(
+                tokens, row_mask, partials, v_local=layout.v_local, vocab_size=layout.vocab_size,
+                temperature=plan.temperature, entropy_mode=plan.entropy_mode, has_keep_mask=keep_mask is not None,
+                dtype=logits.dtype,
+            )
+            table = _validate.exchange_headers(header, layout.group, layout.world_size)
+            _validate.raise_if_any(plan.fn_name, table, row_mask is not None)
+        # Every rank takes part, T = 0 included: [segments, 5, T] has the same shape on every rank.
+        partials = _row_stats.all_gather_partials(partials, layout)
     merge = getattr(plan.backend, "merge_partials", _row_stats.merge_partials)  # a backend may fuse the merge
     return merge(partials, keep_mask is not None)
-
-
-def _check_values(plan: Plan, stats, tokens, row_mask) -> None:
-    """validate=True: the checks that read values, with one host sync. At TP = 1 the token range is read here too
-    (nothing collective has run); at TP > 1 api.py checked it before the first collective."""
-    flags = [stats.bad_input.any().reshape(1).to(torch.int64)]
-    single_rank = plan.layout.group is None
-    if single_rank:
-        flags.append(_validate.token_bounds(tokens, row_mask))
-    values = torch.cat(flags).tolist()  # the host sync
-    if single_rank:
-        _validate.raise_if_out_of_range(plan.fn_name, values[1], values[2], plan.layout.vocab_size,
-                                        row_mask is not None)
-    if values[0]:
-        raise ValueError(f"ppo_ops.{plan.fn_name}: logits contain NaN or +inf (after the temperature scaling)")
 
 
 class LogProbEntropyFunction(torch.autograd.Function):
@@ -104,9 +103,10 @@ class LogProbEntropyFunction(torch.autograd.Function):
         log_prob, entropy = stats.log_prob, stats.entropy  # a dropped row's entropy is 0 already (no mass)
         if row_mask is not None:
             log_prob = torch.where(row_mask, log_prob, torch.zeros_like(log_prob))  # no mass would give -inf
-        if plan.validate:
-            # Last: every launch of the forward is queued before the host waits, and little host work follows.
-            _check_values(plan, stats, tokens, row_mask)
+        if plan.validate and plan.layout.group is None:
+            # TP = 1: last, so every launch of the forward is queued before the host waits (the one host sync).
+            _validate.check_single_rank_values(plan.fn_name, stats.bad_input, tokens, row_mask,
+                                               plan.layout.vocab_size)
 
         ctx.plan = plan
         ctx.consumed = False

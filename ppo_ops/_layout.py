@@ -6,7 +6,8 @@ eight equal segments when V_global is divisible by 8 and the TP size divides 8, 
 segment is reduced by exactly the same code on whichever rank holds it, and segments are merged in global order, so
 the result is bitwise identical at TP = 1, 2, 4 and 8 (and otherwise at least deterministic).
 
-Resolving the layout issues no collective: `get_world_size` and `get_rank` are local queries.
+Resolving the layout issues no collective: `get_world_size` and `get_rank` (in _validate.check_tp_group) are local
+queries.
 """
 
 from __future__ import annotations
@@ -48,19 +49,6 @@ class VocabLayout:
         return self.v_local // self.seg_len
 
 
-def resolve_group(tp_group) -> tuple[Optional["dist.ProcessGroup"], int, int]:
-    """(group, world_size, rank); tp_group=None means the default group when torch.distributed is initialised."""
-    if tp_group is None:
-        if not (dist.is_available() and dist.is_initialized()):
-            return None, 1, 0
-        tp_group = dist.group.WORLD
-    world_size = dist.get_world_size(tp_group)
-    rank = dist.get_rank(tp_group)
-    if world_size == 1:
-        return None, 1, 0
-    return tp_group, world_size, rank
-
-
 def segment_length(v_local: int, world_size: int) -> int:
     v_global = v_local * world_size
     if v_global % NUM_FIXED_SEGMENTS == 0 and NUM_FIXED_SEGMENTS % world_size == 0:
@@ -68,8 +56,8 @@ def segment_length(v_local: int, world_size: int) -> int:
     return v_local
 
 
-def make_layout(tp_group, v_local: int, vocab_size: Optional[int]) -> VocabLayout:
-    group, world_size, rank = resolve_group(tp_group)
+def make_layout(group, world_size: int, rank: int, v_local: int, vocab_size: Optional[int]) -> VocabLayout:
+    """The layout of a call on (group, world_size, rank) as _validate.check_tp_group resolved them."""
     v_global = v_local * world_size
     return VocabLayout(
         group=group,

@@ -14,12 +14,12 @@ rank merges all segments in global order, sequentially, so every rank and every 
 W <= 0, so the entropy is a sum of two non-negative terms (no cancellation). Backward gets the statistics relative to
 the row maximum M (log S, log S_kept, W / S): it then forms log p = (z - M) - log S, where z - M is small exactly for
 the entries whose probability is large, so fp32 rounding there stays far below ulp(|z|). Segments and rows without any finite logit
-(m = -inf) contribute nothing and never produce exp(-inf - -inf).
+(m = -inf) contribute nothing and never produce exp(-inf - -inf); a segment whose shift m_j - M overflows to -inf
+(finite maxima near -fp32 max and +fp32 max) has a_j = 0 and adds exactly 0 to W.
 """
 
 from __future__ import annotations
 
-import struct
 from typing import NamedTuple, Optional
 
 import torch
@@ -85,7 +85,9 @@ def merge_partials(p: torch.Tensor, has_keep_mask: bool) -> RowStats:
         a = torch.where(present, torch.exp(shift), torch.zeros_like(m_j))
         s = s + a * p[j, SUMEXP]
         sk = sk + a * p[j, KEPT_SUMEXP]
-        w = w + a * (p[j, ENT_SUM] + shift * p[j, SUMEXP])
+        # a == 0 (the segment is negligible, or its shift overflowed to -inf next to a max near fp32's limit): it
+        # adds 0, never 0 * -inf.
+        w = w + torch.where(a > 0, a * (p[j, ENT_SUM] + shift * p[j, SUMEXP]), torch.zeros_like(m_j))
     z_t = p[:, TARGET_Z].amax(dim=0)
 
     has_mass = s > 0
@@ -103,65 +105,3 @@ def merge_partials(p: torch.Tensor, has_keep_mask: bool) -> RowStats:
     return RowStats(
         log_prob, entropy, m_safe, log_s, log_kept if has_keep_mask else None, ratio, bad_input, defined, has_mass
     )
-
-
-# ---- Cross-rank consistency (validate=True, TP > 1): one small all-gather before the main work. ----
-
-_HEADER_FIELDS = (
-    "number of rows T",
-    "V_local (logits.shape[-1])",
-    "vocab_size",
-    "temperature",
-    "entropy mode",
-    "keep_mask presence",
-    "row_mask",
-    "tokens",
-)
-
-
-def _fold_checksum(values: torch.Tensor) -> torch.Tensor:
-    """Position-weighted checksum of an int64 vector, exact in int64 (no overflow for T < 2^24)."""
-    if values.numel() == 0:
-        return torch.zeros((), dtype=torch.int64, device=values.device)
-    weights = torch.arange(values.numel(), device=values.device, dtype=torch.int64) % 65521 + 1
-    return ((values.remainder(2147483647) * weights).remainder(2147483647)).sum()
-
-
-def consistency_header(
-    tokens: torch.Tensor,
-    row_mask: Optional[torch.Tensor],
-    v_local: int,
-    vocab_size: Optional[int],
-    temperature: float,
-    entropy_mode: str,
-    has_keep_mask: bool,
-    device,
-) -> torch.Tensor:
-    flat_tokens = tokens.reshape(-1).to(torch.int64)
-    if row_mask is not None:
-        rm = row_mask.reshape(-1)
-        flat_tokens = torch.where(rm, flat_tokens, torch.zeros_like(flat_tokens))
-        row_sum = _fold_checksum(rm.to(torch.int64))
-    else:
-        row_sum = torch.zeros((), dtype=torch.int64, device=tokens.device)
-    temp_bits = struct.unpack("<i", struct.pack("<f", temperature))[0]
-    fixed = torch.tensor(
-        [flat_tokens.numel(), v_local, -1 if vocab_size is None else vocab_size, temp_bits,
-         ("none", "value", "grad").index(entropy_mode), int(has_keep_mask)],
-        dtype=torch.int64,
-        device=device,
-    )
-    return torch.cat([fixed, row_sum.reshape(1).to(device), _fold_checksum(flat_tokens).reshape(1).to(device)])
-
-
-def check_consistent_across_ranks(fn_name: str, header: torch.Tensor, layout: VocabLayout) -> None:
-    """All-gathers the header; every rank sees the same table, so every rank raises the same error (no hang)."""
-    parts = [torch.empty_like(header) for _ in range(layout.world_size)]
-    dist.all_gather(parts, header, group=layout.group)
-    table = torch.stack(parts).cpu()
-    for field, column in zip(_HEADER_FIELDS, table.T):
-        if not bool((column == column[0]).all()):
-            raise ValueError(
-                f"ppo_ops.{fn_name}: the {field} differs across the {layout.world_size} tensor-parallel ranks "
-                f"(per rank: {column.tolist()}); every rank of tp_group must pass the same rows, tokens and options"
-            )

@@ -18,7 +18,9 @@ target's logit (one scalar load).
     at ~15 instructions per element and a block-wide one, measured 0.845 and 1.080 ms.)
     -inf and bad values: an empty lane has m = -FLT_MAX (a finite sentinel, so never -inf - -inf) and s = 0; it drops
     out of the merge by s == 0, and e*d is taken with d clamped to >= -FLT_MAX, so a -inf logit (e = 0) adds 0, not
-    0 * -inf. A NaN logit makes its lane's s NaN (tl.max may drop it; the sum does not); +inf makes M +inf and S NaN.
+    0 * -inf. Maxima near fp32's limit: m_old - m_new (the sentinel, or a finite max near -FLT_MAX, minus a max near
+    +FLT_MAX) may overflow to -inf; then alpha = 0 and the rescaled old entropy sum is taken as 0, never -inf * 0
+    (likewise in the lane merge and the segment merge), so every finite logit gives finite results. A NaN logit makes its lane's s NaN (tl.max may drop it; the sum does not); +inf makes M +inf and S NaN.
     The core looks for both through MAX (NaN when S is).
     Loads: whole tiles load without masks, each issuing the next tile's load before its own math (register double
     buffering); only the segment's last, partial tile is masked (memory) and selected (padding).
@@ -130,7 +132,7 @@ def _merge_lanes_and_store(m, s, sk, w, row_ptr, target, seg_start, seg_end, seg
     a = tl.where(present, tl.exp(shift), 0.0)
     s_seg = tl.sum(a * s, axis=0)
     if WITH_ENTROPY:
-        w_seg = tl.sum(a * (w + shift * s), axis=0)
+        w_seg = tl.sum(tl.where(a > 0.0, a * (w + shift * s), 0.0), axis=0)  # a shift of -inf (overflow) adds 0
     else:
         w_seg = tl.zeros([], tl.float32)
     if HAS_KEEP:
@@ -163,8 +165,9 @@ def _chunks_update(z, keep, is_target, m, s, sk, w, HAS_KEEP: tl.constexpr, WITH
     d = z - m_new[:, None]  # <= 0; -inf for a -inf logit, NaN for NaN or +inf
     e = _exp_nonpositive(d)
     if WITH_ENTROPY:
-        # old terms shift by (m - m_new); a -inf logit adds 0 (d clamped), not 0 * -inf
-        w = alpha * (w + shift * s) + tl.sum(e * tl.maximum(d, -_FLT_MAX), axis=1)
+        # old terms shift by (m - m_new), dropped where alpha == 0: an empty lane's sentinel minus a new max near
+        # fp32's limit overflows to -inf (and -inf * 0 is NaN); a -inf logit adds 0 (d clamped), not 0 * -inf
+        w = tl.where(alpha > 0.0, alpha * (w + shift * s), 0.0) + tl.sum(e * tl.maximum(d, -_FLT_MAX), axis=1)
     if HAS_KEEP:
         sk = alpha * sk + tl.sum(tl.where((keep != 0) | is_target, e, 0.0), axis=1)
     s = alpha * s + tl.sum(e, axis=1)

@@ -72,7 +72,8 @@ def merge_partials_kernel(
         s += a * s_j
         if HAS_KEEP:
             sk += a * tl.load(base + _KEPT_SUMEXP * num_rows, mask=in_rows, other=0.0)
-        w += a * (tl.load(base + _ENT_SUM * num_rows, mask=in_rows, other=0.0) + shift * s_j)
+        w_j = tl.load(base + _ENT_SUM * num_rows, mask=in_rows, other=0.0)
+        w += tl.where(a > 0.0, a * (w_j + shift * s_j), 0.0)  # a shift of -inf (overflow) adds 0, not -inf * 0
     if not HAS_KEEP:
         sk = s
 

@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ppo_ops import _row_stats, _torch_backend, _validate
+from ppo_ops import _torch_backend, _validate
 from ppo_ops._function import LogProbEntropyFunction, Plan
 from ppo_ops._layout import make_layout
 
@@ -43,27 +43,42 @@ def log_probs_and_entropy(
       logits: [..., V_local] float32/bfloat16/float16; this rank's contiguous slice of the global vocabulary
         ([rank * V_local, (rank + 1) * V_local)). Math is fp32; the gradient comes back in the logits' dtype.
       tokens: logits.shape[:-1] integer global token ids.
-      tp_group: tensor-parallel process group; None = the default group when torch.distributed is initialised,
-        else a single rank. One rank issues no collective.
+      tp_group: tensor-parallel process group, given explicitly (e.g. torch.distributed.group.WORLD for TP over
+        the default group); None means one rank, always, also inside an initialised job. One rank issues no
+        collective. Every rank of the group must call with the same rows, tokens, options and `validate`.
       entropy: "none"; "value" (returned without gradient, nothing kept for backward); "grad" (differentiable).
       keep_mask: logits.shape bool; log-probs are normalised over keep_mask ∪ {target} (the target is always kept);
         the entropy is always over the full distribution.
       temperature: both quantities use logits / temperature, and the gradient carries the 1 / temperature factor.
+        Any real number > 0 whose reciprocal fits in float32 (>= about 2.94e-39): Python or NumPy scalars, or a
+        one-element tensor (read with .item(): a host sync of its own when it is on a GPU).
       row_mask: logits.shape[:-1] bool; False rows get log-prob 0, entropy 0 and gradient 0, cost no compute, and
         their tokens are not checked.
       vocab_size: the true global vocabulary; global columns at or past it are padding (no mass, zero gradient).
+        An int (Python, NumPy or a one-element integer tensor), like chunk_size.
       chunk_size: rows per working chunk, bounding the PyTorch backend's fp32 buffers in forward and backward
         (None or -1: an automatic bound). Results are bitwise identical for every chunk size.
       inplace_grad: backward writes the gradient into the logits' storage and returns it as their gradient; the
         logits' values are lost, so nothing else may need them afterwards (autograd's version counter flags saved
-        uses), and a second backward through this op raises.
+        uses), and a second backward through this op raises. Logits whose elements overlap in memory (expanded,
+        stride-0 views) are refused with a ValueError by both backends.
       backend: "auto" (triton for CUDA tensors when triton imports, else torch), "torch" or "triton".
       validate: run the checks that read tensor values (token range; NaN / +inf logits; ranks agreeing on rows,
-        tokens and options). On CUDA they cost host syncs (one at TP = 1, at the end of the forward; three at
-        TP > 1), each exposing the host time of what follows; set False once inputs are known good.
+        tokens and options) and make failure collective. Exactly one host sync per call at any TP size: at TP = 1 at
+        the end of the forward, at TP > 1 when the ranks' fixed-size headers have been all-gathered, before the
+        partials' all-gather; every rank then raises the same error, naming the rank(s) at fault and the argument.
+        False: no host sync, and what ppo_ops/_validate.py lists is no longer guaranteed (out-of-range tokens, NaN
+        logits and ranks that disagree give wrong results, or an error or wait until the process group's timeout;
+        an argument error raises on its own rank only). Must be the same on every rank.
 
     Returns:
       LogProbsEntropy(log_probs, entropy), float32, shaped like tokens. Bitwise deterministic run to run.
+
+    Unsupported: float64 logits (TypeError; the kernels compute in fp32 and the fp32 guarantees would not hold);
+    torch.func transforms (vmap, grad, jvp: the autograd Function has no vmap or forward-mode rule, and the
+    collectives and value checks act on whole tensors); torch.compile(fullgraph=True) (the value checks read the
+    device and the collectives run in Python: a graph break; without fullgraph the op runs eagerly inside a
+    compiled model).
     """
     return _compute(
         "log_probs_and_entropy", logits, tokens, tp_group=tp_group, entropy=entropy, keep_mask=keep_mask,
@@ -84,7 +99,9 @@ def calculate_log_probs_and_entropy(
     """Drop-in replacement for slime's function of the same name.
 
     Returns (log_prob [T, 1] float32 (shape (0,) when T == 0), entropy [T] float32 or None). Unlike slime's, the
-    entropy stays finite when some logits are -inf.
+    entropy stays finite when some logits are -inf. slime passes its tensor-parallel group explicitly; here
+    tp_group=None means one rank (slime's own function would take the default group then). Values are validated
+    (validate=True: one host sync per call).
     """
     mode = "none" if not with_entropy else ("grad" if with_entropy_grad else "value")
     result = _compute(
@@ -110,69 +127,83 @@ def _select_backend(fn_name: str, backend: str, logits: torch.Tensor):
             return _torch_backend
         return _triton_backend
     if not (logits.is_cuda or interpreted):
-        raise ValueError(
-            f"ppo_ops.{fn_name}: backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before triton is "
-            f"imported, to run its kernels on CPU), got logits on {logits.device}"
-        )
+        raise _validate.argument_error(
+            ValueError, fn_name, "backend",
+            f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before triton is imported, to run its "
+            f"kernels on CPU), got logits on {logits.device}")
     try:
         from ppo_ops import _triton_backend
     except ImportError as err:
-        raise RuntimeError(
-            f"ppo_ops.{fn_name}: backend='triton' is unavailable ({err}); install triton (pip install triton) or use "
-            "backend='torch'"
+        raise _validate.argument_error(
+            RuntimeError, fn_name, "backend",
+            f"backend='triton' is unavailable ({err}); install triton (pip install triton) or use backend='torch'"
         ) from err
     return _triton_backend
+
+
+class _Call(NamedTuple):
+    """A call whose arguments passed the local checks: what LogProbEntropyFunction.apply takes, and the lead shape."""
+
+    logits: torch.Tensor  # [T, V_local]
+    tokens: torch.Tensor  # [T]
+    keep_mask: Optional[torch.Tensor]  # [T, V_local] or None
+    row_mask: Optional[torch.Tensor]  # [T] or None
+    plan: Plan
+    lead: tuple
 
 
 def _compute(
     fn_name, logits, tokens, *, tp_group, entropy, keep_mask, temperature, row_mask, vocab_size, chunk_size,
     inplace_grad, backend, validate,
 ) -> LogProbsEntropy:
-    temperature = _validate.check_options(
+    group, world_size, rank = _validate.check_tp_group(fn_name, tp_group)
+    try:
+        call = _prepare(fn_name, logits, tokens, group, world_size, rank, entropy=entropy, keep_mask=keep_mask,
+                        temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, chunk_size=chunk_size,
+                        inplace_grad=inplace_grad, backend=backend, validate=validate)
+    except Exception as exc:
+        if group is None or validate is False:  # (a non-bool validate is itself the error: exchange it)
+            raise
+        # TP > 1: the other ranks learn of this error from the header exchange and raise with this rank.
+        header = _validate.error_header(exc, _validate.header_device(logits, group))
+        table = _validate.exchange_headers(header, group, world_size)
+        _validate.raise_if_any(fn_name, table, False, local_error=exc)
+        raise  # not reached: the table holds this rank's error
+    out = LogProbEntropyFunction.apply(call.logits, call.tokens, call.keep_mask, call.row_mask, call.plan)
+    if entropy == "none":
+        return LogProbsEntropy(out.reshape(call.lead), None)
+    log_prob, ent = out
+    return LogProbsEntropy(log_prob.reshape(call.lead), ent.reshape(call.lead))
+
+
+def _prepare(fn_name, logits, tokens, group, world_size, rank, *, entropy, keep_mask, temperature, row_mask,
+             vocab_size, chunk_size, inplace_grad, backend, validate) -> _Call:
+    """Every local check (no tensor value read, no collective), the layout and the backend."""
+    temperature, inv_temperature, chunk_size, vocab_size = _validate.check_options(
         fn_name, entropy=entropy, backend=backend, temperature=temperature, chunk_size=chunk_size,
-        vocab_size=vocab_size, inplace_grad=inplace_grad,
+        vocab_size=vocab_size, inplace_grad=inplace_grad, validate=validate,
     )
     _validate.check_tensors(fn_name, logits, tokens, keep_mask, row_mask)
     lead, v_local = tuple(logits.shape[:-1]), logits.shape[-1]
-    layout = make_layout(tp_group, v_local, vocab_size)
+    layout = make_layout(group, world_size, rank, v_local, vocab_size)
     _validate.check_vocab(fn_name, vocab_size, layout.v_global)
-    if validate and layout.group is not None:
-        # Before the first collective; at TP = 1 the forward reads it with its other checks (one host sync).
-        _validate.check_token_range(fn_name, tokens, row_mask, layout.vocab_size)
     selected = _select_backend(fn_name, backend, logits)
 
     n_rows = math.prod(lead)
     logits2d = _flatten_logits(fn_name, logits, n_rows, v_local, inplace_grad, needs_unit_stride=selected is not _torch_backend)
-    tokens1d = tokens.reshape(n_rows)
-    keep2d = None if keep_mask is None else keep_mask.reshape(n_rows, v_local)
-    rows1d = None if row_mask is None else row_mask.reshape(n_rows)
-
-    if validate and layout.group is not None:
-        header = _row_stats.consistency_header(
-            tokens1d, rows1d, v_local, vocab_size, temperature, entropy, keep_mask is not None, logits.device
-        )
-        _row_stats.check_consistent_across_ranks(fn_name, header, layout)
-
     plan = Plan(
         fn_name=fn_name,
         layout=layout,
         backend=selected,
-        inv_temperature=_inverse_temperature(temperature),
+        temperature=temperature,
+        inv_temperature=inv_temperature,
         entropy_mode=entropy,
         chunk_rows=None if chunk_size in (None, -1) else chunk_size,
         inplace_grad=inplace_grad,
         validate=validate,
     )
-    out = LogProbEntropyFunction.apply(logits2d, tokens1d, keep2d, rows1d, plan)
-    if entropy == "none":
-        return LogProbsEntropy(out.reshape(lead), None)
-    log_prob, ent = out
-    return LogProbsEntropy(log_prob.reshape(lead), ent.reshape(lead))
-
-
-def _inverse_temperature(temperature: float) -> float:
-    """1 / temperature rounded to fp32 once, so every backend multiplies by the same constant."""
-    return float(torch.tensor(1.0 / temperature, dtype=torch.float32).item())
+    return _Call(logits2d, tokens.reshape(n_rows), None if keep_mask is None else keep_mask.reshape(n_rows, v_local),
+                 None if row_mask is None else row_mask.reshape(n_rows), plan, lead)
 
 
 def _flatten_logits(fn_name, logits, n_rows, v_local, inplace_grad, needs_unit_stride):
@@ -188,12 +219,11 @@ def _flatten_logits_view(fn_name, logits, n_rows, v_local, inplace_grad, needs_u
         try:
             flat = logits.view(n_rows, v_local)
         except RuntimeError as err:
-            raise ValueError(
-                f"ppo_ops.{fn_name}: inplace_grad=True needs logits whose leading dims flatten without a copy "
-                f"(got shape {tuple(logits.shape)}, strides {logits.stride()})"
-            ) from err
-        if needs_unit_stride and v_local > 1 and flat.stride(1) != 1:
-            raise ValueError(f"ppo_ops.{fn_name}: inplace_grad=True with this backend needs logits.stride(-1) == 1")
+            raise _validate.argument_error(
+                ValueError, fn_name, "inplace_grad",
+                f"inplace_grad=True needs logits whose leading dims flatten without a copy (got shape "
+                f"{tuple(logits.shape)}, strides {logits.stride()})") from err
+        _validate.check_inplace_target(fn_name, flat, needs_unit_stride)
         return flat
     flat = logits.reshape(n_rows, v_local)
     if needs_unit_stride and v_local > 1 and flat.stride(1) != 1:

@@ -13,6 +13,8 @@
 import datetime
 import os
 import socket
+import time
+from typing import Optional
 
 import pytest
 import torch
@@ -36,15 +38,16 @@ def rank_device(rank: int, backend: str = DIST_BACKEND) -> torch.device:
     return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
 
 
-def _entry(rank, world_size, port, backend, worker, args):
+def _entry(rank, world_size, port, backend, timeout_s, worker, args):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     if backend == "nccl":
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(1)  # world_size processes share the CI machine's 2 cores
+    timeout = RANK_TIMEOUT if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=RANK_TIMEOUT)
+                            timeout=timeout)
     try:
         worker(rank, world_size, *args)
         dist.barrier()  # every rank done before any tears the group down (a peer's early exit can abort gloo)
@@ -52,16 +55,35 @@ def _entry(rank, world_size, port, backend, worker, args):
         dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, worker, *args, backend: str = DIST_BACKEND):
-    """Runs worker(rank, world_size, *args) on `world_size` spawned ranks (module docstring)."""
+def run_ranks(world_size: int, worker, *args, backend: str = DIST_BACKEND, timeout_s: Optional[float] = None,
+              deadline_s: Optional[float] = None):
+    """Runs worker(rank, world_size, *args) on `world_size` spawned ranks (module docstring).
+
+    timeout_s: the group's collective timeout (default RANK_TIMEOUT). deadline_s: the ranks must all have finished
+    this many seconds after the spawn, or they are terminated and the caller fails with "hang"."""
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise RuntimeError(f"{world_size} NCCL ranks need {world_size} GPUs, {torch.cuda.device_count()} visible")
-    mp.spawn(_entry, args=(world_size, free_port(), backend, worker, args), nprocs=world_size, join=True)
+    spawn_args = (world_size, free_port(), backend, timeout_s, worker, args)
+    if deadline_s is None:
+        mp.spawn(_entry, args=spawn_args, nprocs=world_size, join=True)
+        return
+    context = mp.spawn(_entry, args=spawn_args, nprocs=world_size, join=False)
+    end = time.monotonic() + deadline_s
+    while not context.join(timeout=max(0.0, end - time.monotonic())):
+        if time.monotonic() >= end:
+            alive = [rank for rank, proc in enumerate(context.processes) if proc.is_alive()]
+            for proc in context.processes:
+                if proc.is_alive():
+                    proc.terminate()
+            for proc in context.processes:
+                proc.join(5)
+            raise AssertionError(f"ranks {alive} of {world_size} still running after {deadline_s} s: a hang")
 
 
-def run_gloo(world_size: int, worker, *args):
-    """run_ranks over gloo: the ranks compute on CPU tensors even where a GPU is visible."""
-    run_ranks(world_size, worker, *args, backend="gloo")
+def run_gloo(world_size: int, worker, *args, **limits):
+    """run_ranks over gloo: the ranks compute on CPU tensors even where a GPU is visible (`limits`: timeout_s,
+    deadline_s as in run_ranks)."""
+    run_ranks(world_size, worker, *args, backend="gloo", **limits)
 
 
 def world_size_param(n: int, **kwargs):

@@ -73,6 +73,10 @@ def reference_log_probs_and_entropy(
 
     valid = torch.arange(n_vocab) < (n_vocab if vocab_size is None else vocab_size)
     z = torch.where(valid, x / temperature, float("-inf"))
+    # Every quantity below is invariant to a per-row shift; shifting by the row max keeps float64's precision for
+    # logits near fp32's range (unshifted, log Σ e^z would lose log V next to |z| ~ 3e38).
+    row_max = z.amax(-1, keepdim=True) if n_vocab > 0 else torch.zeros(n_rows, 1, dtype=torch.float64)
+    z = z - torch.where(torch.isfinite(row_max), row_max, 0.0)
     target = torch.zeros_like(z, dtype=torch.bool)
     if n_vocab > 0:
         target.scatter_(1, safe_tokens[:, None], True)

@@ -41,7 +41,6 @@ class ShardedCase:
     neg_inf: bool = False
     chunk_size: Optional[int] = None
     inplace_grad: bool = False
-    default_group: bool = False  # tp_group=None (the default group) instead of dist.group.WORLD
     scale: float = 2.0  # standard deviation of the logits
     seed: int = 0
 
@@ -96,7 +95,7 @@ def _run_rank(case, logits, tokens, opts, weights, rank, world_size, backend):
     local = dict(opts)
     if "keep_mask" in local:
         local["keep_mask"] = shard_vocab(local["keep_mask"], rank, world_size)
-    tp_group = None if case.default_group else dist.group.WORLD
+    tp_group = dist.group.WORLD  # explicit: tp_group=None is one rank
     if not case.inplace_grad:
         return _on_cpu(run_op(x, tokens, device=device, backend=backend, tp_group=tp_group, **local, **weights))
     # inplace_grad: the op's input must be a non-leaf (as lm-head logits are), whose storage receives the gradient.

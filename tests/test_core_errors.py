@@ -1,10 +1,11 @@
 """Bad input to ppo_ops.log_probs_and_entropy / calculate_log_probs_and_entropy: a clear error, raised before any
 collective, of the right type, whose message names the offending argument.
 
-BAD_INPUTS lists every case from issue 3 as (changes to a valid call, expected exception, argument named). Each runs
-on one rank for both backends, and again on a 2-rank gloo group whose torch.distributed collectives are replaced by a
-tripwire (a sanity case shows the tripwire does fire for a valid call), so "before any collective" is checked for
-real. Double backward (create_graph through the op, and a second backward after inplace_grad) raises RuntimeError.
+BAD_INPUTS lists every bad input as (changes to a valid call, expected exception, argument named). Each runs on one
+rank for both backends, and again on a 2-rank gloo group whose torch.distributed collectives are replaced by a
+tripwire that lets through only the fixed-size header exchange (exactly one per call; a sanity case shows the tripwire
+does fire for a valid call), so "raised together, before any collective that could mismatch" is checked for real.
+Double backward (create_graph through the op, and a second backward after inplace_grad) raises RuntimeError.
 """
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import ppo_ops
+from ppo_ops import _validate
 from tests.core_support import DEVICE, backend_params, make_logits, make_tokens, run_gloo, triton_skip_reason
 
 N_ROWS, V_LOCAL = 4, 16
@@ -66,6 +68,23 @@ BAD_INPUTS = {
     "entropy_unknown": (lambda x, t, v: dict(entropy="full"), ValueError, "entropy"),
     "entropy_bool": (lambda x, t, v: dict(entropy=True), ValueError, "entropy"),
     "backend_unknown": (lambda x, t, v: dict(backend="cuda"), ValueError, "backend"),
+    # 1 / temperature overflows fp32: the temperature is blamed, not the logits.
+    "temperature_reciprocal_overflows": (lambda x, t, v: dict(temperature=1e-39), ValueError, "temperature"),
+    "temperature_string": (lambda x, t, v: dict(temperature="0.7"), TypeError, "temperature"),
+    "temperature_two_element_tensor": (lambda x, t, v: dict(temperature=torch.tensor([0.5, 0.7])), ValueError,
+                                       "temperature"),
+    "vocab_size_float": (lambda x, t, v: dict(vocab_size=float(v)), TypeError, "vocab_size"),
+    "vocab_size_float_tensor": (lambda x, t, v: dict(vocab_size=torch.tensor(float(v))), TypeError, "vocab_size"),
+    "chunk_size_float": (lambda x, t, v: dict(chunk_size=2.0), TypeError, "chunk_size"),
+    "validate_not_bool": (lambda x, t, v: dict(validate="yes"), TypeError, "validate"),
+    "logits_and_tokens_on_meta": (lambda x, t, v: dict(logits=x.to("meta"), tokens=t.to("meta")), ValueError,
+                                  "logits"),
+    # inplace_grad on logits whose rows share storage: every row would write the same gradient elements.
+    "inplace_grad_expanded_logits": (lambda x, t, v: dict(logits=x[:1].expand(N_ROWS, -1), inplace_grad=True),
+                                     ValueError, "inplace_grad"),
+    "inplace_grad_overlapping_logits": (lambda x, t, v: dict(logits=torch.as_strided(x.clone(), (N_ROWS, V_LOCAL),
+                                                                                     (V_LOCAL // 2, 1)),
+                                                             inplace_grad=True), ValueError, "inplace_grad"),
 }
 
 
@@ -80,7 +99,7 @@ def _call_bad(case_id, backend, device, v_global, tp_group=None):
     build, exc_type, name = BAD_INPUTS[case_id]
     logits, tokens = _valid_call(v_global, device)
     kwargs = dict(logits=logits, tokens=tokens, entropy="grad", backend=backend, tp_group=tp_group)
-    kwargs.update({k: (v.to(device) if isinstance(v, torch.Tensor) else v)
+    kwargs.update({k: (v.to(device) if isinstance(v, torch.Tensor) and not v.is_meta else v)
                    for k, v in build(logits, tokens, v_global).items()})
     try:
         ppo_ops.log_probs_and_entropy(kwargs.pop("logits"), kwargs.pop("tokens"), **kwargs)
@@ -159,19 +178,27 @@ def test_second_backward_after_inplace_grad_raises(backend):
         loss.backward()
 
 
-# --- before any collective (gloo, 2 ranks) ---
+# --- before any collective that could mismatch (gloo, 2 ranks) ---
 
 _COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "all_reduce",
                 "all_to_all", "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather", "reduce",
                 "reduce_scatter", "reduce_scatter_tensor", "scatter", "send", "recv", "isend", "irecv")
+_HEADER_NUMEL = len(_validate.HEADER_FIELDS)
 
 
 class CollectiveIssued(Exception):
-    """Raised by the tripwire standing in for every torch.distributed collective."""
+    """Raised by the tripwire standing in for every torch.distributed collective but the header exchange."""
 
 
-def _tripwire(name):
+def _tripwire(name, original, headers):
+    """Lets through the fixed-size header all-gather (an int64 vector of HEADER_FIELDS, counted in `headers`), the one
+    collective allowed before an error; anything else fires."""
     def fire(*args, **kwargs):
+        inputs = [a for a in args if isinstance(a, torch.Tensor)]
+        if (name in ("all_gather_into_tensor", "all_gather_single") and len(inputs) == 2
+                and inputs[1].dtype == torch.int64 and inputs[1].numel() == _HEADER_NUMEL):
+            headers.append(name)
+            return original(*args, **kwargs)
         raise CollectiveIssued(f"torch.distributed.{name} was called")
     return fire
 
@@ -179,11 +206,11 @@ def _tripwire(name):
 def _errors_before_collectives_worker(rank, world_size, backends):
     v_global = V_LOCAL * world_size
     originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
-    failures = []
+    headers, failures = [], []
     try:
-        for name in originals:
-            setattr(dist, name, _tripwire(name))
-        # Sanity: a valid call at TP=2 does issue a collective, so the tripwire can catch one.
+        for name, original in originals.items():
+            setattr(dist, name, _tripwire(name, original, headers))
+        # Sanity: a valid call at TP=2 does issue a collective after the header, so the tripwire can catch one.
         logits, tokens = _valid_call(v_global, "cpu")
         try:
             ppo_ops.log_probs_and_entropy(logits, tokens, tp_group=dist.group.WORLD)
@@ -192,9 +219,11 @@ def _errors_before_collectives_worker(rank, world_size, backends):
             pass
         for backend in backends:
             for case_id in sorted(BAD_INPUTS):
+                del headers[:]
                 exc, exc_type, name = _call_bad(case_id, backend, "cpu", v_global, tp_group=dist.group.WORLD)
                 try:
                     _check_raised(case_id, exc, exc_type, name)
+                    assert len(headers) == 1, f"{case_id}: {len(headers)} header exchanges, expected exactly 1"
                 except AssertionError as err:
                     failures.append(f"rank {rank}, backend {backend}: {err}")
     finally:
@@ -205,5 +234,14 @@ def _errors_before_collectives_worker(rank, world_size, backends):
 
 
 def test_bad_input_raises_before_any_collective():
+    """At TP=2 (validate=True) every bad input raises after the one fixed-size header exchange and before any other
+    collective, on both ranks, with the argument named."""
     backends = ["torch"] + ([] if triton_skip_reason("cpu") else ["triton"])
-    run_gloo(2, _errors_before_collectives_worker, backends)
+    run_gloo(2, _errors_before_collectives_worker, backends, timeout_s=30, deadline_s=240)
+
+
+def test_bad_tp_group_type():
+    logits, tokens = _valid_call(V_LOCAL, DEVICE)
+    for bogus in ("bogus", 0, object()):
+        with pytest.raises(TypeError, match="tp_group must be a torch.distributed.ProcessGroup"):
+            ppo_ops.log_probs_and_entropy(logits, tokens, tp_group=bogus)

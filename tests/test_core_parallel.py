@@ -10,7 +10,8 @@ checks (tests/sharded_case.py):
 
 CASES is a compact matrix: each case turns several options on at once (dtypes, keep masks dropping targets,
 temperatures, row masks, padding that covers a whole rank, -inf logits, leading dimensions, chunk sizes, entropy
-modes, inplace_grad, empty input, every row masked, the default group); the slime-compatible API has its own check.
+modes, inplace_grad, empty input, every row masked; tp_group=None inside a job is tested in
+test_core_reliability.py); the slime-compatible API has its own check.
 All cases run in one spawn per world size and backend; a rank collects its failures and reports them together at
 the end. Row counts stay small: the Triton interpreter runs one program per (row, segment), and 4 ranks share the
 CI's 2 cores.
@@ -38,7 +39,7 @@ CASES = [
     ShardedCase("odd_vocab_per_rank_segments", (7,), 37, temperature=0.7, keep="random"),  # V_global % 8 != 0
     ShardedCase("bf16_inplace_grad", (4,), 64, torch.bfloat16, keep="random", inplace_grad=True),
     ShardedCase("keep_only_targets", (4,), 32, keep="target_only"),  # every log-prob is exactly 0
-    ShardedCase("default_group", (4,), 48, rows="random", default_group=True),
+    ShardedCase("rows_only", (4,), 48, rows="random"),
     ShardedCase("empty_input", (0,), 32, keep="random"),
     ShardedCase("every_row_masked", (3,), 32, rows="none"),
 ]

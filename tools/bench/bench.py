@@ -4,6 +4,7 @@
     python3 tools/bench/bench.py --suite=tp2 --tp=2 --out_dir=/tmp/bench        # two GPUs over NCCL
     bazel run //tools:bench -- --suite=headline --out_dir=$PWD/bench_out
     python3 tools/bench/bench.py --device=cpu --suite=smoke --out_dir=/tmp/b    # plumbing only (tests)
+    python3 tools/bench/bench.py --suite=whole_step --out_dir=/tmp/bench        # RL step through random Qwen3-0.6B
 
 Flow: build the case list (named suites in priority order, or --suite=custom: the cross product of the list flags);
 measure the device copy bandwidth; then for each case, while the time budget lasts: skip it with a printed reason if
@@ -31,7 +32,7 @@ if __package__ in (None, ""):
 from absl import app, flags
 
 _SUITE = flags.DEFINE_list("suite", ["headline"], "Named case lists (tools/bench/cases.py SUITES), or 'custom'.")
-_PROVIDERS = flags.DEFINE_list("providers", ["triton", "torch", "legacy", "naive", "liger"],
+_PROVIDERS = flags.DEFINE_list("providers", ["triton", "torch", "legacy", "naive", "liger", "qwen3_step"],
                                "Providers to run (filters the suites too).")
 _TOKENS = flags.DEFINE_list("tokens", ["4096", "8192", "16384"], "custom: T values.")
 _VOCAB = flags.DEFINE_list("vocab", ["151936"], "custom: global vocabulary sizes V.")
@@ -110,9 +111,10 @@ def _cases():
 
     tp = _TP.value
     providers = _PROVIDERS.value
-    unknown = sorted(set(providers) - set(cases_lib.ALL_PROVIDERS))
+    known = cases_lib.ALL_PROVIDERS + cases_lib.WHOLE_STEP_PROVIDERS
+    unknown = sorted(set(providers) - set(known))
     if unknown:
-        raise ValueError(f"--providers: unknown {unknown}; expected some of {list(cases_lib.ALL_PROVIDERS)}")
+        raise ValueError(f"--providers: unknown {unknown}; expected some of {list(known)}")
     if _SUITE.value == ["custom"]:
         cases = cases_lib.cross_product(
             providers,

@@ -11,6 +11,9 @@ stops on its time budget (bench --time_budget_s) has measured the headline befor
   grid      the rest of the issue-5 cross product for the ppo_ops providers (cheap for triton).
   tp2       the TP=2 cases (run with --tp=2): headline shape and sweep, options for ppo_ops and legacy.
   smoke     a tiny CPU shape covering every provider and option (few for triton), for tests/test_bench_smoke.py.
+  whole_step  one RL step through a random Qwen3-0.6B (T=8192, bf16, forward + backward through the model, ppo_ops
+            for log-prob + entropy), validate on and off: what the host sync costs in a whole step
+            (--suite=whole_step --providers=qwen3_step). whole_step_smoke: the same on a tiny model, on CPU.
 
 Duplicates across suites are dropped (first occurrence wins), so `--suite=headline,sweep` never measures a case twice.
 """
@@ -31,6 +34,8 @@ ROW_FRACTION = 0.1  # "row mask at 10% kept rows" (issue 5)
 # Providers whose options include validate / inplace_grad (the ppo_ops API); others have no such switch.
 PPO_OPS_PROVIDERS = ("triton", "torch")
 ALL_PROVIDERS = ("triton", "torch", "legacy", "naive", "liger")
+# A whole training step through a model that calls ppo_ops (tools/bench/whole_step.py): only in its own suites.
+WHOLE_STEP_PROVIDERS = ("qwen3_step",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +52,7 @@ class Case:
     inplace_grad: Optional[bool] = None  # ppo_ops providers only
 
     def __post_init__(self):
-        if self.provider in PPO_OPS_PROVIDERS:
+        if self.provider in PPO_OPS_PROVIDERS + WHOLE_STEP_PROVIDERS:
             # ppo_ops defaults, spelled out so equal cases compare equal.
             if self.validate is None:
                 object.__setattr__(self, "validate", True)
@@ -165,6 +170,16 @@ def _smoke() -> list[Case]:
     return cases
 
 
+def _whole_step() -> list[Case]:
+    s = dict(T=HEADLINE_TOKENS, V=QWEN3_VOCAB, dtype="bf16", entropy="grad")
+    return [Case("qwen3_step", validate=True, **s), Case("qwen3_step", validate=False, **s)]
+
+
+def _whole_step_smoke() -> list[Case]:
+    s = dict(T=8, V=256, dtype="fp32", entropy="grad")  # a tiny model of the same architecture
+    return [Case("qwen3_step", validate=True, **s), Case("qwen3_step", validate=False, **s)]
+
+
 SUITES = {
     "headline": _headline,
     "tp_ref": _tp_ref,
@@ -173,6 +188,8 @@ SUITES = {
     "grid": _grid,
     "tp2": _tp2,
     "smoke": _smoke,
+    "whole_step": _whole_step,
+    "whole_step_smoke": _whole_step_smoke,
 }
 
 

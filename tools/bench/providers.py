@@ -11,6 +11,7 @@ Providers:
   torch   ppo_ops.log_probs_and_entropy(backend="torch")
   legacy  ppo_ops.legacy.calculate_log_probs_and_entropy (Megatron fused vocab-parallel CE + separate entropy)
   naive   log_softmax + gather + softmax entropy in fp32 (TP=1)
+  qwen3_step  one RL step through a random Qwen3-0.6B with ppo_ops (tools/bench/whole_step.py; its own suites)
   liger   Liger-Kernel's cross entropy, reduction="none" (TP=1, log-prob only, no keep mask). Its forward writes the
           gradient into its input, so the step clones the logits first; the clone is timed, as any caller pays it.
           Rows dropped by the row mask are passed as its ignore_index (-100), which it skips.
@@ -29,6 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
+from tools.bench import whole_step
 from tools.bench.cases import Case
 from tools.bench.inputs import IGNORED_TOKEN, Inputs
 
@@ -253,6 +255,7 @@ _MODULES = {
     "legacy": ("megatron.core", "ppo_ops.legacy"),
     "naive": (),
     "liger": ("liger_kernel.transformers.functional",),
+    "qwen3_step": ("transformers", "ppo_ops"),
 }
 
 
@@ -268,6 +271,7 @@ class Provider:
     name: str
     build: Callable[[Case, Inputs], Closure]
     unsupported: Callable[[Case, torch.device], Optional[str]]
+    checked: bool = True  # forward() is compared with the float64 reference of the case's logits
 
 
 PROVIDERS = {
@@ -278,5 +282,7 @@ PROVIDERS = {
         Provider("legacy", build_legacy, _unsupported_legacy),
         Provider("naive", build_naive, _unsupported_naive),
         Provider("liger", build_liger, _unsupported_liger),
+        # Its logits come from a model, not from the case's inputs: no reference check (see whole_step.py).
+        Provider(whole_step.PROVIDER, whole_step.build, whole_step.unsupported, checked=False),
     )
 }
