@@ -199,7 +199,7 @@ def test_declared_targets_split_cleanly_into_cpu_and_gpu():
 # What --config=gpu must run on two GPUs: every suite that makes sense there (the core suites, Triton, memory, errors,
 # TP invariance and the multi-rank core over NCCL, parity, the Qwen3 check).
 GPU_SUITES = {
-    "test_core_values_gpu": 1, "test_core_invariants_gpu": 1, "test_core_errors_gpu": 1, "test_core_properties_gpu": 1,
+    "test_core_values_gpu": 1, "test_core_invariants_gpu": 1, "test_core_errors_gpu": 1, "test_core_properties_gpu": 1, "test_core_reliability_gpu": 1,
     "test_core_memory_gpu": 1, "test_core_parallel_gpu": 2, "test_triton_backend_gpu": 1,
     "test_tp_invariance_gpu": 2, "test_tp_invariance_gpu4": 4, "test_tp_invariance_gpu8": 8,
     "test_ppo_logprob_entropy_gpu": 2, "test_qwen3_parallel_check_gpu": 2, "test_qwen3_0.6B_parallel_check": 2,
