@@ -1,8 +1,9 @@
 """ppo_ops.linear_log_probs_and_entropy: the fused LM head (hidden @ weight.T -> log-prob, entropy), both backends.
 
 What is checked, per backend ("torch"; "triton" under TRITON_INTERPRET=1 on CPU, compiled on CUDA):
-- bitwise identity with the logits op on the fp32 logits the same GEMM tiles produce (the tile GEMM is exposed as
-  `tile_logits` by each backend), with and without a row mask;
+- identity with the logits op on the fp32 logits the same GEMM tiles produce (each backend exposes its tile GEMM as
+  `tile_logits`), with and without a row mask: bitwise for the PyTorch backend (it runs the logits op's own code on
+  each tile), within the logits op's fp32 tolerances for the Triton one (same logits, other reduction order);
 - values and both gradients against a float64 reference, within bounds derived per element from the rounding of the
   GEMMs (see `_bounds`);
 - bitwise TP invariance of log-probs, entropies and dW at TP = 1, 2, 4 (gloo on CPU, NCCL on GPUs), dX within its
@@ -175,8 +176,16 @@ def _check_matches_logits_op_once(backend, dtype, temperature, vocab_size, row_m
         opts["row_mask"] = row_mask.to(DEVICE)
     want = ppo_ops.log_probs_and_entropy(logits.reshape(lead + (V_GLOBAL,)), tokens.to(DEVICE), **opts)
     got = ppo_ops.linear_log_probs_and_entropy(hidden.to(DEVICE), weight.to(DEVICE), tokens.to(DEVICE), **opts)
-    assert torch.equal(got.log_probs, want.log_probs), "log_probs differ bitwise from the logits op"
-    assert torch.equal(got.entropy, want.entropy), "entropy differs bitwise from the logits op"
+    if backend == "torch":
+        assert torch.equal(got.log_probs, want.log_probs), "log_probs differ bitwise from the logits op"
+        assert torch.equal(got.entropy, want.entropy), "entropy differs bitwise from the logits op"
+    else:
+        # The Triton backend reduces [rows x BLOCK_N] GEMM tiles, the logits op's kernel lanes of one row: the same
+        # logits (bitwise, checked through tile_logits), reductions in another order, so the logits op's own fp32
+        # tolerances apply, which bound any correct fp32 reduction order.
+        lp_err = (got.log_probs - want.log_probs).abs()
+        assert bool((lp_err <= LOG_PROB_TOL * want.log_probs.abs().clamp(min=1)).all()), lp_err.max()
+        assert bool(((got.entropy - want.entropy).abs() <= ENTROPY_TOL).all())
 
 
 @pytest.mark.parametrize("backend", backend_params(DEVICE))
@@ -364,9 +373,7 @@ def _tp_results(rank, world_size, group, device, backends):
 
 
 def _runnable_backends():
-    import importlib.util  # TEMP until the Triton backend lands
-    has = importlib.util.find_spec("ppo_ops._linear_triton") is not None
-    return ["torch"] + (["triton"] if has and triton_skip_reason(DEVICE) is None else [])
+    return ["torch"] + (["triton"] if triton_skip_reason(DEVICE) is None else [])
 
 
 def _tp_worker(rank, world_size, out_dir, backends):
