@@ -12,7 +12,11 @@ What is checked, per backend ("torch"; "triton" under TRITON_INTERPRET=1 on CPU,
   caller's tensors untouched, empty input, argument errors.
 """
 
+import json
 import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -427,3 +431,33 @@ def test_tp_bitwise_invariant(tp_results, backend, tp, name):
     ref, tol = bounds["dx"]
     assert bool(((partial_sum - ref).abs() <= tol + UNIT_ROUNDOFF[dtype] * contributions).all()), (
         "reduce_dx=False: the ranks' contributions do not sum to dX")
+
+
+# --- compiled code (no GPU needed: a child process without the interpreter compiles for sm_90) ---
+
+COMPILE_TIMEOUT_S = 600  # eight kernels at Qwen3 sizes: about 15 s on one core, more on a loaded CI machine
+
+
+@pytest.fixture(scope="module")
+def compile_report(tmp_path_factory):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton_cache"))
+    repo_root = pathlib.Path(os.path.abspath(__file__)).parent.parent  # not resolved: Bazel's runfiles copy stays
+    done = subprocess.run([sys.executable, "-m", "tests.linear_compile_check"], env=env, cwd=repo_root,
+                          capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+    assert done.returncode == 0, f"compile check failed:\n{done.stderr[-4000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.device("any")
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_forward_binary_is_the_same_at_every_tp_size(compile_report, dtype):
+    # One specialisation for every rank of TP = 1, 2, 4, 8 at Qwen3's vocabulary: the same code per segment.
+    assert compile_report["forward_keys"][dtype] == 1
+
+
+@pytest.mark.device("any")
+@pytest.mark.parametrize("kernel", ["forward", "dlogits", "gemm_dx", "gemm_dw"])
+def test_half_precision_kernels_use_wgmma_on_sm90(compile_report, kernel):
+    # bf16 tiles must reach Hopper's warpgroup MMA; a kernel on mma.sync or FMAs would run at a fraction of the rate.
+    assert compile_report["kernels"][f"{kernel} bf16"]["wgmma"], f"{kernel}: no wgmma.mma_async in the sm_90 PTX"
