@@ -461,3 +461,17 @@ def test_forward_binary_is_the_same_at_every_tp_size(compile_report, dtype):
 def test_half_precision_kernels_use_wgmma_on_sm90(compile_report, kernel):
     # bf16 tiles must reach Hopper's warpgroup MMA; a kernel on mma.sync or FMAs would run at a fraction of the rate.
     assert compile_report["kernels"][f"{kernel} bf16"]["wgmma"], f"{kernel}: no wgmma.mma_async in the sm_90 PTX"
+
+
+# --- the bench's LM-head suite, on the CPU (plumbing only) ---
+
+@pytest.mark.device("cpu")
+def test_bench_lm_head_smoke(tmp_path):
+    from tools.bench import lm_head
+
+    cfg = dict(warmup=1, min_reps=1, max_reps=1, target_ms=0.0, time_budget_s=0.0, seed=5)
+    lm_head.main("lm_head_smoke", 1, "cpu", str(tmp_path), cfg)
+    rows = (tmp_path / "lm_head.csv").read_text().splitlines()
+    assert len(rows) == 1 + len(lm_head.PROVIDERS), rows
+    assert sum(",ok," in r for r in rows) == len(lm_head.PROVIDERS) - 1  # liger: skipped off CUDA
+    assert (tmp_path / "lm_head.md").exists()
