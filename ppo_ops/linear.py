@@ -37,12 +37,21 @@ def linear_log_probs_and_entropy(
     """Log-probability of each target token and the entropy of each row, from hidden states and a (vocab-parallel)
     LM-head weight, without ever holding the [T, V] logits.
 
-    Same semantics, outputs and guarantees as `log_probs_and_entropy(hidden @ weight.T, tokens, ...)` with the logits
-    accumulated in fp32: per-token log-probs and entropies in fp32, bitwise deterministic run to run, bitwise
-    identical at every TP size (the logits of a column never depend on which rank computes it, and the partials go
-    through the same fixed-segment all-gather and merge), and gradients for `hidden` and `weight` in their dtype.
-    The logits exist only as bounded tiles (rows x vocabulary columns) in forward, and are recomputed tile by tile in
-    backward (one extra GEMM's worth of work: 4 GEMMs instead of the unfused path's 3).
+    Same semantics and outputs as `log_probs_and_entropy(hidden @ weight.T, tokens, ...)` with the logits accumulated
+    in fp32 (never rounded to the input dtype): per-token log-probs and entropies in fp32, gradients for `hidden` and
+    `weight` in their dtype. Guarantees:
+      - bitwise deterministic run to run (fixed tile shapes and reduction orders, no atomics);
+      - bitwise identical log-probs, entropies and dW at every TP size: a column's logit never depends on which rank
+        computes it (tiles start at the fixed global segments, the K loop over H is fixed), and the per-segment
+        partials go through the logits op's all-gather and fixed-order merge;
+      - backend="torch": bitwise identical to `log_probs_and_entropy(logits, ..., backend="torch")` on the fp32 logits
+        its tiles produce (it runs that op's own code on each tile); backend="triton": the same logits, reduced
+        over [rows x columns] GEMM tiles instead of the logits kernel's lanes, so equal to the logits op within its
+        fp32 tolerances. The Triton backward rounds dlogits to the input dtype before its tensor-core GEMMs.
+    The logits exist only as bounded tiles in forward and are recomputed tile by tile in backward: 4 GEMMs' worth of
+    work instead of the unfused path's 3 (forward, recompute, dX, dW), so the fused op cannot beat 4/3 of the three
+    GEMMs' time; it saves the [T, V] logits and their gradient. Extra memory: an fp32 dX accumulator [rows, H] and,
+    on the Triton backend, one dlogits chunk of at most 128 MiB.
 
     Args:
       hidden: [..., H] float32/bfloat16/float16, the same on every rank of tp_group (the LM head's input).
