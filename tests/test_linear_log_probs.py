@@ -279,7 +279,10 @@ def test_row_mask_keeps_kept_rows_bitwise_and_inputs_untouched(backend):
         assert bool((b[~row_mask] == 0).all()), f"{name}: dropped rows are not 0"
     assert torch.equal(full0[2][row_mask], part[2][row_mask]), "dX of kept rows differs from the unmasked run"
     assert bool((part[2][~row_mask] == 0).all()), "dropped rows got a hidden gradient"
-    torch.testing.assert_close(part[3], full0[3], rtol=0, atol=0)  # zero rows add exact zeros to dW
+    # dW sums over rows: compacting them regroups the sum (GEMM K blocks), so it is held to its bound, not to bits.
+    bounds = _bounds(hidden, weight, masked_tokens, g_lp, g_ent, row_mask=row_mask,
+                     dl_roundoff=_dl_roundoff(backend, torch.bfloat16))
+    _assert_within("dW (row mask)", part[3], bounds["dw"])
     for before, after in zip(copies, (hidden, weight, masked_tokens, row_mask)):
         assert torch.equal(before, after), "an input was modified"
     again = _run(hidden, weight, masked_tokens, g_lp, g_ent, entropy="grad", backend=backend, row_mask=row_mask)
