@@ -8,5 +8,6 @@ the backend contract and where communication happens are described in ppo_ops/_f
 """
 
 from ppo_ops.api import LogProbsEntropy, calculate_log_probs_and_entropy, log_probs_and_entropy
+from ppo_ops.linear import linear_log_probs_and_entropy
 
-__all__ = ["LogProbsEntropy", "calculate_log_probs_and_entropy", "log_probs_and_entropy"]
+__all__ = ["LogProbsEntropy", "calculate_log_probs_and_entropy", "linear_log_probs_and_entropy", "log_probs_and_entropy"]

@@ -5,6 +5,7 @@
     bazel run //tools:bench -- --suite=headline --out_dir=$PWD/bench_out
     python3 tools/bench/bench.py --device=cpu --suite=smoke --out_dir=/tmp/b    # plumbing only (tests)
     python3 tools/bench/bench.py --suite=whole_step --out_dir=/tmp/bench        # RL step through random Qwen3-0.6B
+    bazel run //tools:bench -- --suite=lm_head --out_dir=...   # the fused LM head from hidden states (lm_head.py)
 
 Flow: build the case list (named suites in priority order, or --suite=custom: the cross product of the list flags);
 measure the device copy bandwidth; then for each case, while the time budget lasts: skip it with a printed reason if
@@ -63,6 +64,12 @@ _SEED = flags.DEFINE_integer("seed", 1234, "Seed of the random inputs.")
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if _SUITE.value in (["lm_head"], ["lm_head_smoke"]):  # the fused LM head's own cases and report
+        from tools.bench import lm_head
+
+        cfg = dict(warmup=_WARMUP.value, min_reps=_MIN_REPS.value, max_reps=max(_MAX_REPS.value, _MIN_REPS.value),
+                   target_ms=_TARGET_MS.value, time_budget_s=_BUDGET.value, seed=_SEED.value)
+        return lm_head.main(_SUITE.value[0], _TP.value, _DEVICE.value, _resolve(_OUT_DIR.value), cfg)
     cases = None
     if not _RENDER_ONLY.value:
         try:

@@ -1,0 +1,406 @@
+"""Triton backend of the fused LM head (linear_log_probs_and_entropy): GEMM tiles on tensor cores, no [T, V] logits.
+
+Implements the linear backend contract of ppo_ops/_linear_function.py with three kernels:
+
+Forward, `forward_partials_kernel`, grid (local segment, row block): one program sweeps its segment's vocabulary in
+tiles of BLOCK_N columns starting at the segment start; per tile it forms the [BLOCK_M, BLOCK_N] logit tile with a K
+loop over H in steps of BLOCK_K (`tl.dot` on the input dtype's tiles: wgmma on Hopper for bf16/fp16, fp32
+accumulators; fp32 inputs use IEEE fp32 dots), scales it by 1/temperature (rounded once, as the logits op's kernel
+does) and folds it into per-row online statistics (max m, Σ e^(z-m), Σ e^(z-m)(z-m), the target's logit). At the end
+it stores the five partials of its (segment, rows): the same channels as the logits op (_row_stats.py), so the
+core's all-gather and fixed-order merge apply unchanged. The segment axis is the grid's fast axis: programs running
+together share a few weight tiles (one per segment) and a few hidden-row blocks, which stay in L2.
+Backward, per vocabulary chunk of at most DL_CHUNK_BYTES of dlogits (chunks start at segment starts, so tiles do):
+    `dlogits_kernel`, grid (column tile, row block): recomputes the logit tile with the forward's code and tiles, forms
+    dlogits = inv_t * (g_lp * (onehot - p) + g_ent * p * (mean_shifted - d)) in fp32 (the logits op's formula) and
+    stores it in the input dtype into a [R, chunk] buffer;
+    `gemm_kernel` twice: dX32[R, H] += dlogits @ W[chunk] (fp32 accumulator, chunks added in order) and
+    dW[chunk] = dlogits^T @ X (fp32 accumulation over all R rows, one rounding to the weight's dtype).
+No atomics anywhere, every reduction order is fixed by the tile shapes: bitwise deterministic run to run.
+
+Bits. A column's logit depends only on the tile shapes and the K loop (0..H by BLOCK_K), which come from the dtype,
+never from V_local, the rank or the row count, and tiles start at segment starts: the partials of a (row, segment)
+are the same at every TP size (the TP-varying integers are not specialised on, so they cannot change the code).
+The per-row reductions run over [BLOCK_M, BLOCK_N] tiles, not the logits op kernel's lanes, so the values equal the
+logits op's on the same logits within its fp32 tolerances, not bit for bit (the PyTorch backend gives bitwise
+identity). dlogits are rounded to the input dtype before the backward GEMMs (bf16: relative 2^-8), the price of
+tensor-core GEMMs; the tests' bounds include it.
+Memory (besides dX and dW): the fp32 dX accumulator [R, H] and one dlogits chunk.
+"""
+
+import os
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ppo_ops import _row_stats
+from ppo_ops._triton_kernels import _scaled
+from ppo_ops._triton_merge import merge_partials  # noqa: F401  the merge the logits op's Triton backend uses
+
+_MAX = tl.constexpr(_row_stats.MAX)
+_SUMEXP = tl.constexpr(_row_stats.SUMEXP)
+_KEPT_SUMEXP = tl.constexpr(_row_stats.KEPT_SUMEXP)
+_ENT_SUM = tl.constexpr(_row_stats.ENT_SUM)
+_TARGET_Z = tl.constexpr(_row_stats.TARGET_Z)
+_NUM_PARTIALS = tl.constexpr(_row_stats.NUM_PARTIALS)
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)  # an empty row's running max: finite, so never -inf - -inf
+
+# Integers that differ between ranks / TP sizes: not specialised on (divisibility by 16 would change the code).
+_TP_VARYING = ["n_valid", "v_local", "vocab_start", "col_lo", "col_hi"]
+
+DL_CHUNK_BYTES = 128 * 1024 * 1024  # bound on one backward dlogits chunk ([R, chunk] in the input dtype)
+
+
+class TileConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: Optional[int]  # None under the interpreter
+    num_stages: Optional[int]
+
+
+# Per element size of the inputs. Half precision: 128x128 tiles of 64-deep K steps, two warpgroups of wgmma, three
+# pipeline stages (the classic Hopper GEMM tile that fits its fp32 accumulator plus the epilogue in registers).
+_GPU_CONFIG = {
+    2: TileConfig(128, 128, 64, 8, 3),
+    4: TileConfig(64, 64, 32, 4, 3),
+}
+_GEMM_GPU_CONFIG = {
+    2: TileConfig(128, 128, 64, 8, 3),
+    4: TileConfig(64, 64, 32, 4, 3),
+}
+# Interpreter: the smallest tiles tl.dot takes (each program iteration costs about a millisecond).
+_INTERPRET_CONFIG = TileConfig(16, 32, 16, None, None)
+
+
+def interpreting():
+    return type(forward_partials_kernel).__name__ == "InterpretedFunction"
+
+
+def tile_config(dtype, gemm=False):
+    if interpreting():
+        return _INTERPRET_CONFIG
+    return (_GEMM_GPU_CONFIG if gemm else _GPU_CONFIG)[dtype.itemsize]
+
+
+def _options(config):
+    if config.num_warps is None:
+        return {}
+    return {"num_warps": config.num_warps, "num_stages": config.num_stages, "enable_fp_fusion": True}
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b with fp32 accumulation. IEEE: fp32 operands use IEEE fp32 products (not tf32). UPCAST (interpreter
+    only): bf16 operands go to fp32 first (exact) because Triton 3.9's interpreter multiplies the raw bits of bf16
+    tl.dot operands (errors of ~1e10 on unit-sized inputs); the products are then exact as on the tensor cores."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _logit_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_x, stride_w,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                UPCAST: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] fp32 logits x[rows] @ w[cols]^T, K loop from 0 to H in steps of BLOCK_K (the only
+    accumulation order, whoever calls it)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    ks = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + ks
+        k_ok = k < H
+        x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = _dot(x, tl.trans(w), acc, IEEE, UPCAST)
+    return acc
+
+
+@triton.jit
+def _store_rounded(ptr, value, mask, ROUND_BF16_BY_BITS: tl.constexpr):
+    """Stores fp32 `value` in ptr's dtype, rounding to nearest even. Triton 3.9's interpreter truncates fp32 -> bf16
+    casts (compiled code rounds to nearest even): there, round on the bits (values are finite)."""
+    if ROUND_BF16_BY_BITS:
+        bits = value.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        tl.store(ptr, bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptr, value.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=_TP_VARYING)
+def forward_partials_kernel(
+    # data ptrs
+    x_ptr,  # [R, H] hidden rows (bf16/fp16/fp32), READ-ONLY
+    w_ptr,  # [V_local, H] weight slice, READ-ONLY
+    tokens_ptr,  # [R] int64 global token ids
+    out_ptr,  # [nseg, 5, R] fp32 partials, WRITTEN
+    # shapes
+    num_rows, H, seg_len,
+    n_valid,  # local columns >= n_valid are padding
+    v_local, vocab_start,
+    # strides
+    stride_x, stride_w,
+    # constants
+    inv_temperature,
+    WITH_ENTROPY: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    seg = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < num_rows
+    seg_lo = seg * seg_len
+    seg_end = tl.minimum(seg_lo + seg_len, n_valid)
+    target = tl.load(tokens_ptr + rows, mask=row_ok, other=-1).to(tl.int64) - vocab_start
+    target = tl.where((target >= 0) & (target < v_local), target, -1)
+
+    m = tl.full([BLOCK_M], -_FLT_MAX, tl.float32)
+    s = tl.zeros([BLOCK_M], tl.float32)
+    w = tl.zeros([BLOCK_M], tl.float32)
+    zt = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for n0 in range(seg_lo, seg_end, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < seg_end
+        z = _logit_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K,
+                        IEEE, UPCAST)
+        if SCALE:
+            z = _scaled(z, inv_temperature)
+        z = tl.where(col_ok[None, :], z, float("-inf"))
+        zt = tl.maximum(zt, tl.max(tl.where(cols[None, :] == target[:, None], z, float("-inf")), axis=1))
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        shift = m - m_new  # <= 0
+        alpha = tl.exp(shift)
+        d = z - m_new[:, None]
+        e = tl.exp(d)  # 0 for padding (-inf)
+        if WITH_ENTROPY:
+            w = alpha * (w + shift * s) + tl.sum(e * tl.maximum(d, -_FLT_MAX), axis=1)  # -inf: adds 0, not 0 * inf
+        s = alpha * s + tl.sum(e, axis=1)
+        m = m_new
+
+    m_out = tl.where(s != 0.0, m, float("-inf"))  # no finite logit: the neutral partials
+    m_out = tl.where(s != s, float("nan"), m_out)  # NaN / +inf logits: reported through MAX, as the logits op does
+    out = out_ptr + seg.to(tl.int64) * (_NUM_PARTIALS * num_rows) + rows
+    tl.store(out + _MAX * num_rows, m_out, mask=row_ok)
+    tl.store(out + _SUMEXP * num_rows, s, mask=row_ok)
+    tl.store(out + _KEPT_SUMEXP * num_rows, s, mask=row_ok)
+    tl.store(out + _ENT_SUM * num_rows, w, mask=row_ok)
+    tl.store(out + _TARGET_Z * num_rows, zt, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=_TP_VARYING)
+def dlogits_kernel(
+    # data ptrs
+    x_ptr,  # [R, H] hidden rows, READ-ONLY
+    w_ptr,  # [V_local, H] weight slice, READ-ONLY
+    tokens_ptr,  # [R] int64 global token ids
+    shift_ptr, log_sum_ptr, mean_ptr,  # [R] fp32 merged row stats (mean read only when HAS_GENT)
+    glp_ptr, gent_ptr,  # [R] fp32 upstream gradients, already 0 where undefined (read when HAS_GLP / HAS_GENT)
+    out_ptr,  # [R, >= col_hi - col_lo] dlogits in the input dtype (or fp32 logits when LOGITS_ONLY), WRITTEN
+    # shapes
+    num_rows, H,
+    col_lo, col_hi,  # local columns of this chunk; tiles start at col_lo
+    n_valid, v_local, vocab_start,
+    # strides
+    stride_x, stride_w, stride_out,
+    # constants
+    inv_temperature,
+    HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    LOGITS_ONLY: tl.constexpr,  # store the raw fp32 logit tile (tile_logits), no gradient
+    ROUND_BF16_BY_BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = col_lo + tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < num_rows
+    col_ok = cols < col_hi
+    z = _logit_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
+                    UPCAST)
+    out = out_ptr + rows.to(tl.int64)[:, None] * stride_out + (cols - col_lo)[None, :]
+    store_ok = row_ok[:, None] & col_ok[None, :]
+    if LOGITS_ONLY:
+        tl.store(out, z, mask=store_ok)
+    else:
+        if SCALE:
+            z = _scaled(z, inv_temperature)
+        d = z - tl.load(shift_ptr + rows, mask=row_ok, other=0.0)[:, None]
+        p = tl.exp(d - tl.load(log_sum_ptr + rows, mask=row_ok, other=0.0)[:, None])
+        grad = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if HAS_GLP:
+            g_lp = tl.load(glp_ptr + rows, mask=row_ok, other=0.0)
+            target = tl.load(tokens_ptr + rows, mask=row_ok, other=-1).to(tl.int64) - vocab_start
+            onehot = tl.where(cols[None, :] == target[:, None], 1.0, 0.0)
+            grad = g_lp[:, None] * (onehot - p)
+        if HAS_GENT:
+            g_ent = tl.load(gent_ptr + rows, mask=row_ok, other=0.0)
+            mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
+            grad += g_ent[:, None] * (p * tl.where(p == 0.0, 0.0, mean[:, None] - d))
+        if SCALE:
+            grad = grad * inv_temperature
+        grad = tl.where(row_ok[:, None] & (cols < n_valid)[None, :], grad, 0.0)
+        _store_rounded(out, grad, store_ok, ROUND_BF16_BY_BITS)
+
+
+@triton.jit
+def gemm_kernel(
+    # data ptrs
+    a_ptr,  # [M, K] (any strides), READ-ONLY
+    b_ptr,  # [K, N] (any strides), READ-ONLY
+    c_ptr,  # [M, N] fp32, READ when ACCUMULATE (may be out_ptr)
+    out_ptr,  # [M, N] WRITTEN in its dtype: c + a @ b (or a @ b)
+    # shapes
+    M, N, K,
+    # strides
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_om, stride_on,
+    # constants
+    ACCUMULATE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, ROUND_BF16_BY_BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One output tile, K loop in order from 0: deterministic, fp32 accumulation."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
+    tile_ok = row_ok[:, None] & col_ok[None, :]
+    if ACCUMULATE:
+        acc = tl.load(c_ptr + rows64[:, None] * stride_cm + cols64[None, :] * stride_cn, mask=tile_ok, other=0.0)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    ks = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        k = (k0 + ks).to(tl.int64)
+        k_ok = k < K
+        a = tl.load(a_ptr + rows64[:, None] * stride_am + k[None, :] * stride_ak, mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        b = tl.load(b_ptr + k[:, None] * stride_bk + cols64[None, :] * stride_bn, mask=k_ok[:, None] & col_ok[None, :],
+                    other=0.0)
+        acc = _dot(a, b, acc, IEEE, UPCAST)
+    _store_rounded(out_ptr + rows64[:, None] * stride_om + cols64[None, :] * stride_on, acc, tile_ok,
+                   ROUND_BF16_BY_BITS)
+
+
+# ---- launchers (the linear backend contract) ----
+
+def _check(hidden, weight):
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if not (t.is_cuda or interpreting()):
+            raise ValueError(f"triton backend needs CUDA tensors or TRITON_INTERPRET=1: `{name}` is on {t.device}")
+        if t.dim() != 2 or t.stride(1) != 1:
+            raise ValueError(f"`{name}` must be 2-D with unit column stride, got {tuple(t.shape)} {t.stride()}")
+
+
+def _round_by_bits(dtype):
+    return dtype == torch.bfloat16 and interpreting()
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def forward_partials(hidden, weight, tokens, inv_temperature, n_valid, seg_len, with_entropy, vocab_start=0):
+    """[V_local // seg_len, 5, R] fp32 segment partials (linear backend contract)."""
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    _check(hidden, weight)
+    n_rows, width = hidden.shape
+    v_local = weight.shape[0]
+    out = torch.empty((v_local // seg_len, _row_stats.NUM_PARTIALS, n_rows), dtype=torch.float32,
+                      device=hidden.device)
+    if out.numel() == 0:
+        return out
+    cfg = tile_config(hidden.dtype)
+    forward_partials_kernel[(v_local // seg_len, _cdiv(n_rows, cfg.block_m))](
+        hidden, weight, tokens.to(torch.int64).contiguous(), out,
+        n_rows, width, seg_len, n_valid, v_local, int(vocab_start),
+        hidden.stride(0), weight.stride(0),
+        float(inv_temperature),
+        WITH_ENTROPY=bool(with_entropy), SCALE=float(inv_temperature) != 1.0, IEEE=hidden.dtype == torch.float32,
+        UPCAST=interpreting(),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **_options(cfg),
+    )
+    return out
+
+
+def _launch_dlogits(hidden, weight, tokens, out, col_lo, col_hi, n_valid, vocab_start, inv_temperature,
+                    shift=None, log_sum=None, mean_shifted=None, g_lp=None, g_ent=None, logits_only=False):
+    cfg = tile_config(hidden.dtype)
+    n_rows, width = hidden.shape
+    dummy = out
+    dlogits_kernel[(_cdiv(col_hi - col_lo, cfg.block_n), _cdiv(n_rows, cfg.block_m))](
+        hidden, weight, tokens, dummy if shift is None else shift, dummy if log_sum is None else log_sum,
+        dummy if mean_shifted is None else mean_shifted, dummy if g_lp is None else g_lp,
+        dummy if g_ent is None else g_ent, out,
+        n_rows, width, col_lo, col_hi, n_valid, weight.shape[0], int(vocab_start),
+        hidden.stride(0), weight.stride(0), out.stride(0),
+        float(inv_temperature),
+        HAS_GLP=g_lp is not None, HAS_GENT=g_ent is not None, SCALE=float(inv_temperature) != 1.0,
+        IEEE=hidden.dtype == torch.float32, UPCAST=interpreting(), LOGITS_ONLY=logits_only, ROUND_BF16_BY_BITS=_round_by_bits(out.dtype),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **_options(cfg),
+    )
+
+
+def _gemm(a, b, out, accumulate):
+    """out = (out if accumulate else 0) + a @ b, fp32 accumulation; a, b, out may be strided views."""
+    (m, k), n = a.shape, b.shape[1]
+    cfg = tile_config(a.dtype, gemm=True)
+    gemm_kernel[(_cdiv(m, cfg.block_m), _cdiv(n, cfg.block_n))](
+        a, b, out, out, m, n, k,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(0), out.stride(1),
+        ACCUMULATE=accumulate, IEEE=a.dtype == torch.float32, UPCAST=interpreting(), ROUND_BF16_BY_BITS=_round_by_bits(out.dtype),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **_options(cfg),
+    )
+
+
+def tile_logits(hidden, weight, seg_len):
+    """[R, V_local] fp32 logits from exactly the forward's tiles (tests and comparisons only: the op never holds them)."""
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    _check(hidden, weight)
+    n_rows, v_local = hidden.shape[0], weight.shape[0]
+    out = torch.empty((n_rows, v_local), dtype=torch.float32, device=hidden.device)
+    tokens = torch.zeros(max(n_rows, 1), dtype=torch.int64, device=hidden.device)
+    for seg_lo in range(0, v_local, seg_len):
+        if n_rows:
+            _launch_dlogits(hidden, weight, tokens, out[:, seg_lo:], seg_lo, seg_lo + seg_len, v_local, 0, 1.0,
+                            logits_only=True)
+    return out
+
+
+def _chunk_columns(n_rows, itemsize, block_n):
+    """Columns per backward chunk: the most whole tiles whose dlogits fit DL_CHUNK_BYTES (at least one tile). Depends
+    on R and the dtype only, so chunk boundaries, segment-relative, are the same at every TP size."""
+    return max(block_n, DL_CHUNK_BYTES // max(1, n_rows * itemsize) // block_n * block_n)
+
+
+def backward(hidden, weight, tokens, inv_temperature, n_valid, seg_len, shift, log_sum, mean_shifted,
+             grad_logprob, grad_entropy, need_dx=True, need_dw=True, vocab_start=0):
+    """(dX fp32 [R, H] this rank's contribution, dW [V_local, H] in weight's dtype) (linear backend contract)."""
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    _check(hidden, weight)
+    n_rows, width = hidden.shape
+    v_local = weight.shape[0]
+    dx = torch.zeros((n_rows, width), dtype=torch.float32, device=hidden.device) if need_dx else None
+    dw = torch.zeros_like(weight) if need_dw else None  # padding columns keep their zeros
+    if n_rows == 0:
+        return dx, dw
+    tokens = tokens.to(torch.int64).contiguous()
+    vectors = [None if t is None else t.to(torch.float32).contiguous()
+               for t in (shift, log_sum, mean_shifted, grad_logprob, grad_entropy)]
+    cfg = tile_config(hidden.dtype)
+    chunk = _chunk_columns(n_rows, hidden.element_size(), cfg.block_n)
+    dl = torch.empty((n_rows, chunk), dtype=hidden.dtype, device=hidden.device)
+    for seg_lo in range(0, v_local, seg_len):
+        seg_valid_end = min(seg_lo + seg_len, n_valid)
+        for lo in range(seg_lo, seg_valid_end, chunk):
+            hi = min(lo + chunk, seg_valid_end)
+            _launch_dlogits(hidden, weight, tokens, dl, lo, hi, n_valid, vocab_start, inv_temperature, *vectors)
+            part = dl[:, : hi - lo]
+            if need_dx:
+                _gemm(part, weight[lo:hi], dx, accumulate=True)
+            if need_dw:
+                _gemm(part.T, hidden, dw[lo:hi], accumulate=False)
+    return dx, dw

@@ -1,0 +1,187 @@
+"""Public API of the fused LM head: log-probs and entropy straight from hidden states, vocab-parallel, no [T, V] logits.
+
+A thin wrapper: check arguments (before any collective), resolve the TP layout and the backend, flatten the leading
+dimensions, call LinearLogProbEntropyFunction (ppo_ops/_linear_function.py), restore the leading dimensions.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+
+from ppo_ops import _linear_torch, _row_stats, _validate
+from ppo_ops._layout import make_layout
+from ppo_ops._linear_function import LinearLogProbEntropyFunction, LinearPlan
+from ppo_ops.api import LogProbsEntropy
+
+_FN = "linear_log_probs_and_entropy"
+
+
+def linear_log_probs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    *,
+    tp_group=None,
+    entropy: str = "none",
+    temperature: float = 1.0,
+    row_mask: Optional[torch.Tensor] = None,
+    vocab_size: Optional[int] = None,
+    reduce_dx: bool = True,
+    backend: str = "auto",
+    validate: bool = True,
+) -> LogProbsEntropy:
+    """Log-probability of each target token and the entropy of each row, from hidden states and a (vocab-parallel)
+    LM-head weight, without ever holding the [T, V] logits.
+
+    Same semantics and outputs as `log_probs_and_entropy(hidden @ weight.T, tokens, ...)` with the logits accumulated
+    in fp32 (never rounded to the input dtype): per-token log-probs and entropies in fp32, gradients for `hidden` and
+    `weight` in their dtype. Guarantees:
+      - bitwise deterministic run to run (fixed tile shapes and reduction orders, no atomics);
+      - bitwise identical log-probs, entropies and dW at every TP size: a column's logit never depends on which rank
+        computes it (tiles start at the fixed global segments, the K loop over H is fixed), and the per-segment
+        partials go through the logits op's all-gather and fixed-order merge;
+      - backend="torch": bitwise identical to `log_probs_and_entropy(logits, ..., backend="torch")` on the fp32 logits
+        its tiles produce (it runs that op's own code on each tile); backend="triton": the same logits, reduced
+        over [rows x columns] GEMM tiles instead of the logits kernel's lanes, so equal to the logits op within its
+        fp32 tolerances. The Triton backward rounds dlogits to the input dtype before its tensor-core GEMMs.
+    The logits exist only as bounded tiles in forward and are recomputed tile by tile in backward: 4 GEMMs' worth of
+    work instead of the unfused path's 3 (forward, recompute, dX, dW), so the fused op cannot beat 4/3 of the three
+    GEMMs' time; it saves the [T, V] logits and their gradient. Extra memory: an fp32 dX accumulator [rows, H] and,
+    on the Triton backend, one dlogits chunk of at most 128 MiB.
+
+    Args:
+      hidden: [..., H] float32/bfloat16/float16, the same on every rank of tp_group (the LM head's input).
+      weight: [V_local, H], hidden's dtype and device; this rank's contiguous slice of the vocabulary
+        ([rank * V_local, (rank + 1) * V_local)), as in Megatron's column-parallel output layer.
+      tokens: hidden.shape[:-1] integer global token ids.
+      tp_group: tensor-parallel process group; None = the default group when torch.distributed is initialised,
+        else a single rank. One rank issues no collective.
+      entropy: "none"; "value" (returned without gradient); "grad" (differentiable).
+      temperature: both quantities use logits / temperature; the gradients carry the 1 / temperature factor.
+      row_mask: hidden.shape[:-1] bool; False rows get log-prob 0, entropy 0 and zero gradient, cost no GEMM work
+        (the kept rows are gathered first: O(rows * H) bytes, and on CUDA one host sync for their count), and their
+        tokens are not checked.
+      vocab_size: the true global vocabulary; global columns at or past it are padding (no mass, zero dW rows).
+      reduce_dx: True (default): backward all-reduces the hidden gradient over tp_group (in fp32, then one rounding
+        to hidden's dtype), so the returned dX is the full gradient. False: each rank returns only its own
+        vocabulary's contribution dlogits_local @ weight, and the caller reduces it. Use False when `hidden` reaches
+        this op through Megatron's `copy_to_tensor_model_parallel_region` (the input of its column-parallel LM head),
+        whose backward already all-reduces dX over the TP group (or, with sequence parallelism, through
+        `gather_from_sequence_parallel_region`, whose backward reduce-scatters it); True would sum it twice.
+      backend: "auto" (triton for CUDA tensors when triton imports, else torch), "torch" or "triton".
+      validate: run the checks that read tensor values (token range; NaN / +inf logits; ranks agreeing on rows,
+        tokens and options), at the cost of host syncs on CUDA (one at TP = 1, three at TP > 1).
+
+    Options of `log_probs_and_entropy` that do not apply:
+      keep_mask: a dense [T, V] mask is as large as the logits this op exists not to hold.
+      inplace_grad: there is no logits tensor whose storage could take the gradient.
+      chunk_size: replaced by the backends' fixed GEMM tiles, which are part of the bit-exactness contract.
+
+    Gradient: dW is this rank's [V_local, H] slice (no communication); dX as `reduce_dx` says. dW's bits are
+    TP-invariant like the log-probs; dX's are deterministic but, at TP > 1, summed in a different order than at
+    TP = 1 (within rounding of fp32).
+
+    Returns:
+      LogProbsEntropy(log_probs, entropy), float32, shaped like tokens.
+    """
+    temperature = _validate.check_options(
+        _FN, entropy=entropy, backend=backend, temperature=temperature, chunk_size=None, vocab_size=vocab_size,
+        inplace_grad=False,
+    )
+    if not isinstance(reduce_dx, bool):
+        raise TypeError(f"ppo_ops.{_FN}: reduce_dx must be a bool, got {type(reduce_dx).__name__}")
+    _check_tensors(hidden, weight, tokens, row_mask)
+    lead, width = tuple(hidden.shape[:-1]), hidden.shape[-1]
+    v_local = weight.shape[0]
+    layout = make_layout(tp_group, v_local, vocab_size)
+    _validate.check_vocab(_FN, vocab_size, layout.v_global)
+    selected = _select_backend(backend, hidden)
+    if validate and layout.group is not None:
+        # Before the first collective.
+        _validate.check_token_range(_FN, tokens, row_mask, layout.vocab_size)
+
+    n_rows = math.prod(lead)
+    hidden2d = hidden.reshape(n_rows, width)
+    tokens1d = tokens.reshape(n_rows)
+    rows1d = None if row_mask is None else row_mask.reshape(n_rows)
+    if validate and layout.group is not None:
+        header = _row_stats.consistency_header(
+            tokens1d, rows1d, v_local, vocab_size, temperature, entropy, False, hidden.device
+        )
+        _row_stats.check_consistent_across_ranks(_FN, header, layout)
+
+    plan = LinearPlan(
+        fn_name=_FN,
+        layout=layout,
+        backend=selected,
+        inv_temperature=float(torch.tensor(1.0 / temperature, dtype=torch.float32).item()),
+        entropy_mode=entropy,
+        reduce_dx=reduce_dx,
+        validate=validate,
+    )
+    out = LinearLogProbEntropyFunction.apply(hidden2d, weight, tokens1d, rows1d, plan)
+    if entropy == "none":
+        return LogProbsEntropy(out.reshape(lead), None)
+    log_prob, ent = out
+    return LogProbsEntropy(log_prob.reshape(lead), ent.reshape(lead))
+
+
+def _check_tensors(hidden, weight, tokens, row_mask) -> None:
+    p = f"ppo_ops.{_FN}: "
+    if not isinstance(hidden, torch.Tensor):
+        raise TypeError(f"{p}hidden must be a torch.Tensor, got {type(hidden).__name__}")
+    if hidden.dtype not in _validate.FLOAT_DTYPES:
+        raise TypeError(f"{p}hidden must be float32, bfloat16 or float16, got {hidden.dtype}")
+    if hidden.dim() < 2 or hidden.shape[-1] < 1:
+        raise ValueError(f"{p}hidden must have shape [..., H] with at least 2 dims and H >= 1, got "
+                         f"{tuple(hidden.shape)}")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{p}weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"{p}weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
+    if weight.dim() != 2 or weight.shape[0] < 1 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"{p}weight must have shape [V_local, H] = [>= 1, {hidden.shape[-1]}] (H = hidden.shape[-1]), "
+                         f"got {tuple(weight.shape)}")
+    if weight.device != hidden.device:
+        raise ValueError(f"{p}weight must be on {hidden.device} like hidden, got {weight.device}")
+    lead = tuple(hidden.shape[:-1])
+    if not isinstance(tokens, torch.Tensor):
+        raise TypeError(f"{p}tokens must be a torch.Tensor of integer ids, got {type(tokens).__name__}")
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise TypeError(f"{p}tokens must hold integer token ids, got dtype {tokens.dtype}")
+    if tuple(tokens.shape) != lead:
+        raise ValueError(f"{p}tokens must have shape {lead} (hidden.shape[:-1]), got {tuple(tokens.shape)}")
+    if tokens.device != hidden.device:
+        raise ValueError(f"{p}tokens must be on {hidden.device} like hidden, got {tokens.device}")
+    if row_mask is not None:
+        if not isinstance(row_mask, torch.Tensor) or row_mask.dtype != torch.bool:
+            raise TypeError(f"{p}row_mask must be a bool torch.Tensor or None, got "
+                            f"{getattr(row_mask, 'dtype', type(row_mask).__name__)}")
+        if tuple(row_mask.shape) != lead:
+            raise ValueError(f"{p}row_mask must have shape {lead}, got {tuple(row_mask.shape)}")
+        if row_mask.device != hidden.device:
+            raise ValueError(f"{p}row_mask must be on {hidden.device} like hidden, got {row_mask.device}")
+
+
+def _select_backend(backend: str, hidden: torch.Tensor):
+    if backend == "torch" or (backend == "auto" and not hidden.is_cuda):
+        return _linear_torch
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    try:
+        from ppo_ops import _linear_triton
+    except ImportError as err:
+        if backend == "auto":
+            return _linear_torch
+        raise RuntimeError(
+            f"ppo_ops.{_FN}: backend='triton' is unavailable ({err}); install triton or use backend='torch'"
+        ) from err
+    if not (hidden.is_cuda or interpreted):
+        raise ValueError(
+            f"ppo_ops.{_FN}: backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before triton is "
+            f"imported, to run its kernels on CPU), got hidden on {hidden.device}"
+        )
+    return _linear_triton

@@ -1,0 +1,116 @@
+"""Compiles the fused LM head's Triton kernels (ppo_ops/_linear_triton.py) for an H200 (sm_90) without a GPU; run by
+tests/test_linear_log_probs.py as `python -m tests.linear_compile_check` in a child process WITHOUT TRITON_INTERPRET
+(an interpreting process cannot compile). Triton's bundled ptxas compiles for a fixed target.
+
+Prints one JSON object:
+- "forward_keys": {"<dtype>": distinct forward binaries over every rank of TP = 1, 2, 4, 8 at Qwen3's vocabulary
+  (V_local 151936 ... 18992) with padding on the last rank}: 1 means every TP size runs the same code on a segment.
+- "kernels": {"<kernel> <dtype>": {"wgmma": bool, "mma": bool}} with the GPU launch configs: "wgmma" when the PTX
+  issues Hopper's warpgroup MMA (wgmma.mma_async), "mma" when it issues any tensor-core MMA at all.
+"""
+
+import json
+import os
+
+import torch
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    raise SystemExit("run without TRITON_INTERPRET: the compiler cannot run in an interpreting process")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, compile as triton_compile, make_backend  # noqa: E402
+from triton.runtime.jit import create_function_from_signature  # noqa: E402
+
+from ppo_ops import _linear_triton as lt  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)  # H200 (Hopper), 32-thread warps
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+V_QWEN3, H_QWEN3_8B = 151936, 4096
+
+
+def _specialize(kernel, args, kwargs):
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    return (tuple(map(str, specialization)), str(options)), (backend, bound_args, specialization, options)
+
+
+def _ptx(kernel, args, kwargs):
+    _, (backend, bound_args, specialization, options) = _specialize(kernel, args, kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
+    return triton_compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET,
+                          options=options.__dict__).asm["ptx"]
+
+
+def _forward_args(dtype, n_rows, v_local, seg_len, n_valid, vocab_start, inv_t=1.0):
+    cfg = lt.tile_config(dtype)
+    hidden = torch.empty((n_rows, H_QWEN3_8B), dtype=dtype)
+    weight = torch.empty((v_local, H_QWEN3_8B), dtype=dtype)
+    args = (hidden, weight, torch.zeros(n_rows, dtype=torch.int64), torch.empty((v_local // seg_len, 5, n_rows)),
+            n_rows, H_QWEN3_8B, seg_len, n_valid, v_local, vocab_start, H_QWEN3_8B, H_QWEN3_8B, inv_t)
+    kwargs = dict(WITH_ENTROPY=True, SCALE=inv_t != 1.0, IEEE=dtype == torch.float32, UPCAST=False,
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **lt._options(cfg))
+    return args, kwargs
+
+
+def forward_key_count(dtype, n_rows=8192, vocab_size=V_QWEN3 - 100):
+    keys = set()
+    for tp in (1, 2, 4, 8):
+        v_local = V_QWEN3 // tp
+        for rank in range(tp):
+            n_valid = max(0, min(v_local, vocab_size - rank * v_local))
+            args, kwargs = _forward_args(dtype, n_rows, v_local, V_QWEN3 // 8, n_valid, rank * v_local)
+            keys.add(_specialize(lt.forward_partials_kernel, args, kwargs)[0])
+    return len(keys)
+
+
+def _dlogits_args(dtype, n_rows=8192, chunk=4096):
+    cfg = lt.tile_config(dtype)
+    hidden = torch.empty((n_rows, H_QWEN3_8B), dtype=dtype)
+    weight = torch.empty((V_QWEN3, H_QWEN3_8B), dtype=dtype)
+    vec = torch.zeros(n_rows)
+    out = torch.empty((n_rows, chunk), dtype=dtype)
+    args = (hidden, weight, torch.zeros(n_rows, dtype=torch.int64), vec, vec, vec, vec, vec, out,
+            n_rows, H_QWEN3_8B, 0, chunk, V_QWEN3, V_QWEN3, 0, H_QWEN3_8B, H_QWEN3_8B, chunk, 1.5)
+    kwargs = dict(HAS_GLP=True, HAS_GENT=True, SCALE=True, IEEE=dtype == torch.float32, UPCAST=False,
+                  LOGITS_ONLY=False, ROUND_BF16_BY_BITS=False,
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **lt._options(cfg))
+    return args, kwargs
+
+
+def _gemm_args(dtype, transposed_a, n_rows=8192, chunk=4096):
+    """dX: [R, chunk] @ [chunk, H] accumulated into fp32; dW: [chunk, R] (a transposed view) @ [R, H] into dtype."""
+    cfg = lt.tile_config(dtype, gemm=True)
+    dl = torch.empty((n_rows, chunk), dtype=dtype)
+    if transposed_a:
+        a, b = dl.T, torch.empty((n_rows, H_QWEN3_8B), dtype=dtype)
+        out = torch.empty((chunk, H_QWEN3_8B), dtype=dtype)
+    else:
+        a, b = dl, torch.empty((chunk, H_QWEN3_8B), dtype=dtype)
+        out = torch.empty((n_rows, H_QWEN3_8B))
+    m, k, n = a.shape[0], a.shape[1], b.shape[1]
+    args = (a, b, out, out, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+            out.stride(0), out.stride(1))
+    kwargs = dict(ACCUMULATE=not transposed_a, IEEE=dtype == torch.float32, UPCAST=False, ROUND_BF16_BY_BITS=False,
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **lt._options(cfg))
+    return args, kwargs
+
+
+def main():
+    report = {"forward_keys": {name: forward_key_count(dtype) for name, dtype in DTYPES.items()}, "kernels": {}}
+    for name, dtype in DTYPES.items():
+        cases = {
+            "forward": (lt.forward_partials_kernel, _forward_args(dtype, 8192, V_QWEN3, V_QWEN3 // 8, V_QWEN3, 0, 1.5)),
+            "dlogits": (lt.dlogits_kernel, _dlogits_args(dtype)),
+            "gemm_dx": (lt.gemm_kernel, _gemm_args(dtype, transposed_a=False)),
+            "gemm_dw": (lt.gemm_kernel, _gemm_args(dtype, transposed_a=True)),
+        }
+        for kernel_name, (kernel, (args, kwargs)) in cases.items():
+            ptx = _ptx(kernel, args, kwargs)
+            report["kernels"][f"{kernel_name} {name}"] = {"wgmma": "wgmma.mma_async" in ptx,
+                                                         "mma": "wgmma.mma_async" in ptx or "mma.sync" in ptx}
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

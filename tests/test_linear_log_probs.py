@@ -1,0 +1,480 @@
+"""ppo_ops.linear_log_probs_and_entropy: the fused LM head (hidden @ weight.T -> log-prob, entropy), both backends.
+
+What is checked, per backend ("torch"; "triton" under TRITON_INTERPRET=1 on CPU, compiled on CUDA):
+- identity with the logits op on the fp32 logits the same GEMM tiles produce (each backend exposes its tile GEMM as
+  `tile_logits`), with and without a row mask: bitwise for the PyTorch backend (it runs the logits op's own code on
+  each tile), within the logits op's fp32 tolerances for the Triton one (same logits, other reduction order);
+- values and both gradients against a float64 reference, within bounds derived per element from the rounding of the
+  GEMMs (see `_bounds`);
+- bitwise TP invariance of log-probs, entropies and dW at TP = 1, 2, 4 (gloo on CPU, NCCL on GPUs), dX within its
+  bound, and reduce_dx=False returning per-rank contributions that sum to dX;
+- row mask (dropped rows: zeros, no gradient; kept rows bitwise as without the mask), run-to-run determinism,
+  caller's tensors untouched, empty input, argument errors.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ppo_ops
+from ppo_ops import _layout
+from tests.core_support import backend_params, make_tokens, make_weights, triton_skip_reason
+from tests.ranks import DEVICE, rank_device, run_ranks, world_size_param
+from tests.reference import ENTROPY_TOL, LOG_PROB_TOL, reference_log_probs_and_entropy
+
+# --- tolerances: unit roundoffs, and how the bounds of `_bounds` use them ---
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # u of each dtype
+U32 = UNIT_ROUNDOFF[torch.float32]
+# An fp32 accumulation may lose a full ulp per add instead of half (tensor cores truncate when aligning addends).
+ACCUM_ULPS = 2.0
+# A few fp32 ulps of exp, log and the subtractions that form log p from the logits.
+ELEMENTWISE_ULPS = 8.0
+# First-order bounds; the factor covers second-order terms (products of relative errors, all << 1 here).
+SAFETY = 2.0
+
+V_GLOBAL = 256  # eight fixed segments of 32: V_local = 64 at TP = 4
+HIDDEN = 48  # not a power of two: K tiles with a tail
+INPUT_SCALE = 1.0  # hidden ~ N(0, 1); weight ~ N(0, 1/H) * WEIGHT_SCALE
+WEIGHT_SCALE = 3.0  # logits of O(3): a peaked but not one-hot distribution
+
+
+def _inputs(lead, dtype, seed, v=V_GLOBAL, h=HIDDEN):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(lead + (h,), generator=gen) * INPUT_SCALE).to(dtype)
+    weight = (torch.randn((v, h), generator=gen) * (WEIGHT_SCALE / h**0.5)).to(dtype)
+    tokens = make_tokens(lead, v, seed + 1)
+    return hidden, weight, tokens
+
+
+def _backend_module(backend):
+    if backend == "torch":
+        from ppo_ops import _linear_torch
+        return _linear_torch
+    from ppo_ops import _linear_triton
+    return _linear_triton
+
+
+def _run(hidden, weight, tokens, g_lp=None, g_ent=None, device=DEVICE, **opts):
+    """Forward (+ backward when upstream weights are given) on leaf copies: (log_probs, entropy, dX, dW) on CPU."""
+    h = hidden.detach().to(device).clone().requires_grad_(True)
+    w = weight.detach().to(device).clone().requires_grad_(True)
+    opts = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in opts.items()}
+    out = ppo_ops.linear_log_probs_and_entropy(h, w, tokens.to(device), **opts)
+    outs, gs = [], []
+    if g_lp is not None:
+        outs.append(out.log_probs), gs.append(g_lp.to(device))
+    if g_ent is not None and opts.get("entropy") == "grad":
+        outs.append(out.entropy), gs.append(g_ent.to(device))
+    dx = dw = None
+    if outs:
+        dx, dw = torch.autograd.grad(outs, (h, w), gs)
+        dx, dw = dx.cpu(), dw.cpu()
+    ent = None if out.entropy is None else out.entropy.detach().cpu()
+    return out.log_probs.detach().cpu(), ent, dx, dw
+
+
+# --- the float64 reference and the derived bounds ---
+
+def _bounds(hidden, weight, tokens, g_lp, g_ent, *, temperature=1.0, vocab_size=None, row_mask=None,
+            dl_roundoff=0.0):
+    """Float64 reference (log_probs, entropy, dX, dW) and per-element error bounds (same shapes).
+
+    Logits: fp32 accumulation of H exact products (bf16/fp16 products are exact in fp32) errs by at most
+    eps_z = gamma_H * (|X| @ |W|^T), gamma_n = ACCUM_ULPS * n * u32; E_r = inv_t * max_c eps_z is the row's bound.
+    log p = (z - M) - log S errs by at most eps_r = 2 E_r + (gamma_V + ELEMENTWISE_ULPS * u32) (z and log S each move by
+    E_r; S is a sum of V terms). Then, with p, d = z / t and mean = E_p[d] of the reference:
+      log-prob: |dlp| <= LOG_PROB_TOL-style fp32 error of the logits op + 2 E_r   (d lp / d z has l1 norm <= 2)
+      entropy:  |dH| <= ENTROPY_TOL + E_r * sum_c p |d - mean|                    (d H / d z_c = p_c (mean - d_c))
+      dlogits:  |d dl| <= inv_t * eps_r * S_dl + dl_roundoff * |dl|,
+                S_dl = |g_lp| (1[c = t] + p) + |g_ent| p (|d - mean| + sum_c p |d - mean| + 2);
+                dl_roundoff is the rounding of dlogits to the GEMM's input dtype (0 when the GEMM takes fp32)
+      dX = dl @ W, dW = dl^T @ X: that error through the GEMM, plus gamma_K (|dl| @ |W|) for its fp32 accumulation
+                (K = V or T), plus one rounding u_out |ref| of the result to the input dtype.
+    Every bound is multiplied by SAFETY (second-order terms).
+    """
+    x = hidden.detach().double().reshape(-1, hidden.shape[-1])
+    w = weight.detach().double()
+    n_rows, v, h = x.shape[0], w.shape[0], x.shape[1]
+    inv_t = 1.0 / temperature
+    logits = x @ w.T
+    ref = reference_log_probs_and_entropy(
+        logits, tokens.reshape(-1), entropy="grad", temperature=temperature, vocab_size=vocab_size,
+        row_mask=None if row_mask is None else row_mask.reshape(-1),
+        grad_log_probs=None if g_lp is None else g_lp.reshape(-1),
+        grad_entropy=None if g_ent is None else g_ent.reshape(-1))
+    dl = ref.grad
+    valid = torch.arange(v) < (v if vocab_size is None else vocab_size)
+    rows_on = torch.ones(n_rows, dtype=torch.bool) if row_mask is None else row_mask.reshape(-1)
+
+    gamma = lambda n: ACCUM_ULPS * n * U32  # noqa: E731
+    eps_z = gamma(h) * (x.abs() @ w.abs().T)
+    e_row = inv_t * torch.where(valid, eps_z, 0.0).amax(dim=1)
+    eps_r = 2 * e_row + gamma(v) + ELEMENTWISE_ULPS * U32
+
+    d = torch.where(valid, logits * inv_t, float("-inf"))
+    p = torch.softmax(d, dim=1)
+    d0 = torch.where(valid, d, 0.0)
+    mean = (p * d0).sum(1, keepdim=True)
+    spread = (p * (d0 - mean).abs()).sum(1, keepdim=True)  # sum_c p |d - mean|
+    onehot = torch.zeros_like(p).scatter_(1, tokens.reshape(-1, 1).clamp(0, v - 1), 1.0)
+    s_dl = torch.zeros_like(p)
+    if g_lp is not None:
+        s_dl += g_lp.reshape(-1, 1).double().abs() * (onehot + p)
+    if g_ent is not None:
+        s_dl += g_ent.reshape(-1, 1).double().abs() * p * ((d0 - mean).abs() + spread + 2)
+    s_dl = torch.where(valid & rows_on[:, None], s_dl, 0.0)
+    dl_err = inv_t * eps_r[:, None] * s_dl + dl_roundoff * dl.abs()
+
+    u_out = UNIT_ROUNDOFF[hidden.dtype]
+    dx_ref, dw_ref = dl @ w, dl.T @ x
+    dx_tol = SAFETY * (dl_err @ w.abs() + gamma(v) * (dl.abs() @ w.abs())) + u_out * dx_ref.abs()
+    dw_tol = SAFETY * (dl_err.T @ x.abs() + gamma(n_rows) * (dl.abs().T @ x.abs())) + u_out * dw_ref.abs()
+    lp_tol = LOG_PROB_TOL * ref.log_probs.abs().clamp(min=1) + SAFETY * 2 * e_row
+    ent_tol = ENTROPY_TOL + SAFETY * e_row * spread[:, 0]
+    lead = tuple(hidden.shape[:-1])
+    zero = ~rows_on
+    lp_tol, ent_tol = lp_tol.masked_fill(zero, 0.0), ent_tol.masked_fill(zero, 0.0)
+    return dict(log_probs=(ref.log_probs.reshape(lead), lp_tol.reshape(lead)),
+                entropy=(ref.entropy.reshape(lead), ent_tol.reshape(lead)),
+                dx=(dx_ref.reshape(hidden.shape), dx_tol.reshape(hidden.shape)), dw=(dw_ref, dw_tol))
+
+
+def _assert_within(name, got, ref_and_tol):
+    ref, tol = ref_and_tol
+    assert got is not None and got.shape == ref.shape, f"{name}: shape {None if got is None else got.shape}"
+    err = (got.double() - ref).abs()
+    assert not torch.isnan(err).any(), f"{name}: NaN"
+    worst = (err - tol).argmax()
+    assert bool((err <= tol).all()), (
+        f"{name}: error {err.flatten()[worst]:.3e} over its bound {tol.flatten()[worst]:.3e} at flat index "
+        f"{int(worst)} (max relative to bound {float((err / tol.clamp(min=1e-300)).max()):.2f})")
+
+
+# --- bitwise identity with the logits op on the same tiles' logits ---
+
+def _segment_len(v_local, world_size=1):
+    return _layout.segment_length(v_local, world_size)
+
+
+def _check_matches_logits_op_once(backend, dtype, temperature, vocab_size, row_mask, seed):
+    lead = (3, 5)
+    hidden, weight, tokens = _inputs(lead, dtype, seed)
+    if vocab_size is not None:
+        tokens = tokens.clamp(max=vocab_size - 1)
+    if row_mask is not None:
+        tokens = torch.where(row_mask, tokens, -100)
+    mod = _backend_module(backend)
+    h2 = hidden.reshape(-1, HIDDEN).to(DEVICE)
+    rows = torch.arange(h2.shape[0]) if row_mask is None else torch.nonzero(row_mask.reshape(-1)).squeeze(1)
+    logits = torch.zeros((h2.shape[0], V_GLOBAL), dtype=torch.float32, device=DEVICE)
+    logits[rows.to(DEVICE)] = mod.tile_logits(h2[rows.to(DEVICE)].contiguous(), weight.to(DEVICE),
+                                              _segment_len(V_GLOBAL))
+    opts = dict(entropy="grad", temperature=temperature, vocab_size=vocab_size, backend=backend)
+    if row_mask is not None:
+        opts["row_mask"] = row_mask.to(DEVICE)
+    want = ppo_ops.log_probs_and_entropy(logits.reshape(lead + (V_GLOBAL,)), tokens.to(DEVICE), **opts)
+    got = ppo_ops.linear_log_probs_and_entropy(hidden.to(DEVICE), weight.to(DEVICE), tokens.to(DEVICE), **opts)
+    if backend == "torch":
+        assert torch.equal(got.log_probs, want.log_probs), "log_probs differ bitwise from the logits op"
+        assert torch.equal(got.entropy, want.entropy), "entropy differs bitwise from the logits op"
+    else:
+        # The Triton backend reduces [rows x BLOCK_N] GEMM tiles, the logits op's kernel lanes of one row: the same
+        # logits (bitwise, checked through tile_logits), reductions in another order, so the logits op's own fp32
+        # tolerances apply, which bound any correct fp32 reduction order.
+        lp_err = (got.log_probs - want.log_probs).abs()
+        assert bool((lp_err <= LOG_PROB_TOL * want.log_probs.abs().clamp(min=1)).all()), lp_err.max()
+        assert bool(((got.entropy - want.entropy).abs() <= ENTROPY_TOL).all())
+
+
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+@pytest.mark.parametrize("dtype,temperature,vocab_size,masked", [
+    (torch.float32, 1.0, None, False),  # plain fp32
+    (torch.bfloat16, 0.7, 250, True),  # the production dtype, a temperature, padding in the last segment, row mask
+])
+def test_matches_logits_op_bitwise(backend, dtype, temperature, vocab_size, masked):
+    row_mask = None
+    if masked:
+        row_mask = torch.tensor([[True, False, True, True, False], [False] * 5, [True, True, False, True, True]])
+    _check_matches_logits_op_once(backend, dtype, temperature, vocab_size, row_mask, seed=11)
+
+
+# --- values and gradients against float64 ---
+
+def _dl_roundoff(backend, dtype):
+    """Rounding of dlogits before the backward GEMMs: the Triton backend feeds them to tl.dot in the input dtype."""
+    return UNIT_ROUNDOFF[dtype] if backend == "triton" and dtype != torch.float32 else 0.0
+
+
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+@pytest.mark.parametrize("dtype,temperature,vocab_size,masked", [
+    (torch.float32, 1.0, None, False),  # fp32 end to end: bounds of a few 1e-6
+    (torch.bfloat16, 1.3, 200, True),  # bf16 in/out, temperature, 56 padding columns (two segments), row mask
+    (torch.float16, 0.8, None, False),  # fp16 in/out
+])
+def test_values_and_gradients_vs_float64(backend, dtype, temperature, vocab_size, masked):
+    lead = (2, 7)
+    hidden, weight, tokens = _inputs(lead, dtype, seed=21)
+    g_lp = make_weights(lead, 22)
+    g_ent = make_weights(lead, 23, low=-1.0, high=1.0)
+    row_mask = None
+    if vocab_size is not None:
+        tokens = tokens.clamp(max=vocab_size - 1)
+    opts = dict(entropy="grad", temperature=temperature, vocab_size=vocab_size, backend=backend)
+    if masked:
+        row_mask = torch.rand(lead, generator=torch.Generator().manual_seed(24)) < 0.6
+        row_mask[0, 0], row_mask[1, -1] = True, False
+        opts["row_mask"] = row_mask
+    lp, ent, dx, dw = _run(hidden, weight, tokens, g_lp, g_ent, **opts)
+    bounds = _bounds(hidden, weight, tokens, g_lp, g_ent, temperature=temperature, vocab_size=vocab_size,
+                     row_mask=row_mask, dl_roundoff=_dl_roundoff(backend, dtype))
+    assert lp.dtype == torch.float32 and ent.dtype == torch.float32
+    assert dx.dtype == dtype and dw.dtype == dtype
+    _assert_within("log_probs", lp, bounds["log_probs"])
+    _assert_within("entropy", ent, bounds["entropy"])
+    _assert_within("dX", dx, bounds["dx"])
+    _assert_within("dW", dw, bounds["dw"])
+    if masked:
+        assert bool((lp[~row_mask] == 0).all() and (ent[~row_mask] == 0).all() and (dx[~row_mask] == 0).all())
+    if vocab_size is not None:
+        assert bool((dw[vocab_size:] == 0).all()), "padding rows of the weight got a gradient"
+
+
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+def test_log_prob_only_gradient(backend):
+    """entropy='none': only the log-prob's gradient (the g_ent terms vanish)."""
+    lead = (9,)
+    hidden, weight, tokens = _inputs(lead, torch.bfloat16, seed=31)
+    g_lp = make_weights(lead, 32)
+    lp, ent, dx, dw = _run(hidden, weight, tokens, g_lp, None, entropy="none", backend=backend)
+    assert ent is None
+    bounds = _bounds(hidden, weight, tokens, g_lp, None, dl_roundoff=_dl_roundoff(backend, torch.bfloat16))
+    _assert_within("log_probs", lp, bounds["log_probs"])
+    _assert_within("dX", dx, bounds["dx"])
+    _assert_within("dW", dw, bounds["dw"])
+
+
+# --- row mask, determinism, aliasing, empty input ---
+
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+def test_row_mask_keeps_kept_rows_bitwise_and_inputs_untouched(backend):
+    lead = (11,)
+    hidden, weight, tokens = _inputs(lead, torch.bfloat16, seed=41)
+    g_lp, g_ent = make_weights(lead, 42), make_weights(lead, 43, low=-1.0, high=1.0)
+    row_mask = torch.tensor([True, False, True, True, False, False, True, False, True, True, False])
+    masked_tokens = torch.where(row_mask, tokens, -100)
+    copies = [t.clone() for t in (hidden, weight, masked_tokens, row_mask)]
+    full = _run(hidden, weight, tokens, g_lp, g_ent, entropy="grad", backend=backend)
+    g_masked = torch.where(row_mask, g_lp, 0.0), torch.where(row_mask, g_ent, 0.0)
+    # The unmasked run with the dropped rows' upstream gradients zeroed: their dW contribution is then 0 too.
+    full0 = _run(hidden, weight, tokens, *g_masked, entropy="grad", backend=backend)
+    part = _run(hidden, weight, masked_tokens, g_lp, g_ent, entropy="grad", backend=backend, row_mask=row_mask)
+    for name, a, b in zip(("log_probs", "entropy"), full[:2], part[:2]):
+        assert torch.equal(a[row_mask], b[row_mask]), f"{name}: kept rows differ bitwise from the unmasked run"
+        assert bool((b[~row_mask] == 0).all()), f"{name}: dropped rows are not 0"
+    assert torch.equal(full0[2][row_mask], part[2][row_mask]), "dX of kept rows differs from the unmasked run"
+    assert bool((part[2][~row_mask] == 0).all()), "dropped rows got a hidden gradient"
+    # dW sums over rows: compacting them regroups the sum (GEMM K blocks), so it is held to its bound, not to bits.
+    bounds = _bounds(hidden, weight, masked_tokens, g_lp, g_ent, row_mask=row_mask,
+                     dl_roundoff=_dl_roundoff(backend, torch.bfloat16))
+    _assert_within("dW (row mask)", part[3], bounds["dw"])
+    for before, after in zip(copies, (hidden, weight, masked_tokens, row_mask)):
+        assert torch.equal(before, after), "an input was modified"
+    again = _run(hidden, weight, masked_tokens, g_lp, g_ent, entropy="grad", backend=backend, row_mask=row_mask)
+    for a, b in zip(part, again):
+        assert torch.equal(a, b), "not deterministic run to run"
+
+
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+def test_empty_and_all_dropped(backend):
+    hidden, weight, tokens = _inputs((0,), torch.float32, seed=51)
+    out = ppo_ops.linear_log_probs_and_entropy(hidden.to(DEVICE), weight.to(DEVICE), tokens.to(DEVICE),
+                                               entropy="value", backend=backend)
+    assert out.log_probs.shape == (0,) and out.entropy.shape == (0,)
+    lead = (4,)
+    hidden, weight, tokens = _inputs(lead, torch.float32, seed=52)
+    lp, ent, dx, dw = _run(hidden, weight, torch.full(lead, -100), make_weights(lead, 53), make_weights(lead, 54),
+                           entropy="grad", backend=backend, row_mask=torch.zeros(lead, dtype=torch.bool))
+    assert bool((lp == 0).all() and (ent == 0).all() and (dx == 0).all() and (dw == 0).all())
+
+
+# --- argument errors (before any work) ---
+
+def _error_cases():
+    h, w, t = _inputs((4,), torch.float32, seed=61)
+    return [
+        (dict(hidden=h.to(torch.bfloat16)), TypeError, "weight must have hidden's dtype"),
+        (dict(weight=w[:, :-1]), ValueError, "weight must have shape"),
+        (dict(hidden=h[0]), ValueError, "hidden must have shape"),
+        (dict(tokens=t[:3]), ValueError, "tokens must have shape"),
+        (dict(tokens=t.float()), TypeError, "tokens must hold integer"),
+        (dict(tokens=t + V_GLOBAL), ValueError, "tokens must be global token ids"),
+        (dict(row_mask=torch.ones(3, dtype=torch.bool)), ValueError, "row_mask must have shape"),
+        (dict(entropy="yes"), ValueError, "entropy must be one of"),
+        (dict(temperature=0.0), ValueError, "temperature must be finite and > 0"),
+        (dict(vocab_size=V_GLOBAL + 1), ValueError, "vocab_size must be <="),
+        (dict(reduce_dx=1), TypeError, "reduce_dx must be a bool"),
+        (dict(keep_mask=torch.ones((4, V_GLOBAL), dtype=torch.bool)), TypeError, "keep_mask"),
+        (dict(inplace_grad=True), TypeError, "inplace_grad"),
+    ]
+
+
+@pytest.mark.parametrize("change,error,match", _error_cases(), ids=lambda x: None)
+def test_bad_arguments_raise_naming_them(change, error, match):
+    h, w, t = _inputs((4,), torch.float32, seed=61)
+    args = dict(hidden=h, weight=w, tokens=t)
+    args.update(change)
+    with pytest.raises(error, match=match):
+        ppo_ops.linear_log_probs_and_entropy(args.pop("hidden").to(DEVICE), args.pop("weight").to(DEVICE),
+                                             args.pop("tokens").to(DEVICE), backend="torch",
+                                             **{k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v)
+                                                for k, v in args.items()})
+
+
+def test_nan_hidden_raises():
+    h, w, t = _inputs((4,), torch.float32, seed=62)
+    h[2, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN or \\+inf logits"):
+        ppo_ops.linear_log_probs_and_entropy(h.to(DEVICE), w.to(DEVICE), t.to(DEVICE), backend="torch")
+
+
+# --- tensor parallelism ---
+
+TP_CASES = {
+    # name: (dtype, temperature, vocab_size, masked)
+    "bf16_rows_padding": (torch.bfloat16, 0.9, 230, True),  # padding: at TP=4 the last rank holds 26 padding columns
+    "fp32_plain": (torch.float32, 1.0, None, False),
+}
+
+
+def _tp_inputs(name):
+    dtype, temperature, vocab_size, masked = TP_CASES[name]
+    lead = (6,)
+    hidden, weight, tokens = _inputs(lead, dtype, seed=71)
+    if vocab_size is not None:
+        tokens = tokens.clamp(max=vocab_size - 1)
+    opts = dict(entropy="grad", temperature=temperature, vocab_size=vocab_size)
+    if masked:
+        opts["row_mask"] = torch.tensor([True, True, False, True, False, True])
+        tokens = torch.where(opts["row_mask"], tokens, -100)
+    return hidden, weight, tokens, make_weights(lead, 72), make_weights(lead, 73, low=-1.0, high=1.0), opts
+
+
+def _tp_results(rank, world_size, group, device, backends):
+    results = {}
+    for backend in backends:
+        for name in TP_CASES:
+            hidden, weight, tokens, g_lp, g_ent, opts = _tp_inputs(name)
+            v_local = V_GLOBAL // world_size
+            shard = weight[rank * v_local:(rank + 1) * v_local]
+            for reduce_dx in (True, False) if world_size > 1 else (True,):
+                results[(backend, name, reduce_dx)] = _run(hidden, shard, tokens, g_lp, g_ent, device=device,
+                                                           tp_group=group, backend=backend, reduce_dx=reduce_dx,
+                                                           **opts)
+    return results
+
+
+def _runnable_backends():
+    return ["torch"] + (["triton"] if triton_skip_reason(DEVICE) is None else [])
+
+
+def _tp_worker(rank, world_size, out_dir, backends):
+    results = _tp_results(rank, world_size, dist.group.WORLD, rank_device(rank), backends)
+    torch.save(results, os.path.join(out_dir, f"tp{world_size}_rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def tp_results(tmp_path_factory):
+    out_dir = str(tmp_path_factory.mktemp("linear_tp"))
+    cache = {}
+
+    def results(tp):
+        if tp not in cache:
+            if tp == 1:
+                cache[1] = [_tp_results(0, 1, None, DEVICE, _runnable_backends())]
+            else:
+                run_ranks(tp, _tp_worker, out_dir, _runnable_backends())
+                cache[tp] = [torch.load(os.path.join(out_dir, f"tp{tp}_rank{r}.pt")) for r in range(tp)]
+        return cache[tp]
+
+    return results
+
+
+@pytest.mark.parametrize("name", list(TP_CASES))
+@pytest.mark.parametrize("tp", [world_size_param(2), world_size_param(4)])
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+def test_tp_bitwise_invariant(tp_results, backend, tp, name):
+    lp1, ent1, dx1, dw1 = tp_results(1)[0][(backend, name, True)]
+    ranks = tp_results(tp)
+    for rank, per_rank in enumerate(ranks):
+        lp, ent, dx, _ = per_rank[(backend, name, True)]
+        assert torch.equal(lp, lp1), f"TP={tp} rank {rank}: log_probs differ bitwise from TP=1"
+        assert torch.equal(ent, ent1), f"TP={tp} rank {rank}: entropy differs bitwise from TP=1"
+        assert torch.equal(dx, ranks[0][(backend, name, True)][2]), f"rank {rank}: dX differs between ranks"
+    dw = torch.cat([per_rank[(backend, name, True)][3] for per_rank in ranks])
+    assert torch.equal(dw, dw1), f"TP={tp}: concatenated dW shards differ bitwise from TP=1"
+
+    # dX: summed over ranks in a different order than at TP=1, so held to the float64 bound instead of TP=1's bits;
+    # reduce_dx=False gives each rank's own contribution, and the (fp32) sum of those is the reduced dX.
+    hidden, weight, tokens, g_lp, g_ent, opts = _tp_inputs(name)
+    dtype = TP_CASES[name][0]
+    bounds = _bounds(hidden, weight, tokens, g_lp, g_ent, temperature=opts["temperature"],
+                     vocab_size=opts["vocab_size"], row_mask=opts.get("row_mask"),
+                     dl_roundoff=_dl_roundoff(backend, dtype))
+    dx_tp = ranks[0][(backend, name, True)][2]
+    _assert_within("dX (reduced)", dx_tp, bounds["dx"])
+    partial_sum = sum(per_rank[(backend, name, False)][2].double() for per_rank in ranks)
+    # Each contribution is rounded to the input dtype once: tp roundings of at most u |contribution|.
+    contributions = sum(per_rank[(backend, name, False)][2].double().abs() for per_rank in ranks)
+    ref, tol = bounds["dx"]
+    assert bool(((partial_sum - ref).abs() <= tol + UNIT_ROUNDOFF[dtype] * contributions).all()), (
+        "reduce_dx=False: the ranks' contributions do not sum to dX")
+
+
+# --- compiled code (no GPU needed: a child process without the interpreter compiles for sm_90) ---
+
+COMPILE_TIMEOUT_S = 600  # eight kernels at Qwen3 sizes: about 15 s on one core, more on a loaded CI machine
+
+
+@pytest.fixture(scope="module")
+def compile_report(tmp_path_factory):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton_cache"))
+    repo_root = pathlib.Path(os.path.abspath(__file__)).parent.parent  # not resolved: Bazel's runfiles copy stays
+    done = subprocess.run([sys.executable, "-m", "tests.linear_compile_check"], env=env, cwd=repo_root,
+                          capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+    assert done.returncode == 0, f"compile check failed:\n{done.stderr[-4000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.device("any")
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_forward_binary_is_the_same_at_every_tp_size(compile_report, dtype):
+    # One specialisation for every rank of TP = 1, 2, 4, 8 at Qwen3's vocabulary: the same code per segment.
+    assert compile_report["forward_keys"][dtype] == 1
+
+
+@pytest.mark.device("any")
+@pytest.mark.parametrize("kernel", ["forward", "dlogits", "gemm_dx", "gemm_dw"])
+def test_half_precision_kernels_use_wgmma_on_sm90(compile_report, kernel):
+    # bf16 tiles must reach Hopper's warpgroup MMA; a kernel on mma.sync or FMAs would run at a fraction of the rate.
+    assert compile_report["kernels"][f"{kernel} bf16"]["wgmma"], f"{kernel}: no wgmma.mma_async in the sm_90 PTX"
+
+
+# --- the bench's LM-head suite, on the CPU (plumbing only) ---
+
+@pytest.mark.device("cpu")
+def test_bench_lm_head_smoke(tmp_path):
+    from tools.bench import lm_head
+
+    cfg = dict(warmup=1, min_reps=1, max_reps=1, target_ms=0.0, time_budget_s=0.0, seed=5)
+    lm_head.main("lm_head_smoke", 1, "cpu", str(tmp_path), cfg)
+    rows = (tmp_path / "lm_head.csv").read_text().splitlines()
+    assert len(rows) == 1 + len(lm_head.PROVIDERS), rows
+    assert sum(",ok," in r for r in rows) == len(lm_head.PROVIDERS) - 1  # liger: skipped off CUDA
+    assert (tmp_path / "lm_head.md").exists()
