@@ -33,6 +33,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ppo_ops._row_stats import MAX, SUMEXP  # the partials' channels (the bad-logits flag reads them)
+
 ENTROPY_MODES = ("none", "value", "grad")
 BACKENDS = ("auto", "torch", "triton")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -303,8 +305,6 @@ def rank_header(tokens: torch.Tensor, row_mask: Optional[torch.Tensor], partials
                 dtype: torch.dtype) -> torch.Tensor:
     """The header of a rank whose arguments passed the local checks, its value fields computed on the device from
     its tokens, row mask and forward partials ([segments, 5, T]), with no host sync."""
-    from ppo_ops._row_stats import MAX, SUMEXP  # the partials' channels
-
     device = partials.device
     flat_tokens = tokens.reshape(-1).to(torch.int64)
     if row_mask is not None:
