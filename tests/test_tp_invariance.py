@@ -1,4 +1,4 @@
-"""Moonshot (issue 5, item 4): bitwise tensor-parallel invariance at TP = 1, 2, 4 and 8, through the public API.
+"""Bitwise tensor-parallel invariance at TP = 1, 2, 4 and 8, through the public API.
 
 The same GLOBAL logits (V_global = 8 * 40, so the vocabulary splits into the eight fixed segments of ppo_ops/_layout.py)
 go through `ppo_ops.log_probs_and_entropy` at TP = 1 (no process group) and on 2, 4 and 8 spawned gloo ranks, each rank
@@ -16,83 +16,44 @@ vocabulary (the last rank at TP=8 holds padding), -inf logits, chunking, inplace
 both backends run in one spawn per TP size (14 processes in all on the CI's 2 cores), each rank saving its results.
 """
 
-import dataclasses
 import os
-from typing import Optional
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import ppo_ops
-from tests.core_support import (BACKENDS, backend_params, make_keep_mask, make_logits, make_row_mask, make_tokens,
-                                make_weights, run_gloo, triton_skip_reason)
+from tests.core_support import BACKENDS, backend_params, run_gloo, triton_skip_reason
 from tests.reference import (assert_entropy_close, assert_grad_close, assert_log_probs_close,
-                             reference_log_probs_and_entropy)
+                             reference_log_probs_and_entropy, shard_vocab)
+from tests.sharded_case import ShardedCase, global_inputs
 
 TP_SIZES = (1, 2, 4, 8)
 V_GLOBAL = 320  # eight segments of 40; V_local = 40 at TP=8: neither a power of two nor a multiple of 16
-NEG_INF_FRACTION = 0.2  # share of -inf logits in the cases that ask for them (targets stay finite)
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    name: str
-    lead: tuple  # leading (row) shape
-    dtype: torch.dtype = torch.float32
-    entropy: str = "grad"
-    temperature: float = 1.0
-    keep: bool = False
-    rows: bool = False
-    padding: Optional[int] = None  # vocab_size = V_GLOBAL - padding
-    neg_inf: bool = False
-    chunk_size: Optional[int] = None
-    inplace_grad: bool = False
-    seed: int = 0
 
 
 CASES = [
-    Case("fp32_all_masks", (5,), temperature=0.7, keep=True, rows=True, padding=7, neg_inf=True, chunk_size=2),
-    Case("bf16_inplace_rows", (2, 3), torch.bfloat16, temperature=1.3, keep=True, rows=True, inplace_grad=True,
-         seed=10),
+    ShardedCase("fp32_all_masks", (5,), V_GLOBAL, temperature=0.7, keep="random", rows="random", padding=7,
+                neg_inf=True, chunk_size=2, scale=3.0),
+    ShardedCase("bf16_inplace_rows", (2, 3), V_GLOBAL, torch.bfloat16, temperature=1.3, keep="random",
+                rows="random", inplace_grad=True, scale=3.0, seed=10),
     # padding 45: at TP=8 the last rank holds only padding, the one before it some.
-    Case("fp16_entropy_value", (4,), torch.float16, entropy="value", padding=45, seed=20),
+    ShardedCase("fp16_entropy_value", (4,), V_GLOBAL, torch.float16, entropy="value", padding=45, scale=3.0,
+                seed=20),
 ]
 
 
 def _global_inputs(case):
-    """(logits [..., V_GLOBAL], tokens, options with global masks, upstream weights), the same on every process."""
-    vocab_size = None if case.padding is None else V_GLOBAL - case.padding
-    shape = case.lead + (V_GLOBAL,)
-    logits = make_logits(shape, case.dtype, case.seed, scale=3.0)
-    tokens = make_tokens(case.lead, vocab_size or V_GLOBAL, case.seed + 1)
-    if case.neg_inf:
-        gen = torch.Generator().manual_seed(case.seed + 6)
-        masked = (torch.rand(shape, generator=gen) < NEG_INF_FRACTION).view(-1, V_GLOBAL)
-        masked[torch.arange(masked.shape[0]), tokens.reshape(-1)] = False
-        logits = logits.masked_fill(masked.view(shape), float("-inf"))
-    opts = dict(entropy=case.entropy, temperature=case.temperature, vocab_size=vocab_size, chunk_size=case.chunk_size)
-    if case.keep:
-        opts["keep_mask"] = make_keep_mask(shape, tokens, case.seed + 2)
-    if case.rows:
-        opts["row_mask"] = make_row_mask(case.lead, case.seed + 3)
-        tokens = torch.where(opts["row_mask"], tokens, -100)  # dropped rows' tokens are never checked
-    weights = dict(grad_log_probs=make_weights(case.lead, case.seed + 4),
-                   grad_entropy=make_weights(case.lead, case.seed + 5, low=-1.0, high=1.0))
-    return logits, tokens, opts, weights
-
-
-def _shard(x, rank, world_size):
-    width = x.shape[-1] // world_size
-    return x[..., rank * width:(rank + 1) * width].clone()
+    """The case's GLOBAL inputs (its v_local is V_GLOBAL: one rank's view), the same on every process."""
+    return global_inputs(case, 1)
 
 
 def _run(case, backend, rank, world_size, tp_group):
     """Forward + backward on this rank's shard: (log_probs, entropy or None, gradient shard)."""
     logits, tokens, opts, weights = _global_inputs(case)
     if "keep_mask" in opts:
-        opts["keep_mask"] = _shard(opts["keep_mask"], rank, world_size)
-    x = _shard(logits, rank, world_size).requires_grad_(True)
+        opts["keep_mask"] = shard_vocab(opts["keep_mask"], rank, world_size)
+    x = shard_vocab(logits, rank, world_size).requires_grad_(True)
     # inplace_grad needs a non-leaf input (as lm-head logits are): its storage receives the gradient.
     y = x * 1 if case.inplace_grad else x
     out = ppo_ops.log_probs_and_entropy(y, tokens, tp_group=tp_group, backend=backend,
