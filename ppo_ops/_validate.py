@@ -280,6 +280,12 @@ def _fold_checksum(values: torch.Tensor) -> torch.Tensor:
     return ((values.remainder(2147483647) * weights).remainder(2147483647)).sum()
 
 
+def _host_ints(values: list, device) -> torch.Tensor:
+    """Python ints as an int64 tensor on `device`, copied without a host sync (a blocking host-to-device copy, as
+    torch.tensor(..., device="cuda") makes, waits for the stream)."""
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+
 def header_device(logits, group) -> torch.device:
     """Where the header lives: the logits' device, or (when the logits are not usable) the one the group's backend
     moves: the current CUDA device for NCCL, else the CPU."""
@@ -297,7 +303,7 @@ def error_header(exc: BaseException, device) -> torch.Tensor:
     row = [0] * len(HEADER_FIELDS)
     row[ERR_ARG] = ARGUMENTS.index(argument if argument in ARGUMENTS else "arguments") + 1
     row[ERR_TYPE] = kind + 1
-    return torch.tensor(row, dtype=torch.int64, device=device)
+    return _host_ints(row, device)
 
 
 def rank_header(tokens: torch.Tensor, row_mask: Optional[torch.Tensor], partials: torch.Tensor, *, v_local: int,
@@ -315,10 +321,9 @@ def rank_header(tokens: torch.Tensor, row_mask: Optional[torch.Tensor], partials
         row_sum = torch.zeros((), dtype=torch.int64, device=device)
     maxima = partials[:, MAX]
     bad = (torch.isnan(maxima) | (maxima == math.inf) | torch.isnan(partials[:, SUMEXP])).any()
-    fixed = torch.tensor(
+    fixed = _host_ints(
         [0, 0, flat_tokens.numel(), v_local, vocab_size, _float_bits(temperature), ENTROPY_MODES.index(entropy_mode),
-         int(has_keep_mask), _DTYPES.index(dtype)],
-        dtype=torch.int64, device=device)
+         int(has_keep_mask), _DTYPES.index(dtype)], device)
     return torch.cat([fixed, row_sum.reshape(1), _fold_checksum(flat_tokens).reshape(1),
                       token_bounds(flat_tokens, None), bad.reshape(1).to(torch.int64)])
 
