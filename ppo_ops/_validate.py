@@ -230,8 +230,8 @@ def token_bounds(tokens: torch.Tensor, row_mask: Optional[torch.Tensor]) -> torc
     return torch.stack(torch.aminmax(t))
 
 
-def _range_message(upper: int, found: int, has_row_mask: bool) -> str:
-    return (f"tokens must be global token ids in [0, {upper}), found {found}"
+def _range_message(upper: int, found: int, has_row_mask: bool, where: str = "") -> str:
+    return (f"tokens{where} must be global token ids in [0, {upper}), found {found}"
             + (" (rows dropped by row_mask are not checked)" if has_row_mask else ""))
 
 
@@ -261,6 +261,9 @@ AGREED_FIELDS = (ROWS, V_LOCAL, VOCAB, TEMPERATURE, ENTROPY, KEEP, DTYPE, ROW_SU
 ARGUMENTS = ("logits", "tokens", "tp_group", "entropy", "keep_mask", "temperature", "row_mask", "vocab_size",
              "chunk_size", "inplace_grad", "backend", "validate", "arguments")
 ERROR_TYPES = (TypeError, ValueError, RuntimeError)
+# The argument a disagreement on each agreed field is about (named in the error).
+_FIELD_ARGUMENT = {ROWS: "tokens", V_LOCAL: "logits", VOCAB: "vocab_size", TEMPERATURE: "temperature",
+                   ENTROPY: "entropy", KEEP: "keep_mask", DTYPE: "logits", ROW_SUM: "row_mask", TOKEN_SUM: "tokens"}
 _DTYPES = (None,) + FLOAT_DTYPES
 
 
@@ -378,12 +381,12 @@ def raise_if_any(fn_name: str, table: list, has_row_mask: bool,
         found = row[TOKEN_MIN] if row[TOKEN_MIN] < 0 else row[TOKEN_MAX]
         raise argument_error(
             ValueError, fn_name, "tokens",
-            f"on tensor-parallel {_ranks(out_of_range)} of {world}: " + _range_message(row[VOCAB], found, has_row_mask))
+            _range_message(row[VOCAB], found, has_row_mask, f" on tensor-parallel {_ranks(out_of_range)} of {world}"))
     for field in AGREED_FIELDS:
         column = [row[field] for row in table]
         if any(v != column[0] for v in column):
             checksum = field in (ROW_SUM, TOKEN_SUM)
-            argument = {ROW_SUM: "row_mask", TOKEN_SUM: "tokens", ROWS: "tokens"}.get(field, "tp_group")
+            argument = _FIELD_ARGUMENT[field]
             raise argument_error(
                 ValueError, fn_name, argument,
                 f"the {HEADER_FIELDS[field]}{' checksum' if checksum else ''} differs across the {world} "
