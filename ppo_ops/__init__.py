@@ -3,8 +3,10 @@
     from ppo_ops import log_probs_and_entropy, calculate_log_probs_and_entropy
 
 `log_probs_and_entropy` is the full API (temperature, keep mask, row mask, padded vocab, chunking, in-place gradient,
-backend choice); `calculate_log_probs_and_entropy` is a drop-in for slime's function of the same name. The design,
-the backend contract and where communication happens are described in ppo_ops/_function.py and ppo_ops/_row_stats.py.
+backend choice); `calculate_log_probs_and_entropy` is a drop-in for slime's function of the same name. Reading order:
+api.py (arguments) -> _validate.py (checks, cross-rank agreement, the one host read) -> _function.py (autograd,
+communication) -> _backend.py (the backend contract) <- _torch_backend.py, _triton_backend.py (-> _triton_kernels.py)
+-> _row_stats.py (merge math) and _layout.py (vocabulary shards and segments).
 """
 
 from ppo_ops.api import LogProbsEntropy, calculate_log_probs_and_entropy, log_probs_and_entropy

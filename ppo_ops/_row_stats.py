@@ -1,12 +1,13 @@
 """Row statistics: merging per-segment partials into log-probs, entropies and what backward needs.
 
 A backend's forward produces, for each vocabulary segment j it holds and each row, five fp32 partials relative to the
-segment's own maximum m_j (see the backend contract in _function.py):
+segment's own maximum m_j (see the backend contract in _backend.py):
 
     MAX m_j, SUMEXP s_j = Σ e^(z-m_j), KEPT_SUMEXP over keep ∪ {target}, ENT_SUM w_j = Σ e^(z-m_j)(z-m_j), TARGET_Z.
 
-Across tensor-parallel ranks the [segments, 5, T] tensors are all-gathered (one collective of O(T) bytes) and every
-rank merges all segments in global order, sequentially, so every rank and every TP size computes the same bits:
+Across tensor-parallel ranks the [segments, 5, T] tensors are all-gathered (one collective of O(T) bytes, in
+_function.py) and every rank merges all segments in global order, sequentially, so every rank and every TP size
+computes the same bits:
 
     M = max_j m_j,  a_j = e^(m_j - M),  S = Σ_j a_j s_j,  W = Σ_j a_j (w_j + (m_j - M) s_j)
     log_prob = (z_t - M) - log S_kept,  entropy = log S - W / S,  E_p[z] - M = W / S.
@@ -20,12 +21,10 @@ the entries whose probability is large, so fp32 rounding there stays far below u
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
 
 import torch
-import torch.distributed as dist
 
-from ppo_ops._layout import VocabLayout
+from ppo_ops._backend import RowStats
 
 MAX, SUMEXP, KEPT_SUMEXP, ENT_SUM, TARGET_Z = range(5)
 NUM_PARTIALS = 5
@@ -40,34 +39,6 @@ def empty_partials(segments: int, rows: int, device) -> torch.Tensor:
     p[:, MAX] = NEG_INF
     p[:, TARGET_Z] = NEG_INF
     return p
-
-
-def all_gather_partials(partials: torch.Tensor, layout: VocabLayout) -> torch.Tensor:
-    """[segments_local, 5, T] on each rank -> [segments_global, 5, T], in global segment order."""
-    if layout.group is None:
-        return partials
-    # Into one tensor: rank-major along dim 0 is the global segment order, with no list and no cat (host time).
-    out = torch.empty((layout.world_size * partials.shape[0],) + tuple(partials.shape[1:]), dtype=partials.dtype,
-                      device=partials.device)
-    # torch >= 2.13 names it all_gather_single and deprecates all_gather_into_tensor, the only name torch 2.11 has.
-    gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather_single(out, partials.contiguous(), group=layout.group)
-    return out
-
-
-class RowStats(NamedTuple):
-    """Per-row statistics over all T rows; a row the row mask drops has neutral partials, so it merges to a row
-    without mass (log_prob -inf, everything else 0, both flags False)."""
-
-    log_prob: torch.Tensor  # [T] fp32
-    entropy: torch.Tensor  # [T] fp32 (zeros when not asked for)
-    shift: torch.Tensor  # [T] M, the row max of z (0 where the row has no finite logit)
-    log_sum: torch.Tensor  # [T] log Σ_valid e^(z - M) (0 where the row has no finite logit)
-    log_sum_kept: Optional[torch.Tensor]  # [T] log Σ_{kept ∪ target} e^(z - M), or None without a keep mask
-    mean_shifted: torch.Tensor  # [T] E_p[z] - M
-    bad_input: torch.Tensor  # [T] bool: NaN or +inf logits reached the row (a kernel's max may skip NaN; the sum not)
-    logprob_defined: torch.Tensor  # [T] bool: the kept set has mass (else log_prob = -inf and its gradient is 0)
-    row_has_mass: torch.Tensor  # [T] bool: some valid logit is finite (else entropy 0 and gradient 0)
 
 
 def merge_partials(p: torch.Tensor, has_keep_mask: bool) -> RowStats:
@@ -103,5 +74,7 @@ def merge_partials(p: torch.Tensor, has_keep_mask: bool) -> RowStats:
     log_prob = torch.where(defined, (z_t - m_safe) - log_kept, neg_inf)
     bad_input = torch.isnan(big_m) | (big_m == float("inf")) | torch.isnan(s)
     return RowStats(
-        log_prob, entropy, m_safe, log_s, log_kept if has_keep_mask else None, ratio, bad_input, defined, has_mass
+        log_prob=log_prob, entropy=entropy, shift=m_safe, log_sum=log_s,
+        log_sum_kept=log_kept if has_keep_mask else None, mean_shifted=ratio, bad_input=bad_input,
+        log_prob_defined=defined, row_has_mass=has_mass,
     )

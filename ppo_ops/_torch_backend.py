@@ -4,6 +4,9 @@ Works on any device; the CPU path and the fallback where Triton is absent. Rows 
 `chunk_rows` rows, each held as two fp32 [rows, V_local] working buffers, so peak memory is bounded by the chunk,
 never by T (backward recomputes the softmax per chunk from the logits and O(T) row statistics instead of keeping it).
 
+The module-level functions are the launch layer (positional tensors, for direct use and tests); `TorchBackend` at the
+end adapts them to the typed contract of ppo_ops/_backend.py.
+
 Row mask: the contract passes it as a [T] bool mask with [T]-sized per-row tensors. This backend turns it into the
 index list of the kept rows (`nonzero`, a host sync on CUDA: acceptable for the fallback) and works on those rows
 only, gathered into its chunks, so a dropped row costs neither compute nor working memory; dropped rows get the
@@ -29,6 +32,8 @@ from typing import Optional
 
 import torch
 
+from ppo_ops import _row_stats
+from ppo_ops._backend import BackwardStats, RowInputs, RowStats, ShardOptions, UpstreamGrads
 from ppo_ops._layout import target_columns
 from ppo_ops._row_stats import ENT_SUM, KEPT_SUMEXP, MAX, NUM_PARTIALS, SUMEXP, TARGET_Z, empty_partials
 
@@ -170,18 +175,18 @@ def backward_grad(
     log_sum: torch.Tensor,
     log_sum_kept: Optional[torch.Tensor],
     mean_shifted: Optional[torch.Tensor],
-    grad_logprob: Optional[torch.Tensor],
+    grad_log_prob: Optional[torch.Tensor],
     grad_entropy: Optional[torch.Tensor],
     out: torch.Tensor,
     chunk_rows: Optional[int],
-    logprob_ok: Optional[torch.Tensor] = None,
+    log_prob_defined: Optional[torch.Tensor] = None,
     row_has_mass: Optional[torch.Tensor] = None,
     vocab_start: int = 0,
 ) -> None:
     target_col = target_columns(tokens, vocab_start, logits.shape[1])
     # Upstream gradients count only where their quantity has one (elsewhere 0, whatever they hold).
-    if grad_logprob is not None and logprob_ok is not None:
-        grad_logprob = torch.where(logprob_ok, grad_logprob, torch.zeros_like(grad_logprob))
+    if grad_log_prob is not None and log_prob_defined is not None:
+        grad_log_prob = torch.where(log_prob_defined, grad_log_prob, torch.zeros_like(grad_log_prob))
     if grad_entropy is not None and row_has_mass is not None:
         grad_entropy = torch.where(row_has_mass, grad_entropy, torch.zeros_like(grad_entropy))
     rows = _kept_rows(row_mask)
@@ -191,9 +196,9 @@ def backward_grad(
         # Dropped rows get a zero gradient; written first, so an in-place `out` is never read after this.
         out.masked_fill_(~row_mask.unsqueeze(1), 0)
         # The kept rows' per-row values, in chunk order: O(R) gathers.
-        target_col, shift, log_sum, log_sum_kept, mean_shifted, grad_logprob, grad_entropy = (
+        target_col, shift, log_sum, log_sum_kept, mean_shifted, grad_log_prob, grad_entropy = (
             None if t is None else t.index_select(0, rows)
-            for t in (target_col, shift, log_sum, log_sum_kept, mean_shifted, grad_logprob, grad_entropy)
+            for t in (target_col, shift, log_sum, log_sum_kept, mean_shifted, grad_log_prob, grad_entropy)
         )
     for start, end in _chunks(n_rows, v_local, chunk_rows):
         n = end - start
@@ -208,8 +213,8 @@ def backward_grad(
             grad.mul_(grad_entropy[start:end].unsqueeze(1))
         else:
             grad = d.zero_()
-        if grad_logprob is not None:
-            g_lp = grad_logprob[start:end]
+        if grad_log_prob is not None:
+            g_lp = grad_log_prob[start:end]
             q = p  # reused in place: p is not needed any more
             if log_sum_kept is not None:
                 q.mul_(torch.exp(log_sum[start:end] - log_sum_kept[start:end]).unsqueeze(1))
@@ -230,3 +235,29 @@ def backward_grad(
             for i, j in _row_slices(n):
                 out.index_copy_(0, rows[start + i : start + j], grad[i:j].to(out.dtype))
         del z, p, grad
+
+
+class TorchBackend:
+    """The Backend protocol (ppo_ops/_backend.py) over this module's functions and _row_stats' merge."""
+
+    name = "torch"
+    needs_unit_column_stride = False
+
+    def forward_partials(self, inputs: RowInputs, shard: ShardOptions, with_entropy: bool) -> torch.Tensor:
+        return forward_partials(inputs.logits, inputs.row_mask, inputs.tokens, inputs.keep_mask, shard.inv_temperature,
+                                shard.n_valid, shard.seg_len, with_entropy, shard.chunk_rows,
+                                vocab_start=shard.vocab_start)
+
+    def merge_partials(self, partials: torch.Tensor, has_keep_mask: bool) -> RowStats:
+        return _row_stats.merge_partials(partials, has_keep_mask)
+
+    def backward_grad(self, inputs: RowInputs, shard: ShardOptions, stats: BackwardStats, upstream: UpstreamGrads,
+                      out: torch.Tensor) -> None:
+        backward_grad(inputs.logits, inputs.row_mask, inputs.tokens, inputs.keep_mask, shard.inv_temperature,
+                      shard.n_valid, stats.shift, stats.log_sum, stats.log_sum_kept, stats.mean_shifted,
+                      upstream.grad_log_prob, upstream.grad_entropy, out, shard.chunk_rows,
+                      log_prob_defined=stats.log_prob_defined, row_has_mass=stats.row_has_mass,
+                      vocab_start=shard.vocab_start)
+
+
+BACKEND = TorchBackend()

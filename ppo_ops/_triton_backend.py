@@ -1,17 +1,19 @@
-"""Triton backend: the two backend-contract functions over the kernels of `_triton_kernels.py`.
+"""Triton backend: the launchers of the kernels of `_triton_kernels.py`, and `TritonBackend`, the backend contract
+(ppo_ops/_backend.py) over them.
 
 `forward_partials` reads each kept row's logits once, in their own dtype, and returns the [nseg, 5, T] fp32 segment
 partials (MAX, SUMEXP, KEPT_SUMEXP, ENT_SUM, TARGET_Z); `backward_grad` reads the logits once more and writes the full
 gradient (in place when `out` is the logits). The row mask goes to the kernels as bytes: a dropped row's programs read
-none of its logits and write neutral partials or a zero gradient row, with no host sync and no index list. The core
-(ppo_ops/_function.py) does everything around them: validation, the TP all-gather of the partials, their fixed-order
-merge into row stats, autograd. No fp32 [T, V] copy is ever made, so `chunk_rows` (a bound on fp32 working rows for the
-torch backend) is accepted and ignored.
+none of its logits and write neutral partials or a zero gradient row, with no host sync and no index list.
+`merge_partials` merges the partials of every rank into row stats in one launch. The core (ppo_ops/_function.py)
+does everything around them: validation, the TP all-gather of the partials, autograd. No fp32 [T, V] copy is ever
+made, so `chunk_rows` (a bound on fp32 working rows for the torch backend) is accepted and ignored.
 
-Forward kernel: one, `forward_partials_kernel` (lanes of CHUNK contiguous columns, see _triton_kernels.py); CHUNK is a
-launch option like the tile size. Different CHUNKs give partials within the same tolerances, not the same bits, so
-every rank must use the same config (they do: it depends only on the dtype and segment length).
-Tile sizes: on CUDA they come from `_GPU_CONFIG` (per pass and dtype, see tools/triton_tune.py); under the interpreter
+Forward kernel: one, `forward_partials_kernel` (lanes of LANE_WIDTH contiguous columns, see _triton_kernels.py);
+the lane width is a launch option like the tile size. Different lane widths give partials within the same
+tolerances, not the same bits, so every rank must use the same config (they do: it depends only on the dtype and
+segment length). Merge: `merge_partials` launches `merge_partials_kernel` once per forward.
+Tile sizes: on CUDA they come from `_GPU_CONFIG` (per pass and dtype; docs/performance.md); under the interpreter
 (TRITON_INTERPRET=1, CPU tensors) each loop iteration costs about a millisecond, so tiles cover a whole segment or row
 up to a cap. The forward tile depends only on the segment length and dtype, never on V_local: that keeps a segment's bits
 independent of the TP size. ppo_ops/api.py imports this module only when the backend is selected, so `import ppo_ops`
@@ -25,20 +27,21 @@ import torch
 import triton  # noqa: F401  an ImportError here is how backend="auto" (ppo_ops/api.py) learns triton is absent
 
 from ppo_ops import _triton_kernels
-from ppo_ops._triton_merge import merge_partials  # noqa: F401  the core uses it in place of the torch-op merge
+from ppo_ops._backend import BackwardStats, RowInputs, RowStats, ShardOptions, UpstreamGrads
 from ppo_ops._row_stats import NUM_PARTIALS
+from ppo_ops._validate import argument_error
 
-# (BLOCK_V, num_warps, num_stages[, chunk]) per pass and logits element size in bytes: the fastest correct variants of
-# tools/triton_tune.py on H200s (T=8192, V=151936, 8 segments; tools/bench/results/triton_tune_h200.log, whose run
-# has them at: forward bf16 1024/4/1 chunk 8 0.628 ms (93% of the copy bandwidth's rate), fp32 4096/8/1 chunk 4
-# 1.131 ms (other chunk-4 variants within 0.3%); backward bf16 4096/4/1 1.377 ms, fp32 1024/4/1 2.508 ms).
+_WHERE = "_triton_backend"  # the message prefix of this module's internal checks (ppo_ops._triton_backend: ...)
+
+# (BLOCK_V, num_warps, num_stages[, lane width]) per pass and logits element size in bytes: the fastest correct
+# variants measured on H200s (docs/performance.md says how and what they gave).
 _GPU_CONFIG = {
     ("forward", 2): (1024, 4, 1, 8),
     ("forward", 4): (4096, 8, 1, 4),
     ("backward", 2): (4096, 4, 1),
     ("backward", 4): (1024, 4, 1),
 }
-_INTERPRET_CHUNK = 8  # the interpreter runs the chunk CUDA runs for bf16
+_INTERPRET_LANE_WIDTH = 8  # the interpreter runs the lane width CUDA runs for bf16
 # Largest interpreter tile: big enough for few loop iterations, small enough for cheap numpy temporaries.
 _INTERPRET_MAX_BLOCK = 1 << 16
 
@@ -56,19 +59,19 @@ def _check_device(name, tensor):
             hint = "TRITON_INTERPRET=1 was set after the kernels were first loaded; set it before importing ppo_ops"
         else:
             hint = "set TRITON_INTERPRET=1 before importing ppo_ops to run on CPU"
-        raise ValueError(
-            f"triton backend needs CUDA tensors or TRITON_INTERPRET=1: `{name}` is on {tensor.device} ({hint})"
-        )
+        raise argument_error(ValueError, _WHERE, name,
+                             f"triton backend needs CUDA tensors or TRITON_INTERPRET=1: {name} is on {tensor.device} "
+                             f"({hint})")
 
 
 def _check_logits(logits):
     if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"`logits` must be float32, bfloat16 or float16, got {logits.dtype}")
+        raise argument_error(TypeError, _WHERE, "logits",
+                             f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
     if logits.dim() != 2 or logits.stride(-1) != 1:
-        raise ValueError(
-            f"`logits` must be 2-D [T, V_local] with stride(-1) == 1, got shape {tuple(logits.shape)} "
-            f"and strides {logits.stride()}"
-        )
+        raise argument_error(ValueError, _WHERE, "logits",
+                             f"logits must be 2-D [T, V_local] with stride(-1) == 1, got shape {tuple(logits.shape)} "
+                             f"and strides {logits.stride()}")
     _check_device("logits", logits)
 
 
@@ -76,26 +79,28 @@ def _row_bytes(name, flags, logits):
     """A [T] bool per-row tensor (the row mask, the gradient flags) as uint8 (bool and uint8 share storage),
     contiguous, on the logits' device."""
     if flags.shape != logits.shape[:1] or flags.dtype != torch.bool:
-        raise ValueError(
-            f"`{name}` must be bool of shape ({logits.shape[0]},), got {flags.dtype} {tuple(flags.shape)}"
-        )
+        raise argument_error(ValueError, _WHERE, name,
+                             f"{name} must be bool of shape ({logits.shape[0]},), got {flags.dtype} "
+                             f"{tuple(flags.shape)}")
     if flags.device != logits.device:
-        raise ValueError(f"`{name}` must be on {logits.device} like `logits`, got {flags.device}")
+        raise argument_error(ValueError, _WHERE, name,
+                             f"{name} must be on {logits.device} like logits, got {flags.device}")
     return flags.contiguous().view(torch.uint8)
 
 
 def _check_row_vector(name, t, logits):
     """Per-row tensors are indexed by the row itself: one entry per row of the logits."""
     if t is not None and t.shape != logits.shape[:1]:
-        raise ValueError(f"`{name}` must have shape ({logits.shape[0]},) (one entry per row), got {tuple(t.shape)}")
+        raise argument_error(ValueError, _WHERE, name,
+                             f"{name} must have shape ({logits.shape[0]},) (one entry per row), got {tuple(t.shape)}")
 
 
 def _keep_bytes(keep_mask, logits):
     """The keep mask as a [T, V_local] uint8 view (bool and uint8 share storage), unit column stride."""
     if keep_mask.shape != logits.shape or keep_mask.dtype != torch.bool:
-        raise ValueError(
-            f"`keep_mask` must be bool of shape {tuple(logits.shape)}, got {keep_mask.dtype} {tuple(keep_mask.shape)}"
-        )
+        raise argument_error(
+            ValueError, _WHERE, "keep_mask",
+            f"keep_mask must be bool of shape {tuple(logits.shape)}, got {keep_mask.dtype} {tuple(keep_mask.shape)}")
     if keep_mask.stride(-1) != 1:
         keep_mask = keep_mask.contiguous()
     return keep_mask.view(torch.uint8)
@@ -105,27 +110,29 @@ class LaunchConfig(NamedTuple):
     block_v: int  # columns per tile (a power of two)
     num_warps: Optional[int]  # None under the interpreter
     num_stages: Optional[int]
-    chunk: int = 1  # forward: contiguous columns per lane and tile, a power of two <= block_v (ignored by the backward)
+    lane_width: int = 1  # forward: contiguous columns per lane and tile, a power of two <= block_v (backward: unused)
 
 
-def launch_config(pass_name, dtype, n_cols, interpreted, block_v=None, num_warps=None, num_stages=None, chunk=None):
+def launch_config(pass_name, dtype, n_cols, interpreted, block_v=None, num_warps=None, num_stages=None,
+                  lane_width=None):
     """Tile and launch options of a pass whose tiles cover n_cols columns (forward: a segment; backward: a row).
 
     The forward's config depends only on (seg_len, dtype), never on V_local, so every TP size runs the same code on a
-    segment. The keywords override single fields (tools/triton_tune.py); the chunk is capped at the tile."""
+    segment. The keywords override single fields (tools/triton_tune.py); the lane width is capped at the tile."""
     if interpreted:
-        default = LaunchConfig(min(_next_pow2(n_cols), _INTERPRET_MAX_BLOCK), None, None, _INTERPRET_CHUNK)
+        default = LaunchConfig(min(_next_pow2(n_cols), _INTERPRET_MAX_BLOCK), None, None, _INTERPRET_LANE_WIDTH)
     else:
         default = LaunchConfig(*_GPU_CONFIG[(pass_name, dtype.itemsize)])
     config = LaunchConfig(
         default.block_v if block_v is None else block_v,
         default.num_warps if num_warps is None else num_warps,
         default.num_stages if num_stages is None else num_stages,
-        default.chunk if chunk is None else chunk,
+        default.lane_width if lane_width is None else lane_width,
     )
-    if config.chunk < 1 or config.chunk & (config.chunk - 1):
-        raise ValueError(f"`chunk` must be a power of two, got {config.chunk}")
-    return config._replace(chunk=min(config.chunk, config.block_v))
+    if config.lane_width < 1 or config.lane_width & (config.lane_width - 1):
+        raise argument_error(ValueError, _WHERE, "lane_width",
+                             f"lane_width must be a power of two, got {config.lane_width}")
+    return config._replace(lane_width=min(config.lane_width, config.block_v))
 
 
 def _options(config):
@@ -163,9 +170,10 @@ def forward_partials(
     _check_row_vector("tokens", tokens, logits)
     num_rows, v_local = logits.shape
     if seg_len <= 0 or v_local % seg_len != 0:
-        raise ValueError(f"`seg_len` must be a positive divisor of V_local={v_local}, got {seg_len}")
+        raise argument_error(ValueError, _WHERE, "seg_len",
+                             f"seg_len must be a positive divisor of V_local={v_local}, got {seg_len}")
     if not 0 <= n_valid <= v_local:
-        raise ValueError(f"`n_valid` must be in [0, {v_local}], got {n_valid}")
+        raise argument_error(ValueError, _WHERE, "n_valid", f"n_valid must be in [0, {v_local}], got {n_valid}")
     out = torch.empty((v_local // seg_len, NUM_PARTIALS, num_rows), dtype=torch.float32, device=logits.device)
     if out.numel() == 0:
         return out
@@ -201,7 +209,7 @@ def forward_launch_args(logits, row_mask, tokens, keep_mask, inv_temperature, n_
         SCALE=float(inv_temperature) != 1.0, BLOCK_V=config.block_v,
         LOGITS_ALIGN=_segment_align(seg_len, logits, config.block_v),
         KEEP_ALIGN=1 if keep is None else _segment_align(seg_len, keep, config.block_v),
-        CHUNK=config.chunk,
+        LANE_WIDTH=config.lane_width,
         **_options(config),
     )
     return (num_rows, v_local // seg_len), args, kwargs
@@ -209,25 +217,27 @@ def forward_launch_args(logits, row_mask, tokens, keep_mask, inv_temperature, n_
 
 def backward_grad(
     logits, row_mask, tokens, keep_mask, inv_temperature, n_valid, shift, log_sum, log_sum_kept, mean_shifted,
-    grad_logprob, grad_entropy, out, chunk_rows, logprob_ok=None, row_has_mass=None, vocab_start=0, **overrides
+    grad_log_prob, grad_entropy, out, chunk_rows, log_prob_defined=None, row_has_mass=None, vocab_start=0, **overrides
 ):
     """Writes d(loss)/d(logits) into `out`, zero rows where row_mask is False (backend contract; `out` may be
-    `logits`; `overrides`: LaunchConfig). The kernel applies logprob_ok / row_has_mass to the upstream gradients
+    `logits`; `overrides`: LaunchConfig). The kernel applies log_prob_defined / row_has_mass to the upstream gradients
     itself: no torch ops between autograd and the launch (with validate=True the host is on the critical path)."""
     del chunk_rows
     _check_logits(logits)
     if out.shape != logits.shape or out.dtype != logits.dtype or out.stride(-1) != 1:
-        raise ValueError(
-            f"`out` must match logits ({logits.dtype} {tuple(logits.shape)}, stride(-1) == 1), got {out.dtype} "
+        raise argument_error(
+            ValueError, _WHERE, "out",
+            f"out must match logits ({logits.dtype} {tuple(logits.shape)}, stride(-1) == 1), got {out.dtype} "
             f"{tuple(out.shape)} strides {out.stride()}"
         )
     if grad_entropy is not None and mean_shifted is None:
-        raise ValueError("`mean_shifted` is required when `grad_entropy` is given")
-    has_keep = keep_mask is not None and grad_logprob is not None  # the keep mask only shapes q
+        raise argument_error(ValueError, _WHERE, "mean_shifted", "mean_shifted is required when grad_entropy is given")
+    has_keep = keep_mask is not None and grad_log_prob is not None  # the keep mask only shapes q
     if has_keep and log_sum_kept is None:
-        raise ValueError("`log_sum_kept` is required when `keep_mask` and `grad_logprob` are given")
+        raise argument_error(ValueError, _WHERE, "log_sum_kept",
+                             "log_sum_kept is required when keep_mask and grad_log_prob are given")
     for name, t in (("tokens", tokens), ("shift", shift), ("log_sum", log_sum),
-                    ("log_sum_kept", log_sum_kept), ("mean_shifted", mean_shifted), ("grad_logprob", grad_logprob),
+                    ("log_sum_kept", log_sum_kept), ("mean_shifted", mean_shifted), ("grad_log_prob", grad_log_prob),
                     ("grad_entropy", grad_entropy)):
         _check_row_vector(name, t, logits)
     num_rows, v_local = logits.shape
@@ -243,9 +253,9 @@ def backward_grad(
         logits, out, unused if row_bytes is None else row_bytes, _vector(tokens, torch.int64),
         logits if keep is None else keep,
         shift, _vector(log_sum, torch.float32), _vector(log_sum_kept, torch.float32, unused),
-        _vector(mean_shifted, torch.float32, unused), _vector(grad_logprob, torch.float32, unused),
+        _vector(mean_shifted, torch.float32, unused), _vector(grad_log_prob, torch.float32, unused),
         _vector(grad_entropy, torch.float32, unused),
-        unused if logprob_ok is None else _row_bytes("logprob_ok", logprob_ok, logits),
+        unused if log_prob_defined is None else _row_bytes("log_prob_defined", log_prob_defined, logits),
         unused if row_has_mass is None else _row_bytes("row_has_mass", row_has_mass, logits),
         # shapes
         v_local, n_valid, int(vocab_start),
@@ -253,8 +263,9 @@ def backward_grad(
         logits.stride(0), out.stride(0), 0 if keep is None else keep.stride(0),
         # constants
         float(inv_temperature),
-        HAS_ROW_MASK=row_bytes is not None, HAS_KEEP=has_keep, HAS_GLP=grad_logprob is not None,
-        HAS_GENT=grad_entropy is not None, HAS_LP_OK=logprob_ok is not None, HAS_MASS=row_has_mass is not None,
+        HAS_ROW_MASK=row_bytes is not None, HAS_KEEP=has_keep, HAS_GRAD_LOG_PROB=grad_log_prob is not None,
+        HAS_GRAD_ENTROPY=grad_entropy is not None, HAS_LOG_PROB_DEFINED=log_prob_defined is not None,
+        HAS_MASS=row_has_mass is not None,
         SCALE=float(inv_temperature) != 1.0, BLOCK_V=config.block_v,
         ROUND_BF16_BY_BITS=out.dtype == torch.bfloat16 and interpreting(), **_options(config),
     )
@@ -269,3 +280,56 @@ def _vector(t, dtype, default=None):
 
 def _cdiv(a, b):
     return -(-a // b)
+
+
+# Rows per merge program: enough to amortise the static segment loop; a power of two (tl.arange).
+_MERGE_BLOCK_R = 256
+
+
+def merge_partials(partials: torch.Tensor, has_keep_mask: bool) -> RowStats:
+    """[segments, 5, T] fp32 partials -> RowStats, the math of _row_stats.merge_partials in one launch."""
+    num_seg, _, num_rows = partials.shape
+    partials = partials.contiguous()
+    k = _triton_kernels
+    out = torch.empty((k.MERGED_FIELDS, num_rows), dtype=torch.float32, device=partials.device)
+    if num_rows:
+        k.merge_partials_kernel[(_cdiv(num_rows, _MERGE_BLOCK_R),)](
+            partials, out, num_rows, NUM_SEG=num_seg, HAS_KEEP=has_keep_mask, BLOCK_R=_MERGE_BLOCK_R,
+        )
+    flags = out[k.LOG_PROB_DEFINED:].bool()
+    return RowStats(
+        log_prob=out[k.LOG_PROB],
+        entropy=out[k.ENTROPY],
+        shift=out[k.SHIFT],
+        log_sum=out[k.LOG_SUM],
+        log_sum_kept=out[k.LOG_SUM_KEPT] if has_keep_mask else None,
+        mean_shifted=out[k.MEAN_SHIFTED],
+        bad_input=flags[k.BAD_INPUT - k.LOG_PROB_DEFINED],
+        log_prob_defined=flags[0],
+        row_has_mass=flags[k.HAS_MASS - k.LOG_PROB_DEFINED],
+    )
+
+
+class TritonBackend:
+    """The Backend protocol (ppo_ops/_backend.py) over this module's launchers."""
+
+    name = "triton"
+    needs_unit_column_stride = True
+
+    def forward_partials(self, inputs: RowInputs, shard: ShardOptions, with_entropy: bool) -> torch.Tensor:
+        return forward_partials(inputs.logits, inputs.row_mask, inputs.tokens, inputs.keep_mask, shard.inv_temperature,
+                                shard.n_valid, shard.seg_len, with_entropy, None, vocab_start=shard.vocab_start)
+
+    def merge_partials(self, partials: torch.Tensor, has_keep_mask: bool) -> RowStats:
+        return merge_partials(partials, has_keep_mask)
+
+    def backward_grad(self, inputs: RowInputs, shard: ShardOptions, stats: BackwardStats, upstream: UpstreamGrads,
+                      out: torch.Tensor) -> None:
+        backward_grad(inputs.logits, inputs.row_mask, inputs.tokens, inputs.keep_mask, shard.inv_temperature,
+                      shard.n_valid, stats.shift, stats.log_sum, stats.log_sum_kept, stats.mean_shifted,
+                      upstream.grad_log_prob, upstream.grad_entropy, out, None,
+                      log_prob_defined=stats.log_prob_defined, row_has_mass=stats.row_has_mass,
+                      vocab_start=shard.vocab_start)
+
+
+BACKEND = TritonBackend()

@@ -4,24 +4,23 @@ Forward, `forward_partials_kernel`, grid (row, vocabulary segment): reads the se
 dtype, and writes only that (row, segment)'s five fp32 partials of the [nseg, 5, T] output (channels in
 _row_stats.py): max m, sum-exp s, kept sum-exp sk (over keep ∪ {target}), entropy sum w = Σ e^(z-m)(z-m), and the
 target's logit (one scalar load).
-    Lanes and chunks: a tile of BLOCK_V columns is viewed as LANES = BLOCK_V / CHUNK lanes of CHUNK contiguous
-    columns (one 16-byte vector of bf16 for CHUNK = 8, so a lane's chunk sits in one thread). Each lane keeps its own
-    online state (m, s, sk, w; vectors in registers, sums relative to the lane's max). Per tile a lane takes the max
-    of its chunk (in-thread), rescales its sums once by alpha = exp(m_old - m_new), w by
-    alpha * (w + (m_old - m_new) * s), then adds its chunk with one exp per element: about 8 instructions per element
-    and one rescale per CHUNK elements, no cross-thread reduction and no barrier inside the tile loop. At the end the
-    lanes are merged with the formulas of _row_stats.py (M = max m, a = exp(m - M), S = Σ a s, W = Σ a (w + (m - M) s)).
-    CHUNK spans the design space: CHUNK = 1 is a per-column online state, CHUNK = BLOCK_V a block-wide online
-    softmax (cross-warp reductions with barriers per tile). On an H200, bf16, T=8192, V=151936, 8 segments
-    (tools/bench/results/triton_tune_h200.log): CHUNK = 8 0.628 ms (93% of the copy bandwidth's rate), CHUNK = 1
-    0.866 ms, CHUNK = BLOCK_V 0.966 ms. (Earlier kernels of each extreme, a one-exp-per-element per-column variant
-    at ~15 instructions per element and a block-wide one, measured 0.845 and 1.080 ms.)
+    Lanes: a tile of BLOCK_V columns is viewed as LANES = BLOCK_V / LANE_WIDTH lanes of LANE_WIDTH contiguous columns
+    (one 16-byte vector of bf16 for LANE_WIDTH = 8, so a lane's columns sit in one thread). Each lane keeps its own
+    online state (m, s, sk, w; vectors in registers, sums relative to the lane's max). Per tile a lane takes the max of
+    its columns (in-thread), rescales its sums once by alpha = exp(m_old - m_new), w by alpha * (w + (m_old - m_new) *
+    s), then adds its columns with one exp per element: about 8 instructions per element and one rescale per LANE_WIDTH
+    elements, no cross-thread reduction and no barrier inside the tile loop. At the end the lanes are merged with the
+    formulas of _row_stats.py (M = max m, a = exp(m - M), S = Σ a s, W = Σ a (w + (m - M) s)).
+    LANE_WIDTH spans the design space: 1 is a per-column online state, BLOCK_V a block-wide online softmax
+    (cross-warp reductions with barriers per tile); the launcher's choice in between is a measurement
+    (docs/performance.md).
     -inf and bad values: an empty lane has m = -FLT_MAX (a finite sentinel, so never -inf - -inf) and s = 0; it drops
     out of the merge by s == 0, and e*d is taken with d clamped to >= -FLT_MAX, so a -inf logit (e = 0) adds 0, not
     0 * -inf. Maxima near fp32's limit: m_old - m_new (the sentinel, or a finite max near -FLT_MAX, minus a max near
     +FLT_MAX) may overflow to -inf; then alpha = 0 and the rescaled old entropy sum is taken as 0, never -inf * 0
-    (likewise in the lane merge and the segment merge), so every finite logit gives finite results. A NaN logit makes its lane's s NaN (tl.max may drop it; the sum does not); +inf makes M +inf and S NaN.
-    The core looks for both through MAX (NaN when S is).
+    (likewise in the lane merge and the segment merge), so every finite logit gives finite results. A NaN logit makes
+    its lane's s NaN (tl.max may drop it; the sum does not); +inf makes M +inf and S NaN. The core looks for both
+    through MAX (NaN when S is).
     Loads: whole tiles load without masks, each issuing the next tile's load before its own math (register double
     buffering); only the segment's last, partial tile is masked (memory) and selected (padding).
     No log2(e) is folded into the temperature scale: MAX must be exactly fp32(logit) * inv_t, and the exponent is
@@ -42,6 +41,10 @@ Backward, `backward_grad_kernel`, grid (row, column tile):
     get zeros: their logits and keep-mask loads are masked off (their per-row scalars, in bounds, are read and
     selected away). -inf guards: p == 0 entries get no entropy term (no 0 * inf).
 Padding columns (>= n_valid) are loaded when their vector is and then selected away. Row offsets are int64.
+Merge, `merge_partials_kernel`, grid (block of rows): the fixed-order merge of _row_stats.merge_partials (the same
+math, see _row_stats.py) for BLOCK_R rows per program, segments merged in global order by a compile-time loop, so the
+bits do not depend on which rank or TP size produced the partials; one launch where the torch-op merge costs about ten
+small kernels per segment.
 """
 
 import triton
@@ -109,8 +112,8 @@ def _exp_nonpositive(x):
 def _scaled(z, inv_temperature):
     """z * inv_temperature rounded to fp32 once. Compiled: mul.rn, which the compiler never contracts with a following
     subtraction into an FMA; a contracted fma(x, inv_t, -m) forms d = z - m from the unrounded product while MAX
-    holds the rounded z, and on an H200 that put the entropy partial 2.3e-6 off (relative) at Qwen3 rows. Under the
-    interpreter (numpy rounds every multiply): a plain multiply."""
+    holds the rounded z, which puts the entropy partial measurably off (docs/performance.md). Under the interpreter
+    (numpy rounds every multiply): a plain multiply."""
     if _COMPILED:
         return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [z, tl.zeros_like(z) + inv_temperature],
                                          dtype=tl.float32, is_pure=True, pack=1)
@@ -156,9 +159,9 @@ def _merge_lanes_and_store(m, s, sk, w, row_ptr, target, seg_start, seg_end, seg
 
 
 @triton.jit
-def _chunks_update(z, keep, is_target, m, s, sk, w, HAS_KEEP: tl.constexpr, WITH_ENTROPY: tl.constexpr):
-    """One tile's update of the per-lane online state by z [LANES, CHUNK] (-inf for padding): each lane first takes
-    the max of its CHUNK columns (in-thread), rescales its sums once, then adds the chunk with one exp per element."""
+def _lanes_update(z, keep, is_target, m, s, sk, w, HAS_KEEP: tl.constexpr, WITH_ENTROPY: tl.constexpr):
+    """One tile's update of the per-lane online state by z [LANES, LANE_WIDTH] (-inf for padding): each lane first takes
+    the max of its LANE_WIDTH columns (in-thread), rescales its sums once, then adds its columns with one exp per element."""
     m_new = tl.maximum(m, tl.max(z, axis=1))  # finite (sentinel -FLT_MAX) unless +inf; tl.max may drop NaN
     shift = m - m_new  # <= 0; -inf only when m_new is +inf (bad input, reported through s)
     alpha = _exp_nonpositive(shift)  # rescales the old sums: 1 while the lane stays empty
@@ -197,10 +200,10 @@ def forward_partials_kernel(
     HAS_KEEP: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
     SCALE: tl.constexpr,
-    BLOCK_V: tl.constexpr,  # a multiple of CHUNK and of both ALIGNs
+    BLOCK_V: tl.constexpr,  # a multiple of LANE_WIDTH and of both ALIGNs
     LOGITS_ALIGN: tl.constexpr,  # divides seg_len and logits_row_stride
     KEEP_ALIGN: tl.constexpr,  # divides seg_len and keep_row_stride
-    CHUNK: tl.constexpr,  # contiguous columns per lane and tile; divides BLOCK_V
+    LANE_WIDTH: tl.constexpr,  # contiguous columns per lane and tile; divides BLOCK_V
 ):
     row = tl.program_id(0).to(tl.int64)
     seg = tl.program_id(1)
@@ -211,12 +214,13 @@ def forward_partials_kernel(
     row_ptr = logits_ptr + tl.multiple_of(row * logits_row_stride, LOGITS_ALIGN)
     keep_row_ptr = keep_ptr + tl.multiple_of(row * keep_row_stride, KEEP_ALIGN)
 
-    LANES: tl.constexpr = BLOCK_V // CHUNK
+    LANES: tl.constexpr = BLOCK_V // LANE_WIDTH
     m = tl.full([LANES], -_FLT_MAX, tl.float32)
     s = tl.zeros([LANES], tl.float32)
     sk = tl.zeros([LANES], tl.float32)
     w = tl.zeros([LANES], tl.float32)
-    offs = tl.arange(0, LANES)[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]  # lane-major: a lane's chunk is contiguous
+    # lane-major: a lane's columns are contiguous
+    offs = tl.arange(0, LANES)[:, None] * LANE_WIDTH + tl.arange(0, LANE_WIDTH)[None, :]
     n_cols = tl.maximum(seg_end - seg_start, 0)
     n_full = n_cols // BLOCK_V
     # Whole tiles: unmasked, the next tile's load issued before this tile's math (register double buffering).
@@ -237,7 +241,7 @@ def forward_partials_kernel(
         z = x.to(tl.float32)
         if SCALE:
             z = _scaled(z, inv_temperature)
-        m, s, sk, w = _chunks_update(z, k, offs == target - (seg_start + tile * BLOCK_V), m, s, sk, w, HAS_KEEP,
+        m, s, sk, w = _lanes_update(z, k, offs == target - (seg_start + tile * BLOCK_V), m, s, sk, w, HAS_KEEP,
                                      WITH_ENTROPY)
     tail = seg_start + n_full * BLOCK_V
     if tail < seg_end:  # the partial last tile: loads masked by the segment, padding selected away
@@ -250,7 +254,7 @@ def forward_partials_kernel(
             k = tl.load(keep_row_ptr + tail + offs, mask=in_mem, other=0)
         else:
             k = z
-        m, s, sk, w = _chunks_update(z, k, offs == target - tail, m, s, sk, w, HAS_KEEP, WITH_ENTROPY)
+        m, s, sk, w = _lanes_update(z, k, offs == target - tail, m, s, sk, w, HAS_KEEP, WITH_ENTROPY)
     _merge_lanes_and_store(m, s, sk, w, row_ptr, target, seg_start, seg_end, seg, row, num_rows, out_ptr,
                            inv_temperature, HAS_KEEP, WITH_ENTROPY, SCALE)
 
@@ -269,10 +273,10 @@ def backward_grad_kernel(
     shift_ptr,  # [T] fp32 row max M of z over the global vocabulary (0 for rows without mass)
     log_sum_ptr,  # [T] fp32 log sum_valid exp(z - M)
     log_sum_kept_ptr,  # [T] fp32 log sum_{kept + target} exp(z - M) (read only when HAS_KEEP)
-    mean_shifted_ptr,  # [T] fp32 E_p[z] - M (read only when HAS_GENT)
-    grad_logprob_ptr,  # [T] fp32 upstream gradient of log_prob (read only when HAS_GLP)
-    grad_entropy_ptr,  # [T] fp32 upstream gradient of entropy (read only when HAS_GENT)
-    lp_ok_ptr,  # [T] uint8: 0 where the log-prob is -inf (its kept set has no mass): no gradient (HAS_LP_OK)
+    mean_shifted_ptr,  # [T] fp32 E_p[z] - M (read only when HAS_GRAD_ENTROPY)
+    grad_log_prob_ptr,  # [T] fp32 upstream gradient of log_prob (read only when HAS_GRAD_LOG_PROB)
+    grad_entropy_ptr,  # [T] fp32 upstream gradient of entropy (read only when HAS_GRAD_ENTROPY)
+    log_prob_defined_ptr,  # [T] uint8: 0 where the log-prob is -inf (no kept mass): no gradient (HAS_LOG_PROB_DEFINED)
     mass_ptr,  # [T] uint8: 0 where the row has no mass (no entropy gradient), read when HAS_MASS
     # shapes
     v_local,
@@ -286,9 +290,9 @@ def backward_grad_kernel(
     inv_temperature,
     HAS_ROW_MASK: tl.constexpr,
     HAS_KEEP: tl.constexpr,
-    HAS_GLP: tl.constexpr,
-    HAS_GENT: tl.constexpr,
-    HAS_LP_OK: tl.constexpr,
+    HAS_GRAD_LOG_PROB: tl.constexpr,
+    HAS_GRAD_ENTROPY: tl.constexpr,
+    HAS_LOG_PROB_DEFINED: tl.constexpr,
     HAS_MASS: tl.constexpr,
     SCALE: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -312,10 +316,10 @@ def backward_grad_kernel(
     p = tl.exp(d - tl.load(log_sum_ptr + row))  # 0 for -inf logits
 
     grad = tl.zeros([BLOCK_V], tl.float32)
-    if HAS_GLP:
-        g_lp = tl.load(grad_logprob_ptr + row)
-        if HAS_LP_OK:
-            g_lp = tl.where(tl.load(lp_ok_ptr + row) != 0, g_lp, 0.0)  # whatever it holds (inf, NaN)
+    if HAS_GRAD_LOG_PROB:
+        g_lp = tl.load(grad_log_prob_ptr + row)
+        if HAS_LOG_PROB_DEFINED:
+            g_lp = tl.where(tl.load(log_prob_defined_ptr + row) != 0, g_lp, 0.0)  # whatever it holds (inf, NaN)
         is_target = cols == _target_column(tokens_ptr, row, vocab_start, v_local)
         if HAS_KEEP:
             keep = tl.load(keep_ptr + row * keep_row_stride + cols, mask=load, other=0)
@@ -323,7 +327,7 @@ def backward_grad_kernel(
         else:
             q = p
         grad = g_lp * (tl.where(is_target, 1.0, 0.0) - q)
-    if HAS_GENT:
+    if HAS_GRAD_ENTROPY:
         g_ent = tl.load(grad_entropy_ptr + row)
         if HAS_MASS:
             g_ent = tl.where(tl.load(mass_ptr + row) != 0, g_ent, 0.0)
@@ -341,3 +345,84 @@ def backward_grad_kernel(
     else:
         grad_out = grad.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * out_row_stride + cols, grad_out, mask=in_row)
+
+
+# ---- merge: segment partials -> row statistics, in one launch ----
+# Rows of the merge's [MERGED_FIELDS, T] fp32 output: the RowStats fields (ppo_ops/_backend.py), flags as 0/1.
+(LOG_PROB, ENTROPY, SHIFT, LOG_SUM, LOG_SUM_KEPT, MEAN_SHIFTED, LOG_PROB_DEFINED, HAS_MASS, BAD_INPUT) = range(9)
+MERGED_FIELDS = 9
+_LOG_PROB = tl.constexpr(LOG_PROB)
+_ENTROPY = tl.constexpr(ENTROPY)
+_SHIFT = tl.constexpr(SHIFT)
+_LOG_SUM = tl.constexpr(LOG_SUM)
+_LOG_SUM_KEPT = tl.constexpr(LOG_SUM_KEPT)
+_MEAN_SHIFTED = tl.constexpr(MEAN_SHIFTED)
+_LOG_PROB_DEFINED = tl.constexpr(LOG_PROB_DEFINED)
+_HAS_MASS = tl.constexpr(HAS_MASS)
+_BAD_INPUT = tl.constexpr(BAD_INPUT)
+
+
+@triton.jit
+def merge_partials_kernel(
+    partials_ptr,  # [NUM_SEG, 5, T] fp32 segment partials in global segment order, READ-ONLY
+    out_ptr,  # [9, T] fp32 merged row statistics, WRITTEN
+    num_rows,  # T
+    NUM_SEG: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_rows = rows < num_rows
+    neg_inf = float("-inf")
+
+    # The row max and the target logit: maxima, order-free.
+    big_m = tl.full([BLOCK_R], neg_inf, tl.float32)
+    z_t = tl.full([BLOCK_R], neg_inf, tl.float32)
+    any_nan = tl.zeros([BLOCK_R], tl.int1)
+    for j in tl.static_range(NUM_SEG):
+        m_j = tl.load(partials_ptr + (j * _NUM_PARTIALS + _MAX) * num_rows + rows, mask=in_rows, other=neg_inf)
+        any_nan = any_nan | (m_j != m_j)  # tl.maximum may drop a NaN
+        big_m = tl.maximum(big_m, m_j)
+        zt_j = tl.load(partials_ptr + (j * _NUM_PARTIALS + _TARGET_Z) * num_rows + rows, mask=in_rows, other=neg_inf)
+        z_t = tl.maximum(z_t, zt_j)
+    m_safe = tl.where((big_m == neg_inf) | (big_m == float("inf")) | any_nan, 0.0, big_m)
+
+    # Sums rescaled to the row max, segment by segment in global order (the order fixes the bits).
+    s = tl.zeros([BLOCK_R], tl.float32)
+    sk = tl.zeros([BLOCK_R], tl.float32)
+    w = tl.zeros([BLOCK_R], tl.float32)
+    for j in tl.static_range(NUM_SEG):
+        base = partials_ptr + j * _NUM_PARTIALS * num_rows + rows
+        m_j = tl.load(base + _MAX * num_rows, mask=in_rows, other=neg_inf)
+        s_j = tl.load(base + _SUMEXP * num_rows, mask=in_rows, other=0.0)
+        present = m_j != neg_inf
+        shift = tl.where(present, m_j - m_safe, 0.0)  # <= 0
+        a = tl.where(present, tl.exp(shift), 0.0)
+        s += a * s_j
+        if HAS_KEEP:
+            sk += a * tl.load(base + _KEPT_SUMEXP * num_rows, mask=in_rows, other=0.0)
+        w_j = tl.load(base + _ENT_SUM * num_rows, mask=in_rows, other=0.0)
+        w += tl.where(a > 0.0, a * (w_j + shift * s_j), 0.0)  # a shift of -inf (overflow) adds 0, not -inf * 0
+    if not HAS_KEEP:
+        sk = s
+
+    has_mass = s > 0.0
+    s_safe = tl.where(has_mass, s, 1.0)
+    log_s = tl.log(s_safe)
+    ratio = w / s_safe  # E_p[z] - M, <= 0
+    entropy = tl.where(has_mass, log_s - ratio, 0.0)
+    defined = sk > 0.0
+    log_kept = tl.log(tl.where(defined, sk, 1.0))
+    log_prob = tl.where(defined, (z_t - m_safe) - log_kept, neg_inf)
+    bad = any_nan | (big_m == float("inf")) | (s != s)
+
+    out = out_ptr + rows
+    tl.store(out + _LOG_PROB * num_rows, log_prob, mask=in_rows)
+    tl.store(out + _ENTROPY * num_rows, entropy, mask=in_rows)
+    tl.store(out + _SHIFT * num_rows, m_safe, mask=in_rows)
+    tl.store(out + _LOG_SUM * num_rows, log_s, mask=in_rows)
+    tl.store(out + _LOG_SUM_KEPT * num_rows, log_kept, mask=in_rows)
+    tl.store(out + _MEAN_SHIFTED * num_rows, ratio, mask=in_rows)
+    tl.store(out + _LOG_PROB_DEFINED * num_rows, defined.to(tl.float32), mask=in_rows)
+    tl.store(out + _HAS_MASS * num_rows, has_mass.to(tl.float32), mask=in_rows)
+    tl.store(out + _BAD_INPUT * num_rows, bad.to(tl.float32), mask=in_rows)

@@ -33,6 +33,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ppo_ops._row_stats import MAX, SUMEXP  # the partials' channels (the bad-logits flag reads them)
+
 ENTROPY_MODES = ("none", "value", "grad")
 BACKENDS = ("auto", "torch", "triton")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -228,8 +230,8 @@ def token_bounds(tokens: torch.Tensor, row_mask: Optional[torch.Tensor]) -> torc
     return torch.stack(torch.aminmax(t))
 
 
-def _range_message(upper: int, found: int, has_row_mask: bool) -> str:
-    return (f"tokens must be global token ids in [0, {upper}), found {found}"
+def _range_message(upper: int, found: int, has_row_mask: bool, where: str = "") -> str:
+    return (f"tokens{where} must be global token ids in [0, {upper}), found {found}"
             + (" (rows dropped by row_mask are not checked)" if has_row_mask else ""))
 
 
@@ -259,6 +261,9 @@ AGREED_FIELDS = (ROWS, V_LOCAL, VOCAB, TEMPERATURE, ENTROPY, KEEP, DTYPE, ROW_SU
 ARGUMENTS = ("logits", "tokens", "tp_group", "entropy", "keep_mask", "temperature", "row_mask", "vocab_size",
              "chunk_size", "inplace_grad", "backend", "validate", "arguments")
 ERROR_TYPES = (TypeError, ValueError, RuntimeError)
+# The argument a disagreement on each agreed field is about (named in the error).
+_FIELD_ARGUMENT = {ROWS: "tokens", V_LOCAL: "logits", VOCAB: "vocab_size", TEMPERATURE: "temperature",
+                   ENTROPY: "entropy", KEEP: "keep_mask", DTYPE: "logits", ROW_SUM: "row_mask", TOKEN_SUM: "tokens"}
 _DTYPES = (None,) + FLOAT_DTYPES
 
 
@@ -278,6 +283,12 @@ def _fold_checksum(values: torch.Tensor) -> torch.Tensor:
     return ((values.remainder(2147483647) * weights).remainder(2147483647)).sum()
 
 
+def _host_ints(values: list, device) -> torch.Tensor:
+    """Python ints as an int64 tensor on `device`, copied without a host sync (a blocking host-to-device copy, as
+    torch.tensor(..., device="cuda") makes, waits for the stream)."""
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+
 def header_device(logits, group) -> torch.device:
     """Where the header lives: the logits' device, or (when the logits are not usable) the one the group's backend
     moves: the current CUDA device for NCCL, else the CPU."""
@@ -295,7 +306,7 @@ def error_header(exc: BaseException, device) -> torch.Tensor:
     row = [0] * len(HEADER_FIELDS)
     row[ERR_ARG] = ARGUMENTS.index(argument if argument in ARGUMENTS else "arguments") + 1
     row[ERR_TYPE] = kind + 1
-    return torch.tensor(row, dtype=torch.int64, device=device)
+    return _host_ints(row, device)
 
 
 def rank_header(tokens: torch.Tensor, row_mask: Optional[torch.Tensor], partials: torch.Tensor, *, v_local: int,
@@ -303,8 +314,6 @@ def rank_header(tokens: torch.Tensor, row_mask: Optional[torch.Tensor], partials
                 dtype: torch.dtype) -> torch.Tensor:
     """The header of a rank whose arguments passed the local checks, its value fields computed on the device from
     its tokens, row mask and forward partials ([segments, 5, T]), with no host sync."""
-    from ppo_ops._row_stats import MAX, SUMEXP  # the partials' channels
-
     device = partials.device
     flat_tokens = tokens.reshape(-1).to(torch.int64)
     if row_mask is not None:
@@ -315,10 +324,9 @@ def rank_header(tokens: torch.Tensor, row_mask: Optional[torch.Tensor], partials
         row_sum = torch.zeros((), dtype=torch.int64, device=device)
     maxima = partials[:, MAX]
     bad = (torch.isnan(maxima) | (maxima == math.inf) | torch.isnan(partials[:, SUMEXP])).any()
-    fixed = torch.tensor(
+    fixed = _host_ints(
         [0, 0, flat_tokens.numel(), v_local, vocab_size, _float_bits(temperature), ENTROPY_MODES.index(entropy_mode),
-         int(has_keep_mask), _DTYPES.index(dtype)],
-        dtype=torch.int64, device=device)
+         int(has_keep_mask), _DTYPES.index(dtype)], device)
     return torch.cat([fixed, row_sum.reshape(1), _fold_checksum(flat_tokens).reshape(1),
                       token_bounds(flat_tokens, None), bad.reshape(1).to(torch.int64)])
 
@@ -373,12 +381,12 @@ def raise_if_any(fn_name: str, table: list, has_row_mask: bool,
         found = row[TOKEN_MIN] if row[TOKEN_MIN] < 0 else row[TOKEN_MAX]
         raise argument_error(
             ValueError, fn_name, "tokens",
-            f"on tensor-parallel {_ranks(out_of_range)} of {world}: " + _range_message(row[VOCAB], found, has_row_mask))
+            _range_message(row[VOCAB], found, has_row_mask, f" on tensor-parallel {_ranks(out_of_range)} of {world}"))
     for field in AGREED_FIELDS:
         column = [row[field] for row in table]
         if any(v != column[0] for v in column):
             checksum = field in (ROW_SUM, TOKEN_SUM)
-            argument = {ROW_SUM: "row_mask", TOKEN_SUM: "tokens", ROWS: "tokens"}.get(field, "tp_group")
+            argument = _FIELD_ARGUMENT[field]
             raise argument_error(
                 ValueError, fn_name, argument,
                 f"the {HEADER_FIELDS[field]}{' checksum' if checksum else ''} differs across the {world} "

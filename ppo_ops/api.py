@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ppo_ops import _torch_backend, _validate
+from ppo_ops._backend import Backend, ShardOptions
 from ppo_ops._function import LogProbEntropyFunction, Plan
 from ppo_ops._layout import make_layout
 
@@ -114,18 +115,18 @@ def calculate_log_probs_and_entropy(
     return log_prob, result.entropy
 
 
-def _select_backend(fn_name: str, backend: str, logits: torch.Tensor):
+def _select_backend(fn_name: str, backend: str, logits: torch.Tensor) -> Backend:
     if backend == "torch":
-        return _torch_backend
+        return _torch_backend.BACKEND
     interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     if backend == "auto":
         if not logits.is_cuda:
-            return _torch_backend
+            return _torch_backend.BACKEND
         try:
             from ppo_ops import _triton_backend
         except ImportError:
-            return _torch_backend
-        return _triton_backend
+            return _torch_backend.BACKEND
+        return _triton_backend.BACKEND
     if not (logits.is_cuda or interpreted):
         raise _validate.argument_error(
             ValueError, fn_name, "backend",
@@ -138,7 +139,7 @@ def _select_backend(fn_name: str, backend: str, logits: torch.Tensor):
             RuntimeError, fn_name, "backend",
             f"backend='triton' is unavailable ({err}); install triton (pip install triton) or use backend='torch'"
         ) from err
-    return _triton_backend
+    return _triton_backend.BACKEND
 
 
 class _Call(NamedTuple):
@@ -190,18 +191,17 @@ def _prepare(fn_name, logits, tokens, group, world_size, rank, *, entropy, keep_
     selected = _select_backend(fn_name, backend, logits)
 
     n_rows = math.prod(lead)
-    logits2d = _flatten_logits(fn_name, logits, n_rows, v_local, inplace_grad, needs_unit_stride=selected is not _torch_backend)
-    plan = Plan(
-        fn_name=fn_name,
-        layout=layout,
-        backend=selected,
-        temperature=temperature,
+    logits2d = _flatten_logits(fn_name, logits, n_rows, v_local, inplace_grad,
+                               needs_unit_stride=selected.needs_unit_column_stride)
+    shard = ShardOptions(
         inv_temperature=inv_temperature,
-        entropy_mode=entropy,
+        n_valid=layout.n_valid,
+        seg_len=layout.seg_len,
+        vocab_start=layout.vocab_start,
         chunk_rows=None if chunk_size in (None, -1) else chunk_size,
-        inplace_grad=inplace_grad,
-        validate=validate,
     )
+    plan = Plan(fn_name=fn_name, layout=layout, backend=selected, shard=shard, temperature=temperature,
+                entropy_mode=entropy, inplace_grad=inplace_grad, validate=validate)
     return _Call(logits2d, tokens.reshape(n_rows), None if keep_mask is None else keep_mask.reshape(n_rows, v_local),
                  None if row_mask is None else row_mask.reshape(n_rows), plan, lead)
 

@@ -25,7 +25,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-# --- tolerances (issue 5 targets) ---
+# --- tolerances (the library's accuracy targets) ---
 LOG_PROB_TOL = 2e-6  # fp32 math on O(10) logits; applied as LOG_PROB_TOL * max(1, |reference|)
 ENTROPY_TOL = 2e-5  # absolute; fp32 sums over up to 151936 columns (pairwise fold keeps the error ~log2(V) ulps)
 GRAD_TOL = 1e-6  # absolute, fp32 gradient; entries are bounded by |upstream weights| / temperature = O(1)

@@ -16,7 +16,7 @@ import torch
 
 import ppo_ops
 from tests.core_support import (DEVICE, backend_params, make_keep_mask, make_logits, make_row_mask, make_tokens,
-                                make_weights, run_op)
+                                make_weights, run_op, triton_skip_reason)
 from tests.reference import (assert_entropy_close, assert_grad_close, assert_log_probs_close,
                              reference_log_probs_and_entropy)
 
@@ -305,3 +305,16 @@ def test_calculate_api_matches(n_rows, with_entropy, with_entropy_grad, with_kee
     (g_new,) = torch.autograd.grad([new.log_probs] + ([new.entropy] if grad_entropy else []), x_new,
                                    [w_lp] + ([w_ent] if grad_entropy else []))
     assert torch.equal(g_slime, g_new)
+
+
+def test_backends_implement_the_contract():
+    """Both backends are instances of the typed contract (ppo_ops/_backend.py) that the autograd Function calls."""
+    from ppo_ops import _backend, _torch_backend
+
+    backends = [_torch_backend.BACKEND]
+    if triton_skip_reason("cpu") is None:
+        from ppo_ops import _triton_backend
+        backends.append(_triton_backend.BACKEND)
+    for backend in backends:
+        assert isinstance(backend, _backend.Backend), type(backend).__name__
+    assert [b.name for b in backends] == ["torch", "triton"][:len(backends)]

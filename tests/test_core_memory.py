@@ -6,7 +6,7 @@ allocator, each with the allocator's running "Total Allocated"; the peak of that
 count before it, is the peak extra memory (the logits already exist; the returned gradient counts). A self-test
 checks the measurement on a known allocation pattern.
 
-Bounds (issue 3, at T=512, V=32768, where one fp32 [T, V] buffer is 64 MiB):
+Bounds (at T=512, V=32768, where one fp32 [T, V] buffer is 64 MiB):
 - entropy with gradient: at most two fp32 [T, V_local] buffers plus the returned gradient;
 - chunk_size=c: at most the gradient plus CHUNK_BUFFERS fp32 [c, V_local] buffers;
 - row_mask keeping R rows: at most the gradient plus two fp32 [R, V_local] buffers (dropped rows cost no work).

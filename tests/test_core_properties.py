@@ -4,7 +4,7 @@ the float64 reference (tests/reference.py tolerances) and the drawn chunk size c
 Drawn: leading shape (including empty), vocabulary width, dtype, temperature, logit scale, keep mask (off / random
 with dropped targets / targets only / all), row mask (off / random / none kept), padding, -inf logits, entropy
 mode, chunk size. Logits stay O(10) after the temperature (scale <= 3, temperature >= 0.6): the fp32 tolerance
-targets of issue 5 are stated for that range (fp32 rounds |z| ~ 100 by 4e-6 before any math is done).
+targets are stated for that range (fp32 rounds |z| ~ 100 by 4e-6 before any math is done).
 
 Single rank: one process, tp_group=None. TP sizes: hypothesis draws cases for 2 and 4 ranks (world size, V_local,
 everything above) in the parent process; one gloo spawn per world size then checks all of them on both backends

@@ -5,7 +5,8 @@ One rank, in process (both backends; Triton under the interpreter on CPU, compil
   Triton kernels once gave NaN entropies once the scaled row max passed ~2e31);
 - NumPy scalars and one-element tensors are accepted as numbers and give the same bits as Python numbers;
 - the value checks read the device exactly once per call with validate=True and never with validate=False (counted at
-  `_validate.read_to_host`, the one function that reads device values; on CUDA also with torch's sync debug mode).
+  `_validate.read_to_host`, the one function that reads device values; on CUDA also with torch's sync debug mode, at
+  TP=1 and, with two GPUs, at TP=2 over NCCL: these run only compiled, without TRITON_INTERPRET).
 
 Gloo groups of 2 and 3 ranks (one spawn per size running every case; a 30 s collective timeout and a join deadline,
 so a hang fails the test instead of stalling CI):
@@ -19,6 +20,7 @@ so a hang fails the test instead of stalling CI):
 """
 
 import datetime
+import os
 import warnings
 
 import numpy as np
@@ -156,21 +158,59 @@ def test_host_reads_per_call_single_rank(backend, validate, reads):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="counts CUDA synchronisations: needs a GPU")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="counts the compiled kernels' syncs; the interpreter copies device tensors to the host")
 @pytest.mark.parametrize("validate,syncs", [(True, 1), (False, 0)])
 def test_cuda_synchronisations_per_call(validate, syncs):
     """The Triton backend (the CUDA default) on a GPU: torch's sync debug mode flags every synchronising call."""
     logits, tokens = make_logits((64, 4096)).cuda(), make_tokens((64,), 4096).cuda()
     _forward_backward(logits, tokens, validate=validate)  # compile and warm up outside the count
     torch.cuda.synchronize()
+    assert _count_cuda_syncs(lambda: _forward_backward(logits, tokens, validate=validate)) == syncs
+
+
+def _count_cuda_syncs(fn) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            _forward_backward(logits, tokens, validate=validate)
+            fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    flagged = [w for w in caught if "synchroniz" in str(w.message)]
-    assert len(flagged) == syncs, [str(w.message) for w in flagged]
+    return len([w for w in caught if "synchroniz" in str(w.message)])
+
+
+def _nccl_sync_worker(rank, world_size, port, out_dir):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
+    try:
+        v_global = 4096 * world_size
+        logits = shard_vocab(make_logits((64, v_global)), rank, world_size).cuda()
+        tokens = make_tokens((64,), v_global).cuda()
+        counts = {}
+        for validate in (True, False):
+            call = lambda: _forward_backward(logits, tokens, tp_group=dist.group.WORLD, validate=validate)  # noqa
+            call()  # compile and warm up outside the count
+            torch.cuda.synchronize()
+            counts[validate] = _count_cuda_syncs(call)
+        torch.save(counts, f"{out_dir}/rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="counts CUDA synchronisations at TP=2: needs two GPUs")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="counts the compiled kernels' syncs; the interpreter copies device tensors to the host")
+def test_cuda_synchronisations_per_call_tp2(tmp_path):
+    """TP=2 over NCCL: one synchronising call per forward + backward with validate=True (the header table's read),
+    none with validate=False, on every rank."""
+    from tests.core_support import free_port
+
+    torch.multiprocessing.spawn(_nccl_sync_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        assert torch.load(tmp_path / f"rank{rank}.pt") == {True: 1, False: 0}, f"rank {rank}"
 
 
 # --- gloo: every rank fails together ---

@@ -18,99 +18,59 @@ vocabulary (the last rank at TP=8 holds padding), -inf logits, chunking, inplace
 both backends run in one spawn per TP size (14 processes in all on the CI's 2 cores), each rank saving its results.
 """
 
-import dataclasses
 import os
-from typing import Optional
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import ppo_ops
-from tests.core_support import (BACKENDS, backend_params, make_keep_mask, make_logits, make_row_mask, make_tokens,
-                                make_weights, triton_skip_reason)
+from tests.core_support import BACKENDS, backend_params, triton_skip_reason
 from tests.ranks import DEVICE, rank_device, run_ranks, world_size_param
 from tests.reference import (assert_entropy_close, assert_grad_close, assert_log_probs_close,
-                             reference_log_probs_and_entropy)
+                             reference_log_probs_and_entropy, shard_vocab)
+from tests.sharded_case import ShardedCase, global_inputs
 
 TP_SIZES = (1, 2, 4, 8)
 V_GLOBAL = 320  # eight segments of 40; V_local = 40 at TP=8: neither a power of two nor a multiple of 16
 QWEN3_VOCAB = 151936  # Qwen3's LM head: eight segments of 18992
 QWEN3_PADDING = 151936 - 151669  # columns past Qwen3's 151669 tokens
-NEG_INF_FRACTION = 0.2  # share of -inf logits in the cases that ask for them (targets stay finite)
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    name: str
-    lead: tuple  # leading (row) shape
-    dtype: torch.dtype = torch.float32
-    entropy: str = "grad"
-    temperature: float = 1.0
-    keep: bool = False
-    rows: bool = False
-    padding: Optional[int] = None  # vocab_size = v_global - padding
-    neg_inf: bool = False
-    chunk_size: Optional[int] = None
-    inplace_grad: bool = False
-    seed: int = 0
-    v_global: int = V_GLOBAL
 
 
 CASES = [
-    Case("fp32_all_masks", (5,), temperature=0.7, keep=True, rows=True, padding=7, neg_inf=True, chunk_size=2),
-    Case("bf16_inplace_rows", (2, 3), torch.bfloat16, temperature=1.3, keep=True, rows=True, inplace_grad=True,
-         seed=10),
+    ShardedCase("fp32_all_masks", (5,), V_GLOBAL, temperature=0.7, keep="random", rows="random", padding=7,
+                neg_inf=True, chunk_size=2, scale=3.0),
+    ShardedCase("bf16_inplace_rows", (2, 3), V_GLOBAL, torch.bfloat16, temperature=1.3, keep="random",
+                rows="random", inplace_grad=True, scale=3.0, seed=10),
     # padding 45: at TP=8 the last rank holds only padding, the one before it some.
-    Case("fp16_entropy_value", (4,), torch.float16, entropy="value", padding=45, seed=20),
+    ShardedCase("fp16_entropy_value", (4,), V_GLOBAL, torch.float16, entropy="value", padding=45, scale=3.0,
+                seed=20),
 ]
 if DEVICE.type == "cuda":
     # Qwen3's vocabulary at real size, compiled: bf16 and fp32 logits, temperature, -inf columns, row mask and the
     # padding of Qwen3's LM head (151936 columns for 151669 tokens), so each of TP = 2, 4, 8 cuts through real data.
     CASES += [
-        Case("qwen3_bf16", (24,), torch.bfloat16, temperature=0.7, rows=True, padding=QWEN3_PADDING, neg_inf=True,
-             seed=30, v_global=QWEN3_VOCAB),
-        Case("qwen3_fp32_keep", (16,), torch.float32, temperature=1.3, keep=True, padding=QWEN3_PADDING, seed=40,
-             v_global=QWEN3_VOCAB),
+        ShardedCase("qwen3_bf16", (24,), QWEN3_VOCAB, torch.bfloat16, temperature=0.7, rows="random",
+                    padding=QWEN3_PADDING, neg_inf=True, scale=3.0, seed=30),
+        ShardedCase("qwen3_fp32_keep", (16,), QWEN3_VOCAB, temperature=1.3, keep="random", padding=QWEN3_PADDING,
+                    scale=3.0, seed=40),
     ]
 
 
 def _global_inputs(case):
-    """(logits [..., v_global], tokens, options with global masks, upstream weights), the same on every process."""
-    vocab_size = None if case.padding is None else case.v_global - case.padding
-    shape = case.lead + (case.v_global,)
-    logits = make_logits(shape, case.dtype, case.seed, scale=3.0)
-    tokens = make_tokens(case.lead, vocab_size or case.v_global, case.seed + 1)
-    if case.neg_inf:
-        gen = torch.Generator().manual_seed(case.seed + 6)
-        masked = (torch.rand(shape, generator=gen) < NEG_INF_FRACTION).view(-1, case.v_global)
-        masked[torch.arange(masked.shape[0]), tokens.reshape(-1)] = False
-        logits = logits.masked_fill(masked.view(shape), float("-inf"))
-    opts = dict(entropy=case.entropy, temperature=case.temperature, vocab_size=vocab_size, chunk_size=case.chunk_size)
-    if case.keep:
-        opts["keep_mask"] = make_keep_mask(shape, tokens, case.seed + 2)
-    if case.rows:
-        opts["row_mask"] = make_row_mask(case.lead, case.seed + 3)
-        tokens = torch.where(opts["row_mask"], tokens, -100)  # dropped rows' tokens are never checked
-    weights = dict(grad_log_probs=make_weights(case.lead, case.seed + 4),
-                   grad_entropy=make_weights(case.lead, case.seed + 5, low=-1.0, high=1.0))
-    return logits, tokens, opts, weights
-
-
-def _shard(x, rank, world_size):
-    width = x.shape[-1] // world_size
-    return x[..., rank * width:(rank + 1) * width].clone()
+    """The case's GLOBAL inputs (its v_local is V_GLOBAL: one rank's view), the same on every process."""
+    return global_inputs(case, 1)
 
 
 def _run(case, backend, rank, world_size, tp_group, device):
     """Forward + backward on this rank's shard, on `device`: (log_probs, entropy or None, gradient shard), on CPU."""
     logits, tokens, opts, weights = _global_inputs(case)
     if "keep_mask" in opts:
-        opts["keep_mask"] = _shard(opts["keep_mask"], rank, world_size)
+        opts["keep_mask"] = shard_vocab(opts["keep_mask"], rank, world_size)
     opts = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in opts.items()}
     weights = {k: v.to(device) for k, v in weights.items()}
     tokens = tokens.to(device)
-    x = _shard(logits, rank, world_size).to(device).requires_grad_(True)
+    x = shard_vocab(logits, rank, world_size).to(device).requires_grad_(True)
     # inplace_grad needs a non-leaf input (as lm-head logits are): its storage receives the gradient.
     y = x * 1 if case.inplace_grad else x
     out = ppo_ops.log_probs_and_entropy(y, tokens, tp_group=tp_group, backend=backend,

@@ -25,7 +25,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile as triton_compile, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from ppo_ops import _triton_backend as tb, _triton_kernels, _triton_merge  # noqa: E402
+from ppo_ops import _triton_backend as tb, _triton_kernels  # noqa: E402
 from ppo_ops._row_stats import NUM_PARTIALS  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H200 (Hopper), 32-thread warps
@@ -88,7 +88,8 @@ def qwen3_ptx(pass_name, dtype, keep, n_rows=8, v_local=151936):
     args = (logits, logits, row_mask.view(torch.uint8), torch.zeros(n_rows, dtype=torch.int64),
             logits if keep_mask is None else keep_mask.view(torch.uint8), vec, vec, vec, vec, vec, vec,
             row_mask.view(torch.uint8), row_mask.view(torch.uint8), v_local, v_local - 5, 0, v_local, v_local, v_local, 1.5)
-    kwargs = dict(HAS_ROW_MASK=True, HAS_KEEP=keep, HAS_GLP=True, HAS_GENT=True, HAS_LP_OK=True, HAS_MASS=True, SCALE=True, BLOCK_V=config.block_v,
+    kwargs = dict(HAS_ROW_MASK=True, HAS_KEEP=keep, HAS_GRAD_LOG_PROB=True, HAS_GRAD_ENTROPY=True,
+                  HAS_LOG_PROB_DEFINED=True, HAS_MASS=True, SCALE=True, BLOCK_V=config.block_v,
                   ROUND_BF16_BY_BITS=False, **tb._options(config))
     return _ptx(_triton_kernels.backward_grad_kernel, args, kwargs)
 
@@ -108,9 +109,9 @@ def main():
     report["merge"] = {}
     for keep in (False, True):  # the fused merge: the interpreter does not enforce the compiler's rules on globals
         n_rows = 300
-        args = (torch.empty((8, NUM_PARTIALS, n_rows)), torch.empty((_triton_merge.MERGED_FIELDS, n_rows)), n_rows)
-        kwargs = dict(NUM_SEG=8, HAS_KEEP=keep, BLOCK_R=_triton_merge._BLOCK_R)
-        report["merge"][f"keep={keep}"] = ".entry" in _ptx(_triton_merge.merge_partials_kernel, args, kwargs)
+        args = (torch.empty((8, NUM_PARTIALS, n_rows)), torch.empty((_triton_kernels.MERGED_FIELDS, n_rows)), n_rows)
+        kwargs = dict(NUM_SEG=8, HAS_KEEP=keep, BLOCK_R=tb._MERGE_BLOCK_R)
+        report["merge"][f"keep={keep}"] = ".entry" in _ptx(_triton_kernels.merge_partials_kernel, args, kwargs)
     print(json.dumps(report))
 
 

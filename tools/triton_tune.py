@@ -161,10 +161,10 @@ def _tune_dtype(name, n_rows, vocab, keep, check_rows):
     for pass_name, variant, seg_len in jobs:
         config = tb.launch_config(pass_name, dtype, seg_len or vocab, interpreted=False,
                                   **({} if variant is None else dict(zip(("block_v", "num_warps", "num_stages",
-                                                                          "chunk"), variant))))
+                                                                          "lane_width"), variant))))
         label = f"{config.block_v}/{config.num_warps}/{config.num_stages}" + (" (default)" if variant is None else "")
         if pass_name == "forward":
-            label = f"chunk {config.chunk} {label}"
+            label = f"chunk {config.lane_width} {label}"
         overrides = config._asdict()
         try:
             if pass_name == "forward":

@@ -1,4 +1,4 @@
-"""Forward + backward bench of per-token log-prob and entropy over vocab-split logits (issue 5).
+"""Forward + backward bench of per-token log-prob and entropy over vocab-split logits.
 
     python3 tools/bench/bench.py --suite=headline --out_dir=/tmp/bench          # one GPU, TP=1
     python3 tools/bench/bench.py --suite=tp2 --tp=2 --out_dir=/tmp/bench        # two GPUs over NCCL

@@ -8,7 +8,7 @@ stops on its time budget (bench --time_budget_s) has measured the headline befor
   tp_ref    TP=1 on logits of the local size a TP=2 rank holds (V=75968), the reference for the TP=2 target.
   sweep     T in {4096, 8192, 16384} x {bf16, fp32} x {log-prob only, + entropy grad}: the time/memory-vs-T plot.
   options   T=8192 bf16: entropy value, keep mask, 10% row mask, each against every provider that supports it.
-  grid      the rest of the issue-5 cross product for the ppo_ops providers (cheap for triton).
+  grid      the rest of the cross product for the ppo_ops providers (cheap for triton).
   tp2       the TP=2 cases (run with --tp=2): headline shape and sweep, options for ppo_ops and legacy.
   smoke     a tiny CPU shape covering every provider and option (few for triton), for tests/test_bench_smoke.py.
   whole_step  one RL step through a random Qwen3-0.6B (T=8192, bf16, forward + backward through the model, ppo_ops
@@ -29,7 +29,7 @@ TOKENS = (4096, 8192, 16384)
 HEADLINE_TOKENS = 8192
 DTYPES = ("bf16", "fp32")
 ENTROPY_MODES = ("none", "value", "grad")
-ROW_FRACTION = 0.1  # "row mask at 10% kept rows" (issue 5)
+ROW_FRACTION = 0.1  # the row-mask cases keep 10% of the rows
 
 # Providers whose options include validate / inplace_grad (the ppo_ops API); others have no such switch.
 PPO_OPS_PROVIDERS = ("triton", "torch")

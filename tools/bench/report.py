@@ -4,7 +4,7 @@ The CSV is the record: one row per case and run, with the environment (GPU, vers
 of several runs (TP=1 on one GPU, TP=2 over two) can be appended to one file and rendered together. When a case
 appears more than once, the Markdown and the plot use its latest row.
 
-The Markdown has the environment, the issue-5 targets checked against the measurements (met / missed by how much /
+The Markdown has the environment, the performance targets checked against the measurements (met / missed by how much /
 not measured), the headline shape, and every case. The plot shows p50 time (p20-p80 bars) and peak extra memory
 against T for each provider, TP=1, no masks.
 """
@@ -26,9 +26,9 @@ COLUMNS = (
 CASE_KEY = ("provider", "T", "V", "dtype", "entropy", "keep_mask", "row_frac", "tp", "validate", "inplace_grad")
 
 HEADLINE = dict(T="8192", V="151936", dtype="bf16", tp="1", keep_mask="off", row_frac="1.0")
-TIME_TARGET_FRAC = 0.8  # issue 5: at least 80% of the measured copy bandwidth
-MEM_SLACK_MIB = 64.0  # issue 5: peak extra <= gradient buffer + 64 MiB (64 MiB with inplace_grad)
-TP2_SLOWDOWN = 1.15  # issue 5: TP=2 rank time at most 15% above TP=1 on logits of the same local size
+TIME_TARGET_FRAC = 0.8  # target: at least 80% of the measured copy bandwidth
+MEM_SLACK_MIB = 64.0  # target: peak extra <= gradient buffer + 64 MiB (64 MiB with inplace_grad)
+TP2_SLOWDOWN = 1.15  # target: TP=2 rank time at most 15% above TP=1 on logits of the same local size
 
 
 def fmt_bool(value: Optional[bool]) -> str:
@@ -101,7 +101,7 @@ def _label(row: dict) -> str:
 
 
 def target_rows(rows: list[dict]) -> list[tuple[str, str, str]]:
-    """(target, measured, verdict) for each issue-5 target, from the latest rows. The time and TP=2 targets get a
+    """(target, measured, verdict) for each performance target, from the latest rows. The time and TP=2 targets get a
     second row for validate=False (no host sync) when that was measured."""
     out = []
     head = dict(HEADLINE, entropy="grad")
