@@ -71,13 +71,11 @@ def compute_row_stats(plan: Plan, inputs: RowInputs):
         if plan.validate:
             # Before the all-gather of the partials, whose size depends on the call: ranks that disagree, or whose
             # tokens or logits are bad, all raise here together.
-            header = _validate.rank_header(
-                inputs.tokens, inputs.row_mask, partials, v_local=layout.v_local, vocab_size=layout.vocab_size,
-                temperature=plan.temperature, entropy_mode=plan.entropy_mode,
-                has_keep_mask=inputs.keep_mask is not None, dtype=inputs.logits.dtype,
+            _validate.check_across_ranks(
+                plan.fn_name, layout.group, layout.world_size, inputs.tokens, inputs.row_mask, partials,
+                v_local=layout.v_local, vocab_size=layout.vocab_size, temperature=plan.temperature,
+                entropy_mode=plan.entropy_mode, has_keep_mask=inputs.keep_mask is not None, dtype=inputs.logits.dtype,
             )
-            table = _validate.exchange_headers(header, layout.group, layout.world_size)
-            _validate.raise_if_any(plan.fn_name, table, inputs.row_mask is not None)
         # Every rank takes part, T = 0 included: [segments, 5, T] has the same shape on every rank.
         partials = all_gather_partials(partials, layout)
     return plan.backend.merge_partials(partials, inputs.keep_mask is not None)

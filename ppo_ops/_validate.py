@@ -25,10 +25,11 @@ value.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import struct
-from typing import Optional, Sequence
+from typing import Mapping, NoReturn, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -236,15 +237,16 @@ def _range_message(upper: int, found: int, has_row_mask: bool, where: str = "") 
 
 
 def check_single_rank_values(fn_name: str, bad_rows: torch.Tensor, tokens: torch.Tensor,
-                             row_mask: Optional[torch.Tensor], upper: int) -> None:
-    """TP = 1, validate=True: reads the token bounds and the bad-logits flag in one host read and raises."""
+                             row_mask: Optional[torch.Tensor], upper: int, naming: Optional["Naming"] = None) -> None:
+    """TP = 1, validate=True: reads the token bounds and the bad-logits flag in one host read and raises.
+    `bad_rows` may cover only the kept rows (any length): only its any() is read."""
+    naming = LOGITS_NAMING if naming is None else naming
     lo, hi, bad = read_to_host(torch.cat([token_bounds(tokens, row_mask), bad_rows.any().reshape(1).to(torch.int64)]))
     if lo < 0 or hi >= upper:
         raise argument_error(ValueError, fn_name, "tokens", _range_message(upper, lo if lo < 0 else hi,
                                                                            row_mask is not None))
     if bad:
-        raise argument_error(ValueError, fn_name, "logits",
-                             "logits contain NaN or +inf (after the temperature scaling)")
+        raise argument_error(ValueError, fn_name, naming.bad_logits_argument, naming.bad_logits.format(where=""))
 
 
 # ---- the cross-rank header (TP > 1, validate=True) ----
@@ -259,12 +261,30 @@ HEADER_FIELDS = (
 AGREED_FIELDS = (ROWS, V_LOCAL, VOCAB, TEMPERATURE, ENTROPY, KEEP, DTYPE, ROW_SUM, TOKEN_SUM)
 # Arguments an error can name in the header, and the exception types it can carry (index + 1; 0 = no error).
 ARGUMENTS = ("logits", "tokens", "tp_group", "entropy", "keep_mask", "temperature", "row_mask", "vocab_size",
-             "chunk_size", "inplace_grad", "backend", "validate", "arguments")
+             "chunk_size", "inplace_grad", "backend", "validate", "arguments", "hidden", "weight", "reduce_dx")
 ERROR_TYPES = (TypeError, ValueError, RuntimeError)
 # The argument a disagreement on each agreed field is about (named in the error).
 _FIELD_ARGUMENT = {ROWS: "tokens", V_LOCAL: "logits", VOCAB: "vocab_size", TEMPERATURE: "temperature",
                    ENTROPY: "entropy", KEEP: "keep_mask", DTYPE: "logits", ROW_SUM: "row_mask", TOKEN_SUM: "tokens"}
 _DTYPES = (None,) + FLOAT_DTYPES
+
+
+@dataclasses.dataclass(frozen=True)
+class Naming:
+    """How a function's value errors name its arguments: what each agreed header field is called and which argument
+    it belongs to, and the NaN / +inf error ("{where}" in it becomes " on tensor-parallel rank(s) r of n" at TP > 1,
+    else nothing). The logits op's is LOGITS_NAMING; the fused LM head has its own (no logits argument there)."""
+
+    fields: Mapping[int, tuple]  # agreed header field -> (its description, the argument it belongs to)
+    bad_logits_argument: str
+    bad_logits: str
+
+
+LOGITS_NAMING = Naming(
+    fields={field: (HEADER_FIELDS[field], _FIELD_ARGUMENT[field]) for field in AGREED_FIELDS},
+    bad_logits_argument="logits",
+    bad_logits="logits{where} contain NaN or +inf (after the temperature scaling)",
+)
 
 
 def _float_bits(value: float) -> int:
@@ -357,10 +377,11 @@ def _show(field: int, value: int):
 
 
 def raise_if_any(fn_name: str, table: list, has_row_mask: bool,
-                 local_error: Optional[BaseException] = None) -> None:
+                 local_error: Optional[BaseException] = None, naming: Optional[Naming] = None) -> None:
     """Decides from the gathered table, identically on every rank: local argument errors first, then the token range
     (each rank's kept tokens against its own vocabulary size), then disagreement, then NaN / +inf logits.
     `local_error` is this rank's own error, appended to its message."""
+    naming = LOGITS_NAMING if naming is None else naming
     world = len(table)
     p = _prefix(fn_name)
     faulty = [r for r in range(world) if table[r][ERR_ARG]]
@@ -386,14 +407,37 @@ def raise_if_any(fn_name: str, table: list, has_row_mask: bool,
         column = [row[field] for row in table]
         if any(v != column[0] for v in column):
             checksum = field in (ROW_SUM, TOKEN_SUM)
-            argument = _FIELD_ARGUMENT[field]
+            description, argument = naming.fields[field]
             raise argument_error(
                 ValueError, fn_name, argument,
-                f"the {HEADER_FIELDS[field]}{' checksum' if checksum else ''} differs across the {world} "
+                f"the {description}{' checksum' if checksum else ''} differs across the {world} "
                 f"tensor-parallel ranks of tp_group (per rank: {[_show(field, v) for v in column]}); every rank must "
                 "pass the same rows, tokens and options")
     bad = [r for r in range(world) if table[r][BAD]]
     if bad:
-        raise argument_error(ValueError, fn_name, "logits",
-                             f"logits on tensor-parallel {_ranks(bad)} of {world} contain NaN or +inf (after the "
-                             "temperature scaling)")
+        raise argument_error(ValueError, fn_name, naming.bad_logits_argument,
+                             naming.bad_logits.format(where=f" on tensor-parallel {_ranks(bad)} of {world}"))
+
+
+def check_across_ranks(fn_name: str, group, world_size: int, tokens: torch.Tensor, row_mask: Optional[torch.Tensor],
+                       partials: torch.Tensor, naming: Optional[Naming] = None, **fields) -> None:
+    """TP > 1, validate=True, before the partials' all-gather: builds this rank's header (`fields` as rank_header
+    takes them), all-gathers the headers, reads the table (the call's one host sync) and raises on every rank
+    together, or returns on every rank. `tokens` and `row_mask` are the call's (all T rows); `partials` may cover
+    only the rows a backend computed (only its NaN / +inf flag is read)."""
+    header = rank_header(tokens, row_mask, partials, **fields)
+    table = exchange_headers(header, group, world_size)
+    raise_if_any(fn_name, table, row_mask is not None, naming=naming)
+
+
+def raise_collectively(fn_name: str, exc: BaseException, group, world_size: int, validate, like) -> NoReturn:
+    """A local check failed on this rank with `exc`. One rank, or validate=False: raises it here and now. TP > 1 with
+    validate=True (or a validate that is itself the error): the other ranks learn of it from the header exchange
+    they are in (check_across_ranks) and every rank raises the same error, this one with its own details.
+    `like` is the tensor whose device the header goes on (the logits, or the hidden states)."""
+    if group is None or validate is False:
+        raise exc
+    header = error_header(exc, header_device(like, group))
+    table = exchange_headers(header, group, world_size)
+    raise_if_any(fn_name, table, False, local_error=exc)
+    raise exc  # not reached: the table holds this rank's error

@@ -163,13 +163,8 @@ def _compute(
                         temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, chunk_size=chunk_size,
                         inplace_grad=inplace_grad, backend=backend, validate=validate)
     except Exception as exc:
-        if group is None or validate is False:  # (a non-bool validate is itself the error: exchange it)
-            raise
-        # TP > 1: the other ranks learn of this error from the header exchange and raise with this rank.
-        header = _validate.error_header(exc, _validate.header_device(logits, group))
-        table = _validate.exchange_headers(header, group, world_size)
-        _validate.raise_if_any(fn_name, table, False, local_error=exc)
-        raise  # not reached: the table holds this rank's error
+        # TP > 1 with validate=True: the other ranks learn of this error from the header exchange and raise with it.
+        _validate.raise_collectively(fn_name, exc, group, world_size, validate, logits)
     out = LogProbEntropyFunction.apply(call.logits, call.tokens, call.keep_mask, call.row_mask, call.plan)
     if entropy == "none":
         return LogProbsEntropy(out.reshape(call.lead), None)
