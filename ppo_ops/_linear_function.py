@@ -20,7 +20,12 @@ Rows: a row_mask is applied before any GEMM: the kept rows' hidden states are ga
 (O(R * H) bytes; the index list is a host sync on CUDA), every kernel runs on those R rows only, and dropped rows get
 log-prob 0, entropy 0 and zero dX rows. Without a row mask `hidden` is used as is (no copy).
 
-Communication (TP > 1): forward, one all-gather of the [segments, 5, R] fp32 partials (O(R) bytes), as the logits op.
+Validation (validate=True) is the logits op's, in ppo_ops/_validate.py: at TP > 1 the ranks' fixed-size headers (over
+the call's T rows and row mask; the NaN / +inf flag from this rank's partials) are all-gathered before the partials
+and read once; at TP = 1 the token bounds and that flag are read once after the merge.
+
+Communication (TP > 1): forward, one all-gather of the [segments, 5, R] fp32 partials (O(R) bytes), as the logits op
+(with validate=True preceded by the all-gather of one int64 header per rank).
 Backward: dW needs none (each rank owns its slice); dX = sum over ranks of each rank's dlogits @ W_local, so it needs an
 all-reduce over tp_group. With reduce_dx=True it happens here, in fp32, before the cast to the input dtype; with
 reduce_dx=False each rank returns its own contribution and the caller reduces it (Megatron's column-parallel layer
@@ -35,7 +40,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ppo_ops import _row_stats, _validate
+from ppo_ops import _validate
+from ppo_ops._function import all_gather_partials
 from ppo_ops._layout import VocabLayout
 
 
@@ -46,27 +52,22 @@ class LinearPlan:
     fn_name: str
     layout: VocabLayout
     backend: object  # module implementing the linear backend contract above
-    inv_temperature: float
+    temperature: float  # as the caller gave it (the ranks compare it)
+    inv_temperature: float  # 1 / temperature rounded to fp32 once (_validate.check_options)
     entropy_mode: str  # "none" | "value" | "grad"
     reduce_dx: bool
     validate: bool
 
 
-def _check_values(plan: LinearPlan, stats, tokens) -> None:
-    """validate=True: the value checks in one host sync (at TP = 1 the token range too; at TP > 1 the caller checked
-    it before the first collective)."""
-    flags = [stats.bad_input.any().reshape(1).to(torch.int64)]
-    single_rank = plan.layout.group is None
-    if single_rank:
-        flags.append(_validate.token_bounds(tokens, None))
-    values = torch.cat(flags).tolist()
-    if single_rank:
-        _validate.raise_if_out_of_range(plan.fn_name, values[1], values[2], plan.layout.vocab_size, False)
-    if values[0]:
-        raise ValueError(
-            f"ppo_ops.{plan.fn_name}: hidden @ weight.T has NaN or +inf logits (after the temperature scaling); "
-            "check hidden and weight for NaN/inf"
-        )
+# How the value errors name this op's arguments: the logits are hidden @ weight.T, V_local is weight.shape[0].
+NAMING = _validate.Naming(
+    fields={**_validate.LOGITS_NAMING.fields,
+            _validate.V_LOCAL: ("V_local (weight.shape[0])", "weight"),
+            _validate.DTYPE: ("hidden dtype", "hidden")},
+    bad_logits_argument="hidden",
+    bad_logits="hidden @ weight.T{where} has NaN or +inf logits (after the temperature scaling); check hidden and "
+               "weight for NaN / inf",
+)
 
 
 def _kept(x: Optional[torch.Tensor], rows: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -93,11 +94,23 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
             h, weight, t, plan.inv_temperature, layout.n_valid, layout.seg_len, plan.entropy_mode != "none",
             vocab_start=layout.vocab_start,
         )
-        if layout.group is not None and h.shape[0] > 0:
-            partials = _row_stats.all_gather_partials(partials, layout)
+        if layout.group is not None:
+            if plan.validate:
+                # Before the all-gather of the partials, whose size depends on the call: ranks that disagree, or
+                # whose tokens or logits are bad, all raise here together (the call's one host read). The header
+                # covers the call's T rows and row mask; the partials (kept rows) give the NaN / +inf flag.
+                _validate.check_across_ranks(
+                    plan.fn_name, layout.group, layout.world_size, tokens, row_mask, partials, naming=NAMING,
+                    v_local=layout.v_local, vocab_size=layout.vocab_size, temperature=plan.temperature,
+                    entropy_mode=plan.entropy_mode, has_keep_mask=False, dtype=hidden.dtype,
+                )
+            # Every rank takes part, R = 0 included: [segments, 5, R] has the same shape on every rank that agrees.
+            partials = all_gather_partials(partials, layout)
         stats = plan.backend.merge_partials(partials, False)
-        if plan.validate:
-            _check_values(plan, stats, t)
+        if plan.validate and layout.group is None:
+            # TP = 1: last, so every launch of the forward is queued before the host waits (the one value read).
+            _validate.check_single_rank_values(plan.fn_name, stats.bad_input, tokens, row_mask,
+                                               layout.vocab_size, naming=NAMING)
 
         log_prob = _scatter_rows(stats.log_prob, rows, n_rows)
         entropy = _scatter_rows(stats.entropy, rows, n_rows)
@@ -107,7 +120,7 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(
             h, weight, t, rows, stats.shift, stats.log_sum,
-            stats.mean_shifted if plan.entropy_mode == "grad" else None, stats.logprob_defined, stats.row_has_mass,
+            stats.mean_shifted if plan.entropy_mode == "grad" else None, stats.log_prob_defined, stats.row_has_mass,
         )
         if plan.entropy_mode == "none":
             return log_prob

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from ppo_ops import _row_stats
 from ppo_ops._triton_kernels import _scaled
-from ppo_ops._triton_merge import merge_partials  # noqa: F401  the merge the logits op's Triton backend uses
+from ppo_ops._triton_backend import merge_partials  # noqa: F401  the merge the logits op's Triton backend uses
 
 _MAX = tl.constexpr(_row_stats.MAX)
 _SUMEXP = tl.constexpr(_row_stats.SUMEXP)
