@@ -71,7 +71,7 @@ _GEMM_GPU_CONFIG = {
     2: TileConfig(128, 128, 64, 8, 3),
     4: TileConfig(64, 64, 32, 4, 3),
 }
-# Interpreter: the smallest tiles tl.dot takes (each program iteration costs about a millisecond).
+# Interpreter: the smallest tiles tl.dot takes (it runs every program in Python: its time grows with the tile).
 _INTERPRET_CONFIG = TileConfig(16, 32, 16, None, None)
 
 
@@ -95,7 +95,7 @@ def _options(config):
 def _dot(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """acc + a @ b with fp32 accumulation. IEEE: fp32 operands use IEEE fp32 products (not tf32). UPCAST (interpreter
     only): bf16 operands go to fp32 first (exact) because Triton 3.9's interpreter multiplies the raw bits of bf16
-    tl.dot operands (errors of ~1e10 on unit-sized inputs); the products are then exact as on the tensor cores."""
+    tl.dot operands instead of their values; the products are then exact as on the tensor cores."""
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     elif IEEE:
