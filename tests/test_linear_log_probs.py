@@ -9,7 +9,12 @@ What is checked, per backend ("torch"; "triton" under TRITON_INTERPRET=1 on CPU,
 - bitwise TP invariance of log-probs, entropies and dW at TP = 1, 2, 4 (gloo on CPU, NCCL on GPUs), dX within its
   bound, and reduce_dx=False returning per-rank contributions that sum to dX;
 - row mask (dropped rows: zeros, no gradient; kept rows bitwise as without the mask), run-to-run determinism,
-  caller's tensors untouched, empty input, argument errors.
+  caller's tensors untouched, empty input, argument errors, NumPy scalars as numbers;
+- the value checks read the device once per call with validate=True and never with validate=False (counted at
+  `_validate.read_to_host`), at TP = 1 and TP = 2;
+- collective failure on a 2-rank gloo group (a collective timeout and a join deadline, so a hang fails): a bad token,
+  a bad weight shape, a non-bool reduce_dx or a NaN weight on ONE rank makes both ranks raise the same error naming the
+  rank and the argument; tp_group=None inside the job is one rank.
 """
 
 import json
@@ -18,14 +23,15 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 import ppo_ops
-from ppo_ops import _layout
-from tests.core_support import backend_params, make_tokens, make_weights, triton_skip_reason
-from tests.ranks import DEVICE, rank_device, run_ranks, world_size_param
+from ppo_ops import _layout, _validate
+from tests.core_support import CaseFailures, backend_params, make_tokens, make_weights, triton_skip_reason
+from tests.ranks import DEVICE, rank_device, run_gloo, run_ranks, world_size_param
 from tests.reference import ENTROPY_TOL, LOG_PROB_TOL, reference_log_probs_and_entropy
 
 # --- tolerances: unit roundoffs, and how the bounds of `_bounds` use them ---
@@ -341,6 +347,149 @@ def test_nan_hidden_raises():
     h[2, 3] = float("nan")
     with pytest.raises(ValueError, match="NaN or \\+inf logits"):
         ppo_ops.linear_log_probs_and_entropy(h.to(DEVICE), w.to(DEVICE), t.to(DEVICE), backend="torch")
+
+
+def test_numpy_scalars_are_numbers():
+    h, w, t = _inputs((4,), torch.float32, seed=63)
+    t = t.clamp(max=249)
+    python = ppo_ops.linear_log_probs_and_entropy(h, w, t, entropy="value", temperature=0.75, vocab_size=250,
+                                                  backend="torch")
+    numpy = ppo_ops.linear_log_probs_and_entropy(h, w, t, entropy="value", temperature=np.float32(0.75),
+                                                 vocab_size=np.int64(250), backend="torch")
+    assert torch.equal(python.log_probs, numpy.log_probs) and torch.equal(python.entropy, numpy.entropy)
+
+
+# --- host reads of the value checks ---
+
+class _ReadCounter:
+    """Counts calls of _validate.read_to_host, the one function that reads device values for the checks."""
+
+    def __enter__(self):
+        self.calls, self._original = 0, _validate.read_to_host
+
+        def counted(t):
+            self.calls += 1
+            return self._original(t)
+
+        _validate.read_to_host = counted
+        return self
+
+    def __exit__(self, *exc):
+        _validate.read_to_host = self._original
+
+
+def _forward_backward(hidden, weight, tokens, **opts):
+    h, w = hidden.detach().clone().requires_grad_(True), weight.detach().clone().requires_grad_(True)
+    out = ppo_ops.linear_log_probs_and_entropy(h, w, tokens, entropy="grad", **opts)
+    (out.log_probs.sum() + out.entropy.sum()).backward()
+    return out
+
+
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+@pytest.mark.parametrize("validate,reads", [(True, 1), (False, 0)])
+def test_host_reads_per_call_single_rank(backend, validate, reads):
+    # (With a row mask, the kept-row count is one more sync on CUDA, outside the value checks: see the docstring.)
+    h, w, t = _inputs((5,), torch.float32, seed=64)
+    row_mask = torch.tensor([True, False, True, True, False])
+    for mask in (None, row_mask):
+        with _ReadCounter() as counter:
+            _forward_backward(h.to(DEVICE), w.to(DEVICE), t.to(DEVICE), backend=backend, validate=validate,
+                              row_mask=None if mask is None else mask.to(DEVICE))
+        assert counter.calls == reads, f"row_mask={mask is not None}: {counter.calls} host reads"
+
+
+# --- collective failure on gloo (2 ranks, torch backend) ---
+
+GLOO_TIMEOUT_S = 30  # a collective that waits this long fails the rank: a hang becomes an error
+DEADLINE_S = 180  # both ranks done by then, or the test fails as a hang (a normal run takes a few seconds)
+COLLECTIVE_ROWS = (5,)
+
+
+def _collective_inputs():
+    hidden, weight, tokens = _inputs(COLLECTIVE_ROWS, torch.float32, seed=81)
+    return hidden, weight, tokens
+
+
+def _collective_cases(rank, world_size):
+    """name -> (the arguments this rank passes, expected error type, strings its message must hold)."""
+    hidden, weight, tokens = _collective_inputs()
+    v_local = V_GLOBAL // world_size
+    shard = weight[rank * v_local:(rank + 1) * v_local]
+    last = world_size - 1
+    bad_tokens = tokens.clone()
+    bad_tokens[2] = V_GLOBAL
+    nan_shard = shard.clone()
+    nan_shard[3, 1] = float("nan")
+    ok = dict(hidden=hidden, weight=shard, tokens=tokens)
+    return {
+        "token_out_of_range_on_last_rank": (
+            dict(ok, tokens=bad_tokens if rank == last else tokens), ValueError,
+            ("tokens", f"rank {last} of {world_size}", f"[0, {V_GLOBAL})", str(V_GLOBAL))),
+        "weight_wrong_shape_on_rank_0": (
+            dict(ok, weight=shard[:, :-1] if rank == 0 else shard), ValueError, ("weight", "rank 0 of")),
+        "reduce_dx_not_bool_on_rank_1": (
+            dict(ok, reduce_dx=1 if rank == 1 else True), TypeError, ("reduce_dx", "rank 1 of")),
+        "nan_weight_on_rank_0": (
+            dict(ok, weight=nan_shard if rank == 0 else shard), ValueError,
+            ("hidden @ weight.T", "rank 0 of", "NaN or +inf")),
+    }
+
+
+def _raise_and_record(args, exc_type, needles):
+    """The error a call raises on this rank: (type name, message), checked against the expected type and needles."""
+    args = dict(args)
+    try:
+        _forward_backward(args.pop("hidden"), args.pop("weight"), args.pop("tokens"), tp_group=dist.group.WORLD,
+                          backend="torch", **args)
+    except exc_type as exc:
+        missing = [n for n in needles if n not in str(exc)]
+        assert not missing, f"message lacks {missing}: {exc}"
+        return type(exc).__name__, str(exc)
+    raise AssertionError(f"no error raised, expected {exc_type.__name__}")
+
+
+def _collective_worker(rank, world_size, out_dir, expected_tp1):
+    failures, record = CaseFailures(rank), {}
+    for name, (args, exc_type, needles) in _collective_cases(rank, world_size).items():
+        failures.run(name, lambda a=args, e=exc_type, n=needles, k=name: record.__setitem__(
+            k, _raise_and_record(a, e, n)))
+
+    def host_reads():
+        hidden, weight, tokens = _collective_inputs()
+        v_local = V_GLOBAL // world_size
+        shard = weight[rank * v_local:(rank + 1) * v_local]
+        counts = []
+        for validate in (True, False):
+            with _ReadCounter() as counter:
+                _forward_backward(hidden, shard, tokens, tp_group=dist.group.WORLD, backend="torch",
+                                  validate=validate)
+            counts.append(counter.calls)
+        assert counts == [1, 0], f"host reads (validate=True, validate=False): {counts}"
+
+    def tp_group_none_is_one_rank():
+        hidden, weight, tokens = _collective_inputs()
+        got = _forward_backward(hidden, weight, tokens, tp_group=None, backend="torch")
+        assert torch.equal(got.log_probs, expected_tp1.log_probs) and torch.equal(got.entropy, expected_tp1.entropy)
+
+    failures.run("host_reads", host_reads)
+    failures.run("tp_group_none_is_one_rank", tp_group_none_is_one_rank)
+    torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
+    failures.raise_if_any()
+
+
+def test_failure_is_collective_and_never_hangs(tmp_path):
+    world_size = 2
+    hidden, weight, tokens = _collective_inputs()
+    out = _forward_backward(hidden, weight, tokens, backend="torch")
+    expected = ppo_ops.LogProbsEntropy(out.log_probs.detach(), out.entropy.detach())
+    run_gloo(world_size, _collective_worker, str(tmp_path), expected, timeout_s=GLOO_TIMEOUT_S, deadline_s=DEADLINE_S)
+    records = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
+    for name in _collective_cases(0, world_size):
+        (type0, message0), (type1, message1) = records[0][name], records[1][name]
+        assert type0 == type1, f"{name}: rank 0 raised {type0}, rank 1 {type1}"
+        # A local argument error adds the rank's own details after the shared message; value errors are identical.
+        shared = "every rank raises this error."
+        assert message0.split(shared)[0] == message1.split(shared)[0], f"{name}: {message0!r} vs {message1!r}"
 
 
 # --- tensor parallelism ---
