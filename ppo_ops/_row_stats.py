@@ -16,7 +16,8 @@ W <= 0, so the entropy is a sum of two non-negative terms (no cancellation). Bac
 the row maximum M (log S, log S_kept, W / S): it then forms log p = (z - M) - log S, where z - M is small exactly for
 the entries whose probability is large, so fp32 rounding there stays far below ulp(|z|). Segments and rows without any finite logit
 (m = -inf) contribute nothing and never produce exp(-inf - -inf); a segment whose shift m_j - M overflows to -inf
-(finite maxima near -fp32 max and +fp32 max) has a_j = 0 and adds exactly 0 to W.
+(finite maxima near -fp32 max and +fp32 max) has a_j = 0 and adds exactly 0 to W (merge_partials clamps the shift
+where e^shift is 0 in fp32 anyway).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ MAX, SUMEXP, KEPT_SUMEXP, ENT_SUM, TARGET_Z = range(5)
 NUM_PARTIALS = 5
 
 NEG_INF = float("-inf")
+SHIFT_FLOOR = -128.0  # e^-128 ~ 3e-56 is 0 in fp32 (its smallest subnormal is e^-103.3)
 
 
 def empty_partials(segments: int, rows: int, device) -> torch.Tensor:
@@ -50,15 +52,14 @@ def merge_partials(p: torch.Tensor, has_keep_mask: bool) -> RowStats:
     sk = torch.zeros_like(m_safe)
     w = torch.zeros_like(m_safe)
     for j in range(p.shape[0]):
-        m_j = m_all[j]
-        present = m_j != NEG_INF
-        shift = torch.where(present, m_j - m_safe, torch.zeros_like(m_j))  # <= 0
-        a = torch.where(present, torch.exp(shift), torch.zeros_like(m_j))
+        # a_j = e^(m_j - M) with the shift clamped at SHIFT_FLOOR, where e^shift is 0 in fp32 anyway: an empty segment
+        # (m_j = -inf) and one whose shift overflows to -inf (maxima near -fp32 max and +fp32 max) add exactly 0 to
+        # every sum, never 0 * -inf; a NaN max stays NaN (clamp keeps it) and reaches S.
+        shift = (m_all[j] - m_safe).clamp_(min=SHIFT_FLOOR)  # <= 0
+        a = torch.exp(shift)
         s = s + a * p[j, SUMEXP]
         sk = sk + a * p[j, KEPT_SUMEXP]
-        # a == 0 (the segment is negligible, or its shift overflowed to -inf next to a max near fp32's limit): it
-        # adds 0, never 0 * -inf.
-        w = w + torch.where(a > 0, a * (p[j, ENT_SUM] + shift * p[j, SUMEXP]), torch.zeros_like(m_j))
+        w = w + a * (p[j, ENT_SUM] + shift * p[j, SUMEXP])
     z_t = p[:, TARGET_Z].amax(dim=0)
 
     has_mass = s > 0

@@ -360,6 +360,7 @@ _MEAN_SHIFTED = tl.constexpr(MEAN_SHIFTED)
 _LOG_PROB_DEFINED = tl.constexpr(LOG_PROB_DEFINED)
 _HAS_MASS = tl.constexpr(HAS_MASS)
 _BAD_INPUT = tl.constexpr(BAD_INPUT)
+_SHIFT_FLOOR = tl.constexpr(_row_stats.SHIFT_FLOOR)
 
 
 @triton.jit
@@ -395,14 +396,15 @@ def merge_partials_kernel(
         base = partials_ptr + j * _NUM_PARTIALS * num_rows + rows
         m_j = tl.load(base + _MAX * num_rows, mask=in_rows, other=neg_inf)
         s_j = tl.load(base + _SUMEXP * num_rows, mask=in_rows, other=0.0)
-        present = m_j != neg_inf
-        shift = tl.where(present, m_j - m_safe, 0.0)  # <= 0
-        a = tl.where(present, tl.exp(shift), 0.0)
+        # As _row_stats.merge_partials: the shift clamped at _SHIFT_FLOOR (e^shift is 0 in fp32 there), so an empty
+        # segment (m_j = -inf) or a shift that overflows to -inf adds exactly 0, never 0 * -inf; NaN stays NaN.
+        shift = m_j - m_safe  # <= 0
+        shift = tl.where(shift < _SHIFT_FLOOR, _SHIFT_FLOOR, shift)
+        a = tl.exp(shift)
         s += a * s_j
         if HAS_KEEP:
             sk += a * tl.load(base + _KEPT_SUMEXP * num_rows, mask=in_rows, other=0.0)
-        w_j = tl.load(base + _ENT_SUM * num_rows, mask=in_rows, other=0.0)
-        w += tl.where(a > 0.0, a * (w_j + shift * s_j), 0.0)  # a shift of -inf (overflow) adds 0, not -inf * 0
+        w += a * (tl.load(base + _ENT_SUM * num_rows, mask=in_rows, other=0.0) + shift * s_j)
     if not HAS_KEEP:
         sk = s
 

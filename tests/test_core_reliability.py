@@ -1,4 +1,4 @@
-"""Reliability of ppo_ops.log_probs_and_entropy: collective failure, one host sync, explicit TP, extreme values, numbers.
+"""Reliability of ppo_ops.log_probs_and_entropy: collective failure, one host sync, explicit TP, extreme values.
 
 One rank, in process (both backends; Triton under the interpreter on CPU, compiled on a GPU):
 - finite logits up to fp32's range and the smallest temperature `validate` accepts match the float64 reference (the
@@ -60,6 +60,11 @@ def _extreme_case(name):
     if name == "full_fp32_range":  # shifts between lanes and segments overflow fp32; targets at the row max
         logits = _uniform(shape, -FLT_MAX, FLT_MAX, 1).float()
         return logits, logits.argmax(-1), 1.0
+    if name == "segments_at_both_ends":  # segment 0 near -fp32 max, the rest near +fp32 max: merge shifts overflow
+        logits = _uniform(shape, 0.9 * FLT_MAX, FLT_MAX, 4)
+        logits[:, :8] = -logits[:, :8]
+        logits = logits.float()
+        return logits, logits.argmax(-1), 1.0
     if name == "smallest_temperature":  # 1 / temperature is fp32's max: scaled logits up to it
         return _uniform(shape, 0.0, 1.0, 2).float(), tokens, _validate.MIN_TEMPERATURE
     if name == "tiny_power_of_two_temperature_bf16":  # 2^-127: the gradient scaled back by it is exact in bf16
@@ -69,8 +74,8 @@ def _extreme_case(name):
     raise KeyError(name)
 
 
-EXTREME_CASES = ["fp32_max_everywhere", "near_fp32_max", "full_fp32_range", "smallest_temperature",
-                 "tiny_power_of_two_temperature_bf16", "bf16_max_everywhere"]
+EXTREME_CASES = ["fp32_max_everywhere", "near_fp32_max", "full_fp32_range", "segments_at_both_ends",
+                 "smallest_temperature", "tiny_power_of_two_temperature_bf16", "bf16_max_everywhere"]
 # Upstream weights small enough that |d loss / d logits| <= |weights| / temperature stays below fp32's max at the
 # smallest temperature (a larger true gradient is not representable: inf would be its correct rounding).
 EXTREME_WEIGHT = 0.45
