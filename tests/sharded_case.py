@@ -83,10 +83,11 @@ def _on_cpu(result: Result) -> Result:
     return Result(*(None if t is None else t.cpu() for t in result))
 
 
-def tp1_result(case: ShardedCase, world_size: int, backend: str) -> Result:
-    """The same call on the global logits at TP=1 (no process group in this process), on the test device."""
+def tp1_result(case: ShardedCase, world_size: int, backend: str, device=DEVICE) -> Result:
+    """The same call on the global logits at TP=1 (no process group in this process), on `device`: the device the
+    ranks it is compared with compute on (bits are compared per device type)."""
     logits, tokens, opts, weights = global_inputs(case, world_size)
-    return _on_cpu(run_op(logits, tokens, device=DEVICE, backend=backend, **opts, **weights))
+    return _on_cpu(run_op(logits, tokens, device=device, backend=backend, **opts, **weights))
 
 
 def _run_rank(case, logits, tokens, opts, weights, rank, world_size, backend):

@@ -182,7 +182,7 @@ def _count_cuda_syncs(fn) -> int:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return len([w for w in caught if "synchroniz" in str(w.message)])
+    return len([w for w in caught if "called a synchronizing CUDA operation" in str(w.message)])
 
 
 def _nccl_sync_worker(rank, world_size, port, out_dir):

@@ -27,7 +27,10 @@ def _fake_server_main(argv):
     import http.server
     import signal
 
-    if "-c" in argv:  # check_installed's probe: pretend sglang is importable
+    if "-c" in argv:  # the engine's probes: run them here (check_installed's finds no sglang: pretend it is there)
+        code = argv[argv.index("-c") + 1]
+        if "sysconfig" in code:
+            exec(code)
         sys.exit(0)
     parser = argparse.ArgumentParser()
     parser.add_argument("--fake-server")
@@ -317,3 +320,11 @@ def test_server_ignoring_sigterm_is_killed(tmp_path):
     pids = _pids(tmp_path)
     server.close(grace_s=1.0)
     assert _all_gone(pids)
+
+
+def test_the_server_gets_its_interpreters_scripts_on_path():
+    # The server JIT-builds kernels with tools of its own environment (ninja): they must be on its PATH even where the
+    # caller's PATH is minimal (Bazel tests get /bin:/usr/bin:/usr/local/bin).
+    import sysconfig
+
+    assert sglang_engine.scripts_dir(sys.executable) == sysconfig.get_path("scripts")

@@ -150,6 +150,19 @@ def check_installed(python: str) -> str:
     return proc.stdout.strip() or "unknown"
 
 
+def scripts_dir(python: str) -> str:
+    """The folder of the interpreter's console scripts: the server's JIT builds (flashinfer) run tools installed
+    there, such as ninja, which a caller's PATH need not hold (Bazel's test PATH is /bin:/usr/bin:/usr/local/bin)."""
+    probe = "import sysconfig; print(sysconfig.get_path('scripts'))"
+    try:
+        proc = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise CheckError(f"--sglang_python={python}: cannot run it ({exc})") from exc
+    if proc.returncode != 0 or not proc.stdout.strip():
+        raise CheckError(f"--sglang_python={python}: cannot ask it for its scripts folder: {proc.stderr.strip()}")
+    return proc.stdout.strip()
+
+
 def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -372,6 +385,7 @@ class SGLangEngine:
         if os.path.exists(log_path):
             os.remove(log_path)
         env = dict(os.environ)
+        env["PATH"] = os.pathsep.join(p for p in (scripts_dir(options.python), env.get("PATH", "")) if p)
         if options.logprob_kind == logprob_kinds.RAW:
             env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
         self.server = Server(launch_command(model_path, layout, port, options), host=options.host, port=port,
