@@ -44,7 +44,7 @@ PRESETS: Dict[str, Dict[str, Any]] = {
         dtype="float32",
         final_norm_scale=28.0,
     ),
-    # Qwen3-0.6B's public config.json (REFERENCE.md), stored in bf16 as the real checkpoint is.
+    # Qwen3-0.6B's public config.json, stored in bf16 as the real checkpoint is.
     "qwen3-0.6b-random": dict(
         config=dict(
             vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,

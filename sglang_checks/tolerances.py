@@ -9,9 +9,9 @@ layouts are the shard shapes of the logits matmul (ppo_ops itself is bitwise ide
 differs from the trainer only by the order of its fp32 sums; docs/calibration.md shows them between the measured
 healthy and broken values on CPU.
 
-bf16 defaults are PROVISIONAL until the two-H200 calibration is installed: they are set from the measurements on two
-H200s quoted in the reasons (healthy bf16 train-rollout mismatch 0.046-0.051 mean |d|, k3 KL 2.4e-3-3.5e-3; a wrong
-trainer temperature KL 0.12), so that a healthy bf16 setup passes and that fault fails.
+bf16 uses the two-H200 calibration installed in sglang_checks/calibration/bfloat16.json (docs/calibration.md). The
+hand-set bf16 defaults below are the fallback where that file is absent; they were set from earlier two-H200
+measurements quoted in the reasons, so that a healthy bf16 setup passes and a wrong trainer temperature fails.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Dict, Optional
 
 CALIBRATION_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration")
 
-# name -> (float32 default, bfloat16 default (provisional), reason)
+# name -> (float32 default, bfloat16 fallback default, reason)
 DEFAULTS: Dict[str, tuple] = {
     "trainer_logprob_atol": (
         1e-5, 5e-2,
@@ -94,4 +94,4 @@ def source(dtype: str) -> str:
                f"{table['source']}"
     if dtype == "float32":
         return "hand-set float32 defaults (tolerances.py), inside the CPU calibration of docs/calibration.md"
-    return "PROVISIONAL bfloat16 defaults (tolerances.py) from two-H200 measurements; no GPU calibration installed"
+    return "hand-set bfloat16 defaults (tolerances.py); no GPU calibration installed"

@@ -9,7 +9,7 @@
   ($PPO_OPS_GPUS GPUs, tools/pytest.bzl) deselects the cases that need more ranks than it has GPUs (they run in
   its wider `_gpuN` targets, which keep only those, and on CPU over gloo) and says so in its summary; plain pytest
   on a GPU machine skips them with the reason.
-- File names with a '.' (test_qwen3_0.6B_parallel_check.py, fixed by issue 6) are imported by path.
+- File names with a '.' (test_qwen3_0.6B_parallel_check.py, a name users know) are imported by path.
 - Seeds: every test starts from torch/numpy/random seeded with $PPO_OPS_TEST_SEED (default 0).
 - Sharding: a test declared with shard_count runs its share of the collected tests ($TEST_SHARD_INDEX of
   $TEST_TOTAL_SHARDS, set by Bazel).

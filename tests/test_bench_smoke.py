@@ -1,9 +1,9 @@
-"""Smoke test of the bench (tools/bench, issue 5): its whole code path on tiny CPU shapes.
+"""Smoke test of the bench (tools/bench): its whole code path on tiny CPU shapes.
 
 CPU timings are meaningless and never asserted. What is checked for real: every case gets one CSV row with the right
 status (measured, or skipped with the provider's reason); the byte counts and the GB/s and copy-bandwidth fractions
 derived from them; the semantic check against the float64 reference, and that it catches a wrong provider; OOM and
-error handling; the time budget; the Markdown, the plot data and the PNG; the issue-5 target verdicts; the command
+error handling; the time budget; the Markdown, the plot data and the PNG; the target verdicts; the command
 line (flags, usage errors, --render_only) and the TP=2 path (two spawned ranks over gloo, each holding half the vocab).
 
 The Triton provider runs under TRITON_INTERPRET=1 (set by conftest.py / tools/pytest.bzl) on a few cases only: each
@@ -29,7 +29,7 @@ TINY = dict(T=8, V=256)  # the smoke suite's shape: 8 rows (a 10% row mask keeps
 
 # The CSV stores 6 significant digits: derived columns are compared to what the stored inputs give within this.
 CSV_RTOL = 1e-5
-# REFERENCE.md quotes the floor to 3 significant digits (7.47 GB, 1.76 ms, 4.25 TB/s).
+# The published floor is quoted to 3 significant digits (7.47 GB, 1.76 ms, 4.25 TB/s).
 REFERENCE_RTOL = 1e-3
 # Fast settings for CPU runs: the numbers only exercise the plumbing.
 FAST = dict(warmup=1, min_reps=2, max_reps=2, target_ms=1.0, copy_bytes=1 << 20, check_rows=4)
@@ -63,7 +63,7 @@ def _key(case: Case) -> tuple:
 
 
 def test_headline_bytes_are_the_reference_floor():
-    # REFERENCE.md: bf16 T=8192 V=151936 moves 3 x 2.49 GB = 7.47 GB, i.e. 1.76 ms at 4.25 TB/s.
+    # bf16 T=8192 V=151936 moves 3 x 2.49 GB = 7.47 GB, i.e. 1.76 ms at 4.25 TB/s.
     b = measure.case_bytes(8192, 151936, "bf16", kept_rows=8192, keep_mask=False)
     assert b.fwd == 8192 * 151936 * 2 == 2_489_319_424
     assert b.bwd == 2 * b.fwd
@@ -137,7 +137,7 @@ def test_measured_rows_carry_consistent_numbers(smoke):
 def test_markdown_lists_every_case_and_the_targets(smoke):
     config, cases, rows, _ = smoke
     md = pathlib.Path(config.paths.md).read_text()
-    assert "## Issue 5 targets" in md
+    assert "## Targets" in md
     all_cases = md.split("## All cases", 1)[1]
     table = [line for line in all_cases.splitlines() if line.startswith("| ") and not line.startswith("| provider")]
     assert len(table) == len(cases)
@@ -233,7 +233,7 @@ def test_time_budget_stops_starting_cases(tmp_path):
     rc = runner.run(_config(tmp_path, cases, time_budget_s=1e-9))
     assert rc == 0
     assert not (tmp_path / "r.csv").exists()
-    assert "## Issue 5 targets" in (tmp_path / "r.md").read_text()
+    assert "## Targets" in (tmp_path / "r.md").read_text()
 
 
 def test_csv_with_foreign_columns_is_refused(tmp_path):
@@ -243,7 +243,7 @@ def test_csv_with_foreign_columns_is_refused(tmp_path):
         report.append_csv(str(path), [{"provider": "torch"}])
 
 
-# --- issue-5 target verdicts -----------------------------------------------------------------------------------------
+# --- target verdicts --------------------------------------------------------------------------------------------
 
 
 def _row(provider, p50, *, T=8192, V=151936, dtype="bf16", entropy="grad", tp=1, validate="on", inplace="off",

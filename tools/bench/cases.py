@@ -24,7 +24,7 @@ import dataclasses
 import itertools
 from typing import Iterable, Optional, Sequence
 
-QWEN3_VOCAB = 151936  # V of the issue's cases (Qwen3 vocabulary, divisible by 8 x 128)
+QWEN3_VOCAB = 151936  # Qwen3's vocabulary (divisible by 8 x 128): the V of every headline case
 TOKENS = (4096, 8192, 16384)
 HEADLINE_TOKENS = 8192
 DTYPES = ("bf16", "fp32")

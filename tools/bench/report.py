@@ -228,7 +228,7 @@ def render_markdown(all_rows: list[dict]) -> str:
     parts += ["- time: forward + backward, p50 of CUDA-event timings (p20–p80); bytes = forward reads the kept "
               "rows, backward reads them again and writes the whole gradient (+ keep mask read in each pass); "
               "TP=2 rows show the slowest rank", ""]
-    parts += ["## Issue 5 targets", "", _md_table(["target", "measured", "verdict"],
+    parts += ["## Targets", "", _md_table(["target", "measured", "verdict"],
                                                  [list(t) for t in target_rows(rows)]), ""]
     head = [r for r in rows if all(r.get(k) == v for k, v in HEADLINE.items())]
     if head:
