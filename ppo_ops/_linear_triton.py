@@ -36,15 +36,9 @@ import triton
 import triton.language as tl
 
 from ppo_ops import _row_stats
-from ppo_ops._triton_kernels import _scaled
 from ppo_ops._triton_backend import merge_partials  # noqa: F401  the merge the logits op's Triton backend uses
-
-_MAX = tl.constexpr(_row_stats.MAX)
-_SUMEXP = tl.constexpr(_row_stats.SUMEXP)
-_KEPT_SUMEXP = tl.constexpr(_row_stats.KEPT_SUMEXP)
-_ENT_SUM = tl.constexpr(_row_stats.ENT_SUM)
-_TARGET_Z = tl.constexpr(_row_stats.TARGET_Z)
-_NUM_PARTIALS = tl.constexpr(_row_stats.NUM_PARTIALS)
+# The partials' channel order, as the logits op's kernels hold it (constexprs: jit code may read only those).
+from ppo_ops._triton_kernels import _ENT_SUM, _KEPT_SUMEXP, _MAX, _NUM_PARTIALS, _SUMEXP, _TARGET_Z, _scaled
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)  # an empty row's running max: finite, so never -inf - -inf
 
 # Integers that differ between ranks / TP sizes: not specialised on (divisibility by 16 would change the code).

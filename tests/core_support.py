@@ -127,3 +127,20 @@ class CaseFailures:
     def raise_if_any(self):
         if self.items:
             raise AssertionError("\n".join(self.items))
+
+
+def compile_check_report(module: str, cache_dir, timeout_s: float) -> dict:
+    """Runs `python -m module` (a compile check: kernels compiled for sm_90 with no GPU and no interpreter) in a child
+    process with its own Triton cache; returns the JSON report of its last line."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(cache_dir)
+    repo_root = pathlib.Path(os.path.abspath(__file__)).parent.parent  # not resolved: Bazel's runfiles copy stays
+    done = subprocess.run([sys.executable, "-m", module], env=env, cwd=repo_root, capture_output=True, text=True,
+                          timeout=timeout_s)
+    assert done.returncode == 0, f"compile check failed:\n{done.stderr[-4000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -118,6 +118,7 @@ def test_tp_sizes_match_reference(world_size):
     backends = ["torch"] + ([] if triton_skip_reason("cpu") else ["triton"])
     drawn = _draw_tp_cases(world_size)
     assert drawn, "hypothesis drew no case"
-    tp1 = {(backend, i): tp1_result(case, world_size, backend, device="cpu") if has_fixed_segments(case, world_size) else None
+    tp1 = {(backend, i): tp1_result(case, world_size, backend, device="cpu")  # the gloo ranks' device
+           if has_fixed_segments(case, world_size) else None
            for backend in backends for i, case in enumerate(drawn)}
     run_gloo(world_size, _tp_worker, backends, drawn, tp1)

@@ -17,11 +17,7 @@ What is checked, per backend ("torch"; "triton" under TRITON_INTERPRET=1 on CPU,
   rank and the argument; tp_group=None inside the job is one rank.
 """
 
-import json
 import os
-import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -30,7 +26,8 @@ import torch.distributed as dist
 
 import ppo_ops
 from ppo_ops import _layout, _validate
-from tests.core_support import CaseFailures, backend_params, make_tokens, make_weights, triton_skip_reason
+from tests.core_support import (CaseFailures, backend_params, compile_check_report, make_tokens, make_weights,
+                                triton_skip_reason)
 from tests.ranks import DEVICE, rank_device, run_gloo, run_ranks, world_size_param
 from tests.reference import ENTROPY_TOL, LOG_PROB_TOL, reference_log_probs_and_entropy
 
@@ -592,13 +589,7 @@ COMPILE_TIMEOUT_S = 600  # eight kernels at Qwen3 sizes: about 15 s on one core,
 
 @pytest.fixture(scope="module")
 def compile_report(tmp_path_factory):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton_cache"))
-    repo_root = pathlib.Path(os.path.abspath(__file__)).parent.parent  # not resolved: Bazel's runfiles copy stays
-    done = subprocess.run([sys.executable, "-m", "tests.linear_compile_check"], env=env, cwd=repo_root,
-                          capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
-    assert done.returncode == 0, f"compile check failed:\n{done.stderr[-4000:]}"
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return compile_check_report("tests.linear_compile_check", tmp_path_factory.mktemp("triton_cache"), COMPILE_TIMEOUT_S)
 
 
 @pytest.mark.device("any")

@@ -19,16 +19,11 @@ deselected elsewhere (tests/conftest.py); the sm_90 compile checks run on both.
 """
 
 import dataclasses
-import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.core_support import DEVICE, triton_skip_reason
+from tests.core_support import DEVICE, compile_check_report, triton_skip_reason
 
 _SKIP = triton_skip_reason(DEVICE)
 if _SKIP:
@@ -338,13 +333,7 @@ any_device = pytest.mark.device("any")  # compiles in a child process, whatever 
 
 @pytest.fixture(scope="module")
 def compile_report(tmp_path_factory):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton_cache"))
-    repo_root = pathlib.Path(os.path.abspath(__file__)).parent.parent  # not resolved: Bazel's runfiles copy stays
-    done = subprocess.run([sys.executable, "-m", "tests.triton_compile_check"], env=env, cwd=repo_root,
-                          capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
-    assert done.returncode == 0, f"compile check failed:\n{done.stderr[-4000:]}"
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return compile_check_report("tests.triton_compile_check", tmp_path_factory.mktemp("triton_cache"), COMPILE_TIMEOUT_S)
 
 
 @any_device
