@@ -248,6 +248,29 @@ def derive(rows: List[dict]) -> List[dict]:
     return out
 
 
+def violations(rows: List[dict], dtype: str) -> List[str]:
+    """Where the tolerances in use for `dtype` (tolerances.resolve) do not do their job on measured rows: a healthy
+    value above its threshold (a false FAIL), or a negative control whose largest value on a metric that must catch it
+    is not above the threshold (a fault that would PASS). Empty when every healthy run passes and every control fails
+    with its metric."""
+    found = []
+    for r in rows:
+        limit = tolerances.resolve(r["tolerance_name"], None, dtype)
+        if r["kind"] == "healthy" and r["value"] > limit:
+            found.append(f"healthy {r['engine']} {r['config']}: {r['subject']}: {r['metric']} = {r['value']:.3g} > "
+                         f"{r['tolerance_name']} {limit:.3g}")
+    for control, (_, caught_by) in controls.CONTROLS.items():
+        for name in caught_by:
+            values = [r["value"] for r in rows
+                      if r["kind"] == "control" and r["control"] == control and r["tolerance_name"] == name]
+            limit = tolerances.resolve(name, None, dtype)
+            if not values:
+                found.append(f"control {control}: no {name} comparison measured")
+            elif max(values) <= limit:
+                found.append(f"control {control}: largest {name} value {max(values):.3g} <= {limit:.3g}: it would pass")
+    return found
+
+
 def _fmt(v) -> str:
     return "-" if v is None else f"{v:.3g}"
 

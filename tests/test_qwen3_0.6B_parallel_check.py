@@ -8,7 +8,8 @@ unset (a plain CPU run) the test skips and says why.
 
 Server flags: those of a minimal SGLang bundle without FA3 / FlashInfer sampling (triton attention, pytorch
 sampling, NCCL all-reduce, CPU feature transport), with CUDA graphs and warm-up off for a faster start. Expected
-wall time on two H200s: three server starts (~1 min each without CUDA graphs) plus ~1 min: within 10 minutes.
+wall time on two H200s: the layouts test 247 s measured (three server starts); the negative controls through the
+calibration program (two server starts, each serving every control) a few minutes more.
 """
 
 import json
@@ -17,9 +18,10 @@ import os
 import pytest
 import torch
 
-from sglang_checks import check, cli
+from sglang_checks import calibrate, check, cli, controls
 from sglang_checks.engines import sglang_engine
 from sglang_checks.errors import CheckError
+from tests.check_support import run_calibrate
 
 SGLANG_PYTHON = os.environ.get("PPO_OPS_SGLANG_PYTHON")
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -70,3 +72,20 @@ def test_qwen3_0_6b_sglang_engine_and_trainer_layouts(tmp_path, monkeypatch):
     assert [c["subject"] for c in report["comparisons"] if c["section"] == "engine layouts"] == [
         "engine tp2 vs tp1 (teacher-forced, raw)", "engine dp2 vs tp1 (teacher-forced, raw)"]
     assert code == 0, [c for c in report["comparisons"] if not c["passed"]]
+
+
+def test_bf16_negative_controls_fail_with_their_metric_with_sglang(tmp_path, monkeypatch):
+    """SGLang engine layouts tp1 and tp2 (each server started once, serving every control): under the installed bf16
+    tolerances every healthy run passes and every negative control fails with the metric that should catch it."""
+    _require_sglang_and_two_gpus()
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    rows = run_calibrate(
+        tmp_path / "cal", f"--cache_dir={os.environ.get('PPO_OPS_MODEL_CACHE') or tmp_path / 'm'}",
+        f"--model={os.environ.get('QWEN3_0_6B_PATH', 'qwen3-0.6b-random')}", "--dtype=bfloat16", "--device=cuda",
+        "--engine=sglang", "--engine_layouts=tp1,tp2", "--trainer_layouts=tp1,tp2", "--seeds=0",
+        "--prompt_sets=builtin", "--num_prompts=4", "--max_new_tokens=32", f"--sglang_python={SGLANG_PYTHON}",
+        f"--sglang_mem_fraction={MEM_FRACTION}", "--sglang_attention_backend=triton",
+        "--sglang_sampling_backend=pytorch", "--sglang_disable_custom_all_reduce", "--sglang_mm_feature_transport=cpu",
+        "--sglang_disable_cuda_graph", "--sglang_skip_server_warmup")
+    assert {r["control"] for r in rows if r["kind"] == "control"} == set(controls.CONTROLS)
+    assert calibrate.violations(rows, "bfloat16") == []

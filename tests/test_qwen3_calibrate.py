@@ -5,30 +5,23 @@ separated from the healthy values; the outputs must be what the check and the do
 """
 
 import json
-import os
-import subprocess
-import sys
 
 from sglang_checks import calibrate, controls, tolerances
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.check_support import run_calibrate
 
 
 def test_calibrate_measures_every_control_and_separates_it(tmp_path):
     out = tmp_path / "cal"
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(
-        [sys.executable, "-m", "sglang_checks.calibrate", f"--out_dir={out}", f"--cache_dir={tmp_path / 'models'}",
-         "--seeds=0", "--prompt_sets=builtin", "--num_prompts=2", "--max_new_tokens=8", "--engine_layouts=tp1,dp2",
-         "--trainer_layouts=tp1,tp2"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = run_calibrate(out, f"--cache_dir={tmp_path / 'models'}", "--seeds=0", "--prompt_sets=builtin",
+                         "--num_prompts=2", "--max_new_tokens=8", "--engine_layouts=tp1,dp2", "--trainer_layouts=tp1,tp2")
     cal = json.loads((out / "calibration.json").read_text())
     assert set(cal["thresholds"]) == set(tolerances.DEFAULTS)
     for name, t in cal["thresholds"].items():
         assert t["healthy_max"] < t["value"] < t["broken_min"], (name, t)
         assert t["margin"] >= calibrate.MIN_MARGIN, (name, t)
-    rows = json.loads((out / "measurements.json").read_text())["runs"][0]["rows"]
     assert {r["control"] for r in rows if r["kind"] == "control"} == set(controls.CONTROLS)
+    # With the fp32 tolerances in use: every healthy run passes, every control fails with the metric that catches it.
+    assert calibrate.violations(rows, "float32") == []
     md = (out / "calibration.md").read_text()
     assert all(f"`{name}`" in md for name in tolerances.DEFAULTS)
 
@@ -50,3 +43,17 @@ def test_derive_places_the_threshold_between_healthy_and_broken():
     assert abs(kl["value"] - (4e-3 * 0.2) ** 0.5) < 1e-12 and abs(kl["margin"] - (0.2 / 4e-3) ** 0.5) < 1e-9
     assert table["mismatch_tol"]["status"] == "NOT SEPARATED"
     assert table["engine_layout_tol"]["status"] == "not measured"
+
+
+def test_violations_name_a_false_fail_and_a_fault_that_would_pass():
+    limit = tolerances.resolve("kl_tol", None, "float32")
+
+    def row(kind, control, value):
+        return {"kind": kind, "control": control, "tolerance_name": "kl_tol", "value": value, "engine": "hf",
+                "config": "c", "subject": "s", "metric": "k3 KL"}
+
+    rows = [row("healthy", "none", 2 * limit), row("control", controls.TRAINER_TEMPERATURE, limit / 2)]
+    found = calibrate.violations(rows, "float32")
+    assert any(v.startswith("healthy hf c") for v in found)
+    assert any(v.startswith(f"control {controls.TRAINER_TEMPERATURE}: largest kl_tol") for v in found)
+    assert any(v.startswith(f"control {controls.SHIFTED_LOGPROBS}: no mismatch_tol") for v in found)

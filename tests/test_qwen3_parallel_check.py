@@ -20,9 +20,10 @@ import sys
 import pytest
 import torch
 
-from sglang_checks import check, cli, controls, layouts, logprob_kinds, trainer
+from sglang_checks import calibrate, check, cli, controls, layouts, logprob_kinds, trainer
 from sglang_checks.engines import SamplingSettings, hf_engine
 from sglang_checks.errors import CheckError
+from tests.check_support import run_calibrate
 
 pytestmark = pytest.mark.device("cpu")  # the CUDA runs at the end are marked cuda (tests/conftest.py places them)
 
@@ -498,3 +499,15 @@ def test_qwen3_0_6b_random_trainer_layouts_on_two_gpus(tmp_path, cache_dir):
     trainer_rows = [c for c in report["comparisons"] if c["section"] == "trainer layouts"]
     assert len(trainer_rows) == 3 * 8 and all(c["passed"] for c in trainer_rows)
     print(json.dumps({c["subject"] + " / " + c["metric"]: c["value"] for c in report["comparisons"]}, indent=1))
+
+
+@pytest.mark.device("cuda")
+@pytest.mark.world_size(2)
+def test_bf16_negative_controls_fail_with_their_metric_on_two_gpus(tmp_path, cache_dir):
+    """qwen3-0.6b-random in bf16 with the hf engine: under the installed bf16 tolerances every healthy run passes and
+    every negative control fails with the metric that should catch it (one seed, the built-in prompts)."""
+    rows = run_calibrate(tmp_path / "cal", f"--cache_dir={cache_dir}", "--model=qwen3-0.6b-random", "--dtype=bfloat16",
+                         "--device=cuda", "--engine=hf", "--engine_layouts=tp1,dp2", "--trainer_layouts=tp1,tp2",
+                         "--seeds=0", "--prompt_sets=builtin", "--num_prompts=4", "--max_new_tokens=32")
+    assert {r["control"] for r in rows if r["kind"] == "control"} == set(controls.CONTROLS)
+    assert calibrate.violations(rows, "bfloat16") == []
