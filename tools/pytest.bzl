@@ -67,7 +67,8 @@ GPU_TEST_ENV = dict(_SEED_ENV, **{
     "TRITON_INTERPRET": "0",
     # Deterministic cuBLAS (needed by torch.use_deterministic_algorithms for matmuls).
     "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
-    # NVLink multicast (NVLS) off for NCCL, torch symmetric memory and NVSHMEM, as the lent GPU machines require.
+    # NVLink multicast (NVLS) off for NCCL, torch symmetric memory and NVSHMEM: on shared multi-GPU hosts it can take
+    # GPUs others use out of service.
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
