@@ -13,6 +13,7 @@
 import datetime
 import os
 import socket
+import sys
 import time
 from typing import Optional
 
@@ -53,6 +54,12 @@ def _entry(rank, world_size, port, backend, timeout_s, worker, args):
         dist.barrier()  # every rank done before any tears the group down (a peer's early exit can abort gloo)
     finally:
         dist.destroy_process_group()
+    # Done and torn down: leave without interpreter finalization, where gloo's background threads have aborted a
+    # finished rank ("terminate called without an active exception") and failed a passing test. A failure above
+    # never gets here: it propagates to torch.multiprocessing, which reports it with its traceback.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(world_size: int, worker, *args, backend: str = DIST_BACKEND, timeout_s: Optional[float] = None,
