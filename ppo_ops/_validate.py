@@ -158,16 +158,26 @@ def check_tensors(
     if logits.shape[-1] < 1:
         fail(ValueError, "logits", f"logits must have a non-empty vocabulary dimension, got {tuple(logits.shape)}")
     lead = tuple(logits.shape[:-1])
+    check_row_tensors(fn_name, "logits", logits.device, lead, tokens,
+                      (("keep_mask", keep_mask, tuple(logits.shape)), ("row_mask", row_mask, lead)))
+
+
+def check_row_tensors(fn_name: str, source: str, device, lead: tuple, tokens, masks) -> None:
+    """The per-row arguments of an op whose rows come from `source` (logits or hidden, of leading shape `lead`, on
+    `device`): integer tokens of shape `lead`, and each (name, mask or None, shape) a bool tensor of that shape."""
+    def fail(exc_type, name, detail):
+        raise argument_error(exc_type, fn_name, name, detail)
+
     if not isinstance(tokens, torch.Tensor):
         fail(TypeError, "tokens", f"tokens must be a torch.Tensor of integer ids, got {type(tokens).__name__}")
     if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
         fail(TypeError, "tokens", f"tokens must hold integer token ids, got dtype {tokens.dtype}")
     if tuple(tokens.shape) != lead:
-        fail(ValueError, "tokens",
-             f"tokens must have shape {lead} (logits.shape[:-1]), got {tuple(tokens.shape)}: token/logit length mismatch")
-    if tokens.device != logits.device:
-        fail(ValueError, "tokens", f"tokens must be on {logits.device} like logits, got {tokens.device}")
-    for name, mask, shape in (("keep_mask", keep_mask, tuple(logits.shape)), ("row_mask", row_mask, lead)):
+        fail(ValueError, "tokens", f"tokens must have shape {lead} ({source}.shape[:-1]), got {tuple(tokens.shape)}: "
+                                   f"token/{source} length mismatch")
+    if tokens.device != device:
+        fail(ValueError, "tokens", f"tokens must be on {device} like {source}, got {tokens.device}")
+    for name, mask, shape in masks:
         if mask is None:
             continue
         if not isinstance(mask, torch.Tensor):
@@ -176,8 +186,8 @@ def check_tensors(
             fail(TypeError, name, f"{name} must have dtype torch.bool, got {mask.dtype}")
         if tuple(mask.shape) != shape:
             fail(ValueError, name, f"{name} must have shape {shape}, got {tuple(mask.shape)}")
-        if mask.device != logits.device:
-            fail(ValueError, name, f"{name} must be on {logits.device} like logits, got {mask.device}")
+        if mask.device != device:
+            fail(ValueError, name, f"{name} must be on {device} like {source}, got {mask.device}")
 
 
 def check_vocab(fn_name: str, vocab_size: Optional[int], v_global: int) -> None:

@@ -182,23 +182,7 @@ def _check_tensors(hidden, weight, tokens, row_mask) -> None:
     if weight.device != hidden.device:
         fail(ValueError, "weight", f"weight must be on {hidden.device} like hidden, got {weight.device}")
     lead = tuple(hidden.shape[:-1])
-    if not isinstance(tokens, torch.Tensor):
-        fail(TypeError, "tokens", f"tokens must be a torch.Tensor of integer ids, got {type(tokens).__name__}")
-    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-        fail(TypeError, "tokens", f"tokens must hold integer token ids, got dtype {tokens.dtype}")
-    if tuple(tokens.shape) != lead:
-        fail(ValueError, "tokens", f"tokens must have shape {lead} (hidden.shape[:-1]), got {tuple(tokens.shape)}")
-    if tokens.device != hidden.device:
-        fail(ValueError, "tokens", f"tokens must be on {hidden.device} like hidden, got {tokens.device}")
-    if row_mask is not None:
-        if not isinstance(row_mask, torch.Tensor):
-            fail(TypeError, "row_mask", f"row_mask must be a bool torch.Tensor or None, got {type(row_mask).__name__}")
-        if row_mask.dtype != torch.bool:
-            fail(TypeError, "row_mask", f"row_mask must have dtype torch.bool, got {row_mask.dtype}")
-        if tuple(row_mask.shape) != lead:
-            fail(ValueError, "row_mask", f"row_mask must have shape {lead}, got {tuple(row_mask.shape)}")
-        if row_mask.device != hidden.device:
-            fail(ValueError, "row_mask", f"row_mask must be on {hidden.device} like hidden, got {row_mask.device}")
+    _validate.check_row_tensors(_FN, "hidden", hidden.device, lead, tokens, (("row_mask", row_mask, lead),))
 
 
 def _select_backend(backend: str, hidden: torch.Tensor):
