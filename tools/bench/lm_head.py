@@ -5,13 +5,18 @@
     python3 tools/bench/bench.py --suite=lm_head_smoke --device=cpu --out_dir=/tmp/b            # plumbing only
 
 Cases: T in (8192, 32768), H = 4096, V = 151936, bf16, forward + backward with upstream gradients for the log-prob and
-(where the provider has one) the entropy. At --tp=1 the suite also runs every provider on the local shape of a TP=2
-rank (V = 75968): the reference of the TP=2 target. Providers:
+(where the provider has one) the entropy. At --tp=1 the suite also runs, on the local shape of a TP=2
+rank (V = 75968) for the gemms, unfused and fused providers: the reference of the TP=2 target. Providers:
   gemms     the three cuBLAS GEMMs alone: logits = X W^T, dX = G W, dW = G^T X (G a stored [T, V_local] gradient)
   unfused   logits = X W^T (cuBLAS), ppo_ops.log_probs_and_entropy (Triton) with entropy="grad", autograd's GEMMs
             back; at TP > 1 dX is all-reduced (as Megatron's column-parallel layer does)
   fused     ppo_ops.linear_log_probs_and_entropy(backend="triton", entropy="grad"), validate on (default) and off
   liger     Liger-Kernel's fused linear cross entropy (log-prob only, reduction "mean"; TP=1), where installed
+  cce       Cut Cross-Entropy's linear_cross_entropy (log-prob only, per token; TP=1), gradient filtering on (its
+            default: gradient blocks under bf16 eps/32 are skipped, an approximation), where installed
+  cce_exact the same with filter_eps=None: exact gradients
+  verl      verl's fused linear cross entropy (log-prob and entropy, both gradients; vocabulary-parallel), where its
+            wheel is installed: its kernel modules are loaded without verl's package import, which needs its trainer
 Reported per case (slowest rank at TP > 1): p20/p50/p80 ms, TFLOP/s against the three GEMMs' count 6 T H V_local,
 time over the gemms case of the same shape, peak extra memory (max allocated during one step over what was allocated
 before it, inputs alive), and for the fused provider the largest |log-prob difference| against the unfused one
@@ -38,7 +43,8 @@ from tools.bench import measure
 HIDDEN = 4096
 VOCAB = 151936
 TOKENS = (8192, 32768)
-PROVIDERS = ("gemms", "unfused", "fused", "fused_novalidate", "liger")
+PROVIDERS = ("gemms", "unfused", "fused", "fused_novalidate", "liger", "cce", "cce_exact", "verl")
+PEERS = ("liger", "cce", "cce_exact", "verl")  # other projects' kernels
 FIELDS = ("provider", "T", "H", "V", "tp", "v_local", "status", "p20_ms", "p50_ms", "p80_ms", "reps", "tflops",
           "vs_gemms", "peak_extra_gib", "grad_gib", "max_dlogprob_vs_unfused")
 GIB = float(1 << 30)
@@ -61,10 +67,10 @@ class HeadCase:
 def suite(name: str, tp: int) -> list[HeadCase]:
     if name == "lm_head_smoke":
         return [HeadCase(p, 16, 64, 256, tp) for p in PROVIDERS]
-    shapes = [(T, VOCAB) for T in TOKENS]
-    if tp == 1:
-        shapes += [(T, VOCAB // 2) for T in TOKENS]  # a TP=2 rank's local shape, at TP=1
-    return [HeadCase(p, T, HIDDEN, V, tp) for T, V in shapes for p in PROVIDERS]
+    cases = [HeadCase(p, T, HIDDEN, VOCAB, tp) for T in TOKENS for p in PROVIDERS]
+    if tp == 1:  # a TP=2 rank's local shape at TP=1: the reference of the TP=2 target, for ppo_ops' own paths
+        cases += [HeadCase(p, T, HIDDEN, VOCAB // 2, tp) for T in TOKENS for p in PROVIDERS[:4]]
+    return cases
 
 
 # --- inputs and providers ---
@@ -142,7 +148,7 @@ def _build(case: HeadCase, inp: Inputs, interpreted: bool):
         try:
             from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
         except Exception as error:  # not installed, or fails at import
-            return f"liger_kernel is not importable ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+            return f"liger_kernel is not importable ({_why(error)})"
 
         def step():
             x, w = _leaf(inp.hidden), _leaf(inp.weight)
@@ -151,7 +157,76 @@ def _build(case: HeadCase, inp: Inputs, interpreted: bool):
             return torch.autograd.grad(loss, [x, w])
 
         return step, None
+    if case.provider in ("cce", "cce_exact"):
+        if case.tp > 1:
+            return "Cut Cross-Entropy has no vocabulary parallelism"
+        if not inp.hidden.is_cuda:
+            return "Cut Cross-Entropy's kernels need CUDA"
+        try:
+            from cut_cross_entropy import linear_cross_entropy
+        except Exception as error:
+            return f"cut_cross_entropy is not importable ({_why(error)})"
+        filter_eps = "high" if case.provider == "cce" else None
+
+        def run(grad):
+            x, w = _leaf(inp.hidden), _leaf(inp.weight)
+            loss = linear_cross_entropy(x, w, inp.tokens, reduction="none", filter_eps=filter_eps)
+            if not grad:
+                return -loss.detach()
+            return torch.autograd.grad(loss, [x, w], -inp.g_lp)  # loss = -log p
+
+        return (lambda: run(True)), (lambda: run(False))
+    if case.provider == "verl":
+        if not inp.hidden.is_cuda:
+            return "verl's kernels need CUDA"
+        try:
+            verl_lce = _verl_linear_cross_entropy()
+        except Exception as error:
+            return f"verl's kernel is not loadable ({_why(error)})"
+
+        def run(grad):
+            x, w = _leaf(inp.hidden), _leaf(inp.weight)
+            log_probs, entropy = verl_lce(x, w, inp.tokens, 1.0, "none", inp.group)
+            if not grad:
+                return log_probs.detach()
+            return torch.autograd.grad([log_probs, entropy], [x, w], [inp.g_lp, inp.g_ent])
+
+        return (lambda: run(True)), (lambda: run(False))
     raise ValueError(case.provider)
+
+
+def _why(error):
+    text = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {text}"
+
+
+def _verl_linear_cross_entropy():
+    """verl's LinearCrossEntropy.apply, loaded from its installed files. `import verl` runs the package's __init__,
+    which imports its trainer (tensordict, ray, ...); the kernel needs only torch, triton and four device helpers of
+    verl.utils.device, so the parent packages are registered as bare namespaces and that module as a small stand-in."""
+    import importlib
+    import importlib.util
+    import sys
+    import types
+
+    if "verl.utils.kernel.linear_cross_entropy" in sys.modules:
+        return sys.modules["verl.utils.kernel.linear_cross_entropy"].linear_cross_entropy
+    spec = importlib.util.find_spec("verl")  # locates the package without running its __init__
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("verl is not installed")
+    root = os.path.join(list(spec.submodule_search_locations)[0])
+    for name, path in (("verl", root), ("verl.utils", os.path.join(root, "utils")),
+                       ("verl.utils.kernel", os.path.join(root, "utils", "kernel"))):
+        module = types.ModuleType(name)
+        module.__path__ = [path]
+        sys.modules.setdefault(name, module)
+    device = types.ModuleType("verl.utils.device")
+    device.is_cuda_available = torch.cuda.is_available()
+    device.get_device_capability = lambda device_id=0: torch.cuda.get_device_capability(device_id)
+    device.get_device_name = lambda: "cuda"
+    device.get_torch_device = lambda: torch.cuda
+    sys.modules.setdefault("verl.utils.device", device)
+    return importlib.import_module("verl.utils.kernel.linear_cross_entropy").linear_cross_entropy
 
 
 # --- running ---
@@ -217,6 +292,10 @@ def run_rank(rank, world_size, suite_name, device_type, out_dir, cfg):
             except torch.cuda.OutOfMemoryError:
                 row, result = _row(case, "OOM"), None
                 torch.cuda.empty_cache()
+            except Exception as error:  # a peer's kernel failing is a row of the table, not the end of the run
+                if case.provider not in PEERS:
+                    raise
+                row, result = _row(case, f"error: {_why(error)}"), None
             rows.append(row)
             if rank == 0:
                 print(" ".join(f"{k}={row[k]}" for k in ("provider", "T", "V", "tp", "status", "p50_ms", "tflops",
