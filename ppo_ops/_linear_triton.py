@@ -309,10 +309,10 @@ def forward_partials(hidden, weight, tokens, inv_temperature, n_valid, seg_len, 
         return out
     cfg = tile_config(hidden.dtype)
     forward_partials_kernel[(v_local // seg_len, _cdiv(n_rows, cfg.block_m))](
-        hidden, weight, tokens.to(torch.int64).contiguous(), out,
-        n_rows, width, seg_len, n_valid, v_local, int(vocab_start),
-        hidden.stride(0), weight.stride(0),
-        float(inv_temperature),
+        x_ptr=hidden, w_ptr=weight, tokens_ptr=tokens.to(torch.int64).contiguous(), out_ptr=out,
+        num_rows=n_rows, H=width, seg_len=seg_len, n_valid=n_valid, v_local=v_local, vocab_start=int(vocab_start),
+        stride_x=hidden.stride(0), stride_w=weight.stride(0),
+        inv_temperature=float(inv_temperature),
         WITH_ENTROPY=bool(with_entropy), SCALE=float(inv_temperature) != 1.0, IEEE=hidden.dtype == torch.float32,
         UPCAST=interpreting(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **_options(cfg),
@@ -326,14 +326,17 @@ def _launch_dlogits(hidden, weight, tokens, out, col_lo, col_hi, n_valid, vocab_
     n_rows, width = hidden.shape
     dummy = out
     dlogits_kernel[(_cdiv(col_hi - col_lo, cfg.block_n), _cdiv(n_rows, cfg.block_m))](
-        hidden, weight, tokens, dummy if shift is None else shift, dummy if log_sum is None else log_sum,
-        dummy if mean_shifted is None else mean_shifted, dummy if g_lp is None else g_lp,
-        dummy if g_ent is None else g_ent, out,
-        n_rows, width, col_lo, col_hi, n_valid, weight.shape[0], int(vocab_start),
-        hidden.stride(0), weight.stride(0), out.stride(0),
-        float(inv_temperature),
+        x_ptr=hidden, w_ptr=weight, tokens_ptr=tokens,
+        shift_ptr=dummy if shift is None else shift, log_sum_ptr=dummy if log_sum is None else log_sum,
+        mean_ptr=dummy if mean_shifted is None else mean_shifted, glp_ptr=dummy if g_lp is None else g_lp,
+        gent_ptr=dummy if g_ent is None else g_ent, out_ptr=out,
+        num_rows=n_rows, H=width, col_lo=col_lo, col_hi=col_hi, n_valid=n_valid, v_local=weight.shape[0],
+        vocab_start=int(vocab_start),
+        stride_x=hidden.stride(0), stride_w=weight.stride(0), stride_out=out.stride(0),
+        inv_temperature=float(inv_temperature),
         HAS_GLP=g_lp is not None, HAS_GENT=g_ent is not None, SCALE=float(inv_temperature) != 1.0,
-        IEEE=hidden.dtype == torch.float32, UPCAST=interpreting(), LOGITS_ONLY=logits_only, ROUND_BF16_BY_BITS=_round_by_bits(out.dtype),
+        IEEE=hidden.dtype == torch.float32, UPCAST=interpreting(), LOGITS_ONLY=logits_only,
+        ROUND_BF16_BY_BITS=_round_by_bits(out.dtype),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **_options(cfg),
     )
 
@@ -343,9 +346,12 @@ def _gemm(a, b, out, accumulate):
     (m, k), n = a.shape, b.shape[1]
     cfg = tile_config(a.dtype, gemm=True)
     gemm_kernel[(_cdiv(m, cfg.block_m), _cdiv(n, cfg.block_n))](
-        a, b, out, out, m, n, k,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(0), out.stride(1),
-        ACCUMULATE=accumulate, IEEE=a.dtype == torch.float32, UPCAST=interpreting(), ROUND_BF16_BY_BITS=_round_by_bits(out.dtype),
+        a_ptr=a, b_ptr=b, c_ptr=out, out_ptr=out,  # c is out: read only when accumulating
+        M=m, N=n, K=k,
+        stride_am=a.stride(0), stride_ak=a.stride(1), stride_bk=b.stride(0), stride_bn=b.stride(1),
+        stride_cm=out.stride(0), stride_cn=out.stride(1), stride_om=out.stride(0), stride_on=out.stride(1),
+        ACCUMULATE=accumulate, IEEE=a.dtype == torch.float32, UPCAST=interpreting(),
+        ROUND_BF16_BY_BITS=_round_by_bits(out.dtype),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **_options(cfg),
     )
 

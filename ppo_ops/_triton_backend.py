@@ -178,33 +178,28 @@ def forward_partials(
     if out.numel() == 0:
         return out
     config = launch_config("forward", logits.dtype, seg_len, interpreting(), **overrides)
-    grid, args, kwargs = forward_launch_args(
+    grid, kwargs = forward_launch_args(
         logits, row_mask, tokens, keep_mask, inv_temperature, n_valid, seg_len, with_entropy, out, config, vocab_start
     )
-    _triton_kernels.forward_partials_kernel[grid](*args, **kwargs)
+    _triton_kernels.forward_partials_kernel[grid](**kwargs)
     return out
 
 
 def forward_launch_args(logits, row_mask, tokens, keep_mask, inv_temperature, n_valid, seg_len, with_entropy,
                         out, config, vocab_start=0):
-    """(grid, args, kwargs) of one forward launch: one program per (row, segment), dropped rows included (they store
-    neutral partials)."""
+    """(grid, kwargs) of one forward launch, every kernel argument by name (launch: kernel[grid](**kwargs)): one
+    program per (row, segment), dropped rows included (they store neutral partials)."""
     num_rows, v_local = out.shape[2], logits.shape[1]
     keep = None if keep_mask is None else _keep_bytes(keep_mask, logits)
     row_bytes = None if row_mask is None else _row_bytes("row_mask", row_mask, logits)
     tokens = _vector(tokens, torch.int64)
-    args = (
-        # data ptrs (an unused pointer gets any tensor: the constexprs switch its loads off)
-        logits, tokens if row_bytes is None else row_bytes, tokens,
-        logits if keep is None else keep, out,
-        # shapes
-        num_rows, n_valid, seg_len, v_local, int(vocab_start),
-        # strides
-        logits.stride(0), 0 if keep is None else keep.stride(0),
-        # constants
-        float(inv_temperature),
-    )
     kwargs = dict(
+        # An unused pointer gets any tensor: the constexprs switch its loads off.
+        logits_ptr=logits, row_mask_ptr=tokens if row_bytes is None else row_bytes, tokens_ptr=tokens,
+        keep_ptr=logits if keep is None else keep, out_ptr=out,
+        num_rows=num_rows, n_valid=n_valid, seg_len=seg_len, v_local=v_local, vocab_start=int(vocab_start),
+        logits_row_stride=logits.stride(0), keep_row_stride=0 if keep is None else keep.stride(0),
+        inv_temperature=float(inv_temperature),
         HAS_ROW_MASK=row_bytes is not None, HAS_KEEP=keep is not None, WITH_ENTROPY=bool(with_entropy),
         SCALE=float(inv_temperature) != 1.0, BLOCK_V=config.block_v,
         LOGITS_ALIGN=_segment_align(seg_len, logits, config.block_v),
@@ -212,7 +207,7 @@ def forward_launch_args(logits, row_mask, tokens, keep_mask, inv_temperature, n_
         LANE_WIDTH=config.lane_width,
         **_options(config),
     )
-    return (num_rows, v_local // seg_len), args, kwargs
+    return (num_rows, v_local // seg_len), kwargs
 
 
 def backward_grad(
@@ -249,20 +244,20 @@ def backward_grad(
     shift = _vector(shift, torch.float32)
     unused = shift  # stands in for pointers the constexprs switch off
     _triton_kernels.backward_grad_kernel[(num_rows, _cdiv(v_local, config.block_v))](
-        # data ptrs
-        logits, out, unused if row_bytes is None else row_bytes, _vector(tokens, torch.int64),
-        logits if keep is None else keep,
-        shift, _vector(log_sum, torch.float32), _vector(log_sum_kept, torch.float32, unused),
-        _vector(mean_shifted, torch.float32, unused), _vector(grad_log_prob, torch.float32, unused),
-        _vector(grad_entropy, torch.float32, unused),
-        unused if log_prob_defined is None else _row_bytes("log_prob_defined", log_prob_defined, logits),
-        unused if row_has_mass is None else _row_bytes("row_has_mass", row_has_mass, logits),
-        # shapes
-        v_local, n_valid, int(vocab_start),
-        # strides
-        logits.stride(0), out.stride(0), 0 if keep is None else keep.stride(0),
-        # constants
-        float(inv_temperature),
+        logits_ptr=logits, out_ptr=out, row_mask_ptr=unused if row_bytes is None else row_bytes,
+        tokens_ptr=_vector(tokens, torch.int64), keep_ptr=logits if keep is None else keep,
+        shift_ptr=shift, log_sum_ptr=_vector(log_sum, torch.float32),
+        log_sum_kept_ptr=_vector(log_sum_kept, torch.float32, unused),
+        mean_shifted_ptr=_vector(mean_shifted, torch.float32, unused),
+        grad_log_prob_ptr=_vector(grad_log_prob, torch.float32, unused),
+        grad_entropy_ptr=_vector(grad_entropy, torch.float32, unused),
+        log_prob_defined_ptr=(unused if log_prob_defined is None
+                              else _row_bytes("log_prob_defined", log_prob_defined, logits)),
+        mass_ptr=unused if row_has_mass is None else _row_bytes("row_has_mass", row_has_mass, logits),
+        v_local=v_local, n_valid=n_valid, vocab_start=int(vocab_start),
+        logits_row_stride=logits.stride(0), out_row_stride=out.stride(0),
+        keep_row_stride=0 if keep is None else keep.stride(0),
+        inv_temperature=float(inv_temperature),
         HAS_ROW_MASK=row_bytes is not None, HAS_KEEP=has_keep, HAS_GRAD_LOG_PROB=grad_log_prob is not None,
         HAS_GRAD_ENTROPY=grad_entropy is not None, HAS_LOG_PROB_DEFINED=log_prob_defined is not None,
         HAS_MASS=row_has_mass is not None,
@@ -294,7 +289,8 @@ def merge_partials(partials: torch.Tensor, has_keep_mask: bool) -> RowStats:
     out = torch.empty((k.MERGED_FIELDS, num_rows), dtype=torch.float32, device=partials.device)
     if num_rows:
         k.merge_partials_kernel[(_cdiv(num_rows, _MERGE_BLOCK_R),)](
-            partials, out, num_rows, NUM_SEG=num_seg, HAS_KEEP=has_keep_mask, BLOCK_R=_MERGE_BLOCK_R,
+            partials_ptr=partials, out_ptr=out, num_rows=num_rows, NUM_SEG=num_seg, HAS_KEEP=has_keep_mask,
+            BLOCK_R=_MERGE_BLOCK_R,
         )
     flags = out[k.LOG_PROB_DEFINED:].bool()
     return RowStats(

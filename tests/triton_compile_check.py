@@ -53,9 +53,9 @@ def _forward_args(logits, row_mask, keep_mask, seg_len, n_valid, inv_t=1.0, voca
     out = torch.empty((logits.shape[1] // seg_len, 5, n_rows))
     config = tb.launch_config("forward", logits.dtype, seg_len, interpreted=False)
     target_col = torch.zeros(n_rows, dtype=torch.int64)
-    _, args, kwargs = tb.forward_launch_args(logits, row_mask, target_col, keep_mask, inv_t, n_valid, seg_len, True,
-                                             out, config, vocab_start)
-    return args, kwargs
+    _, kwargs = tb.forward_launch_args(logits, row_mask, target_col, keep_mask, inv_t, n_valid, seg_len, True, out,
+                                       config, vocab_start)
+    return (), kwargs  # the launch passes every argument by name
 
 
 def forward_key_count(dtype, n_rows=3, v_global=8000, vocab_size=7990):
