@@ -14,9 +14,11 @@ Backward, per vocabulary chunk of at most DL_CHUNK_BYTES of dlogits (chunks star
     `dlogits_kernel`, grid (column tile, row block): recomputes the logit tile with the forward's code and tiles, forms
     dlogits = inv_t * (g_lp * (onehot - p) + g_ent * p * (mean_shifted - d)) in fp32 (the logits op's formula) and
     stores it in the input dtype into a [R, chunk] buffer;
-    `gemm_kernel` twice: dX32[R, H] += dlogits @ W[chunk] (fp32 accumulator, chunks added in order) and
-    dW[chunk] = dlogits^T @ X (fp32 accumulation over all R rows, one rounding to the weight's dtype).
-No atomics anywhere, every reduction order is fixed by the tile shapes: bitwise deterministic run to run.
+    two GEMMs: dX32[R, H] += dlogits @ W[chunk] (fp32 accumulator, chunks added in order) and
+    dW[chunk] = dlogits^T @ X (fp32 accumulation over all R rows, one rounding to the weight's dtype); cuBLAS for
+    half-precision operands on CUDA, `gemm_kernel` otherwise (see _gemm).
+No atomics anywhere, every reduction order is fixed by the tile shapes (cuBLAS: by the shape, on one device):
+bitwise deterministic run to run.
 
 Bits. A column's logit depends only on the tile shapes and the K loop (0..H by BLOCK_K), which come from the dtype,
 never from V_local, the rank or the row count, and tiles start at segment starts: the partials of a (row, segment)
@@ -25,7 +27,10 @@ The per-row reductions run over [BLOCK_M, BLOCK_N] tiles, not the logits op kern
 logits op's on the same logits within its fp32 tolerances, not bit for bit (the PyTorch backend gives bitwise
 identity). dlogits are rounded to the input dtype before the backward GEMMs (bf16: relative 2^-8), the price of
 tensor-core GEMMs; the tests' bounds include it.
-Memory (besides dX and dW): the fp32 dX accumulator [R, H] and one dlogits chunk.
+Memory (besides dX and dW): the fp32 dX accumulator [R, H] and one dlogits chunk. The accumulator alone is R * H * 2
+bytes more than the dX it becomes: with four GEMMs' work and fp32 accumulation, one of dX or dW needs an fp32
+accumulator across the other's chunks, and dX's is the smaller while R < V_local. Holding less would take a fifth
+GEMM (dX by row blocks over the whole vocabulary, then dW by vocabulary chunks) or a half-precision accumulator.
 """
 
 import os
@@ -342,7 +347,20 @@ def _launch_dlogits(hidden, weight, tokens, out, col_lo, col_hi, n_valid, vocab_
 
 
 def _gemm(a, b, out, accumulate):
-    """out = (out if accumulate else 0) + a @ b, fp32 accumulation; a, b, out may be strided views."""
+    """out = (out if accumulate else 0) + a @ b, fp32 accumulation; a, b, out may be strided views. Half-precision
+    operands on CUDA go to cuBLAS, which runs these plain GEMMs faster than a Triton tile loop; its results are
+    deterministic for a given shape and device, and the backward's shapes do not depend on the TP size (chunks are
+    segment-relative), so dW keeps its bits at every TP size. fp32 operands and the interpreter use gemm_kernel."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _cublas_fp32_output(a.device):
+        if out.dtype == a.dtype and not accumulate:
+            torch.mm(a, b, out=out)  # fp32 accumulation inside cuBLAS, one rounding to out's dtype
+        elif out.dtype == torch.float32 and accumulate:
+            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)  # out += a @ b: fp32 C, fp32 accumulation
+        elif out.dtype == torch.float32:
+            torch.mm(a, b, out_dtype=torch.float32, out=out)
+        else:
+            raise AssertionError(f"_gemm: no cuBLAS form for {a.dtype} -> {out.dtype}, accumulate={accumulate}")
+        return
     (m, k), n = a.shape, b.shape[1]
     cfg = tile_config(a.dtype, gemm=True)
     gemm_kernel[(_cdiv(m, cfg.block_m), _cdiv(n, cfg.block_n))](
@@ -354,6 +372,24 @@ def _gemm(a, b, out, accumulate):
         ROUND_BF16_BY_BITS=_round_by_bits(out.dtype),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **_options(cfg),
     )
+
+
+_CUBLAS_FP32_OUTPUT = {}
+
+
+def _cublas_fp32_output(device) -> bool:
+    """Whether this torch has matmuls of half-precision operands into fp32 outputs on CUDA (mm/addmm `out_dtype`,
+    which the dX accumulation needs); checked once per device. Without it the Triton GEMMs run."""
+    key = device.index
+    if key not in _CUBLAS_FP32_OUTPUT:
+        a = torch.ones((2, 2), dtype=torch.bfloat16, device=device)
+        c = torch.ones((2, 2), dtype=torch.float32, device=device)
+        try:  # no value read: that would be a host sync
+            torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+            _CUBLAS_FP32_OUTPUT[key] = True
+        except (TypeError, RuntimeError, NotImplementedError):
+            _CUBLAS_FP32_OUTPUT[key] = False
+    return _CUBLAS_FP32_OUTPUT[key]
 
 
 def tile_logits(hidden, weight, seg_len):

@@ -64,7 +64,7 @@ _SEED = flags.DEFINE_integer("seed", 1234, "Seed of the random inputs.")
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if _SUITE.value in (["lm_head"], ["lm_head_smoke"]):  # the fused LM head's own cases and report
+    if _SUITE.value in (["lm_head"], ["lm_head_own"], ["lm_head_smoke"]):  # the fused LM head's cases and report
         from tools.bench import lm_head
 
         cfg = dict(warmup=_WARMUP.value, min_reps=_MIN_REPS.value, max_reps=max(_MAX_REPS.value, _MIN_REPS.value),

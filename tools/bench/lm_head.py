@@ -2,6 +2,7 @@
 
     bazel run --config=gpu //tools:bench -- --suite=lm_head --out_dir=$PWD/bench_out            # TP=1, one H200
     bazel run --config=gpu //tools:bench -- --suite=lm_head --tp=2 --out_dir=$PWD/bench_out     # TP=2, NCCL
+    bazel run --config=gpu //tools:bench -- --suite=lm_head_own --out_dir=$PWD/bench_out        # ppo_ops + GEMMs only
     python3 tools/bench/bench.py --suite=lm_head_smoke --device=cpu --out_dir=/tmp/b            # plumbing only
 
 Cases: T in (8192, 32768), H = 4096, V = 151936, bf16, forward + backward with upstream gradients for the log-prob and
@@ -67,6 +68,8 @@ class HeadCase:
 def suite(name: str, tp: int) -> list[HeadCase]:
     if name == "lm_head_smoke":
         return [HeadCase(p, 16, 64, 256, tp) for p in PROVIDERS]
+    if name == "lm_head_own":  # ppo_ops' fused paths and the GEMMs they are measured against, without the peers
+        return [HeadCase(p, T, HIDDEN, VOCAB, tp) for T in TOKENS for p in ("gemms", "fused", "fused_novalidate")]
     cases = [HeadCase(p, T, HIDDEN, VOCAB, tp) for T in TOKENS for p in PROVIDERS]
     if tp == 1:  # a TP=2 rank's local shape at TP=1: the reference of the TP=2 target, for ppo_ops' own paths
         cases += [HeadCase(p, T, HIDDEN, VOCAB // 2, tp) for T in TOKENS for p in PROVIDERS[:4]]
