@@ -11,9 +11,9 @@ it stores the five partials of its (segment, rows): the same channels as the log
 core's all-gather and fixed-order merge apply unchanged. The segment axis is the grid's fast axis: programs running
 together share a few weight tiles (one per segment) and a few hidden-row blocks, which stay in L2.
 Backward, per vocabulary chunk of at most DL_CHUNK_BYTES of dlogits (chunks start at segment starts, so tiles do):
-    `dlogits_kernel`, grid (column tile, row block): recomputes the logit tile with the forward's code and tiles, forms
-    dlogits = inv_t * (g_lp * (onehot - p) + g_ent * p * (mean_shifted - d)) in fp32 (the logits op's formula) and
-    stores it in the input dtype into a [R, chunk] buffer;
+    `dlogits_kernel`, one program per (row block, column tile), grouped for L2 reuse: recomputes the logit tile
+    with the forward's code and tiles, forms dlogits = inv_t * (g_lp * (onehot - p) + g_ent * p * (mean_shifted - d))
+    in fp32 (the logits op's formula) and stores it in the input dtype into a [R, chunk] buffer;
     two GEMMs: dX32[R, H] += dlogits @ W[chunk] (fp32 accumulator, chunks added in order) and
     dW[chunk] = dlogits^T @ X (fp32 accumulation over all R rows, one rounding to the weight's dtype); cuBLAS for
     half-precision operands on CUDA, `gemm_kernel` otherwise (see _gemm).
@@ -50,6 +50,7 @@ _FLT_MAX = tl.constexpr(3.4028234663852886e38)  # an empty row's running max: fi
 _TP_VARYING = ["n_valid", "v_local", "vocab_start", "col_lo", "col_hi"]
 
 DL_CHUNK_BYTES = 128 * 1024 * 1024  # bound on one backward dlogits chunk ([R, chunk] in the input dtype)
+_DLOGITS_GROUP_M = 8  # row blocks per launch-order group of dlogits_kernel (L2 reuse; no effect on values)
 
 
 class TileConfig(NamedTuple):
@@ -213,10 +214,19 @@ def dlogits_kernel(
     HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     LOGITS_ONLY: tl.constexpr,  # store the raw fp32 logit tile (tile_logits), no gradient
     ROUND_BF16_BY_BITS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = col_lo + tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Programs in launch order take GROUP_M row blocks times a run of column tiles, so the ones resident together
+    # share a few hidden and weight tiles in L2 instead of each streaming its own weight tile from HBM.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(num_rows, BLOCK_M)
+    per_group = GROUP_M * tl.cdiv(col_hi - col_lo, BLOCK_N)
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = col_lo + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < num_rows
     col_ok = cols < col_hi
     z = _logit_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
@@ -330,7 +340,7 @@ def _launch_dlogits(hidden, weight, tokens, out, col_lo, col_hi, n_valid, vocab_
     cfg = tile_config(hidden.dtype)
     n_rows, width = hidden.shape
     dummy = out
-    dlogits_kernel[(_cdiv(col_hi - col_lo, cfg.block_n), _cdiv(n_rows, cfg.block_m))](
+    dlogits_kernel[(_cdiv(col_hi - col_lo, cfg.block_n) * _cdiv(n_rows, cfg.block_m),)](
         x_ptr=hidden, w_ptr=weight, tokens_ptr=tokens,
         shift_ptr=dummy if shift is None else shift, log_sum_ptr=dummy if log_sum is None else log_sum,
         mean_ptr=dummy if mean_shifted is None else mean_shifted, glp_ptr=dummy if g_lp is None else g_lp,
@@ -342,7 +352,7 @@ def _launch_dlogits(hidden, weight, tokens, out, col_lo, col_hi, n_valid, vocab_
         HAS_GLP=g_lp is not None, HAS_GENT=g_ent is not None, SCALE=float(inv_temperature) != 1.0,
         IEEE=hidden.dtype == torch.float32, UPCAST=interpreting(), LOGITS_ONLY=logits_only,
         ROUND_BF16_BY_BITS=_round_by_bits(out.dtype),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **_options(cfg),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=_DLOGITS_GROUP_M, **_options(cfg),
     )
 
 

@@ -74,7 +74,8 @@ def _dlogits_args(dtype, n_rows=8192, chunk=4096):
             n_rows, H_QWEN3_8B, 0, chunk, V_QWEN3, V_QWEN3, 0, H_QWEN3_8B, H_QWEN3_8B, chunk, 1.5)
     kwargs = dict(HAS_GLP=True, HAS_GENT=True, SCALE=True, IEEE=dtype == torch.float32, UPCAST=False,
                   LOGITS_ONLY=False, ROUND_BF16_BY_BITS=False,
-                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **lt._options(cfg))
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=lt._DLOGITS_GROUP_M,
+                  **lt._options(cfg))
     return args, kwargs
 
 

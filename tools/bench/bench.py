@@ -59,6 +59,7 @@ _CHECK_ROWS = flags.DEFINE_integer("check_rows", 8, "First and last rows checked
                                    "(0: no check).", lower_bound=0)
 _BUDGET = flags.DEFINE_float("time_budget_s", 0.0, "Stop starting cases after this many seconds (0: no limit).")
 _SEED = flags.DEFINE_integer("seed", 1234, "Seed of the random inputs.")
+_LABEL = flags.DEFINE_string("label", "", "lm_head suites: a name for this run, written on each of its rows.")
 
 
 def main(argv):
@@ -68,7 +69,7 @@ def main(argv):
         from tools.bench import lm_head
 
         cfg = dict(warmup=_WARMUP.value, min_reps=_MIN_REPS.value, max_reps=max(_MAX_REPS.value, _MIN_REPS.value),
-                   target_ms=_TARGET_MS.value, time_budget_s=_BUDGET.value, seed=_SEED.value)
+                   target_ms=_TARGET_MS.value, time_budget_s=_BUDGET.value, seed=_SEED.value, label=_LABEL.value)
         return lm_head.main(_SUITE.value[0], _TP.value, _DEVICE.value, _resolve(_OUT_DIR.value), cfg)
     cases = None
     if not _RENDER_ONLY.value:
