@@ -105,19 +105,12 @@ class LogProbEntropyFunction(torch.autograd.Function):
             stats.mean_shifted if plan.entropy_mode == "grad" else None,
             stats.log_prob_defined, stats.row_has_mass,  # a defined log-prob implies mass: its kept set has some
         )
-        if plan.entropy_mode == "none":
-            return log_prob
-        if plan.entropy_mode == "value":
-            ctx.mark_non_differentiable(entropy)
-        return log_prob, entropy
+        return forward_outputs(ctx, plan.entropy_mode, log_prob, entropy)
 
     @staticmethod
     def backward(ctx, grad_log_prob, grad_entropy=None):
         plan: Plan = ctx.plan
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                f"ppo_ops.{plan.fn_name}: double backward (create_graph=True through this op) is not supported"
-            )
+        refuse_double_backward(plan.fn_name)
         if ctx.consumed and plan.inplace_grad:
             raise RuntimeError(
                 f"ppo_ops.{plan.fn_name}: backward ran twice with inplace_grad=True; the first one overwrote the "
@@ -139,3 +132,18 @@ class LogProbEntropyFunction(torch.autograd.Function):
 
 def _as_fp32(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if grad is None else grad.to(torch.float32).contiguous()
+
+
+def forward_outputs(ctx, entropy_mode, log_prob, entropy):
+    """What an op's forward returns: the log-prob alone (entropy="none"), or with the entropy, which is a constant
+    for entropy="value"."""
+    if entropy_mode == "none":
+        return log_prob
+    if entropy_mode == "value":
+        ctx.mark_non_differentiable(entropy)
+    return log_prob, entropy
+
+
+def refuse_double_backward(fn_name):
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"ppo_ops.{fn_name}: double backward (create_graph=True through this op) is not supported")

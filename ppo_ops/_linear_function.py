@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ppo_ops import _validate
-from ppo_ops._function import all_gather_partials
+from ppo_ops._function import all_gather_partials, forward_outputs, refuse_double_backward
 from ppo_ops._layout import VocabLayout
 
 
@@ -122,19 +122,12 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
             h, weight, t, rows, stats.shift, stats.log_sum,
             stats.mean_shifted if plan.entropy_mode == "grad" else None, stats.log_prob_defined, stats.row_has_mass,
         )
-        if plan.entropy_mode == "none":
-            return log_prob
-        if plan.entropy_mode == "value":
-            ctx.mark_non_differentiable(entropy)
-        return log_prob, entropy
+        return forward_outputs(ctx, plan.entropy_mode, log_prob, entropy)
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy=None):
         plan: LinearPlan = ctx.plan
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                f"ppo_ops.{plan.fn_name}: double backward (create_graph=True through this op) is not supported"
-            )
+        refuse_double_backward(plan.fn_name)
         h, weight, t, rows, shift, log_sum, mean_shifted, logprob_ok, has_mass = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g_lp = _upstream(grad_logprob, rows, logprob_ok)

@@ -361,15 +361,11 @@ def _gemm(a, b, out, accumulate):
     operands on CUDA go to cuBLAS, which runs these plain GEMMs faster than a Triton tile loop; its results are
     deterministic for a given shape and device, and the backward's shapes do not depend on the TP size (chunks are
     segment-relative), so dW keeps its bits at every TP size. fp32 operands and the interpreter use gemm_kernel."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _cublas_fp32_output(a.device):
-        if out.dtype == a.dtype and not accumulate:
-            torch.mm(a, b, out=out)  # fp32 accumulation inside cuBLAS, one rounding to out's dtype
-        elif out.dtype == torch.float32 and accumulate:
-            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)  # out += a @ b: fp32 C, fp32 accumulation
-        elif out.dtype == torch.float32:
-            torch.mm(a, b, out_dtype=torch.float32, out=out)
-        else:
-            raise AssertionError(f"_gemm: no cuBLAS form for {a.dtype} -> {out.dtype}, accumulate={accumulate}")
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        if accumulate:  # out is the fp32 dX accumulator: C in fp32, fp32 accumulation (addmm's out_dtype)
+            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+        else:  # fp32 accumulation inside cuBLAS, one rounding to out's dtype
+            torch.mm(a, b, out=out)
         return
     (m, k), n = a.shape, b.shape[1]
     cfg = tile_config(a.dtype, gemm=True)
@@ -382,24 +378,6 @@ def _gemm(a, b, out, accumulate):
         ROUND_BF16_BY_BITS=_round_by_bits(out.dtype),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **_options(cfg),
     )
-
-
-_CUBLAS_FP32_OUTPUT = {}
-
-
-def _cublas_fp32_output(device) -> bool:
-    """Whether this torch has matmuls of half-precision operands into fp32 outputs on CUDA (mm/addmm `out_dtype`,
-    which the dX accumulation needs); checked once per device. Without it the Triton GEMMs run."""
-    key = device.index
-    if key not in _CUBLAS_FP32_OUTPUT:
-        a = torch.ones((2, 2), dtype=torch.bfloat16, device=device)
-        c = torch.ones((2, 2), dtype=torch.float32, device=device)
-        try:  # no value read: that would be a host sync
-            torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
-            _CUBLAS_FP32_OUTPUT[key] = True
-        except (TypeError, RuntimeError, NotImplementedError):
-            _CUBLAS_FP32_OUTPUT[key] = False
-    return _CUBLAS_FP32_OUTPUT[key]
 
 
 def tile_logits(hidden, weight, seg_len):

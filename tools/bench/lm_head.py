@@ -46,6 +46,8 @@ VOCAB = 151936
 TOKENS = (8192, 32768)
 PROVIDERS = ("gemms", "unfused", "fused", "fused_novalidate", "liger", "cce", "cce_exact", "verl")
 PEERS = ("liger", "cce", "cce_exact", "verl")  # other projects' kernels
+OWN = ("gemms", "fused", "fused_novalidate")  # ppo_ops' fused paths and the GEMMs they are measured against
+OWN_AND_UNFUSED = ("gemms", "unfused", "fused", "fused_novalidate")
 FIELDS = ("label", "provider", "T", "H", "V", "tp", "v_local", "status", "p20_ms", "p50_ms", "p80_ms", "reps", "tflops",
           "vs_gemms", "peak_extra_gib", "grad_gib", "max_dlogprob_vs_unfused")
 GIB = float(1 << 30)
@@ -68,11 +70,10 @@ class HeadCase:
 def suite(name: str, tp: int) -> list[HeadCase]:
     if name == "lm_head_smoke":
         return [HeadCase(p, 16, 64, 256, tp) for p in PROVIDERS]
-    own = PROVIDERS[:1] + PROVIDERS[2:4]  # ppo_ops' fused paths and the GEMMs they are measured against
-    cases = [HeadCase(p, T, HIDDEN, VOCAB, tp) for T in TOKENS for p in (own if name == "lm_head_own" else PROVIDERS)]
+    own = name == "lm_head_own"
+    cases = [HeadCase(p, T, HIDDEN, VOCAB, tp) for T in TOKENS for p in (OWN if own else PROVIDERS)]
     if tp == 1:  # a TP=2 rank's local shape at TP=1: the reference of the TP=2 target, for ppo_ops' own paths
-        cases += [HeadCase(p, T, HIDDEN, VOCAB // 2, tp) for T in TOKENS
-                  for p in (own if name == "lm_head_own" else PROVIDERS[:4])]
+        cases += [HeadCase(p, T, HIDDEN, VOCAB // 2, tp) for T in TOKENS for p in (OWN if own else OWN_AND_UNFUSED)]
     return cases
 
 
@@ -236,8 +237,7 @@ def _verl_linear_cross_entropy():
 
 def _row(case, status, **values):
     row = {k: "" for k in FIELDS}
-    row.update(label=_LABEL[0], provider=case.provider, T=case.T, H=case.H, V=case.V, tp=case.tp,
-               v_local=case.v_local, status=status)
+    row.update(provider=case.provider, T=case.T, H=case.H, V=case.V, tp=case.tp, v_local=case.v_local, status=status)
     row.update({k: v for k, v in values.items() if k in row})
     return row
 
@@ -277,11 +277,7 @@ def _slowest(values, group):
     return t.tolist()
 
 
-_LABEL = [""]  # the run's --label, on every row
-
-
 def run_rank(rank, world_size, suite_name, device_type, out_dir, cfg):
-    _LABEL[0] = cfg.get("label", "")
     group = dist.group.WORLD if world_size > 1 else None
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -316,7 +312,7 @@ def run_rank(rank, world_size, suite_name, device_type, out_dir, cfg):
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if rank == 0:
-        _write(out_dir, rows)
+        _write(out_dir, [dict(row, label=cfg.get("label", "")) for row in rows])
 
 
 def _write(out_dir, rows):
