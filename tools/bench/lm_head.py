@@ -51,7 +51,6 @@ OWN_AND_UNFUSED = ("gemms", "unfused", "fused", "fused_novalidate")
 FIELDS = ("label", "provider", "T", "H", "V", "tp", "v_local", "status", "p20_ms", "p50_ms", "p80_ms", "reps", "tflops",
           "vs_gemms", "peak_extra_gib", "grad_gib", "max_dlogprob_vs_unfused")
 GIB = float(1 << 30)
-MIB = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,7 +359,7 @@ def verdicts(rows) -> str:
                                    f"three GEMMs ({float(gem['p50_ms']):.1f} ms): "
                                    f"{'MET' if ratio <= 1.05 else 'MISSED'} (target <= 1.05)")
             if fus and fus.get("peak_extra_gib") and T == 32768:
-                limit = float(fus["grad_gib"]) + 256 * MIB / GIB
+                limit = float(fus["grad_gib"]) + 256 * measure.MIB / GIB
                 peak = float(fus["peak_extra_gib"])
                 out.append(f"- memory T={T} TP={tp}: peak extra {peak:.2f} GiB vs dX + dW + 256 MiB = {limit:.2f} GiB: "
                            f"{'MET' if peak <= limit else 'MISSED'}")
