@@ -205,9 +205,10 @@ def _nccl_sync_worker(rank, world_size, port, out_dir):
         dist.destroy_process_group()
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="counts CUDA synchronisations at TP=2: needs two GPUs")
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
-                    reason="counts the compiled kernels' syncs; the interpreter copies device tensors to the host")
+# Two NCCL ranks: it runs in the _gpu2 target (conftest places it by world size); on CPU it is deselected, since the
+# interpreter copies device tensors to the host and there are no CUDA syncs to count.
+@pytest.mark.device("cuda")
+@pytest.mark.world_size(2)
 def test_cuda_synchronisations_per_call_tp2(tmp_path):
     """TP=2 over NCCL: one synchronising call per forward + backward with validate=True (the header table's read),
     none with validate=False, on every rank."""

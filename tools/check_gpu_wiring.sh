@@ -33,6 +33,7 @@ test_core_parallel_gpu 2
 test_core_parallel_gpu4 4
 test_core_properties_gpu 1
 test_core_reliability_gpu 1
+test_core_reliability_gpu2 2
 test_core_values_gpu 1
 test_linear_log_probs_gpu 2
 test_linear_log_probs_gpu4 4
