@@ -305,14 +305,17 @@ def _collective_error_cases(rank, world_size, backends):
 
 
 def _check_tp_group_none_is_one_rank(rank, world_size, expected):
-    """tp_group=None inside an initialised job: the full-vocabulary logits on this rank alone (bitwise TP=1)."""
+    """tp_group=None inside an initialised job: log_probs_and_entropy computes the full-vocabulary logits on this rank
+    alone (bitwise TP=1); slime's drop-in takes the default group, as slime's function does, so a shard gives the
+    full-vocabulary values (tests/test_slime_drop_in.py has that API's own cases)."""
     g_logits, g_tokens = _inputs(world_size)
     got = run_op(g_logits, g_tokens, device="cpu", entropy="grad", tp_group=None,
                  grad_log_probs=make_weights((N_ROWS,)))
     assert torch.equal(got.log_probs, expected.log_probs) and torch.equal(got.entropy, expected.entropy)
     assert torch.equal(got.grad, expected.grad)
-    log_prob, _ = ppo_ops.calculate_log_probs_and_entropy(g_logits, g_tokens, None, with_entropy=True)
-    assert torch.equal(log_prob[:, 0].detach(), expected.log_probs)
+    log_prob, _ = ppo_ops.calculate_log_probs_and_entropy(shard_vocab(g_logits, rank, world_size), g_tokens, None,
+                                                          with_entropy=True)
+    assert_log_probs_close(log_prob[:, 0].detach(), expected.log_probs)
 
 
 def _check_validate_false(rank, world_size):
