@@ -9,7 +9,8 @@ it returns each row's term already multiplied by its weight, so the sum over all
 however the rows are split into calls and in whatever order. A term depends only on its own row's log-prob, entropy
 and constants (gathered by `rows`): that row-separability is what lets a fused LM head evaluate the loss, and take
 its gradient with autograd, chunk by chunk while each chunk's logits are live. The same closure serves the unfused
-path through `loss.total(log_probs, entropy)` on the outputs of `ppo_ops.log_probs_and_entropy`.
+path through `loss.total(log_probs, entropy)` on the outputs of `ppo_ops.log_probs_and_entropy`. A closure issues
+no collective: at TP > 1 every rank holds the same one and calls it with the same global values.
 
 The term of token t, with lp its log-prob, old / ref its old and reference log-probs, A its advantage, H its entropy:
 
@@ -285,7 +286,7 @@ def _build(fn, old_log_probs, advantages, ids, *, n_seq_slots, clip_low, clip_hi
     weight = _weights(mask, normalization, ids, n_seq_slots)
     counted = weight != 0
 
-    def own(x):  # an fp32 copy, 0 where not counted (no placeholder value ever reaches the arithmetic)
+    def own(x):  # the closure's own fp32 copy, 0 where not counted (no placeholder ever reaches the arithmetic)
         return None if x is None else torch.where(counted, x, 0.0)
 
     return TokenLoss(weight=weight, old_log_probs=own(old), advantages=own(advantages), ref_log_probs=own(ref),
@@ -300,10 +301,12 @@ def _weights(mask, normalization, seq_ids, n_seq_slots) -> torch.Tensor:
     if normalization == "token_mean":
         count = mask.sum()
         return (mask / torch.where(count > 0, count, 1.0)).float()
+    # Per-sequence sums by index_add_: exact for 0/1 masks; on CUDA its atomics may order fractional masks' float64
+    # additions differently run to run (a last-bit difference before the fp32 rounding).
     per_seq = torch.zeros(n_seq_slots, dtype=torch.float64, device=mask.device).index_add_(0, seq_ids, mask)
     n_seqs = (per_seq > 0).sum()
-    denom = n_seqs * per_seq[seq_ids]
-    return torch.where(mask != 0, mask / torch.where(denom > 0, denom, 1.0), 0.0).float()
+    # A counted token's sequence has a count > 0 and N >= 1 (masks are non-negative); others get 0, not 0 / 0.
+    return torch.where(mask != 0, mask / (n_seqs * per_seq[seq_ids]), 0.0).float()
 
 
 def _advantages(fn, rewards, group_size, scale_by_std, eps) -> torch.Tensor:
@@ -352,14 +355,14 @@ def _check_tensor(fn, name, t, device=None):
 
 
 def _checked_float(fn, name, t, like) -> torch.Tensor:
-    """A floating tensor shaped like `like`, as a detached fp32 [T] copy."""
+    """A floating tensor shaped like `like`, detached, as fp32 [T] (a view when it already is: _build copies)."""
     _check_tensor(fn, name, t, like.device)
     if not t.dtype.is_floating_point:
         raise _error(TypeError, fn, name, f"{name} must be floating, got {t.dtype}")
     if t.shape != like.shape:
         raise _error(ValueError, fn, name, f"{name} must have old_log_probs' shape {tuple(like.shape)}, got "
                                            f"{tuple(t.shape)}")
-    return t.detach().reshape(-1).to(torch.float32, copy=True)
+    return t.detach().reshape(-1).to(torch.float32)
 
 
 def _checked_mask(fn, mask, like) -> torch.Tensor:
