@@ -23,6 +23,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from tools import rank_exit
 from tools.bench import measure, report
 from tools.bench.cases import Case
 from tools.bench.check import check_forward, reference_rows
@@ -102,13 +103,11 @@ def _worker(rank: int, config: BenchConfig, port: int) -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         device = torch.device("cpu")
         dist.init_process_group("gloo", rank=rank, world_size=config.tp, timeout=_DIST_TIMEOUT)
-    try:
+    with rank_exit.destroy_on_error():  # a failure reaches torch.multiprocessing with its traceback
         _run_rank(config, device, group=dist.group.WORLD, rank=rank)
-        # Every rank done before any tears the group down: a CI run once saw rank 0 abort in gloo ("terminate called
-        # without an active exception") as its peer exited.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    # Barrier, destroy the group, flush, exit without interpreter finalization: a CI run saw a finished gloo rank
+    # abort there ("terminate called without an active exception") and fail a passing bench.
+    rank_exit.leave()
 
 
 def environment(device: torch.device) -> dict:
