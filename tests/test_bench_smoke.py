@@ -307,8 +307,8 @@ def test_time_target_missed_says_what_time_is_needed():
 # --- command line ----------------------------------------------------------------------------------------------------
 
 
-def _bench(*args, timeout=240):
-    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+def _bench(*args, timeout=240, env=None):
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", **(env or {}))
     return subprocess.run([sys.executable, str(BENCH), *args], cwd=str(REPO_ROOT), env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -340,9 +340,41 @@ def test_cli_tp2_over_gloo_then_render_only(tmp_path):
 def test_cli_rejects_bad_flags(tmp_path, flag, message):
     suite = [] if flag.startswith("--suite") else ["--suite=custom"]
     out = _bench("--device=cpu", *suite, flag, f"--out_dir={tmp_path}", timeout=60)
-    assert out.returncode != 0
-    assert message in out.stderr
+    assert out.returncode == 2, out.stderr
+    assert message in _one_line(out.stderr)
     assert not (tmp_path / "results.csv").exists()
+
+
+def _one_line(stderr):
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+def test_cli_help_exits_0_and_lists_the_bench_flags():
+    out = _bench("--help", timeout=60)
+    assert out.returncode == 0, out.stderr
+    for flag in ("--out_dir", "--suite", "--tp", "--render_only"):
+        assert flag in out.stdout, flag
+
+
+@pytest.mark.parametrize("out_dir", ["/proc/x", "{file}/sub"])
+def test_cli_unwritable_out_dir_is_one_line_and_exit_2(tmp_path, out_dir):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    out_dir = out_dir.format(file=a_file)
+    out = _bench("--device=cpu", "--suite=smoke", f"--out_dir={out_dir}", timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert _one_line(out.stderr).startswith(f"bench: error: --out_dir={out_dir}: not a writable folder")
+
+
+def test_cli_relative_out_dir_is_the_callers(tmp_path):
+    """bazel run starts the bench in its runfiles tree; a relative --out_dir is where the user was."""
+    (tmp_path / "results.csv").write_text("")  # an empty CSV: --render_only renders no rows, quickly
+    env_dir = dict(BUILD_WORKING_DIRECTORY=str(tmp_path.parent))
+    out = _bench("--render_only", f"--out_dir={tmp_path.name}", timeout=60, env=env_dir)
+    assert out.returncode == 0, out.stderr
+    assert f"wrote {tmp_path / 'results.md'}" in out.stdout
 
 
 def _rep_count_worker(rank, world_size):
