@@ -72,7 +72,7 @@ def run(config: BenchConfig) -> int:
         device = torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda" else torch.device("cpu")
         _run_rank(config, device, group=None, rank=0)
     else:
-        torch.multiprocessing.spawn(_worker, args=(config, _free_port()), nprocs=config.tp, join=True)
+        _spawn_ranks(config)
     rows = report.read_csv(config.paths.csv)[before:] if os.path.exists(config.paths.csv) else []
     render(config.paths)
     errors = [r for r in rows if r["status"].startswith("error")]
@@ -80,6 +80,30 @@ def run(config: BenchConfig) -> int:
     for r in errors + failed_checks:
         print(f"PROBLEM: {r['provider']} T={r['T']} {r['dtype']} entropy={r['entropy']}: {r['status']} {r['check']}")
     return 1 if errors or failed_checks else 0
+
+
+# How long a terminated rank may take to go before it is killed.
+_TERMINATE_GRACE_S = 10
+
+
+def _spawn_ranks(config: BenchConfig) -> None:
+    """Runs `config.tp` ranks and waits for them. Whatever ends the wait (a rank's failure, Ctrl-C in this process)
+    ends every rank first: torch.multiprocessing's ranks are not daemons, so the interpreter's exit would otherwise
+    wait for them to finish the whole bench."""
+    context = torch.multiprocessing.spawn(_worker, args=(config, _free_port()), nprocs=config.tp, join=False)
+    try:
+        while not context.join():
+            pass
+    except BaseException:
+        for proc in context.processes:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in context.processes:
+            proc.join(_TERMINATE_GRACE_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        raise
 
 
 def _free_port() -> int:
