@@ -31,17 +31,19 @@ import datetime
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from typing import Dict, List, Tuple
 
-from absl import app, flags
+from absl import flags
 
-from sglang_checks import check, cli, controls, layouts as layouts_lib, metrics, models, prompts, tolerances, trainer
-from sglang_checks import rollout as rollout_lib
+from sglang_checks import check, cli, controls, layouts as layouts_lib, metrics, models, prompts, report, tolerances
+from sglang_checks import rollout as rollout_lib, trainer
 from sglang_checks.engines import SamplingSettings, hf_engine
 from sglang_checks.errors import CheckError
+from tools import cli_contract
+
+flags.adopt_module_key_flags(cli)  # --help lists the check's flags too (calibrate takes all of them)
 
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Where measurements.json, calibration.json and calibration.md go.")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Sampling seeds of the healthy rollouts (the model's weights "
@@ -296,7 +298,7 @@ def _source_tree() -> str:
 
 
 def main(argv):
-    del argv  # flags_parser refused stray arguments
+    del argv  # the flags parser refused stray arguments
     try:
         s = cli.settings_from_flags()
         if not _OUT_DIR.value:
@@ -305,22 +307,27 @@ def main(argv):
             seeds = [int(x) for x in _SEEDS.value]
         except ValueError as exc:
             raise CheckError(f"--seeds: expected integers, got {_SEEDS.value}") from exc
-        os.makedirs(_OUT_DIR.value, exist_ok=True)
-        s = dataclasses.replace(s, report_dir=os.path.join(os.path.abspath(_OUT_DIR.value), "logs"))
-        included = []
-        for path in _INCLUDE.value:
-            try:
-                with open(path) as f:
-                    included.append(json.load(f))
-            except (OSError, ValueError) as exc:
-                raise CheckError(f"--include={path}: cannot read measurements ({exc})") from exc
-            if included[-1].get("dtype") != s.dtype:
-                raise CheckError(f"--include={path}: measured in {included[-1].get('dtype')}, not --dtype={s.dtype}")
-        t0 = time.monotonic()
-        rows, infos = measure(s, seeds, _PROMPT_SETS.value)
+        out = cli_contract.caller_path(_OUT_DIR.value)
+        check.check_writable("--out_dir", out)
+        with report.folder_lock("--out_dir", out):  # one calibration at a time writes a folder
+            return _calibrate(dataclasses.replace(s, report_dir=os.path.join(out, "logs")), out, seeds)
     except CheckError as exc:
-        print(f"calibrate: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        print(f"calibrate: error: {cli_contract.one_line(exc)}", file=sys.stderr, flush=True)
+        return check.EXIT_BAD_INPUT
+
+
+def _calibrate(s: check.Settings, out: str, seeds: List[int]) -> int:
+    included = []
+    for path in map(cli_contract.caller_path, _INCLUDE.value):
+        try:
+            with open(path) as f:
+                included.append(json.load(f))
+        except (OSError, ValueError) as exc:
+            raise CheckError(f"--include={path}: cannot read measurements ({exc})") from exc
+        if included[-1].get("dtype") != s.dtype:
+            raise CheckError(f"--include={path}: measured in {included[-1].get('dtype')}, not --dtype={s.dtype}")
+    t0 = time.monotonic()
+    rows, infos = measure(s, seeds, _PROMPT_SETS.value)
     import torch
 
     device = torch.cuda.get_device_name(0) if s.device != "cpu" and torch.cuda.is_available() else "CPU"
@@ -335,22 +342,19 @@ def main(argv):
     source = "; ".join(f"{r['engine']} engine, {r['model']}, {r['dtype']}, {r['device']}, engine layouts "
                        f"{r['engine_layouts']}, seeds {r['seeds']}, prompt sets {r['prompt_sets']}, {r['date']}"
                        for r in runs)
-    out = os.path.abspath(_OUT_DIR.value)
-    with open(os.path.join(out, "measurements.json"), "w") as f:
-        json.dump({"dtype": s.dtype, "runs": runs}, f, indent=1)
+    measurements = {"dtype": s.dtype, "runs": runs}
+    report.write_atomic(os.path.join(out, "measurements.json"), json.dumps(measurements, indent=1))
     calibration = {"source": source, "dtype": s.dtype,
                    "thresholds": {e["name"]: {k: e[k] for k in ("value", "healthy_max", "broken_min", "margin")}
                                   for e in table if e["status"] in ("ok", "weak")},
                    "table": table}
-    with open(os.path.join(out, "calibration.json"), "w") as f:
-        json.dump(calibration, f, indent=1)
-    with open(os.path.join(out, "calibration.md"), "w") as f:
-        f.write(markdown(table, source=source, dtype=s.dtype))
+    report.write_atomic(os.path.join(out, "calibration.json"), json.dumps(calibration, indent=1))
+    report.write_atomic(os.path.join(out, "calibration.md"), markdown(table, source=source, dtype=s.dtype))
     print(markdown(table, source=source, dtype=s.dtype))
     if _INSTALL.value:
         target = os.path.join(_source_tree(), "sglang_checks", "calibration", f"{s.dtype}.json")
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        shutil.copy(os.path.join(out, "calibration.json"), target)
+        report.write_atomic(target, json.dumps(calibration, indent=1))  # the check never reads half a table
         print(f"calibrate: installed {target}")
     bad = [e["name"] for e in table if e["status"] not in ("ok", "weak")]
     print(f"calibrate: {len(all_rows)} values, wrote {out}/calibration.md, calibration.json, measurements.json"
@@ -359,4 +363,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=cli.flags_parser("calibrate"))
+    # --help exits 0; a bad flag is one line and exit 2; Ctrl-C is one line and exit 130 (tools/cli_contract.py).
+    cli_contract.run(main, program="calibrate")

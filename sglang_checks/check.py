@@ -1,7 +1,8 @@
 """The check from start to end, given its settings: validate, model, rollout, engine layouts, trainer layouts, report.
 
-Order matters for bad input: everything that can be checked without running a model (layout names, rank budgets,
-divisibility, the sglang install, the port) is checked first, so a typo costs no time and starts no process.
+Order matters for bad input: everything that can be checked without running a model (the report folder and its
+lock, layout names, rank budgets, divisibility, the sglang install, the port, a replayed rollout against --model and
+--seq_len) is checked first, so a typo costs no time and starts no process.
 `run` returns the exit code: 0 when every comparison is within its tolerance, 1 otherwise, 3 when a trainer rank
 crashed or timed out (one line on stderr naming the layout and rank; the report holds what finished); bad input
 raises CheckError (the binary turns it into exit code 2).
@@ -149,9 +150,10 @@ class _Plan:
     engine_layouts: List[layouts_lib.Layout]
     replay: Optional[rollout_lib.Rollout]  # the rollout file's contents (--rollout_data), validated
     prompt_ids: Optional[List[List[int]]]  # the prompts to sample (None when replaying)
+    info: Optional[models.ModelInfo] = None  # a local checkpoint already fingerprinted for the replay check
 
 
-def _check_writable(flag: str, path: str) -> None:
+def check_writable(flag: str, path: str) -> None:
     """The folder exists (or is made) and takes a file, so no result is lost at the end of a long run."""
     try:
         os.makedirs(path, exist_ok=True)
@@ -164,8 +166,8 @@ def _check_writable(flag: str, path: str) -> None:
 def _plan(s: Settings) -> _Plan:
     """Checks every input that needs no model: folders, layout names, rank budgets, the engine's prerequisites, the
     rollout file or the prompts."""
-    _check_writable("--report_dir", s.report_dir)
-    _check_writable("--cache_dir", s.cache_dir)
+    check_writable("--report_dir", s.report_dir)
+    check_writable("--cache_dir", s.cache_dir)
     _check_values(s)
     device = _device(s)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -198,7 +200,33 @@ def _plan(s: Settings) -> _Plan:
     for layout in trainer_layouts:
         layouts_lib.check_trainer_layout(layout, flag="--trainer_layouts", vocab_size=vocab_size,
                                          num_sequences=num_sequences)
-    return _Plan(device, backend, trainer_layouts, engine_layouts, replay, prompt_ids)
+    info = _check_replay_fits(replay, s) if replay else None
+    return _Plan(device, backend, trainer_layouts, engine_layouts, replay, prompt_ids, info)
+
+
+def _check_replay_fits(replay: rollout_lib.Rollout, s: Settings) -> Optional[models.ModelInfo]:
+    """The replayed rollout against --seq_len and --model, without building or loading a model: a generated model is
+    known by its name and seed (its fingerprint when cached; the check samples with the seed that made the weights),
+    a local checkpoint by the fingerprint of its weight files (returned, so it is not computed twice)."""
+    if s.seq_len and s.seq_len < replay.longest:
+        raise CheckError(f"--seq_len={s.seq_len}: shorter than the longest sequence of the replayed rollout "
+                         f"({replay.longest} tokens, {s.rollout_data})")
+    flag = f"--rollout_data={s.rollout_data}"
+    if s.model not in models.PRESETS:
+        info = models.resolve_model(s.model, cache_dir=s.cache_dir, seed=s.seed, log=_log)
+        rollout_lib.check_model(replay, info.fingerprint, info.name, s.rollout_data)
+        return info
+    if replay.model_name != s.model:
+        raise CheckError(f"{flag}: the rollout was sampled from model {replay.model_name!r}, not --model={s.model}; "
+                         f"replay it with the model that sampled it, or drop --rollout_data")
+    cached = models.cached_fingerprint(s.model, cache_dir=s.cache_dir, seed=s.seed)
+    if cached is not None:
+        rollout_lib.check_model(replay, cached, s.model, s.rollout_data)
+    elif replay.seed != s.seed:
+        raise CheckError(f"{flag}: the rollout was sampled from model {replay.model_name!r} generated with "
+                         f"--seed={replay.seed}, but --model={s.model} with --seed={s.seed} has other weights; "
+                         f"replay it with --seed={replay.seed}, or drop --rollout_data")
+    return None
 
 
 @dataclasses.dataclass
@@ -213,7 +241,7 @@ class Models:
 
 
 def load_models(s: Settings, plan: _Plan) -> Models:
-    info = models.resolve_model(s.model, cache_dir=s.cache_dir, seed=s.seed, log=_log)
+    info = plan.info or models.resolve_model(s.model, cache_dir=s.cache_dir, seed=s.seed, log=_log)
     dtype = getattr(torch, s.dtype)
     model = models.load_hf_model(info, dtype=dtype, device=plan.device)
     out = Models(info=info, model=model, trainer_model=model)
@@ -229,10 +257,33 @@ def load_models(s: Settings, plan: _Plan) -> Models:
 
 def run(s: Settings) -> int:
     """The whole check, top to bottom: validate, models, sample + engine scores, trainer scores, compare, report.
-    Returns the exit code (0: all comparisons within tolerance, 1: some not)."""
+    Returns the exit code (0: all comparisons within tolerance, 1: some not). The report folder is this run's
+    alone while it runs (report.folder_lock; another run's folder is bad input) and holds only its files."""
+    check_writable("--report_dir", s.report_dir)
+    with report.folder_lock("--report_dir", s.report_dir):
+        return _run(s)
+
+
+def _clear_outputs(s: Settings) -> None:
+    """Removes what an earlier run wrote into the report folder, so that it holds this run's files only (a replayed
+    rollout.json that is this run's input stays)."""
+    names = [report.JSON_NAME, report.MD_NAME, report.PNG_NAME, report.ROLLOUT_NAME]
+    names += [n for n in os.listdir(s.report_dir) if n.startswith("sglang_") and n.endswith(".log")]
+    for name in names:
+        path = os.path.join(s.report_dir, name)
+        if s.rollout_data and os.path.exists(path) and os.path.samefile(path, s.rollout_data):
+            continue
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _run(s: Settings) -> int:
     timings: Dict[str, float] = {}
     start = time.monotonic()
     plan = _plan(s)
+    _clear_outputs(s)
     torch.set_num_threads(s.cpu_threads)
 
     m = load_models(s, plan)
@@ -285,7 +336,7 @@ def run(s: Settings) -> int:
         "versions": _versions(s),
         "model": dataclasses.asdict(info),
         "rollout": {**rollout_lib.settings_dict(rollout), "replayed": replay is not None,
-                    "path": s.rollout_data or os.path.join(s.report_dir, "rollout.json"),
+                    "path": s.rollout_data or os.path.join(s.report_dir, report.ROLLOUT_NAME),
                     "sequences": len(rollout.samples), "completion_tokens": rollout.num_completion_tokens,
                     "longest": rollout.longest, "seq_len": seq_len},
         "trainer": {"temperature": view.temperature, "top_p": view.top_p, "backend": plan.backend,
@@ -388,7 +439,7 @@ def _run_engines(s: Settings, plan: _Plan, m: Models, replay, prompt_ids):
                     engine_layout=layout.name, logprob_kind=engine.sampled_logprob_kind,
                     temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens, seed=s.seed,
                     samples=samples)
-                path = os.path.join(s.report_dir, "rollout.json")
+                path = os.path.join(s.report_dir, report.ROLLOUT_NAME)
                 rollout_lib.save(rollout, path)
                 _log(f"rollout saved to {path} (replay it with --rollout_data={path})")
             _log(f"teacher-forced scoring with {s.engine} {layout.name}")

@@ -7,13 +7,16 @@ nothing was parsed), so no default is restated anywhere else.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
+from typing import Optional, Tuple
 
 from absl import flags
 
 from sglang_checks import check, controls, logprob_kinds, models, tolerances
 from sglang_checks.engines import sglang_engine
 from sglang_checks.errors import CheckError
+from tools import cli_contract
 
 _MODEL = flags.DEFINE_string(
     "model", "tiny", "`tiny` (small Qwen3 from --seed, CPU), `qwen3-0.6b-random` (Qwen3-0.6B architecture, seeded "
@@ -101,18 +104,34 @@ def default_report_dir() -> str:
     return os.path.join(root, "reports", "qwen3_parallel_check")
 
 
+def _path(value: Optional[str]) -> Optional[str]:
+    """A path flag's value as the caller meant it: relative to where they ran the command (also under bazel run)."""
+    return None if value is None else cli_contract.caller_path(value)
+
+
+def _executable(value: str) -> str:
+    """An interpreter: a bare name is looked up on PATH by the OS; a relative path is the caller's."""
+    return value if os.sep not in value else cli_contract.caller_path(value)
+
+
+def _server_args(value: str) -> Tuple[str, ...]:
+    try:
+        return tuple(shlex.split(value))
+    except ValueError as exc:  # an unbalanced quote: bad input, not a crash
+        raise CheckError(f"--sglang_extra_args={value}: not a shell-quoted argument list ({exc})") from exc
+
+
 def _value(holder):
     """The holder's parsed value, or its default when no command line was parsed (tests, calibrate's callers)."""
     return flags.FLAGS[holder.name].value
 
 
 def settings(**overrides) -> check.Settings:
-    """The check's settings from the flag holders, then `overrides` (field names as in check.Settings)."""
-    import shlex
-
+    """The check's settings from the flag holders, then `overrides` (field names as in check.Settings). Relative
+    paths, in flags and overrides alike, are the caller's (cli_contract.caller_path)."""
     explicit = tuple(name for name in flags.FLAGS if flags.FLAGS[name].present)
     values = dict(
-        report_dir=os.path.abspath(_value(_REPORT_DIR) or default_report_dir()),
+        report_dir=_value(_REPORT_DIR) or default_report_dir(),
         model=_value(_MODEL), cache_dir=_value(_CACHE_DIR) or models.default_cache_dir(), seed=_value(_SEED),
         dtype=_value(_DTYPE), device=_value(_DEVICE), cpu_threads=_value(_CPU_THREADS), engine=_value(_ENGINE),
         engine_layouts=_value(_ENGINE_LAYOUTS), trainer_layouts=_value(_TRAINER_LAYOUTS),
@@ -124,38 +143,26 @@ def settings(**overrides) -> check.Settings:
         tolerances={name: _value(holder) for name, holder in _TOLERANCES.items()},
         expect_bitwise=_value(_EXPECT_BITWISE), negative_control=_value(_NEGATIVE_CONTROL),
         sglang=sglang_engine.ServerOptions(
-            python=_value(_SGLANG_PYTHON), port=_value(_SGLANG_PORT), start_timeout_s=_value(_SGLANG_START_TIMEOUT),
+            python=_executable(_value(_SGLANG_PYTHON)), port=_value(_SGLANG_PORT),
+            start_timeout_s=_value(_SGLANG_START_TIMEOUT),
             request_timeout_s=_value(_SGLANG_REQUEST_TIMEOUT), deterministic=_value(_DETERMINISTIC),
             rl_on_policy_target=_value(_RL_ON_POLICY_TARGET), attention_backend=_value(_SGLANG_ATTENTION_BACKEND),
             sampling_backend=_value(_SGLANG_SAMPLING_BACKEND),
             disable_custom_all_reduce=_value(_SGLANG_DISABLE_CUSTOM_ALL_REDUCE),
             mm_feature_transport=_value(_SGLANG_MM_FEATURE_TRANSPORT),
             disable_cuda_graph=_value(_SGLANG_DISABLE_CUDA_GRAPH), skip_server_warmup=_value(_SGLANG_SKIP_WARMUP),
-            mem_fraction_static=_value(_SGLANG_MEM_FRACTION), extra_args=tuple(shlex.split(_value(_SGLANG_EXTRA_ARGS))),
+            mem_fraction_static=_value(_SGLANG_MEM_FRACTION), extra_args=_server_args(_value(_SGLANG_EXTRA_ARGS)),
             logprob_kind=_value(_SGLANG_LOGPROB_KIND)))
     unknown = set(overrides) - set(values)
     if unknown:
         raise TypeError(f"settings: unknown fields {sorted(unknown)}")
     values.update(overrides)
+    for name in ("report_dir", "cache_dir", "prompts", "rollout_data"):
+        values[name] = _path(values[name])
+    if values["model"] not in models.PRESETS:  # a local checkpoint directory
+        values["model"] = _path(values["model"])
     return check.Settings(**values)
 
 
 settings_from_flags = settings  # what the binaries call after parsing
 
-
-def flags_parser(program: str):
-    """An absl flags_parser for app.run: a bad flag value is one line on stderr and exit code 2 (bad input), not
-    absl's usage dump and exit code 1 (which is the check's FAIL)."""
-
-    def parse(argv):
-        try:
-            rest = flags.FLAGS(argv)
-        except flags.Error as exc:
-            print(f"{program}: error: {exc}", file=sys.stderr, flush=True)
-            sys.exit(2)
-        if len(rest) > 1:
-            print(f"{program}: error: unexpected arguments: {' '.join(rest[1:])}", file=sys.stderr, flush=True)
-            sys.exit(2)
-        return rest
-
-    return parse

@@ -102,9 +102,23 @@ def _config_hash(preset: Dict[str, Any], seed: int) -> str:
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
+def _generated_path(name: str, cache_dir: str, seed: int) -> str:
+    return os.path.join(cache_dir, f"{name}-seed{seed}-{_config_hash(PRESETS[name], seed)}")
+
+
+def cached_fingerprint(name: str, *, cache_dir: str, seed: int) -> Optional[str]:
+    """The fingerprint of generated model `name` for `seed` when it is already in the cache (None when it would
+    have to be built): read from its fingerprint.json, no weights touched."""
+    try:
+        with open(os.path.join(_generated_path(name, cache_dir, seed), "fingerprint.json")) as f:
+            return json.load(f)["fingerprint"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _generated(name: str, *, cache_dir: str, seed: int, log: Callable[[str], None]) -> ModelInfo:
     preset = PRESETS[name]
-    path = os.path.join(cache_dir, f"{name}-seed{seed}-{_config_hash(preset, seed)}")
+    path = _generated_path(name, cache_dir, seed)
     meta_path = os.path.join(path, "fingerprint.json")
     if not os.path.isfile(meta_path):
         log(f"building {name} (seed {seed}) into {path}")

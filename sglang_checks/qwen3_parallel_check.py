@@ -7,8 +7,12 @@
 
 Exit code: 0 when every comparison is within its tolerance, 1 when one is not, 2 on bad input (flags, paths, rollout
 files, prompts: one line on stderr saying what was expected, before any model is built or loaded), 3 when a trainer
-rank crashed or timed out (one line naming the layout and rank; the report holds what finished). The report folder gets report.md, report.json, logprob_diff_hist.png, rollout.json (replay it with
---rollout_data) and, with --engine=sglang, each server's log. See sglang_checks/check.py for the steps.
+rank crashed or timed out (one line naming the layout and rank; the report holds what finished), 130 when interrupted
+(Ctrl-C: one line; servers and trainer ranks are stopped first). Relative paths are where the command was run from
+(also under bazel run). The report folder gets report.md, report.json, logprob_diff_hist.png, rollout.json (replay
+it with --rollout_data) and, with --engine=sglang, each server's log, each file written whole (a temporary file
+renamed into place); a run holds the folder's .lock for its duration, and a second run into it is refused (exit 2).
+See sglang_checks/check.py for the steps.
 """
 
 from __future__ import annotations
@@ -16,10 +20,13 @@ from __future__ import annotations
 import signal
 import sys
 
-from absl import app
+from absl import flags
 
 from sglang_checks import check, cli
 from sglang_checks.errors import CheckError
+from tools import cli_contract
+
+flags.adopt_module_key_flags(cli)  # --help lists the check's flags (defined in cli.py), not only this module's
 
 
 def _stop_on_sigterm(signum, frame):
@@ -27,14 +34,15 @@ def _stop_on_sigterm(signum, frame):
 
 
 def main(argv):
-    del argv  # flags_parser refused stray arguments
+    del argv  # the flags parser refused stray arguments
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         return check.run(cli.settings_from_flags())
     except CheckError as exc:
-        print(f"qwen3_parallel_check: error: {exc}", file=sys.stderr, flush=True)
+        print(f"qwen3_parallel_check: error: {cli_contract.one_line(exc)}", file=sys.stderr, flush=True)
         return check.EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=cli.flags_parser("qwen3_parallel_check"))
+    # --help exits 0; a bad flag is one line and exit 2; Ctrl-C is one line and exit 130 (tools/cli_contract.py).
+    cli_contract.run(main, program="qwen3_parallel_check")

@@ -7,26 +7,75 @@ details), tolerances (each with its reason), timings_s.
 The PNG has one panel of per-token (trainer - engine) log-prob differences per engine log-prob series, one of
 (layout - tp1) trainer log-prob differences, over the completion tokens, and one of every comparison's value against
 its tolerance (value / tolerance; a bar past 1 is a FAIL).
+
+Every file is written whole (`write_atomic`: a temporary file beside it, renamed over it), report.json last; a run
+holds the folder's lock (`folder_lock`, flock on `.lock`) from its start to its end, so a second run into the same
+folder is refused instead of mixing its files with the first's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import io
 import json
 import os
-from typing import Dict, List
+import tempfile
+from typing import Dict, Iterator, List, Union
 
 import numpy as np
 
+from sglang_checks.errors import CheckError
 from sglang_checks.metrics import Comparison
 
 JSON_NAME = "report.json"
 MD_NAME = "report.md"
 PNG_NAME = "logprob_diff_hist.png"
+ROLLOUT_NAME = "rollout.json"
+# Held (flock) by the run writing the folder; the kernel releases it when that process ends, however it ends, so a
+# crash never leaves the folder locked. The empty file itself may stay: only the lock on it counts.
+LOCK_NAME = ".lock"
+
+
+@contextlib.contextmanager
+def folder_lock(flag: str, folder: str) -> Iterator[None]:
+    """Holds `folder`'s lock for the block; a folder another run holds is bad input (CheckError naming `flag`), so
+    two runs never mix their files in one folder."""
+    path = os.path.join(folder, LOCK_NAME)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise CheckError(f"{flag}={folder}: cannot create the lock file {LOCK_NAME} ({exc.strerror or exc})") from exc
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                raise CheckError(f"{flag}={folder}: cannot lock {path} ({exc.strerror or exc})") from exc
+            raise CheckError(f"{flag}={folder}: another run is writing this folder (it holds {path}); wait for it "
+                             f"to finish or choose another {flag}") from exc
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def write_atomic(path: str, data: Union[str, bytes]) -> None:
+    """Writes the whole file or nothing: a temporary file beside it, then renamed over it."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}.")
+    try:
+        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would differ from an ordinary file's mode
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def write_json(path: str, report: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1, default=_plain)
+    write_atomic(path, json.dumps(report, indent=1, default=_plain))
 
 
 def _plain(value):
@@ -45,7 +94,7 @@ def _fmt(value: float) -> str:
     return f"{value:.3e}"
 
 
-def write_markdown(path: str, report: dict, comparisons: List[Comparison]) -> None:
+def write_markdown(path: str, report: dict, comparisons: List[Comparison], note: str = "") -> None:
     failed = [c for c in comparisons if not c.passed]
     verdict = "PASS" if not failed else f"FAIL ({len(failed)} of {len(comparisons)} comparisons out of tolerance)"
     s = report["settings"]
@@ -83,8 +132,9 @@ def write_markdown(path: str, report: dict, comparisons: List[Comparison]) -> No
     lines += ["", "Tolerances:", ""]
     lines += [f"- `{name}` = {_fmt(t['value'])}: {t['reason']}" for name, t in report["tolerances"].items()]
     lines += ["", f"Histogram of per-token differences: `{PNG_NAME}`. Everything else: `{JSON_NAME}`.", ""]
-    with open(path, "w") as f:
-        f.write("\n".join(lines))
+    if note:
+        lines += [note, ""]
+    write_atomic(path, "\n".join(lines))
 
 
 def write_histogram(path: str, mismatch: Dict[str, np.ndarray], layouts: Dict[str, np.ndarray],
@@ -118,8 +168,10 @@ def write_histogram(path: str, mismatch: Dict[str, np.ndarray], layouts: Dict[st
         ax.set_xlabel("difference (nats)")
         ax.set_ylabel("tokens")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
     plt.close(fig)
+    write_atomic(path, buffer.getvalue())
 
 
 # Where a value of 0 is drawn on the log axis of value / tolerance (0 is exact agreement; log(0) does not exist).
@@ -157,14 +209,16 @@ def write_all(report_dir: str, report: dict, comparisons: List[Comparison], mism
     paths = {name: os.path.join(report_dir, name) for name in (JSON_NAME, MD_NAME, PNG_NAME)}
     report = dict(report, comparisons=[c.as_dict() for c in comparisons],
                   passed=all(c.passed for c in comparisons))
-    write_json(paths[JSON_NAME], report)
-    write_markdown(paths[MD_NAME], report, comparisons)
     try:
         import matplotlib  # noqa: F401 - optional: GPU images may lack it; the numbers are all in the JSON
     except ImportError:
         paths.pop(PNG_NAME)
-        with open(paths[MD_NAME], "a") as f:
-            f.write(f"\n(no {PNG_NAME}: matplotlib is not installed for this interpreter)\n")
-        return paths
-    write_histogram(paths[PNG_NAME], mismatch, layouts, comparisons)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(report_dir, PNG_NAME))  # an earlier run's picture would not be this run's
+        write_markdown(paths[MD_NAME], report, comparisons,
+                       note=f"(no {PNG_NAME}: matplotlib is not installed for this interpreter)")
+    else:
+        write_histogram(paths[PNG_NAME], mismatch, layouts, comparisons)
+        write_markdown(paths[MD_NAME], report, comparisons)
+    write_json(paths[JSON_NAME], report)  # last: a report.json is there only when the rest of the report is
     return paths

@@ -20,6 +20,7 @@ import torch
 
 from sglang_checks.errors import CheckError
 from sglang_checks.logprob_kinds import KINDS
+from sglang_checks.report import write_atomic
 
 FORMAT = "ppo_ops.qwen3_parallel_check.rollout/1"
 IGNORE_TARGET = -100
@@ -57,9 +58,8 @@ class Rollout:
 
 
 def save(rollout: Rollout, path: str) -> None:
-    record = {"format": FORMAT, **dataclasses.asdict(rollout)}
-    with open(path, "w") as f:
-        json.dump(record, f)
+    """Writes the rollout whole or not at all (a temporary file renamed into place)."""
+    write_atomic(path, json.dumps({"format": FORMAT, **dataclasses.asdict(rollout)}))
 
 
 def load(path: str) -> Rollout:

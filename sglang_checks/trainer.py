@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from sglang_checks.controls import VOCAB_OFFSET_ROWS
 from sglang_checks.layouts import Layout
+from tools import rank_exit
 
 VARIANTS = ("token_mean", "seq_mean")
 
@@ -234,13 +235,16 @@ def _rank_main(rank, world, port, backend, payload_path, plan, messages, threads
                     result = _run_rank(layout, rank, groups, all_inputs[j], device, vocab_offset_fault)
                     messages.put(("result", j, layout.name, rank, result))
         current = None
-        dist.barrier()
+        dist.barrier()  # every rank done before any says so (the parent reaps the ranks once all have)
         messages.put(("done", rank))
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent, which stops the others
         messages.put(("error", rank, current, traceback.format_exc()))
-    finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        return
+    # Destroy the group, flush the queue, exit without interpreter finalization, where gloo's threads can abort a
+    # finished rank (tools/rank_exit.py); the barrier above already synchronised the ranks.
+    rank_exit.leave(messages, barrier=False)
 
 
 @dataclasses.dataclass

@@ -13,7 +13,6 @@
 import datetime
 import os
 import socket
-import sys
 import time
 from typing import Optional
 
@@ -21,6 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tools import rank_exit
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DIST_BACKEND = "nccl" if DEVICE.type == "cuda" else "gloo"
@@ -49,17 +50,9 @@ def _entry(rank, world_size, port, backend, timeout_s, worker, args):
     timeout = RANK_TIMEOUT if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timeout)
-    try:
+    with rank_exit.destroy_on_error():  # a failure propagates to torch.multiprocessing with its traceback
         worker(rank, world_size, *args)
-        dist.barrier()  # every rank done before any tears the group down (a peer's early exit can abort gloo)
-    finally:
-        dist.destroy_process_group()
-    # Done and torn down: leave without interpreter finalization, where gloo's background threads have aborted a
-    # finished rank ("terminate called without an active exception") and failed a passing test. A failure above
-    # never gets here: it propagates to torch.multiprocessing, which reports it with its traceback.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    rank_exit.leave()  # barrier, destroy the group, flush, exit without interpreter finalization (tools/rank_exit.py)
 
 
 def run_ranks(world_size: int, worker, *args, backend: str = DIST_BACKEND, timeout_s: Optional[float] = None,

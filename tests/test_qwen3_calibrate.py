@@ -4,10 +4,12 @@ separated from the healthy values; the outputs must be what the check and the do
 (one model pair, two engine layouts, one group of 2 gloo ranks).
 """
 
+import fcntl
 import json
+import os
 
 from sglang_checks import calibrate, controls, tolerances
-from tests.check_support import run_calibrate
+from tests.check_support import run_calibrate, run_calibrate_raw
 
 
 def test_calibrate_measures_every_control_and_separates_it(tmp_path):
@@ -57,3 +59,45 @@ def test_violations_name_a_false_fail_and_a_fault_that_would_pass():
     assert any(v.startswith("healthy hf c") for v in found)
     assert any(v.startswith(f"control {controls.TRAINER_TEMPERATURE}: largest kl_tol") for v in found)
     assert any(v.startswith(f"control {controls.SHIFTED_LOGPROBS}: no mismatch_tol") for v in found)
+
+
+# ------------------------------------------------------------------------------------ the CLI: one line, exit code
+
+
+def _one_line(stderr):
+    lines = [l for l in stderr.strip().splitlines() if l.strip()]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+def test_help_exits_0_and_lists_calibrates_and_the_checks_flags():
+    proc = run_calibrate_raw("--help")
+    assert proc.returncode == 0, proc.stderr
+    for flag in ("--out_dir", "--seeds", "--model", "--engine_layouts"):
+        assert flag in proc.stdout, flag
+
+
+def test_unbalanced_quote_is_one_line_and_exit_2(tmp_path):
+    proc = run_calibrate_raw(f"--out_dir={tmp_path / 'cal'}", f"--cache_dir={tmp_path / 'models'}",
+                             "--sglang_extra_args='abc")
+    assert proc.returncode == 2, proc.stderr
+    assert _one_line(proc.stderr).startswith("calibrate: error: --sglang_extra_args='abc: not a shell-quoted")
+    assert not (tmp_path / "models").exists()
+
+
+def test_relative_out_dir_is_the_callers_and_a_folder_being_written_is_refused(tmp_path):
+    """Under `bazel run` a relative --out_dir is where the user was (BUILD_WORKING_DIRECTORY); another calibration
+    writing it holds its lock, so this one is refused before any model is built."""
+    caller = tmp_path / "caller"
+    (caller / "relcal").mkdir(parents=True)
+    fd = os.open(str(caller / "relcal" / ".lock"), os.O_RDWR | os.O_CREAT)  # the lock a running calibration holds
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        proc = run_calibrate_raw("--out_dir=relcal", f"--cache_dir={tmp_path / 'models'}",
+                                 env={"BUILD_WORKING_DIRECTORY": str(caller)})
+    finally:
+        os.close(fd)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert _one_line(proc.stderr).startswith(f"calibrate: error: --out_dir={caller / 'relcal'}: another run is "
+                                             f"writing this folder")
+    assert not (tmp_path / "models").exists()

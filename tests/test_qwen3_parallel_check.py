@@ -14,13 +14,15 @@ import json
 import math
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
-from sglang_checks import calibrate, check, cli, controls, layouts, logprob_kinds, trainer
+from sglang_checks import calibrate, check, cli, controls, layouts, logprob_kinds, models, report, trainer
 from sglang_checks.engines import SamplingSettings, hf_engine
 from sglang_checks.errors import CheckError
 from tests.check_support import run_calibrate
@@ -38,8 +40,8 @@ FP32_LOGPROB_ATOL = 2e-5
 FP32_NORM_RTOL = 2e-5
 
 
-def _run_binary(args, timeout=900):
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+def _run_binary(args, timeout=900, env=None):
+    env = dict(env or os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-m", "sglang_checks.qwen3_parallel_check", *args], cwd=REPO_ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -337,10 +339,34 @@ def test_missing_sglang_says_what_to_install(tmp_path, cache_dir):
         check.run(_settings(tmp_path, cache_dir, engine="sglang", engine_layouts="tp1"))
 
 
-def test_rollout_from_another_model_is_refused(default_run, tmp_path, cache_dir):
+def _no_model_loads(monkeypatch):
+    """Building or loading a model fails the test: what is refused here must be refused before either."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was built or loaded before the bad input was refused")
+
+    monkeypatch.setattr(models, "load_hf_model", refuse)
+    monkeypatch.setattr(models, "_build", refuse)
+
+
+@pytest.mark.parametrize("overrides, cached_seed, message", [
+    # tiny seed 1 not in the cache: known by its seed (the check samples with the seed that made the weights)
+    (dict(seed=1), None, r"sampled from model 'tiny' generated with --seed=0, but --model=tiny with --seed=1 has "
+                         r"other weights"),
+    # tiny seed 1 in the cache: known by its fingerprint, read from the cache without loading the weights
+    (dict(seed=1), 1, r"sampled from model 'tiny' \(fingerprint .*\), but --model=tiny has fingerprint"),
+    (dict(model="qwen3-0.6b-random"), None, r"sampled from model 'tiny', not --model=qwen3-0.6b-random"),
+    (dict(seq_len=8), None, r"--seq_len=8: shorter than the longest sequence of the replayed rollout \(\d+ tokens"),
+])
+def test_replay_with_another_model_or_a_short_seq_len_is_refused_before_any_model(
+        overrides, cached_seed, message, default_run, tmp_path, monkeypatch):
     _, first_dir = default_run
-    with pytest.raises(CheckError, match="was sampled from model 'tiny'.*--model=tiny has fingerprint"):
-        check.run(_settings(tmp_path, cache_dir, seed=1, rollout_data=os.path.join(first_dir, "rollout.json")))
+    cache = str(tmp_path / "cache")
+    if cached_seed is not None:
+        models.resolve_model("tiny", cache_dir=cache, seed=cached_seed, log=lambda _: None)
+    _no_model_loads(monkeypatch)
+    with pytest.raises(CheckError, match=message):
+        check.run(_settings(tmp_path, cache, rollout_data=os.path.join(first_dir, "rollout.json"), **overrides))
 
 
 def test_replay_with_other_sampling_flags_is_refused(default_run, tmp_path, cache_dir):
@@ -394,6 +420,7 @@ def _one_line(stderr):
     (["--cache_dir={file}/sub"], "--cache_dir={file}/sub: not a writable folder"),
     (["--rollout_data={tmp}/missing.json"], "cannot read a rollout from the file"),
     (["--prompts={tmp}/missing.jsonl"], "--prompts={tmp}/missing.jsonl: cannot read the file"),
+    (["--engine=hf", "--sglang_extra_args='abc"], "--sglang_extra_args='abc: not a shell-quoted argument list"),
 ])
 def test_binary_bad_input_is_one_line_and_exit_2_before_any_model(args, message, tmp_path):
     a_file = tmp_path / "a_file"
@@ -408,6 +435,150 @@ def test_binary_bad_input_is_one_line_and_exit_2_before_any_model(args, message,
     line = _one_line(proc.stderr)
     assert line.startswith("qwen3_parallel_check: error: ") and fill(message) in line, line
     assert not cache.exists() or not any(cache.iterdir())  # no model was built
+
+
+def test_help_exits_0_and_lists_the_checks_flags():
+    proc = _run_binary(["--help"], timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    for flag in ("--report_dir", "--rollout_data", "--trainer_layouts", "--sglang_extra_args"):
+        assert flag in proc.stdout, flag
+
+
+# The lock file a running check holds in its report folder (documented in qwen3_parallel_check.py, report.py).
+LOCK_FILE = ".lock"
+
+
+def _hold_lock(folder):
+    """Holds `folder`'s report lock from this process, as a running check would."""
+    import fcntl
+
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(str(folder / LOCK_FILE), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def test_a_second_run_into_a_folder_being_written_is_refused(tmp_path):
+    report_dir, cache = tmp_path / "report", tmp_path / "cache"
+    fd = _hold_lock(report_dir)
+    try:
+        proc = _run_binary([f"--report_dir={report_dir}", f"--cache_dir={cache}", "--num_prompts=1",
+                            "--trainer_layouts=tp1"], timeout=300)
+    finally:
+        os.close(fd)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = _one_line(proc.stderr)
+    assert line.startswith(f"qwen3_parallel_check: error: --report_dir={report_dir}: another run is writing"), line
+    assert not cache.exists() or not any(cache.iterdir())  # refused before any model was built
+    assert os.listdir(report_dir) == [LOCK_FILE]
+
+
+def test_the_folder_lock_of_a_killed_run_is_free(tmp_path):
+    """flock is released by the kernel when its holder dies, however: a crash never leaves a folder locked."""
+    folder = tmp_path / "report"
+    folder.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               f"fd = os.open({str(folder / LOCK_FILE)!r}, os.O_RDWR | os.O_CREAT)\n"
+                               "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('locked', flush=True)\ntime.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    with pytest.raises(CheckError, match="another run is writing this folder"):
+        with report.folder_lock("--report_dir", str(folder)):
+            pass
+    holder.kill()
+    holder.wait()
+    with report.folder_lock("--report_dir", str(folder)):
+        pass
+
+
+def test_relative_paths_are_the_callers_under_bazel_run(default_run, cache_dir, tmp_path):
+    """`bazel run` starts the binary in its runfiles tree and says where the user was in BUILD_WORKING_DIRECTORY:
+    relative --report_dir and --rollout_data are there. An earlier run's files in the folder do not stay."""
+    _, first_dir = default_run
+    caller = tmp_path / "caller"
+    (caller / "saved").mkdir(parents=True)
+    (caller / "saved" / "rollout.json").write_text(open(os.path.join(first_dir, "rollout.json")).read())
+    (caller / "relrep").mkdir()
+    (caller / "relrep" / "rollout.json").write_text("an earlier run's rollout")
+    env = dict(os.environ, BUILD_WORKING_DIRECTORY=str(caller))
+    proc = _run_binary(["--report_dir=relrep", "--rollout_data=saved/rollout.json", f"--cache_dir={cache_dir}",
+                        "--trainer_layouts=tp1"], env=env)
+    assert proc.returncode == 0, proc.stderr
+    replay = _report(str(caller / "relrep"))
+    assert replay["rollout"]["path"] == str(caller / "saved" / "rollout.json")
+    assert replay["settings"]["report_dir"] == str(caller / "relrep")
+    assert sorted(os.listdir(caller / "relrep")) == sorted([LOCK_FILE, report.JSON_NAME, report.MD_NAME,
+                                                             report.PNG_NAME])
+    assert not os.path.exists(os.path.join(REPO_ROOT, "relrep"))
+
+
+def _children(pid):
+    """Processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def _gone(pid):
+    """True when `pid` no longer runs (exited, or a zombie waiting for a reaper that is not the check)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _interrupted_line(stderr, program):
+    """The program's own line after Ctrl-C: the last line, the only one that is the program's, and no traceback.
+    Other lines come from libraries in the ranks (c10d warns that it cannot resolve its hostname in a sandbox)."""
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert [line for line in lines if line.startswith(f"{program}:")] == lines[-1:], stderr
+    return lines[-1]
+
+
+# How long rank processes may take to go after the check exits (a terminate, then a kill after 10 s in trainer.py).
+RANKS_GONE_S = 15
+
+
+def test_sigint_exits_130_with_one_line_and_no_rank_left(default_run, cache_dir, tmp_path):
+    _, first_dir = default_run
+    report_dir = tmp_path / "report"
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_checks.qwen3_parallel_check", f"--cache_dir={cache_dir}",
+                             f"--report_dir={report_dir}", f"--rollout_data={os.path.join(first_dir, 'rollout.json')}",
+                             "--trainer_layouts=tp1,tp2"], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:  # the check's progress log: wait until the trainer ranks are being started
+            if "trainer layouts" in line:
+                break
+        deadline = time.monotonic() + 60
+        while len(_children(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ranks = _children(proc.pid)
+        assert len(ranks) >= 2, "the trainer ranks did not start"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert _interrupted_line(err, "qwen3_parallel_check") == "qwen3_parallel_check: interrupted"
+    deadline = time.monotonic() + RANKS_GONE_S
+    while not all(_gone(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(pid) for pid in ranks), [pid for pid in ranks if not _gone(pid)]
+    with report.folder_lock("--report_dir", str(report_dir)):  # and the folder is free again
+        pass
 
 
 def _rollout_with(default_run, tmp_path, mutate):

@@ -17,6 +17,9 @@ an unexpected error is recorded with its message and makes the exit status non-z
 
 With --tp=N the bench spawns N ranks (NCCL on CUDA, gloo on CPU; rank r uses GPU r); every rank runs every case in
 lockstep and rank 0 records, per case, the slowest rank's quantiles and largest peak memory.
+
+Exit code: 0 when every case ran or was skipped with its reason, 1 when one hit an unexpected error or failed its
+check, 2 on a bad flag or an unwritable --out_dir (one line on stderr, before any case runs), 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import os
 import pathlib
 import sys
+import tempfile
 
 if __package__ in (None, ""):
     # Run as a script (python3 tools/bench/bench.py): make the repository root importable. Not resolved, so a Bazel
@@ -31,6 +35,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(os.path.abspath(__file__)).parents[2]))
 
 from absl import app, flags
+
+from tools import cli_contract
 
 _SUITE = flags.DEFINE_list("suite", ["headline"], "Named case lists (tools/bench/cases.py SUITES), or 'custom'.")
 _PROVIDERS = flags.DEFINE_list("providers", ["triton", "torch", "legacy", "naive", "liger", "qwen3_step"],
@@ -63,22 +69,20 @@ _LABEL = flags.DEFINE_string("label", "", "lm_head suites: a name for this run, 
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    del argv  # the flags parser refused stray arguments
     if _SUITE.value in (["lm_head"], ["lm_head_own"], ["lm_head_smoke"]):  # the fused LM head's cases and report
         from tools.bench import lm_head
 
         cfg = dict(warmup=_WARMUP.value, min_reps=_MIN_REPS.value, max_reps=max(_MAX_REPS.value, _MIN_REPS.value),
                    target_ms=_TARGET_MS.value, time_budget_s=_BUDGET.value, seed=_SEED.value, label=_LABEL.value)
-        return lm_head.main(_SUITE.value[0], _TP.value, _DEVICE.value, _resolve(_OUT_DIR.value), cfg)
+        return lm_head.main(_SUITE.value[0], _TP.value, _DEVICE.value, _writable_folder(_OUT_DIR.value), cfg)
     cases = None
     if not _RENDER_ONLY.value:
         try:
             cases = _cases()  # before importing torch, so that a usage error is reported at once
         except ValueError as error:
             raise app.UsageError(str(error))
-    out_dir = _resolve(_OUT_DIR.value)
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = _writable_folder(_OUT_DIR.value)  # before any case runs: a result lost at the end costs the run
     csv, md, png = (os.path.join(out_dir, name) for name in (_CSV.value, _MD.value, _PNG.value))
     if _RENDER_ONLY.value:
         from tools.bench import report  # no torch needed
@@ -109,9 +113,17 @@ def main(argv):
         raise app.UsageError(str(error))
 
 
-def _resolve(path: str) -> str:
-    """Relative paths are relative to where the user ran the command (bazel run changes the working directory)."""
-    return os.path.join(os.environ.get("BUILD_WORKING_DIRECTORY", os.getcwd()), path)
+def _writable_folder(path: str) -> str:
+    """--out_dir as an absolute path, made and shown to take a file; else a usage error naming the flag. Relative
+    paths are where the user ran the command (bazel run changes the working directory)."""
+    out_dir = cli_contract.caller_path(path)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write_test_"):
+            pass
+    except OSError as error:
+        raise app.UsageError(f"--out_dir={path}: not a writable folder ({error.strerror or error})")
+    return out_dir
 
 
 def _cases():
@@ -179,4 +191,5 @@ def _fraction(value):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    # --help exits 0; a bad flag is one line and exit 2; Ctrl-C is one line and exit 130 (tools/cli_contract.py).
+    cli_contract.run(main, program="bench")

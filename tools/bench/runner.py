@@ -23,6 +23,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from tools import rank_exit
 from tools.bench import measure, report
 from tools.bench.cases import Case
 from tools.bench.check import check_forward, reference_rows
@@ -71,7 +72,7 @@ def run(config: BenchConfig) -> int:
         device = torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda" else torch.device("cpu")
         _run_rank(config, device, group=None, rank=0)
     else:
-        torch.multiprocessing.spawn(_worker, args=(config, _free_port()), nprocs=config.tp, join=True)
+        _spawn_ranks(config)
     rows = report.read_csv(config.paths.csv)[before:] if os.path.exists(config.paths.csv) else []
     render(config.paths)
     errors = [r for r in rows if r["status"].startswith("error")]
@@ -79,6 +80,30 @@ def run(config: BenchConfig) -> int:
     for r in errors + failed_checks:
         print(f"PROBLEM: {r['provider']} T={r['T']} {r['dtype']} entropy={r['entropy']}: {r['status']} {r['check']}")
     return 1 if errors or failed_checks else 0
+
+
+# How long a terminated rank may take to go before it is killed.
+_TERMINATE_GRACE_S = 10
+
+
+def _spawn_ranks(config: BenchConfig) -> None:
+    """Runs `config.tp` ranks and waits for them. Whatever ends the wait (a rank's failure, Ctrl-C in this process)
+    ends every rank first: torch.multiprocessing's ranks are not daemons, so the interpreter's exit would otherwise
+    wait for them to finish the whole bench."""
+    context = torch.multiprocessing.spawn(_worker, args=(config, _free_port()), nprocs=config.tp, join=False)
+    try:
+        while not context.join():
+            pass
+    except BaseException:
+        for proc in context.processes:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in context.processes:
+            proc.join(_TERMINATE_GRACE_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        raise
 
 
 def _free_port() -> int:
@@ -102,13 +127,11 @@ def _worker(rank: int, config: BenchConfig, port: int) -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         device = torch.device("cpu")
         dist.init_process_group("gloo", rank=rank, world_size=config.tp, timeout=_DIST_TIMEOUT)
-    try:
+    with rank_exit.destroy_on_error():  # a failure reaches torch.multiprocessing with its traceback
         _run_rank(config, device, group=dist.group.WORLD, rank=rank)
-        # Every rank done before any tears the group down: a CI run once saw rank 0 abort in gloo ("terminate called
-        # without an active exception") as its peer exited.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    # Barrier, destroy the group, flush, exit without interpreter finalization: a CI run saw a finished gloo rank
+    # abort there ("terminate called without an active exception") and fail a passing bench.
+    rank_exit.leave()
 
 
 def environment(device: torch.device) -> dict:
