@@ -34,6 +34,7 @@ from tests.core_support import (DEVICE, CaseFailures, backend_params, make_logit
                                 run_gloo, run_op, triton_skip_reason)
 from tests.reference import (assert_entropy_close, assert_grad_close, assert_log_probs_close,
                              reference_log_probs_and_entropy, shard_vocab)
+from tools import rank_exit
 
 FLT_MAX = torch.finfo(torch.float32).max
 BF16_MAX = torch.finfo(torch.bfloat16).max
@@ -189,7 +190,7 @@ def _nccl_sync_worker(rank, world_size, port, out_dir):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
-    try:
+    with rank_exit.destroy_on_error():
         v_global = 4096 * world_size
         logits = shard_vocab(make_logits((64, v_global)), rank, world_size).cuda()
         tokens = make_tokens((64,), v_global).cuda()
@@ -200,9 +201,7 @@ def _nccl_sync_worker(rank, world_size, port, out_dir):
             torch.cuda.synchronize()
             counts[validate] = _count_cuda_syncs(call)
         torch.save(counts, f"{out_dir}/rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    rank_exit.leave()
 
 
 # Two NCCL ranks: it runs in the _gpu2 target (conftest places it by world size); on CPU it is deselected, since the
