@@ -42,8 +42,9 @@ def linear_log_probs_and_entropy(
       - bitwise identical log-probs, entropies and dW at every TP size: a column's logit never depends on which rank
         computes it (tiles start at the fixed global segments, the K loop over H is fixed), and the per-segment
         partials go through the logits op's all-gather and fixed-order merge;
-      - bitwise identical log-probs and entropies for every row count (the GEMMs run on fixed-shape chunks: a row's
-        logits do not depend on the other rows of the call, nor on a row mask that moves it);
+      - bitwise identical log-probs and entropies for every row count, backend="torch" and backend="triton" with
+        bf16/fp16 (the GEMMs run on fixed-shape chunks: a row's logits do not depend on the other rows of the call,
+        nor on a row mask that moves it; the fp32 Triton GEMM kernels place rows in tiles by their index);
       - backend="torch": bitwise identical to `log_probs_and_entropy(logits, ..., backend="torch")` on the fp32 logits
         its tiles produce (it runs that op's own code on each tile). backend="triton" with bf16/fp16 (the CUDA path):
         cuBLAS GEMMs on fixed-shape chunks [1024 rows x one vocabulary segment], the logits op's own Triton kernels
