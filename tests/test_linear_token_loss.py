@@ -356,3 +356,34 @@ def test_tp_bitwise_invariant(tp_results, backend, tp, name):
     ref, tol = b["dx"]
     assert bool(((partial_sum - ref).abs() <= tol + UNIT_ROUNDOFF[dtype] * contributions).all())
 
+
+
+# --- the whole-step bench's LM-head variants, on a tiny model (CPU plumbing and agreement) ---
+
+# fp32 tiny model: the three variants compute the same loss through different reduction orders (fused fp32 tiles,
+# chunks, the logits op on [T, V] logits); their gradients agree to a few fp32 ulps of the largest entry per tensor.
+WHOLE_STEP_REL_TOL = 1e-4
+
+
+@pytest.mark.device("cpu")
+def test_whole_step_head_variants_train_alike():
+    pytest.importorskip("transformers", reason="the whole-step provider builds its model with transformers")
+    from tools.bench import whole_step
+    from tools.bench.cases import suite_cases
+    from tools.bench.inputs import make_inputs
+
+    grads = {}
+    for case in suite_cases(["lm_head_step_smoke"]):
+        closure = whole_step.build(case, make_inputs(case, torch.device("cpu"), seed=0))
+        closure.prepare()
+        loss = closure.step(None)
+        assert torch.isfinite(loss)
+        model = next(c.cell_contents for c in closure.prepare.__closure__
+                     if hasattr(c.cell_contents, "named_parameters"))
+        grads[case.provider] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    base = grads["qwen3_step_ckpt"]
+    for provider in ("qwen3_step_head", "qwen3_step_loss"):
+        for name, g in grads[provider].items():
+            scale = base[name].abs().max().clamp(min=1e-30)
+            err = ((g - base[name]).abs().max() / scale).item()
+            assert err <= WHOLE_STEP_REL_TOL, f"{provider}: {name} differs from the logits path by {err:.2e}"
