@@ -72,13 +72,15 @@ class ChunkShape:
     loss_dw_rows: int  # token loss: dlogits rows per dW GEMM (its K), a multiple of loss_rows
 
 
-# CUDA, from the two numbers of each GEMM (docs/performance.md): a [1024, 4096] x [4096, 18992] logits GEMM is
-# 159 GFLOP (0.23 ms at 680 TFLOP/s) and fills the chip (600 tiles of 128 x 256); its fp32 chunk (78 MB) is written
-# once and read once by the partials pass. The general op's dW GEMM at K = 8192 reads + writes its fp32 accumulator
-# (622 MB, 0.15 ms) once per 1.27 TFLOP (1.9 ms). The token loss holds 1024 x V_local fp32 logits (0.58 GiB at TP = 1)
-# beside its 2.3 GiB fp32 dW accumulator; its dW GEMM has K = 1024 (159 GFLOP next to 622 MB of accumulator traffic:
-# just above the ridge point of 206 FLOP/byte; a larger K costs K x V_local x 2 bytes of dlogits).
-CUDA_SHAPE = ChunkShape(rows=1024, dw_rows=8192, loss_rows=1024, loss_dw_rows=1024)
+# CUDA, from the two numbers of each GEMM and the H200 measurements in docs/performance.md: a [1024, 4096] x
+# [4096, 18992] logits GEMM is 159 GFLOP (0.23 ms at 680 TFLOP/s) and fills the chip (600 tiles of 128 x 256); its
+# fp32 chunk (78 MB) is written once and read once by the partials pass (512 and 2048 rows measured within 3%). The
+# general op's dW GEMM at K = 8192 reads + writes its fp32 accumulator (622 MB, 0.15 ms) once per 1.27 TFLOP (1.9 ms).
+# The token loss's dW GEMM accumulates into its 2.3 GiB fp32 accumulator: at K = 1024 the 622 MB of C traffic per
+# 159 GFLOP made 64 such GEMMs 24.1 ms where bf16 output took 16.3; K = 2048 took 18.7. So it keeps 2048 rows of
+# dlogits (2048 x V_local bf16: 0.58 GiB) and holds 512 rows of fp32 logits (0.29 GiB): the same memory as 1024 and
+# 1024, under the 3.5 GiB peak at T = 32768 with dX and the accumulator.
+CUDA_SHAPE = ChunkShape(rows=1024, dw_rows=8192, loss_rows=512, loss_dw_rows=2048)
 # Elsewhere (the CPU suite, Triton's interpreter): small, so tiny test shapes cross block and group boundaries.
 HOST_SHAPE = ChunkShape(rows=16, dw_rows=32, loss_rows=8, loss_dw_rows=16)
 
@@ -344,7 +346,8 @@ class ChunkedBackend:
         shape = chunk_shape(hidden.device)
         device = hidden.device
         need_grad = need_dx or need_dw
-        dw_acc = torch.zeros((v_local, width), dtype=torch.float32, device=device) if need_dw else None
+        dw_acc = torch.empty((v_local, width), dtype=torch.float32, device=device) if need_dw else None
+        started = [False] * n_seg  # a segment's first dW GEMM writes its accumulator (no memset, no read of C)
         if n_rows:
             tokens = tokens.to(torch.int64).contiguous()
             blocks = _RowBlocks(hidden, shape.loss_rows)
@@ -355,9 +358,11 @@ class ChunkedBackend:
                   else None)
             dx_block = torch.empty((shape.loss_rows, width), dtype=torch.float32, device=device) if need_dx else None
             segments = list(_segments(shard, v_local))
-            for s, _, seg in segments:
+            for s, seg_lo, seg in segments:
                 if seg.n_valid == 0:
                     _neutral(parts[s])
+                    if need_dw:
+                        dw_acc[seg_lo:seg_lo + seg_len].zero_()  # padding only: no gradient
             blocks_per_group = shape.loss_dw_rows // shape.loss_rows
             for b in range(blocks.count):
                 r0, n, x = blocks.block(b)
@@ -398,10 +403,15 @@ class ChunkedBackend:
                     g0 = (b // blocks_per_group) * shape.loss_dw_rows
                     m = r0 + n - g0
                     for s, seg_lo, seg in segments:
-                        if seg.n_valid:
+                        if seg.n_valid and started[s]:
                             _addmm_fp32(dw_acc[seg_lo:seg_lo + seg_len], dl[s, :m].T, hidden[g0:g0 + m])
+                        elif seg.n_valid:
+                            _mm_fp32(dl[s, :m].T, hidden[g0:g0 + m], dw_acc[seg_lo:seg_lo + seg_len])
+                            started[s] = True
         if dw_acc is None:
             return None
+        if n_rows == 0:
+            dw_acc.zero_()
         return round_in_place(dw_acc, weight.dtype)
 
 

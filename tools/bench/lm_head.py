@@ -653,20 +653,55 @@ def pieces(out_path, T=8192, seed=1234):
 
         record(f"dw_gemms_k{k}_bf16out", _event_ms(dw_direct), f"{n} x dW_s = dl^T @ X, K = {k}, bf16 out")
         record(f"dw_gemms_k{k}_fp32acc", _event_ms(dw_acc), f"{n} x dW32_s += dl^T @ X, K = {k}, fp32 accumulator")
-    del dl, dx32, acc, chunk
+    del dl, dx32, acc
     closure = inp.ppo_loss("triton")
-    for loss_dw_rows in (1024, 2048):
-        lc.CUDA_SHAPE = dataclasses.replace(default, loss_dw_rows=loss_dw_rows)
+    for loss_rows, loss_dw_rows in ((1024, 1024), (512, 2048), (1024, 2048), (512, 1024)):
+        lc.CUDA_SHAPE = dataclasses.replace(default, loss_rows=loss_rows, loss_dw_rows=loss_dw_rows)
         try:
             def token_loss():
                 xl, wl = _leaf(x), _leaf(w)
                 loss, _ = ppo_ops.linear_token_loss(xl, wl, tokens, closure, entropy="grad", validate=False)
                 return torch.autograd.grad(loss, [xl, wl])
 
-            record(f"token_loss_dwrows{loss_dw_rows}", _event_ms(token_loss, reps=3),
-                   "linear_token_loss fwd+bwd, PPO closure, validate off")
+            ms = _event_ms(token_loss, reps=3)
+            peak = measure.peak_extra_bytes(lambda _: token_loss(), lambda: None, device)
+            record(f"token_loss_rows{loss_rows}_dwrows{loss_dw_rows}", ms,
+                   f"linear_token_loss fwd+bwd, PPO closure, validate off; peak extra {peak / GIB:.3f} GiB")
         finally:
             lc.CUDA_SHAPE = default
+    # Measured, not adopted: the partials pass on a second stream, overlapping the next chunk's GEMM (two chunks).
+    side = torch.cuda.Stream()
+    chunks = [torch.empty((rows, seg_len), dtype=torch.float32, device=device) for _ in range(2)]
+    part = torch.empty((T // rows, 8, 5, rows), dtype=torch.float32, device=device)
+    main = torch.cuda.current_stream()
+
+    def overlapped():
+        done = [None, None]
+        for i in range(T // rows * 8):
+            b, s_ = divmod(i, 8)
+            c = chunks[i % 2]
+            if done[i % 2] is not None:
+                main.wait_event(done[i % 2])
+            lc._mm_fp32(x[b * rows:(b + 1) * rows], w[s_ * seg_len:(s_ + 1) * seg_len].T, c)
+            ready = torch.cuda.Event()
+            ready.record(main)
+            with torch.cuda.stream(side):
+                side.wait_event(ready)
+                passes.partials(c, rows, tokens[b * rows:(b + 1) * rows], shard.segment(s_ * seg_len), True,
+                                part[b, s_])
+                done[i % 2] = torch.cuda.Event()
+                done[i % 2].record(side)
+        main.wait_stream(side)
+
+    record("forward_two_streams", _event_ms(overlapped), "GEMMs on one stream, partials on another (no merge)")
+    bf = torch.empty((rows, seg_len), dtype=torch.bfloat16, device=device)
+
+    def gemms_bf16():
+        for b in range(T // rows):
+            for s_ in range(8):
+                torch.mm(x[b * rows:(b + 1) * rows], w[s_ * seg_len:(s_ + 1) * seg_len].T, out=bf)
+
+    record("chunk_gemms_rows1024_bf16out", _event_ms(gemms_bf16), "the chunk GEMMs with bf16 output instead")
     with open(out_path, "a") as f:
         f.write("\n".join(f"T={T},{line}" for line in lines) + "\n")
 
