@@ -74,13 +74,14 @@ class ChunkShape:
 
 # CUDA, from the two numbers of each GEMM and the H200 measurements in docs/performance.md: a [1024, 4096] x
 # [4096, 18992] logits GEMM is 159 GFLOP (0.23 ms at 680 TFLOP/s) and fills the chip (600 tiles of 128 x 256); its
-# fp32 chunk (78 MB) is written once and read once by the partials pass (512 and 2048 rows measured within 3%). The
+# fp32 chunk (78 MB) is written once and read once by the partials pass (512 and 2048 rows measured within 5%). The
 # general op's dW GEMM at K = 8192 reads + writes its fp32 accumulator (622 MB, 0.15 ms) once per 1.27 TFLOP (1.9 ms).
 # The token loss's dW GEMM accumulates into its 2.3 GiB fp32 accumulator: at K = 1024 the 622 MB of C traffic per
-# 159 GFLOP made 64 such GEMMs 24.1 ms where bf16 output took 16.3; K = 2048 took 18.7. So it keeps 2048 rows of
-# dlogits (2048 x V_local bf16: 0.58 GiB) and holds 512 rows of fp32 logits (0.29 GiB): the same memory as 1024 and
-# 1024, under the 3.5 GiB peak at T = 32768 with dX and the accumulator.
-CUDA_SHAPE = ChunkShape(rows=1024, dw_rows=8192, loss_rows=512, loss_dw_rows=2048)
+# 159 GFLOP made 64 such GEMMs 23.9 ms where bf16 output took 16.2 (K = 2048: 18.1). A larger K needs K x V_local x 2
+# bytes of dlogits: 1024 rows of logits with 2048 of dlogits measured 58.6 ms at T = 8192 (vs 61.2) but a 3.59 GiB
+# peak, over the 3.5 GiB allowance; 512 rows of logits with 2048 of dlogits, the same memory, measured 64.7 ms: per
+# block the host issues ~100 launches (closure, autograd, merge, passes), and 512-row blocks made it host-bound.
+CUDA_SHAPE = ChunkShape(rows=1024, dw_rows=8192, loss_rows=1024, loss_dw_rows=1024)
 # Elsewhere (the CPU suite, Triton's interpreter): small, so tiny test shapes cross block and group boundaries.
 HOST_SHAPE = ChunkShape(rows=16, dw_rows=32, loss_rows=8, loss_dw_rows=16)
 
