@@ -505,7 +505,10 @@ TOKEN_LOSS_PEAK_GIB = 3.5  # target: linear_token_loss's peak extra at T = 32768
 
 
 def verdicts(rows) -> str:
-    out = ["Targets (last row of each case in the CSV):"]
+    """The targets' verdicts over the rows of the CSV's last run (its last label): baselines from the same run."""
+    label = rows[-1].get("label", "") if rows else ""
+    rows = [r for r in rows if r.get("label", "") == label]
+    out = [f"Targets (the rows of the last run in the CSV, label {label!r}):"]
     for T in TOKENS:
         for tp in (1, 2):
             for name, (base_name, bound, what) in TARGETS.items():
@@ -575,7 +578,7 @@ def pieces(out_path, T=8192, seed=1234):
     lines = []
 
     def record(name, ms, what):
-        lines.append(f"{name},{ms:.3f},{what}")
+        lines.append(f'{name},{ms:.3f},"{what}"')
         print(f"{name}: {ms:.3f} ms  ({what})", flush=True)
 
     record("gemm1", _event_ms(lambda: x @ w.T), "one cuBLAS GEMM, bf16 logits [T, V]")
