@@ -15,6 +15,9 @@ linear.py (log-probs and entropy) and linear_loss.py (a token loss, its gradient
 from ppo_ops.api import LogProbsEntropy, calculate_log_probs_and_entropy, log_probs_and_entropy
 from ppo_ops.linear import linear_log_probs_and_entropy
 from ppo_ops.linear_loss import linear_token_loss
+from ppo_ops import token_losses
+from ppo_ops.token_losses import TokenLoss, grpo_advantages, grpo_loss, policy_loss
 
 __all__ = ["LogProbsEntropy", "calculate_log_probs_and_entropy", "linear_log_probs_and_entropy", "linear_token_loss",
            "log_probs_and_entropy"]
+__all__ += ["TokenLoss", "grpo_advantages", "grpo_loss", "policy_loss", "token_losses"]

@@ -18,7 +18,8 @@ is returned detached and nothing extra is kept for it.
 
 inplace_grad: backward writes the gradient into the logits' own storage and returns that tensor as the gradient. The
 logits' values are gone afterwards; autograd's version counter makes any other saved use of them fail loudly, and a
-second backward through this op raises instead of reading a gradient as logits.
+second backward through this op raises instead of reading a gradient as logits. Every backend's write counts as an
+in-place write to the version counter (Triton's kernels too, whose raw-pointer stores torch cannot see).
 """
 
 from __future__ import annotations
@@ -127,6 +128,11 @@ class LogProbEntropyFunction(torch.autograd.Function):
                                  _as_fp32(grad_entropy) if plan.entropy_mode == "grad" else None)
         out = logits if plan.inplace_grad else torch.empty_like(logits)
         plan.backend.backward_grad(RowInputs(logits, tokens, keep_mask, row_mask), plan.shard, stats, upstream, out)
+        if plan.inplace_grad:
+            # A kernel that writes through a raw pointer leaves the version counter alone, so autograd would let
+            # another op's saved copy of these logits be read after they were overwritten: a silently wrong
+            # gradient. Record the write as an in-place torch op would (torch ops have counted it already).
+            torch.autograd.graph.increment_version(logits)
         return out, None, None, None, None
 
 

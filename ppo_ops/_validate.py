@@ -241,9 +241,15 @@ def token_bounds(tokens: torch.Tensor, row_mask: Optional[torch.Tensor]) -> torc
     return torch.stack(torch.aminmax(t))
 
 
-def _range_message(upper: int, found: int, has_row_mask: bool, where: str = "") -> str:
-    return (f"tokens{where} must be global token ids in [0, {upper}), found {found}"
-            + (" (rows dropped by row_mask are not checked)" if has_row_mask else ""))
+def _range_message(upper: int, found: int, has_row_mask: bool, where: str = "", tp_size: int = 1) -> str:
+    message = (f"tokens{where} must be global token ids in [0, {upper}), found {found}"
+               + (" (rows dropped by row_mask are not checked)" if has_row_mask else ""))
+    if found >= upper:
+        # The bound is V_local x the group's size: a missing or wrong tp_group shrinks it (tp_group=None is one rank).
+        message += (f"; {upper} is this call's vocabulary (V_local x the {tp_size} rank(s) of tp_group, or "
+                    "vocab_size): if this rank holds one shard of a larger vocabulary, tp_group must be that "
+                    "tensor-parallel group (None means one rank)")
+    return message
 
 
 def check_single_rank_values(fn_name: str, bad_rows: torch.Tensor, tokens: torch.Tensor,
@@ -412,7 +418,8 @@ def raise_if_any(fn_name: str, table: list, has_row_mask: bool,
         found = row[TOKEN_MIN] if row[TOKEN_MIN] < 0 else row[TOKEN_MAX]
         raise argument_error(
             ValueError, fn_name, "tokens",
-            _range_message(row[VOCAB], found, has_row_mask, f" on tensor-parallel {_ranks(out_of_range)} of {world}"))
+            _range_message(row[VOCAB], found, has_row_mask, f" on tensor-parallel {_ranks(out_of_range)} of {world}",
+                           tp_size=world))
     for field in AGREED_FIELDS:
         column = [row[field] for row in table]
         if any(v != column[0] for v in column):

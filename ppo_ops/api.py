@@ -7,10 +7,12 @@ leading dimensions, call LogProbEntropyFunction (ppo_ops/_function.py), restore 
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from typing import NamedTuple, Optional
 
 import torch
+import torch.distributed as dist
 
 from ppo_ops import _torch_backend, _validate
 from ppo_ops._backend import Backend, ShardOptions
@@ -97,13 +99,17 @@ def calculate_log_probs_and_entropy(
     log_prob_keep_mask: Optional[torch.Tensor] = None,
     with_entropy_grad: bool = True,
 ):
-    """Drop-in replacement for slime's function of the same name.
+    """Drop-in replacement for slime's function of the same name, argument by argument.
 
-    Returns (log_prob [T, 1] float32 (shape (0,) when T == 0), entropy [T] float32 or None). Unlike slime's, the
-    entropy stays finite when some logits are -inf. slime passes its tensor-parallel group explicitly; here
-    tp_group=None means one rank (slime's own function would take the default group then). Values are validated
-    (validate=True: one host sync per call).
+    Returns (log_prob [T, 1] float32 (shape (0,) when T == 0), entropy [T] float32 or None). As in slime's (and every
+    torch.distributed call), tp_group=None is the default group when torch.distributed is initialised, and one rank
+    otherwise; every chunk_size <= 0 means no chunking. Unlike slime's, the entropy stays finite when some logits are
+    -inf. Values are validated (validate=True: one host sync per call).
     """
+    if tp_group is None and dist.is_available() and dist.is_initialized():
+        tp_group = dist.group.WORLD
+    if _is_number(chunk_size) and chunk_size <= 0:
+        chunk_size = None
     mode = "none" if not with_entropy else ("grad" if with_entropy_grad else "value")
     result = _compute(
         "calculate_log_probs_and_entropy", logits, tokens, tp_group=tp_group, entropy=mode,
@@ -113,6 +119,13 @@ def calculate_log_probs_and_entropy(
     log_prob = result.log_probs
     log_prob = log_prob.reshape(0) if log_prob.numel() == 0 else log_prob.unsqueeze(-1)
     return log_prob, result.entropy
+
+
+def _is_number(value) -> bool:
+    """A real number, or a one-element tensor of one (bool aside): what the option checks would read as one."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and value.dtype != torch.bool and not value.dtype.is_complex
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _select_backend(fn_name: str, backend: str, logits: torch.Tensor) -> Backend:

@@ -196,13 +196,14 @@ def test_declared_targets_split_cleanly_into_cpu_and_gpu():
             assert attrs["env"]["TRITON_INTERPRET"] == "1", name
 
 
-# What --config=gpu must run on two GPUs: every suite that makes sense there (the core suites, Triton, memory, errors,
+# What --config=gpu2 must run on two GPUs (--config=gpu the one-GPU targets among them): every suite that makes sense there (the core suites, Triton, memory, errors,
 # TP invariance and the multi-rank core over NCCL, parity, the Qwen3 check).
 GPU_SUITES = {
     "test_core_values_gpu": 1, "test_core_invariants_gpu": 1, "test_core_errors_gpu": 1, "test_core_properties_gpu": 1, "test_core_reliability_gpu": 1,
+    "test_core_reliability_gpu2": 2,
     "test_core_memory_gpu": 1, "test_core_parallel_gpu": 2, "test_triton_backend_gpu": 1,
-    "test_tp_invariance_gpu": 2, "test_tp_invariance_gpu4": 4, "test_tp_invariance_gpu8": 8,
-    "test_ppo_logprob_entropy_gpu": 2, "test_linear_log_probs_gpu": 2, "test_qwen3_parallel_check_gpu": 2, "test_qwen3_0.6B_parallel_check": 2,
+    "test_tp_invariance_gpu": 1, "test_tp_invariance_gpu2": 2, "test_tp_invariance_gpu4": 4, "test_tp_invariance_gpu8": 8,
+    "test_ppo_logprob_entropy_gpu": 1, "test_ppo_logprob_entropy_gpu2": 2, "test_linear_log_probs_gpu": 2, "test_qwen3_parallel_check_gpu": 1, "test_qwen3_parallel_check_gpu2": 2, "test_qwen3_0.6B_parallel_check": 2,
 }
 
 
@@ -239,10 +240,11 @@ def _bazelrc_flags():
 def test_bazelrc_default_runs_cpu_tests_and_gpu_config_only_gpu_tests():
     flags = _bazelrc_flags()
     assert "--test_tag_filters=-gpu" in flags["test"]
-    assert "--test_tag_filters=gpu,-gpus_4,-gpus_8,-sglang" in flags["test:gpu"]
+    assert "--test_tag_filters=gpu,-gpus_2,-gpus_4,-gpus_8,-sglang" in flags["test:gpu"]  # a one-GPU runner
     assert "--local_test_jobs=1" in flags["test:gpu"]  # one GPU test at a time
     assert "--extra_toolchains=@ppo_gpu_python//:py_toolchain" in flags["build:gpu"]
     assert "--repo_env=PPO_OPS_BUILD_CONFIG=gpu" in flags["build:gpu"]
+    assert flags["test:gpu2"][-1] == "--test_tag_filters=gpu,-gpus_4,-gpus_8,-sglang"
     assert flags["test:gpu4"][-1] == "--test_tag_filters=gpu,-gpus_8,-sglang"
     assert flags["test:gpu8"][-1] == "--test_tag_filters=gpu,-sglang"
     assert "--config=gpu" in flags["build:sglang"] and flags["test:sglang"][-1] == "--test_tag_filters=sglang"

@@ -7,7 +7,8 @@
 - Empty input (T == 0, and zero-size leading dimensions); a row_mask that drops every row; NaN logits in dropped rows
   (never read: no error, zeros there, the kept rows' bits unchanged).
 - The caller's tensors are never modified, except with inplace_grad=True, where the returned gradient IS the logits'
-  storage and equals the out-of-place gradient bitwise.
+  storage and equals the out-of-place gradient bitwise; another op that saved the logits before the call makes
+  autograd raise (both backends), one that saved them after it gets its values, and a leaf gets its gradient.
 - The slime-compatible calculate_log_probs_and_entropy agrees with log_probs_and_entropy.
 """
 
@@ -264,6 +265,67 @@ def test_inplace_grad_aliases_logits(backend, dtype):
     assert torch.equal(grad, expected.grad)
     assert torch.equal(x.detach(), expected.grad), "the logits' storage must now hold the gradient"
     assert torch.equal(leaf.detach(), logits.to(DEVICE)), "only the op's input is overwritten, not its source"
+
+
+# Other uses of the same logits, each with its own saved copy of them: a plain square term and a z-loss.
+_OTHER_USES = {
+    "square": lambda x: (x ** 2).sum(),
+    "z_loss": lambda x: (torch.logsumexp(x, dim=-1) ** 2).mean(),
+}
+
+
+def _float64_grad(logits, tokens, other, entropy_weight=0.5):
+    """Gradient of sum(log p[target]) + entropy_weight * sum(entropy) + other(logits), in float64 autograd."""
+    x = logits.double().requires_grad_(True)
+    log_p = torch.log_softmax(x, dim=-1)
+    loss = log_p.gather(1, tokens[:, None]).sum() - entropy_weight * (log_p.exp() * log_p).sum() + other(x)
+    (grad,) = torch.autograd.grad(loss, x)
+    return grad
+
+
+@with_each_backend
+@pytest.mark.parametrize("other", list(_OTHER_USES))
+def test_inplace_grad_refuses_an_earlier_saved_use(backend, other):
+    """An op that saved the logits before this call would read the gradient in their place: autograd must refuse
+    (the version counter records the backward's write on every backend, raw-pointer Triton stores included)."""
+    logits = make_logits((6, 96)).to(DEVICE)
+    tokens = make_tokens((6,), 96).to(DEVICE)
+    leaf = logits.clone().requires_grad_(True)
+    x = leaf * 1
+    other_loss = _OTHER_USES[other](x)
+    out = ppo_ops.log_probs_and_entropy(x, tokens, entropy="grad", inplace_grad=True, backend=backend)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (out.log_probs.sum() + 0.5 * out.entropy.sum() + other_loss).backward()
+
+
+@with_each_backend
+@pytest.mark.parametrize("other", list(_OTHER_USES))
+def test_inplace_grad_with_a_later_saved_use_is_exact(backend, other):
+    """An op that saved the logits after this call runs its backward first (autograd goes newest first), while they
+    still hold their values: the combined gradient is exact against float64."""
+    logits = make_logits((6, 96)).to(DEVICE)
+    tokens = make_tokens((6,), 96).to(DEVICE)
+    leaf = logits.clone().requires_grad_(True)
+    x = leaf * 1
+    out = ppo_ops.log_probs_and_entropy(x, tokens, entropy="grad", inplace_grad=True, backend=backend)
+    other_loss = _OTHER_USES[other](x)
+    (out.log_probs.sum() + 0.5 * out.entropy.sum() + other_loss).backward()
+    expected = _float64_grad(logits.cpu(), tokens.cpu(), _OTHER_USES[other])
+    assert_grad_close(leaf.grad.cpu(), expected, torch.float32, "gradient through the op and the later use")
+
+
+@with_each_backend
+def test_inplace_grad_on_a_leaf(backend):
+    """The documented leaf case: a leaf's own storage takes the gradient, which becomes its .grad, exact against
+    float64; the leaf's values are gone (it now holds the gradient)."""
+    logits = make_logits((6, 96)).to(DEVICE)
+    tokens = make_tokens((6,), 96).to(DEVICE)
+    leaf = logits.clone().requires_grad_(True)
+    out = ppo_ops.log_probs_and_entropy(leaf, tokens, entropy="grad", inplace_grad=True, backend=backend)
+    (out.log_probs.sum() + 0.5 * out.entropy.sum()).backward()
+    expected = _float64_grad(logits.cpu(), tokens.cpu(), lambda x: 0.0)
+    assert_grad_close(leaf.grad.cpu(), expected, torch.float32, "leaf gradient")
+    assert torch.equal(leaf.detach(), leaf.grad), "the leaf's storage must hold its gradient"
 
 
 # --- the two public APIs ---

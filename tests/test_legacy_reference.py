@@ -190,13 +190,13 @@ def _good():
         (dict(tokens=torch.tensor([0, 1])), ValueError, "tokens"),
         (dict(tokens=torch.tensor([0, 16, 1])), ValueError, r"tokens must lie in \[0, 16\)"),
         (dict(tokens=torch.tensor([0, -100, 1])), ValueError, "tokens"),
-        (dict(chunk_size=0), ValueError, "chunk_size"),
+        (dict(chunk_size=2.5), TypeError, "chunk_size"),
         (dict(log_prob_keep_mask=torch.ones(3, 16)), TypeError, "log_prob_keep_mask"),
         (dict(log_prob_keep_mask=torch.ones(3, 8, dtype=torch.bool)), ValueError, "log_prob_keep_mask"),
         (dict(tp_group="tp"), TypeError, "tp_group"),
     ],
     ids=["logits_fp64", "logits_3d", "tokens_float", "tokens_shape", "token_past_vocab", "token_negative",
-         "chunk_size_0", "keep_mask_float", "keep_mask_shape", "tp_group_str"],
+         "chunk_size_float", "keep_mask_float", "keep_mask_shape", "tp_group_str"],
 )
 def test_legacy_rejects_bad_arguments(change, error, match):
     with pytest.raises(error, match=match):

@@ -7,7 +7,7 @@ for the other:
     entropy   [T] fp32 or None                        from legacy_entropy (own vocab-parallel Function, full distribution)
 
 chunk_size > 0 splits the rows into chunks of that many rows, runs both ops per chunk and concatenates (slime's
-semantics; -1 = all rows at once). Each chunk runs its own collectives: 2 for the log-prob, 3 for the entropy.
+semantics; any chunk_size <= 0 = all rows at once). Each chunk runs its own collectives: 2 for the log-prob, 3 for the entropy.
 with_entropy_grad=False computes the entropy under ``torch.no_grad()`` (nothing saved, ``requires_grad`` False).
 
 All argument checks run before the first collective, so a bad argument raises on every rank instead of hanging one.
@@ -51,8 +51,8 @@ def _validate_rest(
         raise ValueError(f"{_FN}: tokens must have shape {tuple(logits.shape[:-1])} (logits.shape[:-1]), got {tuple(tokens.shape)}")
     if tokens.device != logits.device:
         raise ValueError(f"{_FN}: tokens must be on the logits' device {logits.device}, got {tokens.device}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not (chunk_size == -1 or chunk_size >= 1):
-        raise ValueError(f"{_FN}: chunk_size must be -1 (all rows at once) or a positive int, got {chunk_size!r}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise TypeError(f"{_FN}: chunk_size must be an int (<= 0: all rows at once), got {chunk_size!r}")
     if log_prob_keep_mask is not None:
         if not isinstance(log_prob_keep_mask, torch.Tensor) or log_prob_keep_mask.dtype != torch.bool:
             raise TypeError(
@@ -86,7 +86,7 @@ def calculate_log_probs_and_entropy(
         tokens: ``[T]`` int64/int32 global ids of the sampled tokens, in ``[0, V_local * TP)``.
         tp_group: vocab-parallel group; None = the default group if torch.distributed is initialised, else TP=1.
         with_entropy: also return the per-token entropy of the full distribution.
-        chunk_size: rows per chunk; -1 = all rows at once.
+        chunk_size: rows per chunk; any value <= 0 = all rows at once.
         log_prob_keep_mask: ``[T, V_local]`` bool; the log-prob is renormalised over kept columns ∪ {target}.
         with_entropy_grad: when False the entropy is computed without autograd.
 
@@ -103,7 +103,7 @@ def calculate_log_probs_and_entropy(
         empty = torch.zeros((0,), dtype=torch.float32, device=logits.device)
         return empty, (empty.clone() if with_entropy else None)
 
-    rows = logits.shape[0] if chunk_size == -1 else chunk_size
+    rows = logits.shape[0] if chunk_size <= 0 else chunk_size
     logit_chunks = logits.split(rows, dim=0)
     token_chunks = tokens.split(rows, dim=0)
     mask_chunks = log_prob_keep_mask.split(rows, dim=0) if log_prob_keep_mask is not None else [None] * len(logit_chunks)
