@@ -33,8 +33,7 @@ import torch.distributed as dist
 from ppo_ops import _validate
 from ppo_ops._function import refuse_double_backward
 from ppo_ops._linear_backend import BlockGrads, LossHooks
-from ppo_ops._linear_shell import (NAMING, LinearPlan, exchange_headers, kept, kept_row_indices,
-                                   merge_across_ranks, scatter_rows)
+from ppo_ops._linear_shell import NAMING, LinearPlan, kept, kept_row_indices, merge_across_ranks, scatter_rows
 
 
 class LinearTokenLossFunction(torch.autograd.Function):
@@ -63,10 +62,9 @@ class LinearTokenLossFunction(torch.autograd.Function):
         headers_done = [layout.group is None or not plan.validate]
 
         def merge(partials):
-            if not headers_done[0]:
-                exchange_headers(plan, tokens, row_mask, partials, hidden.dtype)
-                headers_done[0] = True
-            return merge_across_ranks(plan, partials)
+            stats = merge_across_ranks(plan, partials, tokens, row_mask, hidden.dtype, validate=not headers_done[0])
+            headers_done[0] = True
+            return stats
 
         def block_grads(stats, r0, r1):
             log_prob[r0:r1] = stats.log_prob
@@ -104,9 +102,11 @@ class LinearTokenLossFunction(torch.autograd.Function):
                                        LossHooks(merge=merge, block_grads=block_grads, finish_dx=finish_dx),
                                        need_dx=need_dx, need_dw=need_dw)
         if not headers_done[0]:  # no kept row on this rank: it still takes part in the header exchange
-            exchange_headers(plan, tokens, row_mask,
-                             torch.zeros((layout.segments_local, 5, 0), dtype=torch.float32, device=device),
-                             hidden.dtype)
+            _validate.check_across_ranks(
+                plan.fn_name, layout.group, layout.world_size, tokens, row_mask,
+                torch.zeros((layout.segments_local, 5, 0), dtype=torch.float32, device=device), naming=NAMING,
+                v_local=layout.v_local, vocab_size=layout.vocab_size, temperature=plan.temperature,
+                entropy_mode=plan.entropy_mode, has_keep_mask=False, dtype=hidden.dtype)
         if plan.validate:
             _check_end(plan, tokens, row_mask, flags)
 
@@ -179,13 +179,10 @@ def _check_end(plan: LinearPlan, tokens, row_mask, flags) -> None:
     """The end-of-forward host read of the value checks (see the module docstring)."""
     fn = plan.fn_name
     if plan.layout.group is None:
-        values = _validate.read_to_host(torch.cat([_validate.token_bounds(tokens, row_mask), flags.to(torch.int64)]))
-        lo, hi, bad_logits, bad_loss = values
-        upper = plan.layout.vocab_size
-        if lo < 0 or hi >= upper:
-            raise _validate.argument_error(ValueError, fn, "tokens", _validate._range_message(
-                upper, lo if lo < 0 else hi, row_mask is not None))
-        where = ""
+        # The logits op's TP = 1 read (token range, NaN / +inf logits), this op's loss flag in the same read.
+        (bad_loss,) = _validate.check_single_rank_values(fn, flags[:1], tokens, row_mask, plan.layout.vocab_size,
+                                                         naming=NAMING, extra_flags=flags[1:])
+        bad_logits, where = False, ""
     else:
         bad_logits, bad_loss = _validate.read_to_host(flags.to(torch.int64))
         where = f" (merged over the {plan.layout.world_size} tensor-parallel ranks)"

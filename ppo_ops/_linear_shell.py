@@ -17,23 +17,23 @@ Backends (`select_backend`; the contract is ppo_ops/_linear_backend.py):
   `HALF_PRECISION_PATH` switches half precision of the general op to "triton-gemm" (the Triton GEMM kernels): for
   the bench's before/after rows only; results differ from the chunked path's within the documented tolerances.
 
-Row statistics (`row_stats`): at TP > 1 with validate=True the ranks' fixed-size headers go first (the call's one
-host read for the general op), then the all-gather of the partials, then the merge of the backend's kind, so both
-ops merge exactly as the logits op does (ppo_ops/_function.py).
+Backend kind: the logits op's choice (api.backend_kind), the same rules and errors. Row statistics
+(`merge_across_ranks`): the logits op's path (_function.merge_row_stats): at TP > 1 with validate=True the ranks'
+fixed-size headers first (the call's one host read for the general op), then the all-gather of the partials, then
+the merge of the backend's kind.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import NamedTuple, Optional
 
 import torch
 
 from ppo_ops import _validate
 from ppo_ops._backend import RowStats
-from ppo_ops._function import all_gather_partials
+from ppo_ops._function import merge_row_stats
 from ppo_ops._layout import VocabLayout, make_layout
 from ppo_ops._linear_backend import LinearBackend, LinearShard
 
@@ -130,27 +130,16 @@ def check_tensors(fn_name, hidden, weight, tokens, row_mask) -> None:
 
 
 def select_backend(fn_name: str, backend: str, hidden: torch.Tensor, fused_loss: bool) -> LinearBackend:
+    """The logits op's choice of kind (api.backend_kind), then the LM head's backend of that kind."""
     from ppo_ops import _linear_chunked, _linear_torch
+    from ppo_ops.api import backend_kind
 
-    if backend == "torch" or (backend == "auto" and not hidden.is_cuda):
+    if backend_kind(fn_name, backend, hidden, "hidden") == "torch":
         return _linear_chunked.backend("torch") if fused_loss else _linear_torch.BACKEND
-    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    if backend == "triton" and not (hidden.is_cuda or interpreted):
-        raise _validate.argument_error(
-            ValueError, fn_name, "backend",
-            f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before triton is imported, to run its "
-            f"kernels on CPU), got hidden on {hidden.device}")
-    try:
-        from ppo_ops import _linear_triton
-    except ImportError as err:
-        if backend == "auto":
-            return _linear_chunked.backend("torch") if fused_loss else _linear_torch.BACKEND
-        raise _validate.argument_error(
-            RuntimeError, fn_name, "backend",
-            f"backend='triton' is unavailable ({err}); install triton (pip install triton) or use backend='torch'"
-        ) from err
     if fused_loss or (hidden.dtype in _HALF and HALF_PRECISION_PATH == "chunked"):
         return _linear_chunked.backend("triton")
+    from ppo_ops import _linear_triton
+
     return _linear_triton.BACKEND
 
 
@@ -175,27 +164,16 @@ def scatter_rows(values: torch.Tensor, rows: Optional[torch.Tensor], n_rows: int
 
 # ---- partials -> row stats ----
 
-def exchange_headers(plan: LinearPlan, tokens, row_mask, partials, dtype) -> None:
-    """TP > 1, validate=True: the ranks' fixed-size headers (over the call's T rows and row mask; the NaN / +inf flag
-    from `partials`, this rank's), one host read, every rank raising together or going on."""
-    layout = plan.layout
-    _validate.check_across_ranks(
-        plan.fn_name, layout.group, layout.world_size, tokens, row_mask, partials, naming=NAMING,
-        v_local=layout.v_local, vocab_size=layout.vocab_size, temperature=plan.temperature,
-        entropy_mode=plan.entropy_mode, has_keep_mask=False, dtype=dtype,
-    )
-
-
-def merge_across_ranks(plan: LinearPlan, partials: torch.Tensor) -> RowStats:
-    """This rank's [local segments, 5, R] partials -> global RowStats: all-gather (TP > 1; every rank takes part, R = 0
-    included) and the backend's fixed-order merge."""
-    if plan.layout.group is not None:
-        partials = all_gather_partials(partials, plan.layout)
-    return plan.backend.merge_partials(partials)
+def merge_across_ranks(plan: LinearPlan, partials: torch.Tensor, tokens, row_mask, dtype, *,
+                       validate: bool) -> RowStats:
+    """This rank's [local segments, 5, R] partials -> global RowStats through the logits op's path
+    (_function.merge_row_stats): with `validate` at TP > 1 the header exchange first (over the call's T rows and row
+    mask; the NaN / +inf flag from these partials), then the all-gather and the backend's fixed-order merge."""
+    return merge_row_stats(plan.fn_name, plan.layout, validate, partials, plan.backend.merge_partials, tokens,
+                           row_mask, naming=NAMING, temperature=plan.temperature, entropy_mode=plan.entropy_mode,
+                           has_keep_mask=False, dtype=dtype)
 
 
 def row_stats(plan: LinearPlan, partials, tokens, row_mask, dtype) -> RowStats:
     """The general op's forward after its partials: header exchange (TP > 1, validate), all-gather, merge."""
-    if plan.layout.group is not None and plan.validate:
-        exchange_headers(plan, tokens, row_mask, partials, dtype)
-    return merge_across_ranks(plan, partials)
+    return merge_across_ranks(plan, partials, tokens, row_mask, dtype, validate=plan.validate)

@@ -86,7 +86,7 @@ def tile_logits(hidden: torch.Tensor, weight: torch.Tensor, seg_len: int) -> tor
 
 
 def forward_partials(hidden, weight, tokens, inv_temperature, n_valid, seg_len, with_entropy, vocab_start=0):
-    """[V_local // seg_len, 5, R] fp32 segment partials of the R rows of `hidden` (linear backend contract)."""
+    """[V_local // seg_len, 5, R] fp32 segment partials of the R rows of `hidden` (the launch layer under BACKEND)."""
     n_rows, v_local = hidden.shape[0], weight.shape[0]
     n_seg = v_local // seg_len
     out = torch.empty((n_seg, 5, n_rows), dtype=torch.float32, device=hidden.device)
@@ -117,7 +117,7 @@ def forward_partials(hidden, weight, tokens, inv_temperature, n_valid, seg_len, 
 def backward(hidden, weight, tokens, inv_temperature, n_valid, seg_len, shift, log_sum, mean_shifted,
              grad_logprob, grad_entropy, need_dx=True, need_dw=True, vocab_start=0):
     """(dX fp32 [R, H], this rank's contribution summed over its vocabulary; dW [V_local, H] in weight's dtype) of
-    the loss sum(grad_logprob * log_prob + grad_entropy * entropy) (linear backend contract). Either is None when
+    the loss sum(grad_logprob * log_prob + grad_entropy * entropy) (the launch layer under BACKEND). Either is None when
     not needed."""
     n_rows, width = hidden.shape
     v_local = weight.shape[0]

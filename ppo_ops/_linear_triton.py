@@ -295,7 +295,7 @@ def gemm_kernel(
                    ROUND_BF16_BY_BITS)
 
 
-# ---- launchers (the linear backend contract) ----
+# ---- launchers (the launch layer under BACKEND, at the end) ----
 
 def _check(hidden, weight):
     for name, t in (("hidden", hidden), ("weight", weight)):
@@ -314,7 +314,7 @@ def _cdiv(a, b):
 
 
 def forward_partials(hidden, weight, tokens, inv_temperature, n_valid, seg_len, with_entropy, vocab_start=0):
-    """[V_local // seg_len, 5, R] fp32 segment partials (linear backend contract)."""
+    """[V_local // seg_len, 5, R] fp32 segment partials (the launch layer under BACKEND)."""
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     _check(hidden, weight)
     n_rows, width = hidden.shape
@@ -403,7 +403,7 @@ def _chunk_columns(n_rows, itemsize, block_n):
 
 def backward(hidden, weight, tokens, inv_temperature, n_valid, seg_len, shift, log_sum, mean_shifted,
              grad_logprob, grad_entropy, need_dx=True, need_dw=True, vocab_start=0):
-    """(dX fp32 [R, H] this rank's contribution, dW [V_local, H] in weight's dtype) (linear backend contract)."""
+    """(dX fp32 [R, H] this rank's contribution, dW [V_local, H] in weight's dtype) (the launch layer under BACKEND)."""
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     _check(hidden, weight)
     n_rows, width = hidden.shape

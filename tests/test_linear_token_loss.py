@@ -73,7 +73,45 @@ def _weighted(n_rows, seed):
     return loss
 
 
-LOSSES = {"weighted": _weighted, "ppo": _ppo}
+def _shipped(name):
+    """The losses of ppo_ops/token_losses.py, on [n_rows] constants (they take fp32 inputs only)."""
+
+    def make(n_rows, seed):
+        from ppo_ops import token_losses
+
+        gen = torch.Generator().manual_seed(seed)
+        old = -3.0 + torch.randn(n_rows, generator=gen)
+        ref = -3.0 + torch.randn(n_rows, generator=gen)
+        mask = torch.rand(n_rows, generator=gen) < 0.8
+        seq_ids = torch.arange(n_rows) // 4  # sequences of 4 tokens
+        if name == "policy":  # DAPO's clip-higher, dual clip, entropy bonus, k3 KL, token mean over a loss mask
+            loss = token_losses.policy_loss(old, torch.randn(n_rows, generator=gen), clip_low=0.2, clip_high=0.28,
+                                            dual_clip=3.0, entropy_coef=0.01, kl_coef=0.05, ref_log_probs=ref,
+                                            kl_type="k3", loss_mask=mask, normalization="token_mean")
+        elif name == "policy_seq_mean":  # k2 KL, per-sequence means
+            loss = token_losses.policy_loss(old, torch.randn(n_rows, generator=gen), kl_coef=0.1, ref_log_probs=ref,
+                                            kl_type="k2", loss_mask=mask, normalization="seq_mean", seq_ids=seq_ids)
+        else:  # GRPO's defaults over groups of 2 sequences
+            n_seq = int(seq_ids.max()) + 1
+            n_seq += n_seq % 2
+            loss = token_losses.grpo_loss(old, torch.randn(n_seq, generator=gen), seq_ids, group_size=2,
+                                          ref_log_probs=ref, loss_mask=mask, entropy_coef=0.02)
+        return _on_device(loss)
+
+    return make
+
+
+def _on_device(loss):
+    """A TokenLoss keeps its constants on their device: move them to the op's (the rows arrive there)."""
+    import dataclasses
+
+    fields = {f.name: getattr(loss, f.name) for f in dataclasses.fields(loss)}
+    moved = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in fields.items()}
+    return type(loss)(**moved)
+
+
+LOSSES = {"weighted": _weighted, "ppo": _ppo, "policy": _shipped("policy"),
+          "policy_seq_mean": _shipped("policy_seq_mean"), "grpo": _shipped("grpo")}
 
 
 def _run(hidden, weight, tokens, token_loss, device=DEVICE, scale=None, **opts):
@@ -99,7 +137,12 @@ def _float64(hidden, weight, tokens, token_loss, *, temperature, vocab_size, row
     lp = lsm[rows, t[rows]].detach().requires_grad_(True)
     p = lsm[rows].exp()
     ent = (-(p * torch.where(p > 0, lsm[rows], 0.0)).sum(-1)).detach().requires_grad_(entropy == "grad")
-    value = token_loss(lp, ent if entropy != "none" else None, rows)
+    if hasattr(token_loss, "n_tokens"):  # a shipped TokenLoss takes fp32 only: the float64 values, rounded once
+        rows_d = rows.to(DEVICE)
+        value = token_loss(lp.float().to(DEVICE), ent.float().to(DEVICE) if entropy != "none" else None,
+                           rows_d).double().cpu()
+    else:
+        value = token_loss(lp, ent if entropy != "none" else None, rows)
     inputs_ = [lp] + ([ent] if entropy == "grad" else [])
     grads = torch.autograd.grad(value.sum(), inputs_, allow_unused=True)
     n = t.numel()
@@ -161,6 +204,17 @@ def _check_vs_float64_once(backend, dtype, loss_name, temperature, vocab_size, m
 ])
 def test_values_and_gradients_vs_float64(backend, dtype, loss_name, temperature, vocab_size, masked, entropy):
     _check_vs_float64_once(backend, dtype, loss_name, temperature, vocab_size, masked, entropy)
+
+
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+@pytest.mark.parametrize("loss_name,dtype,masked", [
+    ("policy", torch.bfloat16, False),  # PPO with every term on
+    ("policy_seq_mean", torch.float32, True),  # per-sequence normalisation, row mask
+    ("grpo", torch.bfloat16, True),  # GRPO's group-normalised advantages
+])
+def test_shipped_losses_vs_float64(backend, loss_name, dtype, masked):
+    pytest.importorskip("ppo_ops.token_losses")
+    _check_vs_float64_once(backend, dtype, loss_name, 1.0, None, masked, entropy="grad", lead=(16,))
 
 
 @pytest.mark.parametrize("backend", backend_params(DEVICE))

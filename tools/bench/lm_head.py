@@ -17,8 +17,9 @@ rank (V = 75968) for the gemms, unfused and fused providers: the reference of th
   fused_gemm the same op on its Triton GEMM kernels (_linear_shell.HALF_PRECISION_PATH = "triton-gemm"): the path
             the chunked one replaced, for before/after in one run
   fused_nograd the fused op's forward under torch.no_grad (old-policy / reference passes), against gemm1
-  token_loss ppo_ops.linear_token_loss with a PPO closure (clipped surrogate, entropy bonus, k3 KL to a reference;
-            token-mean), validate on and off (token_loss_novalidate): the gradient formed in the forward
+  token_loss ppo_ops.linear_token_loss with ppo_ops.token_losses.policy_loss (clipped surrogate with DAPO's clip
+            range, entropy bonus, k3 KL to a reference, token mean), validate on and off (token_loss_novalidate): the
+            gradient formed in the forward
   liger     Liger-Kernel's fused linear cross entropy (log-prob only, reduction "mean"; TP=1), where installed
   cce       Cut Cross-Entropy's linear_cross_entropy (log-prob only, per token; TP=1), gradient filtering on (its
             default: gradient blocks under bf16 eps/32 are skipped, an approximation), where installed
@@ -68,7 +69,7 @@ FIELDS = ("label", "provider", "T", "H", "V", "tp", "v_local", "status", "p20_ms
           "baseline", "vs_gemms", "peak_extra_gib", "grad_gib", "max_dlogprob_vs_unfused", "f64_dlogprob",
           "f64_dentropy", "f64_ddx_rel")
 CHECK_ROWS = 64  # rows compared with float64 (first and last half): a [64, V] float64 logits block is 78 MB
-# The PPO closure of the token_loss rows (also what tests/test_linear_token_loss.py checks against float64).
+# The PPO loss of the token_loss rows (ppo_ops.token_losses.policy_loss).
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28  # DAPO's asymmetric clip
 ENTROPY_COEF = 0.01
 KL_COEF = 0.01
@@ -124,9 +125,10 @@ class Inputs:
         return self.g_logits
 
     def ppo_loss(self, backend):
-        """The token_loss rows' closure: old and reference log-probs near the current ones (the fused forward under
-        no_grad, plus noise of 0.1), advantages ~ N(0, 1), token-mean weights 1 / T."""
+        """The token_loss rows' closure, ppo_ops.token_losses.policy_loss: old and reference log-probs near the
+        current ones (the fused forward under no_grad, plus noise of 0.1), advantages ~ N(0, 1), token mean."""
         import ppo_ops
+        from ppo_ops import token_losses
 
         if self.ppo is None:
             T = self.hidden.shape[0]
@@ -135,27 +137,11 @@ class Inputs:
                 lp = ppo_ops.linear_log_probs_and_entropy(self.hidden, self.weight, self.tokens, tp_group=self.group,
                                                           backend=backend).log_probs
             noise = lambda: 0.1 * torch.randn(T, generator=gen, device=lp.device)  # noqa: E731
-            self.ppo = dict(old_log_probs=lp + noise(), ref_log_probs=lp + noise(),
-                            advantages=torch.randn(T, generator=gen, device=lp.device),
-                            weights=torch.full((T,), 1.0 / T, device=lp.device))
-        return ppo_closure(**self.ppo)
-
-
-def ppo_closure(old_log_probs, ref_log_probs, advantages, weights):
-    """A row-separable PPO loss: clipped surrogate (DAPO's clip range), k3 KL to a reference, entropy bonus,
-    token-mean weights; in torch ops, so the same function runs on fp32 (the op) and float64 (the reference)."""
-
-    def loss(log_probs, entropy, rows):
-        ratio = torch.exp(log_probs - old_log_probs[rows])
-        adv = advantages[rows]
-        surrogate = -torch.minimum(ratio * adv, ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH) * adv)
-        d = ref_log_probs[rows] - log_probs
-        out = surrogate + KL_COEF * (torch.exp(d) - d - 1)
-        if entropy is not None:
-            out = out - ENTROPY_COEF * entropy
-        return out * weights[rows]
-
-    return loss
+            self.ppo = token_losses.policy_loss(
+                lp + noise(), torch.randn(T, generator=gen, device=lp.device), clip_low=CLIP_LOW,
+                clip_high=CLIP_HIGH, entropy_coef=ENTROPY_COEF, kl_coef=KL_COEF, ref_log_probs=lp + noise(),
+                kl_type="k3", normalization="token_mean")
+        return self.ppo
 
 
 class Built(NamedTuple):
@@ -181,8 +167,8 @@ def _f64_diffs(case, inp, got) -> dict:
     if ent is not None:
         out["f64_dentropy"] = f"{(ent[rows].double() - ent64).abs().max().item():.2e}"
     if dx is not None:
-        if closure is not None:
-            dz = torch.autograd.grad(closure(lp64, ent64, rows).sum(), z)[0]
+        if closure is not None:  # a TokenLoss takes fp32: the float64 values rounded once, the cast differentiable
+            dz = torch.autograd.grad(closure(lp64.float(), ent64.float(), rows).sum(), z)[0]
         else:
             dz = torch.autograd.grad([lp64, ent64], z, [inp.g_lp[rows].double(), inp.g_ent[rows].double()])[0]
         ref = dz @ w
