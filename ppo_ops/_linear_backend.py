@@ -5,7 +5,7 @@ formed in the forward) ask of a backend. The logits op meets its backends the sa
 Three backends implement `LinearBackend`:
   _linear_torch.BACKEND     fixed fp32 tiles through torch.matmul and the logits op's PyTorch code (any device);
   _linear_triton.BACKEND    Triton GEMM-tile kernels with the softmax statistics fused in (fp32 inputs on CUDA);
-  _linear_chunked.BACKENDS  library GEMMs (cuBLAS on CUDA; an fp32 matmul elsewhere) on fixed-shape chunks, with
+  _linear_chunked.backend() library GEMMs (cuBLAS on CUDA; an fp32 matmul elsewhere) on fixed-shape chunks, with
                             the logits op's own passes (Triton, or PyTorch) over a bounded fp32 logits chunk: the
                             half-precision CUDA path, and the only one that also implements `FusedLossBackend`.
 
