@@ -10,7 +10,8 @@ passes, under TRITON_INTERPRET=1 on CPU with an fp32 matmul standing in for cuBL
 - the upstream scalar scales dX and dW (one rounding), row_mask (dropped rows: zeros, never passed to the loss),
   rows given to the loss are indices into the flattened tokens, a second backward raises, no_grad keeps nothing;
 - errors: a non-callable token_loss, a loss of the wrong shape or dtype, non-finite values with validate=True
-  (and none with validate=False);
+  (and none with validate=False); on 2 gloo ranks a bad token_loss or token on ONE rank makes both raise, naming the
+  rank and the argument;
 - TP = 2 and 4 (gloo on CPU, NCCL on GPUs): loss, log-probs, entropies and the concatenated dW bitwise equal to TP = 1,
   dX within its bound, reduce_dx=False giving per-rank contributions.
 """
@@ -441,3 +442,43 @@ def test_whole_step_head_variants_train_alike():
             scale = base[name].abs().max().clamp(min=1e-30)
             err = ((g - base[name]).abs().max() / scale).item()
             assert err <= WHOLE_STEP_REL_TOL, f"{provider}: {name} differs from the logits path by {err:.2e}"
+
+
+# --- collective failure (2 gloo ranks) ---
+
+GLOO_TIMEOUT_S = 30  # a collective that waits this long fails the rank: a hang becomes an error
+DEADLINE_S = 180  # both ranks done by then, or the test fails as a hang
+
+
+def _collective_worker(rank, world_size, out_dir):
+    hidden, weight, tokens = inputs((5,), torch.float32, seed=107)
+    v_local = V_GLOBAL // world_size
+    shard = weight[rank * v_local:(rank + 1) * v_local]
+    cases = {
+        "not_callable_on_rank_1": dict(token_loss=3.0 if rank == 1 else _weighted(5, 108)),
+        "bad_token_on_rank_0": dict(token_loss=_weighted(5, 108),
+                                    tokens=torch.where(torch.arange(5) == 2, V_GLOBAL, tokens) if rank == 0 else tokens),
+    }
+    record = {}
+    for name, args in cases.items():
+        try:
+            ppo_ops.linear_token_loss(hidden.clone().requires_grad_(True), shard, args.get("tokens", tokens),
+                                      args["token_loss"], tp_group=dist.group.WORLD, backend="torch")
+            record[name] = ("no error", "")
+        except (TypeError, ValueError) as exc:
+            record[name] = (type(exc).__name__, str(exc))
+    torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_failure_is_collective(tmp_path):
+    from tests.ranks import run_gloo
+
+    run_gloo(2, _collective_worker, str(tmp_path), timeout_s=GLOO_TIMEOUT_S, deadline_s=DEADLINE_S)
+    records = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    expected = {"not_callable_on_rank_1": ("TypeError", ("token_loss", "rank 1 of 2")),
+                "bad_token_on_rank_0": ("ValueError", ("tokens", "rank 0 of 2"))}
+    for name, (exc_type, needles) in expected.items():
+        for rank, record in enumerate(records):
+            got_type, message = record[name]
+            assert got_type == exc_type, f"{name}: rank {rank} raised {got_type}: {message}"
+            assert all(n in message for n in needles), f"{name}: rank {rank}: {message}"
