@@ -51,7 +51,8 @@ def linear_token_loss(
     folded into the constants). PPO / GRPO / DAPO clipped surrogates, an entropy bonus, k1/k2/k3 KL to a reference
     and token- or sequence-mean normalisation with known counts all are. Checked on every block: values is a float32
     tensor of shape [n] on hidden's device; with validate=True also that values and gradients are finite.
-    At TP > 1 every rank calls token_loss with the same global values (merged statistics).
+    At TP > 1 every rank calls token_loss with the same global values (merged statistics). Gradients flow to hidden
+    and weight only: tensors the loss closes over (constants, or a module's parameters) get none from this op.
 
     Returns (loss, LogProbsEntropy(log_probs, entropy)):
       loss: 0-d fp32, the sum of values over the kept rows; differentiable w.r.t. hidden and weight. Its backward
