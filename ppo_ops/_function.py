@@ -62,24 +62,34 @@ def all_gather_partials(partials: torch.Tensor, layout: VocabLayout) -> torch.Te
     return out
 
 
+def merge_row_stats(fn_name: str, layout: VocabLayout, validate: bool, partials: torch.Tensor, merge, tokens,
+                    row_mask, *, naming=None, **header_fields):
+    """This rank's [local segments, 5, T] partials -> global RowStats, the way every op of ppo_ops does it: at TP > 1
+    with validate=True the ranks' fixed-size headers first (the value checks' one host read; `header_fields` as
+    _validate.rank_header takes them), then the all-gather of the partials, then `merge` (the backend's fixed-order
+    merge). The logits op and both LM-head ops (ppo_ops/_linear_shell.py) call this."""
+    if layout.group is not None:
+        if validate:
+            # Before the all-gather of the partials, whose size depends on the call: ranks that disagree, or whose
+            # tokens or logits are bad, all raise here together.
+            _validate.check_across_ranks(fn_name, layout.group, layout.world_size, tokens, row_mask, partials,
+                                         naming=naming, v_local=layout.v_local, vocab_size=layout.vocab_size,
+                                         **header_fields)
+        # Every rank takes part, T = 0 included: [segments, 5, T] has the same shape on every rank.
+        partials = all_gather_partials(partials, layout)
+    return merge(partials)
+
+
 def compute_row_stats(plan: Plan, inputs: RowInputs):
     """Forward partials on this rank, (validate=True, TP > 1) the header exchange and its one host read, the
     all-gather of the partials, the merge. Returns RowStats over all T rows (neutral, i.e. without mass, for rows
     the row mask drops)."""
-    layout = plan.layout
     partials = plan.backend.forward_partials(inputs, plan.shard, plan.entropy_mode != "none")
-    if layout.group is not None:
-        if plan.validate:
-            # Before the all-gather of the partials, whose size depends on the call: ranks that disagree, or whose
-            # tokens or logits are bad, all raise here together.
-            _validate.check_across_ranks(
-                plan.fn_name, layout.group, layout.world_size, inputs.tokens, inputs.row_mask, partials,
-                v_local=layout.v_local, vocab_size=layout.vocab_size, temperature=plan.temperature,
-                entropy_mode=plan.entropy_mode, has_keep_mask=inputs.keep_mask is not None, dtype=inputs.logits.dtype,
-            )
-        # Every rank takes part, T = 0 included: [segments, 5, T] has the same shape on every rank.
-        partials = all_gather_partials(partials, layout)
-    return plan.backend.merge_partials(partials, inputs.keep_mask is not None)
+    has_keep = inputs.keep_mask is not None
+    return merge_row_stats(plan.fn_name, plan.layout, plan.validate, partials,
+                           lambda p: plan.backend.merge_partials(p, has_keep), inputs.tokens, inputs.row_mask,
+                           temperature=plan.temperature, entropy_mode=plan.entropy_mode, has_keep_mask=has_keep,
+                           dtype=inputs.logits.dtype)
 
 
 class LogProbEntropyFunction(torch.autograd.Function):

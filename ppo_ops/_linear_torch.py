@@ -1,7 +1,7 @@
 """PyTorch backend of the fused LM head (linear_log_probs_and_entropy): logits in fixed fp32 GEMM tiles, never [T, V].
 
 Works on any device: the CPU path, and the fallback on CUDA where Triton is absent. It implements the linear backend
-contract of ppo_ops/_linear_function.py.
+contract of ppo_ops/_linear_backend.py (`BACKEND` at the end).
 
 Tiles. Logits are formed by torch.matmul in fp32 on tiles of a FIXED shape: ROW_TILE rows of the (row-compacted)
 hidden states, zero-padded, times VOCAB_TILE rows of the weight, zero-padded at the end of a segment. Vocabulary tiles
@@ -30,7 +30,7 @@ import torch
 
 from ppo_ops import _torch_backend
 from ppo_ops._backend import RowInputs, ShardOptions
-from ppo_ops._row_stats import merge_partials  # noqa: F401  the merge the logits op's torch backend uses
+from ppo_ops._row_stats import merge_partials  # the merge the logits op's torch backend uses
 
 ROW_TILE = 128  # rows per GEMM tile (hidden rows zero-padded to a multiple)
 VOCAB_TILE = 256  # weight rows (vocabulary columns) per GEMM tile; tiles restart at every segment start
@@ -86,7 +86,7 @@ def tile_logits(hidden: torch.Tensor, weight: torch.Tensor, seg_len: int) -> tor
 
 
 def forward_partials(hidden, weight, tokens, inv_temperature, n_valid, seg_len, with_entropy, vocab_start=0):
-    """[V_local // seg_len, 5, R] fp32 segment partials of the R rows of `hidden` (linear backend contract)."""
+    """[V_local // seg_len, 5, R] fp32 segment partials of the R rows of `hidden` (the launch layer under BACKEND)."""
     n_rows, v_local = hidden.shape[0], weight.shape[0]
     n_seg = v_local // seg_len
     out = torch.empty((n_seg, 5, n_rows), dtype=torch.float32, device=hidden.device)
@@ -117,7 +117,7 @@ def forward_partials(hidden, weight, tokens, inv_temperature, n_valid, seg_len, 
 def backward(hidden, weight, tokens, inv_temperature, n_valid, seg_len, shift, log_sum, mean_shifted,
              grad_logprob, grad_entropy, need_dx=True, need_dw=True, vocab_start=0):
     """(dX fp32 [R, H], this rank's contribution summed over its vocabulary; dW [V_local, H] in weight's dtype) of
-    the loss sum(grad_logprob * log_prob + grad_entropy * entropy) (linear backend contract). Either is None when
+    the loss sum(grad_logprob * log_prob + grad_entropy * entropy) (the launch layer under BACKEND). Either is None when
     not needed."""
     n_rows, width = hidden.shape
     v_local = weight.shape[0]
@@ -161,3 +161,24 @@ def backward(hidden, weight, tokens, inv_temperature, n_valid, seg_len, shift, l
         if need_dw:
             dw[lo:hi] = dw_tile[: hi - lo]
     return (None if dx is None else dx[:n_rows]), dw
+
+
+class TorchLinearBackend:
+    """The LinearBackend protocol (ppo_ops/_linear_backend.py) over this module's functions."""
+
+    name = "torch"
+
+    def forward_partials(self, hidden, weight, tokens, shard, with_entropy):
+        return forward_partials(hidden, weight, tokens, shard.inv_temperature, shard.n_valid, shard.seg_len,
+                                with_entropy, vocab_start=shard.vocab_start)
+
+    def merge_partials(self, partials):
+        return merge_partials(partials, False)
+
+    def backward(self, hidden, weight, tokens, shard, saved, upstream, need_dx, need_dw):
+        return backward(hidden, weight, tokens, shard.inv_temperature, shard.n_valid, shard.seg_len, saved.shift,
+                        saved.log_sum, saved.mean_shifted, upstream.grad_log_prob, upstream.grad_entropy,
+                        need_dx=need_dx, need_dw=need_dw, vocab_start=shard.vocab_start)
+
+
+BACKEND = TorchLinearBackend()

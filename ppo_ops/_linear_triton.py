@@ -1,6 +1,7 @@
 """Triton backend of the fused LM head (linear_log_probs_and_entropy): GEMM tiles on tensor cores, no [T, V] logits.
 
-Implements the linear backend contract of ppo_ops/_linear_function.py with three kernels:
+Implements the LinearBackend contract of ppo_ops/_linear_backend.py for fp32 inputs (half precision takes
+ppo_ops/_linear_chunked.py; _linear_shell.HALF_PRECISION_PATH routes it here for before/after measurements) with three kernels:
 
 Forward, `forward_partials_kernel`, grid (local segment, row block): one program sweeps its segment's vocabulary in
 tiles of BLOCK_N columns starting at the segment start; per tile it forms the [BLOCK_M, BLOCK_N] logit tile with a K
@@ -41,7 +42,7 @@ import triton
 import triton.language as tl
 
 from ppo_ops import _row_stats
-from ppo_ops._triton_backend import merge_partials  # noqa: F401  the merge the logits op's Triton backend uses
+from ppo_ops._triton_backend import merge_partials  # the merge the logits op's Triton backend uses
 # The partials' channel order, as the logits op's kernels hold it (constexprs: jit code may read only those).
 from ppo_ops._triton_kernels import _ENT_SUM, _KEPT_SUMEXP, _MAX, _NUM_PARTIALS, _SUMEXP, _TARGET_Z, _scaled
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)  # an empty row's running max: finite, so never -inf - -inf
@@ -294,7 +295,7 @@ def gemm_kernel(
                    ROUND_BF16_BY_BITS)
 
 
-# ---- launchers (the linear backend contract) ----
+# ---- launchers (the launch layer under BACKEND, at the end) ----
 
 def _check(hidden, weight):
     for name, t in (("hidden", hidden), ("weight", weight)):
@@ -313,7 +314,7 @@ def _cdiv(a, b):
 
 
 def forward_partials(hidden, weight, tokens, inv_temperature, n_valid, seg_len, with_entropy, vocab_start=0):
-    """[V_local // seg_len, 5, R] fp32 segment partials (linear backend contract)."""
+    """[V_local // seg_len, 5, R] fp32 segment partials (the launch layer under BACKEND)."""
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     _check(hidden, weight)
     n_rows, width = hidden.shape
@@ -402,7 +403,7 @@ def _chunk_columns(n_rows, itemsize, block_n):
 
 def backward(hidden, weight, tokens, inv_temperature, n_valid, seg_len, shift, log_sum, mean_shifted,
              grad_logprob, grad_entropy, need_dx=True, need_dw=True, vocab_start=0):
-    """(dX fp32 [R, H] this rank's contribution, dW [V_local, H] in weight's dtype) (linear backend contract)."""
+    """(dX fp32 [R, H] this rank's contribution, dW [V_local, H] in weight's dtype) (the launch layer under BACKEND)."""
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     _check(hidden, weight)
     n_rows, width = hidden.shape
@@ -428,3 +429,24 @@ def backward(hidden, weight, tokens, inv_temperature, n_valid, seg_len, shift, l
             if need_dw:
                 _gemm(part.T, hidden, dw[lo:hi], accumulate=False)
     return dx, dw
+
+
+class TritonLinearBackend:
+    """The LinearBackend protocol (ppo_ops/_linear_backend.py) over this module's launchers."""
+
+    name = "triton"
+
+    def forward_partials(self, hidden, weight, tokens, shard, with_entropy):
+        return forward_partials(hidden, weight, tokens, shard.inv_temperature, shard.n_valid, shard.seg_len,
+                                with_entropy, vocab_start=shard.vocab_start)
+
+    def merge_partials(self, partials):
+        return merge_partials(partials, False)
+
+    def backward(self, hidden, weight, tokens, shard, saved, upstream, need_dx, need_dw):
+        return backward(hidden, weight, tokens, shard.inv_temperature, shard.n_valid, shard.seg_len, saved.shift,
+                        saved.log_sum, saved.mean_shifted, upstream.grad_log_prob, upstream.grad_entropy,
+                        need_dx=need_dx, need_dw=need_dw, vocab_start=shard.vocab_start)
+
+
+BACKEND = TritonLinearBackend()

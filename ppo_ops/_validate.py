@@ -253,16 +253,23 @@ def _range_message(upper: int, found: int, has_row_mask: bool, where: str = "", 
 
 
 def check_single_rank_values(fn_name: str, bad_rows: torch.Tensor, tokens: torch.Tensor,
-                             row_mask: Optional[torch.Tensor], upper: int, naming: Optional["Naming"] = None) -> None:
+                             row_mask: Optional[torch.Tensor], upper: int, naming: Optional["Naming"] = None,
+                             extra_flags: Optional[torch.Tensor] = None) -> list:
     """TP = 1, validate=True: reads the token bounds and the bad-logits flag in one host read and raises.
-    `bad_rows` may cover only the kept rows (any length): only its any() is read."""
+    `bad_rows` may cover only the kept rows (any length): only its any() is read. `extra_flags` (a [k] tensor on the
+    same device: an op's own device-side checks) travel in the same read; their values are returned for the caller
+    to act on, after the token and logits checks."""
     naming = LOGITS_NAMING if naming is None else naming
-    lo, hi, bad = read_to_host(torch.cat([token_bounds(tokens, row_mask), bad_rows.any().reshape(1).to(torch.int64)]))
+    parts = [token_bounds(tokens, row_mask), bad_rows.any().reshape(1).to(torch.int64)]
+    if extra_flags is not None:
+        parts.append(extra_flags.reshape(-1).to(torch.int64))
+    lo, hi, bad, *extra = read_to_host(torch.cat(parts))
     if lo < 0 or hi >= upper:
         raise argument_error(ValueError, fn_name, "tokens", _range_message(upper, lo if lo < 0 else hi,
                                                                            row_mask is not None))
     if bad:
         raise argument_error(ValueError, fn_name, naming.bad_logits_argument, naming.bad_logits.format(where=""))
+    return extra
 
 
 # ---- the cross-rank header (TP > 1, validate=True) ----
@@ -277,7 +284,8 @@ HEADER_FIELDS = (
 AGREED_FIELDS = (ROWS, V_LOCAL, VOCAB, TEMPERATURE, ENTROPY, KEEP, DTYPE, ROW_SUM, TOKEN_SUM)
 # Arguments an error can name in the header, and the exception types it can carry (index + 1; 0 = no error).
 ARGUMENTS = ("logits", "tokens", "tp_group", "entropy", "keep_mask", "temperature", "row_mask", "vocab_size",
-             "chunk_size", "inplace_grad", "backend", "validate", "arguments", "hidden", "weight", "reduce_dx")
+             "chunk_size", "inplace_grad", "backend", "validate", "arguments", "hidden", "weight", "reduce_dx",
+             "token_loss")
 ERROR_TYPES = (TypeError, ValueError, RuntimeError)
 # The argument a disagreement on each agreed field is about (named in the error).
 _FIELD_ARGUMENT = {ROWS: "tokens", V_LOCAL: "logits", VOCAB: "vocab_size", TEMPERATURE: "temperature",

@@ -128,30 +128,38 @@ def _is_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _select_backend(fn_name: str, backend: str, logits: torch.Tensor) -> Backend:
+def backend_kind(fn_name: str, backend: str, tensor: torch.Tensor, name: str) -> str:
+    """"torch" or "triton": the choice every op of ppo_ops makes for backend="auto" | "torch" | "triton" on `tensor`
+    (its argument `name`: logits, hidden). auto: triton for CUDA tensors when triton imports, else torch;
+    triton: CUDA tensors, or CPU ones under TRITON_INTERPRET=1 (set before triton is imported), and triton importable,
+    else an error naming `backend`."""
     if backend == "torch":
-        return _torch_backend.BACKEND
+        return "torch"
+    if backend == "auto" and not tensor.is_cuda:
+        return "torch"
     interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    if backend == "auto":
-        if not logits.is_cuda:
-            return _torch_backend.BACKEND
-        try:
-            from ppo_ops import _triton_backend
-        except ImportError:
-            return _torch_backend.BACKEND
-        return _triton_backend.BACKEND
-    if not (logits.is_cuda or interpreted):
+    if backend == "triton" and not (tensor.is_cuda or interpreted):
         raise _validate.argument_error(
             ValueError, fn_name, "backend",
             f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before triton is imported, to run its "
-            f"kernels on CPU), got logits on {logits.device}")
+            f"kernels on CPU), got {name} on {tensor.device}")
     try:
-        from ppo_ops import _triton_backend
+        import triton  # noqa: F401
     except ImportError as err:
+        if backend == "auto":
+            return "torch"
         raise _validate.argument_error(
             RuntimeError, fn_name, "backend",
             f"backend='triton' is unavailable ({err}); install triton (pip install triton) or use backend='torch'"
         ) from err
+    return "triton"
+
+
+def _select_backend(fn_name: str, backend: str, logits: torch.Tensor) -> Backend:
+    if backend_kind(fn_name, backend, logits, "logits") == "torch":
+        return _torch_backend.BACKEND
+    from ppo_ops import _triton_backend
+
     return _triton_backend.BACKEND
 
 

@@ -1,20 +1,18 @@
 """Public API of the fused LM head: log-probs and entropy straight from hidden states, vocab-parallel, no [T, V] logits.
 
-A thin wrapper: check arguments (before any collective), resolve the TP layout and the backend, flatten the leading
-dimensions, call LinearLogProbEntropyFunction (ppo_ops/_linear_function.py), restore the leading dimensions.
+A thin wrapper: the shell both LM-head ops share (ppo_ops/_linear_shell.py) checks arguments (before any
+collective), resolves the TP layout and the backend and flattens the leading dimensions; LinearLogProbEntropyFunction
+(ppo_ops/_linear_function.py) computes; the leading dimensions are restored here.
 """
 
 from __future__ import annotations
 
-import math
-import os
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
-from ppo_ops import _linear_torch, _validate
-from ppo_ops._layout import make_layout
-from ppo_ops._linear_function import LinearLogProbEntropyFunction, LinearPlan
+from ppo_ops import _linear_shell, _validate
+from ppo_ops._linear_function import LinearLogProbEntropyFunction
 from ppo_ops.api import LogProbsEntropy
 
 _FN = "linear_log_probs_and_entropy"
@@ -44,14 +42,22 @@ def linear_log_probs_and_entropy(
       - bitwise identical log-probs, entropies and dW at every TP size: a column's logit never depends on which rank
         computes it (tiles start at the fixed global segments, the K loop over H is fixed), and the per-segment
         partials go through the logits op's all-gather and fixed-order merge;
+      - bitwise identical log-probs and entropies for every row count, backend="torch" and backend="triton" with
+        bf16/fp16 (the GEMMs run on fixed-shape chunks: a row's logits do not depend on the other rows of the call,
+        nor on a row mask that moves it; the fp32 Triton GEMM kernels place rows in tiles by their index);
       - backend="torch": bitwise identical to `log_probs_and_entropy(logits, ..., backend="torch")` on the fp32 logits
-        its tiles produce (it runs that op's own code on each tile); backend="triton": the same logits, reduced
-        over [rows x columns] GEMM tiles instead of the logits kernel's lanes, so equal to the logits op within its
-        fp32 tolerances. The Triton backward rounds dlogits to the input dtype before its tensor-core GEMMs.
-    The logits exist only as bounded tiles in forward and are recomputed tile by tile in backward: 4 GEMMs' worth of
-    work instead of the unfused path's 3 (forward, recompute, dX, dW), so the fused op cannot beat 4/3 of the three
-    GEMMs' time; it saves the [T, V] logits and their gradient. Extra memory: an fp32 dX accumulator [rows, H] and,
-    on the Triton backend, one dlogits chunk of at most 128 MiB.
+        its tiles produce (it runs that op's own code on each tile). backend="triton" with bf16/fp16 (the CUDA path):
+        cuBLAS GEMMs on fixed-shape chunks [1024 rows x one vocabulary segment], the logits op's own Triton kernels
+        on each fp32 chunk, so bitwise identical to `log_probs_and_entropy(logits, ..., backend="triton")` on the
+        logits those GEMMs produce; its backward rounds dlogits to the input dtype before the dX and dW GEMMs.
+        backend="triton" with fp32: Triton GEMM tiles with the statistics fused in (the logits op's tolerances).
+    The logits exist only as bounded chunks in forward and are recomputed chunk by chunk in backward: 4 GEMMs' worth
+    of work instead of the unfused path's 3 (forward, recompute, dX, dW), so the fused op cannot beat 4/3 of the
+    three GEMMs' time; it saves the [T, V] logits and their gradient. Under torch.no_grad it keeps nothing and costs
+    one GEMM plus one pass over each fp32 chunk. Extra memory (CUDA, half precision): one fp32 chunk (78 MB at
+    Qwen3's vocabulary), and in backward an fp32 dX accumulator [rows, H], a dlogits buffer of 8192 rows x one
+    segment and, past 8192 rows, one segment's fp32 dW accumulator. To form the gradient of an RL loss in the forward
+    instead (three GEMMs), see ppo_ops.linear_token_loss.
 
     Args:
       hidden: [..., H] float32/bfloat16/float16, the same on every rank of tp_group (the LM head's input).
@@ -94,7 +100,7 @@ def linear_log_probs_and_entropy(
     Options of `log_probs_and_entropy` that do not apply:
       keep_mask: a dense [T, V] mask is as large as the logits this op exists not to hold.
       inplace_grad: there is no logits tensor whose storage could take the gradient.
-      chunk_size: replaced by the backends' fixed GEMM tiles, which are part of the bit-exactness contract.
+      chunk_size: replaced by the backends' fixed GEMM chunks, which are part of the bit-exactness contract.
 
     Gradient: dW is this rank's [V_local, H] slice (no communication); dX as `reduce_dx` says. dW's bits are
     TP-invariant like the log-probs; dX's are deterministic but, at TP > 1, summed in a different order than at
@@ -105,9 +111,9 @@ def linear_log_probs_and_entropy(
     """
     group, world_size, rank = _validate.check_tp_group(_FN, tp_group)
     try:
-        call = _prepare(hidden, weight, tokens, group, world_size, rank, entropy=entropy, temperature=temperature,
-                        row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend,
-                        validate=validate)
+        call = _linear_shell.prepare(_FN, hidden, weight, tokens, group, world_size, rank, entropy=entropy,
+                                     temperature=temperature, row_mask=row_mask, vocab_size=vocab_size,
+                                     reduce_dx=reduce_dx, backend=backend, validate=validate, fused_loss=False)
     except Exception as exc:
         # TP > 1 with validate=True: the other ranks learn of this error from the header exchange and raise with it.
         _validate.raise_collectively(_FN, exc, group, world_size, validate, hidden)
@@ -116,91 +122,3 @@ def linear_log_probs_and_entropy(
         return LogProbsEntropy(out.reshape(call.lead), None)
     log_prob, ent = out
     return LogProbsEntropy(log_prob.reshape(call.lead), ent.reshape(call.lead))
-
-
-class _Call(NamedTuple):
-    """A call whose arguments passed the local checks: what LinearLogProbEntropyFunction.apply takes, and the lead
-    shape."""
-
-    hidden: torch.Tensor  # [T, H]
-    tokens: torch.Tensor  # [T]
-    row_mask: Optional[torch.Tensor]  # [T] or None
-    plan: LinearPlan
-    lead: tuple
-
-
-def _prepare(hidden, weight, tokens, group, world_size, rank, *, entropy, temperature, row_mask, vocab_size,
-             reduce_dx, backend, validate) -> _Call:
-    """Every local check (no tensor value read, no collective), the layout and the backend."""
-    temperature, inv_temperature, _, vocab_size = _validate.check_options(
-        _FN, entropy=entropy, backend=backend, temperature=temperature, chunk_size=None, vocab_size=vocab_size,
-        inplace_grad=False, validate=validate,
-    )
-    if not isinstance(reduce_dx, bool):
-        raise _validate.argument_error(TypeError, _FN, "reduce_dx",
-                                       f"reduce_dx must be a bool, got {type(reduce_dx).__name__}")
-    _check_tensors(hidden, weight, tokens, row_mask)
-    lead, width = tuple(hidden.shape[:-1]), hidden.shape[-1]
-    layout = make_layout(group, world_size, rank, weight.shape[0], vocab_size)
-    _validate.check_vocab(_FN, vocab_size, layout.v_global)
-    selected = _select_backend(backend, hidden)
-    n_rows = math.prod(lead)
-    plan = LinearPlan(
-        fn_name=_FN,
-        layout=layout,
-        backend=selected,
-        temperature=temperature,
-        inv_temperature=inv_temperature,
-        entropy_mode=entropy,
-        reduce_dx=reduce_dx,
-        validate=validate,
-    )
-    return _Call(hidden.reshape(n_rows, width), tokens.reshape(n_rows),
-                 None if row_mask is None else row_mask.reshape(n_rows), plan, lead)
-
-
-def _check_tensors(hidden, weight, tokens, row_mask) -> None:
-    def fail(exc_type, name, detail):
-        raise _validate.argument_error(exc_type, _FN, name, detail)
-
-    if not isinstance(hidden, torch.Tensor):
-        fail(TypeError, "hidden", f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
-    if hidden.dtype not in _validate.FLOAT_DTYPES:
-        fail(TypeError, "hidden", f"hidden must be float32, bfloat16 or float16, got {hidden.dtype}")
-    if hidden.is_meta:
-        fail(ValueError, "hidden", "hidden must be on a device with values (CPU or CUDA), got meta: the op reads them")
-    if hidden.dim() < 2 or hidden.shape[-1] < 1:
-        fail(ValueError, "hidden",
-             f"hidden must have shape [..., H] with at least 2 dims and H >= 1, got {tuple(hidden.shape)}")
-    if not isinstance(weight, torch.Tensor):
-        fail(TypeError, "weight", f"weight must be a torch.Tensor, got {type(weight).__name__}")
-    if weight.dtype != hidden.dtype:
-        fail(TypeError, "weight", f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
-    if weight.dim() != 2 or weight.shape[0] < 1 or weight.shape[1] != hidden.shape[-1]:
-        fail(ValueError, "weight", f"weight must have shape [V_local, H] = [>= 1, {hidden.shape[-1]}] "
-                                   f"(H = hidden.shape[-1]), got {tuple(weight.shape)}")
-    if weight.device != hidden.device:
-        fail(ValueError, "weight", f"weight must be on {hidden.device} like hidden, got {weight.device}")
-    lead = tuple(hidden.shape[:-1])
-    _validate.check_row_tensors(_FN, "hidden", hidden.device, lead, tokens, (("row_mask", row_mask, lead),))
-
-
-def _select_backend(backend: str, hidden: torch.Tensor):
-    if backend == "torch" or (backend == "auto" and not hidden.is_cuda):
-        return _linear_torch
-    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    if backend == "triton" and not (hidden.is_cuda or interpreted):
-        raise _validate.argument_error(
-            ValueError, _FN, "backend",
-            f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before triton is imported, to run its "
-            f"kernels on CPU), got hidden on {hidden.device}")
-    try:
-        from ppo_ops import _linear_triton
-    except ImportError as err:
-        if backend == "auto":
-            return _linear_torch
-        raise _validate.argument_error(
-            RuntimeError, _FN, "backend",
-            f"backend='triton' is unavailable ({err}); install triton (pip install triton) or use backend='torch'"
-        ) from err
-    return _linear_triton

@@ -26,41 +26,32 @@ import torch.distributed as dist
 
 import ppo_ops
 from ppo_ops import _layout, _validate
-from tests.core_support import (CaseFailures, backend_params, compile_check_report, make_tokens, make_weights,
-                                triton_skip_reason)
+from ppo_ops import _linear_chunked, _linear_shell
+from tests.core_support import (CaseFailures, backend_params, compile_check_report, make_weights, triton_skip_reason)
+from tests.linear_support import HIDDEN, UNIT_ROUNDOFF, V_GLOBAL
+from tests.linear_support import assert_within as _assert_within
+from tests.linear_support import bounds as _bounds
+from tests.linear_support import inputs as _inputs
 from tests.ranks import DEVICE, rank_device, run_gloo, run_ranks, world_size_param
-from tests.reference import ENTROPY_TOL, LOG_PROB_TOL, reference_log_probs_and_entropy
+from tests.reference import ENTROPY_TOL, LOG_PROB_TOL
 
-# --- tolerances: unit roundoffs, and how the bounds of `_bounds` use them ---
-UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # u of each dtype
-U32 = UNIT_ROUNDOFF[torch.float32]
-# An fp32 accumulation may lose a full ulp per add instead of half (tensor cores truncate when aligning addends).
-ACCUM_ULPS = 2.0
-# A few fp32 ulps of exp, log and the subtractions that form log p from the logits.
-ELEMENTWISE_ULPS = 8.0
-# First-order bounds; the factor covers second-order terms (products of relative errors, all << 1 here).
-SAFETY = 2.0
-
-V_GLOBAL = 256  # eight fixed segments of 32: V_local = 64 at TP = 4
-HIDDEN = 48  # not a power of two: K tiles with a tail
-INPUT_SCALE = 1.0  # hidden ~ N(0, 1); weight ~ N(0, 1/H) * WEIGHT_SCALE
-WEIGHT_SCALE = 3.0  # logits of O(3): a peaked but not one-hot distribution
+HALF = (torch.bfloat16, torch.float16)
 
 
-def _inputs(lead, dtype, seed, v=V_GLOBAL, h=HIDDEN):
-    gen = torch.Generator().manual_seed(seed)
-    hidden = (torch.randn(lead + (h,), generator=gen) * INPUT_SCALE).to(dtype)
-    weight = (torch.randn((v, h), generator=gen) * (WEIGHT_SCALE / h**0.5)).to(dtype)
-    tokens = make_tokens(lead, v, seed + 1)
-    return hidden, weight, tokens
+def _chunked(backend, dtype):
+    """Whether the op takes the chunked path (library GEMMs + the logits op's passes): Triton with half precision."""
+    return backend == "triton" and dtype in HALF and _linear_shell.HALF_PRECISION_PATH == "chunked"
 
 
-def _backend_module(backend):
+def _tile_logits(backend, dtype):
+    """The tile_logits of the path the op takes for (backend, dtype)."""
+    if _chunked(backend, dtype):
+        return _linear_chunked.tile_logits
     if backend == "torch":
         from ppo_ops import _linear_torch
-        return _linear_torch
+        return _linear_torch.tile_logits
     from ppo_ops import _linear_triton
-    return _linear_triton
+    return _linear_triton.tile_logits
 
 
 def _run(hidden, weight, tokens, g_lp=None, g_ent=None, device=DEVICE, **opts):
@@ -82,83 +73,6 @@ def _run(hidden, weight, tokens, g_lp=None, g_ent=None, device=DEVICE, **opts):
     return out.log_probs.detach().cpu(), ent, dx, dw
 
 
-# --- the float64 reference and the derived bounds ---
-
-def _bounds(hidden, weight, tokens, g_lp, g_ent, *, temperature=1.0, vocab_size=None, row_mask=None,
-            dl_roundoff=0.0):
-    """Float64 reference (log_probs, entropy, dX, dW) and per-element error bounds (same shapes).
-
-    Logits: fp32 accumulation of H exact products (bf16/fp16 products are exact in fp32) errs by at most
-    eps_z = gamma_H * (|X| @ |W|^T), gamma_n = ACCUM_ULPS * n * u32; E_r = inv_t * max_c eps_z is the row's bound.
-    log p = (z - M) - log S errs by at most eps_r = 2 E_r + (gamma_V + ELEMENTWISE_ULPS * u32) (z and log S each move by
-    E_r; S is a sum of V terms). Then, with p, d = z / t and mean = E_p[d] of the reference:
-      log-prob: |dlp| <= LOG_PROB_TOL-style fp32 error of the logits op + 2 E_r   (d lp / d z has l1 norm <= 2)
-      entropy:  |dH| <= ENTROPY_TOL + E_r * sum_c p |d - mean|                    (d H / d z_c = p_c (mean - d_c))
-      dlogits:  |d dl| <= inv_t * eps_r * S_dl + dl_roundoff * |dl|,
-                S_dl = |g_lp| (1[c = t] + p) + |g_ent| p (|d - mean| + sum_c p |d - mean| + 2);
-                dl_roundoff is the rounding of dlogits to the GEMM's input dtype (0 when the GEMM takes fp32)
-      dX = dl @ W, dW = dl^T @ X: that error through the GEMM, plus gamma_K (|dl| @ |W|) for its fp32 accumulation
-                (K = V or T), plus one rounding u_out |ref| of the result to the input dtype.
-    Every bound is multiplied by SAFETY (second-order terms).
-    """
-    x = hidden.detach().double().reshape(-1, hidden.shape[-1])
-    w = weight.detach().double()
-    n_rows, v, h = x.shape[0], w.shape[0], x.shape[1]
-    inv_t = 1.0 / temperature
-    logits = x @ w.T
-    ref = reference_log_probs_and_entropy(
-        logits, tokens.reshape(-1), entropy="grad", temperature=temperature, vocab_size=vocab_size,
-        row_mask=None if row_mask is None else row_mask.reshape(-1),
-        grad_log_probs=None if g_lp is None else g_lp.reshape(-1),
-        grad_entropy=None if g_ent is None else g_ent.reshape(-1))
-    dl = ref.grad
-    valid = torch.arange(v) < (v if vocab_size is None else vocab_size)
-    rows_on = torch.ones(n_rows, dtype=torch.bool) if row_mask is None else row_mask.reshape(-1)
-
-    gamma = lambda n: ACCUM_ULPS * n * U32  # noqa: E731
-    eps_z = gamma(h) * (x.abs() @ w.abs().T)
-    e_row = inv_t * torch.where(valid, eps_z, 0.0).amax(dim=1)
-    eps_r = 2 * e_row + gamma(v) + ELEMENTWISE_ULPS * U32
-
-    d = torch.where(valid, logits * inv_t, float("-inf"))
-    p = torch.softmax(d, dim=1)
-    d0 = torch.where(valid, d, 0.0)
-    mean = (p * d0).sum(1, keepdim=True)
-    spread = (p * (d0 - mean).abs()).sum(1, keepdim=True)  # sum_c p |d - mean|
-    onehot = torch.zeros_like(p).scatter_(1, tokens.reshape(-1, 1).clamp(0, v - 1), 1.0)
-    s_dl = torch.zeros_like(p)
-    if g_lp is not None:
-        s_dl += g_lp.reshape(-1, 1).double().abs() * (onehot + p)
-    if g_ent is not None:
-        s_dl += g_ent.reshape(-1, 1).double().abs() * p * ((d0 - mean).abs() + spread + 2)
-    s_dl = torch.where(valid & rows_on[:, None], s_dl, 0.0)
-    dl_err = inv_t * eps_r[:, None] * s_dl + dl_roundoff * dl.abs()
-
-    u_out = UNIT_ROUNDOFF[hidden.dtype]
-    dx_ref, dw_ref = dl @ w, dl.T @ x
-    dx_tol = SAFETY * (dl_err @ w.abs() + gamma(v) * (dl.abs() @ w.abs())) + u_out * dx_ref.abs()
-    dw_tol = SAFETY * (dl_err.T @ x.abs() + gamma(n_rows) * (dl.abs().T @ x.abs())) + u_out * dw_ref.abs()
-    lp_tol = LOG_PROB_TOL * ref.log_probs.abs().clamp(min=1) + SAFETY * 2 * e_row
-    ent_tol = ENTROPY_TOL + SAFETY * e_row * spread[:, 0]
-    lead = tuple(hidden.shape[:-1])
-    zero = ~rows_on
-    lp_tol, ent_tol = lp_tol.masked_fill(zero, 0.0), ent_tol.masked_fill(zero, 0.0)
-    return dict(log_probs=(ref.log_probs.reshape(lead), lp_tol.reshape(lead)),
-                entropy=(ref.entropy.reshape(lead), ent_tol.reshape(lead)),
-                dx=(dx_ref.reshape(hidden.shape), dx_tol.reshape(hidden.shape)), dw=(dw_ref, dw_tol))
-
-
-def _assert_within(name, got, ref_and_tol):
-    ref, tol = ref_and_tol
-    assert got is not None and got.shape == ref.shape, f"{name}: shape {None if got is None else got.shape}"
-    err = (got.double() - ref).abs()
-    assert not torch.isnan(err).any(), f"{name}: NaN"
-    worst = (err - tol).argmax()
-    assert bool((err <= tol).all()), (
-        f"{name}: error {err.flatten()[worst]:.3e} over its bound {tol.flatten()[worst]:.3e} at flat index "
-        f"{int(worst)} (max relative to bound {float((err / tol.clamp(min=1e-300)).max()):.2f})")
-
-
 # --- bitwise identity with the logits op on the same tiles' logits ---
 
 def _segment_len(v_local, world_size=1):
@@ -172,22 +86,22 @@ def _check_matches_logits_op_once(backend, dtype, temperature, vocab_size, row_m
         tokens = tokens.clamp(max=vocab_size - 1)
     if row_mask is not None:
         tokens = torch.where(row_mask, tokens, -100)
-    mod = _backend_module(backend)
+    tile_logits = _tile_logits(backend, dtype)
     h2 = hidden.reshape(-1, HIDDEN).to(DEVICE)
     rows = torch.arange(h2.shape[0]) if row_mask is None else torch.nonzero(row_mask.reshape(-1)).squeeze(1)
     logits = torch.zeros((h2.shape[0], V_GLOBAL), dtype=torch.float32, device=DEVICE)
-    logits[rows.to(DEVICE)] = mod.tile_logits(h2[rows.to(DEVICE)].contiguous(), weight.to(DEVICE),
-                                              _segment_len(V_GLOBAL))
+    logits[rows.to(DEVICE)] = tile_logits(h2[rows.to(DEVICE)].contiguous(), weight.to(DEVICE), _segment_len(V_GLOBAL))
     opts = dict(entropy="grad", temperature=temperature, vocab_size=vocab_size, backend=backend)
     if row_mask is not None:
         opts["row_mask"] = row_mask.to(DEVICE)
     want = ppo_ops.log_probs_and_entropy(logits.reshape(lead + (V_GLOBAL,)), tokens.to(DEVICE), **opts)
     got = ppo_ops.linear_log_probs_and_entropy(hidden.to(DEVICE), weight.to(DEVICE), tokens.to(DEVICE), **opts)
-    if backend == "torch":
+    if backend == "torch" or _chunked(backend, dtype):
+        # torch: the logits op's own code on each tile; chunked: the logits op's own Triton kernels on each chunk.
         assert torch.equal(got.log_probs, want.log_probs), "log_probs differ bitwise from the logits op"
         assert torch.equal(got.entropy, want.entropy), "entropy differs bitwise from the logits op"
     else:
-        # The Triton backend reduces [rows x BLOCK_N] GEMM tiles, the logits op's kernel lanes of one row: the same
+        # The Triton GEMM kernels reduce [rows x BLOCK_N] GEMM tiles, the logits op's kernel lanes of one row: the same
         # logits (bitwise, checked through tile_logits), reductions in another order, so the logits op's own fp32
         # tolerances apply, which bound any correct fp32 reduction order.
         lp_err = (got.log_probs - want.log_probs).abs()
@@ -210,18 +124,12 @@ def test_matches_logits_op_bitwise(backend, dtype, temperature, vocab_size, mask
 # --- values and gradients against float64 ---
 
 def _dl_roundoff(backend, dtype):
-    """Rounding of dlogits before the backward GEMMs: the Triton backend feeds them to tl.dot in the input dtype."""
+    """Rounding of dlogits before the backward GEMMs: the Triton backend (both of its paths) feeds them to its GEMMs
+    in the input dtype."""
     return UNIT_ROUNDOFF[dtype] if backend == "triton" and dtype != torch.float32 else 0.0
 
 
-@pytest.mark.parametrize("backend", backend_params(DEVICE))
-@pytest.mark.parametrize("dtype,temperature,vocab_size,masked", [
-    (torch.float32, 1.0, None, False),  # fp32 end to end: bounds of a few 1e-6
-    (torch.bfloat16, 1.3, 200, True),  # bf16 in/out, temperature, 56 padding columns (two segments), row mask
-    (torch.float16, 0.8, None, False),  # fp16 in/out
-])
-def test_values_and_gradients_vs_float64(backend, dtype, temperature, vocab_size, masked):
-    lead = (2, 7)
+def _check_vs_float64_once(backend, dtype, temperature, vocab_size, masked, lead=(2, 7)):
     hidden, weight, tokens = _inputs(lead, dtype, seed=21)
     g_lp = make_weights(lead, 22)
     g_ent = make_weights(lead, 23, low=-1.0, high=1.0)
@@ -231,7 +139,7 @@ def test_values_and_gradients_vs_float64(backend, dtype, temperature, vocab_size
     opts = dict(entropy="grad", temperature=temperature, vocab_size=vocab_size, backend=backend)
     if masked:
         row_mask = torch.rand(lead, generator=torch.Generator().manual_seed(24)) < 0.6
-        row_mask[0, 0], row_mask[1, -1] = True, False
+        row_mask.view(-1)[0], row_mask.view(-1)[-1] = True, False
         opts["row_mask"] = row_mask
     lp, ent, dx, dw = _run(hidden, weight, tokens, g_lp, g_ent, **opts)
     bounds = _bounds(hidden, weight, tokens, g_lp, g_ent, temperature=temperature, vocab_size=vocab_size,
@@ -246,6 +154,67 @@ def test_values_and_gradients_vs_float64(backend, dtype, temperature, vocab_size
         assert bool((lp[~row_mask] == 0).all() and (ent[~row_mask] == 0).all() and (dx[~row_mask] == 0).all())
     if vocab_size is not None:
         assert bool((dw[vocab_size:] == 0).all()), "padding rows of the weight got a gradient"
+
+
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+@pytest.mark.parametrize("dtype,temperature,vocab_size,masked", [
+    (torch.float32, 1.0, None, False),  # fp32 end to end: bounds of a few 1e-6
+    (torch.bfloat16, 1.3, 200, True),  # bf16 in/out, temperature, 56 padding columns (two segments), row mask
+    (torch.float16, 0.8, None, False),  # fp16 in/out
+])
+def test_values_and_gradients_vs_float64(backend, dtype, temperature, vocab_size, masked):
+    _check_vs_float64_once(backend, dtype, temperature, vocab_size, masked)
+
+
+@pytest.mark.parametrize("backend", [p for p in backend_params(DEVICE) if p.id == "triton"])
+def test_chunked_path_crosses_blocks_and_groups_vs_float64(backend):
+    """Rows over several row blocks and dW groups of the chunked path (on CPU its blocks are 16 rows, groups 32): the
+    last block padded, dW accumulated in fp32 across groups."""
+    shape = _linear_chunked.chunk_shape(DEVICE)
+    _check_vs_float64_once(backend, torch.bfloat16, 1.0, 230, True, lead=(shape.dw_rows + shape.rows // 2 + 3,))
+
+
+@pytest.mark.parametrize("backend", [p for p in backend_params(DEVICE) if p.id == "triton"])
+def test_triton_gemm_path_vs_float64(backend, monkeypatch):
+    """The Triton GEMM kernels on half precision (the path the chunked one replaced; kept for fp32 and comparisons)."""
+    monkeypatch.setattr(_linear_shell, "HALF_PRECISION_PATH", "triton-gemm")
+    _check_vs_float64_once(backend, torch.bfloat16, 1.3, 200, True)
+
+
+@pytest.mark.parametrize("backend,dtype", [
+    pytest.param("torch", torch.float32, id="torch-fp32"),  # fixed fp32 tiles
+    pytest.param("torch", torch.bfloat16, id="torch-bf16"),
+    *[pytest.param("triton", torch.bfloat16, id="triton-bf16", marks=p.marks)  # the chunked path
+      for p in backend_params(DEVICE) if p.id == "triton"],
+])
+def test_row_count_invariance_bitwise(backend, dtype):
+    """A row's log-prob and entropy do not depend on how many rows the call has nor where the row sits in it: the
+    GEMMs run on fixed-shape, zero-padded row blocks (or fixed tiles) and every reduction is per row. (The fp32
+    Triton GEMM kernels do not promise this: a row's position in their tiles follows the call's rows.)"""
+    shape = _linear_chunked.chunk_shape(DEVICE)
+    n = 2 * shape.rows + 5  # three blocks, the last one partial
+    hidden, weight, tokens = _inputs((n,), dtype, seed=25)
+    opts = dict(entropy="value", temperature=0.9, backend=backend)
+    full = _run(hidden, weight, tokens, **opts)
+    for lo, hi in ((0, 3), (7, n), (shape.rows - 2, shape.rows + 9)):  # a prefix, a shifted tail, across a block edge
+        part = _run(hidden[lo:hi], weight, tokens[lo:hi], **opts)
+        assert torch.equal(part[0], full[0][lo:hi]), f"rows {lo}:{hi}: log_probs differ bitwise"
+        assert torch.equal(part[1], full[1][lo:hi]), f"rows {lo}:{hi}: entropy differs bitwise"
+
+
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+def test_no_grad_keeps_nothing(backend):
+    """Under torch.no_grad (old-policy and reference passes) the outputs carry no graph, so nothing is kept for a
+    backward; the values are those of the differentiable call."""
+    hidden, weight, tokens = _inputs((9,), torch.bfloat16, seed=26)
+    h, w = hidden.to(DEVICE).requires_grad_(True), weight.to(DEVICE).requires_grad_(True)
+    with torch.no_grad():
+        out = ppo_ops.linear_log_probs_and_entropy(h, w, tokens.to(DEVICE), entropy="grad", backend=backend)
+    assert out.log_probs.grad_fn is None and out.entropy.grad_fn is None
+    assert not out.log_probs.requires_grad and not out.entropy.requires_grad
+    with_grad = ppo_ops.linear_log_probs_and_entropy(h, w, tokens.to(DEVICE), entropy="grad", backend=backend)
+    assert torch.equal(out.log_probs, with_grad.log_probs.detach())
+    assert torch.equal(out.entropy, with_grad.entropy.detach())
 
 
 @pytest.mark.parametrize("backend", backend_params(DEVICE))

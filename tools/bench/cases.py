@@ -14,6 +14,8 @@ stops on its time budget (bench --time_budget_s) has measured the headline befor
   whole_step  one RL step through a random Qwen3-0.6B (T=8192, bf16, forward + backward through the model, ppo_ops
             for log-prob + entropy), validate on and off: what the host sync costs in a whole step
             (--suite=whole_step --providers=qwen3_step). whole_step_smoke: the same on a tiny model, on CPU.
+  lm_head_step  the whole step at T = 8192 and 32768 with the logits path, the fused head and linear_token_loss
+            (--suite=lm_head_step --providers=qwen3_step_ckpt,qwen3_step_head,qwen3_step_loss); its _smoke on CPU.
 
 Duplicates across suites are dropped (first occurrence wins), so `--suite=headline,sweep` never measures a case twice.
 """
@@ -35,7 +37,7 @@ ROW_FRACTION = 0.1  # the row-mask cases keep 10% of the rows
 PPO_OPS_PROVIDERS = ("triton", "torch")
 ALL_PROVIDERS = ("triton", "torch", "legacy", "naive", "liger")
 # A whole training step through a model that calls ppo_ops (tools/bench/whole_step.py): only in its own suites.
-WHOLE_STEP_PROVIDERS = ("qwen3_step",)
+WHOLE_STEP_PROVIDERS = ("qwen3_step", "qwen3_step_ckpt", "qwen3_step_head", "qwen3_step_loss")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +177,16 @@ def _whole_step() -> list[Case]:
     return [Case("qwen3_step", validate=True, **s), Case("qwen3_step", validate=False, **s)]
 
 
+def _lm_head_step() -> list[Case]:
+    """The whole step with the logits path, the fused head and linear_token_loss (tools/bench/whole_step.py)."""
+    return [Case(p, T=T, V=QWEN3_VOCAB, dtype="bf16", entropy="grad")
+            for T in (HEADLINE_TOKENS, 32768) for p in WHOLE_STEP_PROVIDERS[1:]]
+
+
+def _lm_head_step_smoke() -> list[Case]:
+    return [Case(p, T=8, V=256, dtype="fp32", entropy="grad") for p in WHOLE_STEP_PROVIDERS[1:]]
+
+
 def _whole_step_smoke() -> list[Case]:
     s = dict(T=8, V=256, dtype="fp32", entropy="grad")  # a tiny model of the same architecture
     return [Case("qwen3_step", validate=True, **s), Case("qwen3_step", validate=False, **s)]
@@ -190,6 +202,8 @@ SUITES = {
     "smoke": _smoke,
     "whole_step": _whole_step,
     "whole_step_smoke": _whole_step_smoke,
+    "lm_head_step": _lm_head_step,
+    "lm_head_step_smoke": _lm_head_step_smoke,
 }
 
 

@@ -11,7 +11,8 @@ Providers:
   torch   ppo_ops.log_probs_and_entropy(backend="torch")
   legacy  ppo_ops.legacy.calculate_log_probs_and_entropy (Megatron fused vocab-parallel CE + separate entropy)
   naive   log_softmax + gather + softmax entropy in fp32 (TP=1)
-  qwen3_step  one RL step through a random Qwen3-0.6B with ppo_ops (tools/bench/whole_step.py; its own suites)
+  qwen3_step  one RL step through a random Qwen3-0.6B with ppo_ops (tools/bench/whole_step.py; its own suites);
+            qwen3_step_ckpt / _head / _loss: with checkpointing, the logits path / the fused head / linear_token_loss
   liger   Liger-Kernel's cross entropy, reduction="none" (TP=1, log-prob only, no keep mask). Its forward writes the
           gradient into its input, so the step clones the logits first; the clone is timed, as any caller pays it.
           Rows dropped by the row mask are passed as its ignore_index (-100), which it skips.
@@ -256,6 +257,7 @@ _MODULES = {
     "naive": (),
     "liger": ("liger_kernel.transformers.functional",),
     "qwen3_step": ("transformers", "ppo_ops"),
+    **{name: ("transformers", "ppo_ops") for name in whole_step.HEAD_PROVIDERS},
 }
 
 
@@ -284,5 +286,6 @@ PROVIDERS = {
         Provider("liger", build_liger, _unsupported_liger),
         # Its logits come from a model, not from the case's inputs: no reference check (see whole_step.py).
         Provider(whole_step.PROVIDER, whole_step.build, whole_step.unsupported, checked=False),
+        *(Provider(name, whole_step.build, whole_step.unsupported, checked=False) for name in whole_step.HEAD_PROVIDERS),
     )
 }

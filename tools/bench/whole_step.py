@@ -8,6 +8,15 @@ log-prob of every next token and the entropy (with gradient) from the [T, V] log
 `validate` option of the case goes to ppo_ops, so the two rows (validate on/off) show what the one host sync per call
 costs inside a whole step rather than in isolation.
 
+Variants (the provider name; suite lm_head_step, T = 8192 and 32768, all three with gradient checkpointing of the
+decoder layers, so the LM head's memory is what stands out):
+  qwen3_step_ckpt  the logits path above: the model's [T, V] logits, ppo_ops.log_probs_and_entropy, the loss
+  qwen3_step_head  the fused head: the final hidden states and the tied LM-head weight into
+                   ppo_ops.linear_log_probs_and_entropy (no [T, V] logits), then the same loss
+  qwen3_step_loss  ppo_ops.linear_token_loss with the same loss as a per-token closure: its gradient formed in the
+                   head's forward, the logits formed once
+The loss is the same in all three, so their gradients agree within the ops' tolerances.
+
 Cases whose V is not the Qwen3 vocabulary get a tiny model of that vocabulary (2 layers, hidden 64): the CPU smoke
 path of tests/test_bench_whole_step.py. The forward is not checked against the float64 reference of the case's
 random logits (the logits here come from the model); the core suites check the op itself.
@@ -24,6 +33,7 @@ from tools.bench.inputs import Inputs
 from tools.bench.measure import TORCH_DTYPES
 
 PROVIDER = "qwen3_step"
+HEAD_PROVIDERS = ("qwen3_step_ckpt", "qwen3_step_head", "qwen3_step_loss")  # see the module docstring
 QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                   head_dim=128, intermediate_size=3072, vocab_size=QWEN3_VOCAB, tie_word_embeddings=True,
                   rope_theta=1e6, max_position_embeddings=40960)
@@ -59,11 +69,20 @@ def build(case: Case, inp: Inputs):
     from tools.bench.providers import Closure
 
     model = build_model(case, inp.tokens.device)
+    if case.provider in HEAD_PROVIDERS:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids = inp.tokens.reshape(1, -1)  # the sampled tokens, as the model's input
     targets = torch.roll(inp.tokens, -1)  # next-token targets (the last wraps around: a valid id all the same)
     weights = inp.grad_log_prob  # per-token advantages
 
+    def token_loss(log_probs, entropy, rows):  # the loss below, one term per token
+        return (weights[rows] * log_probs + ENTROPY_COEF * entropy) / case.T
+
     def log_probs_and_entropy(validate: bool):
+        if case.provider in ("qwen3_step_head", "qwen3_step_loss"):
+            hidden = model.model(input_ids=ids).last_hidden_state[0]  # [T, H], after the final norm
+            return ppo_ops.linear_log_probs_and_entropy(hidden, model.lm_head.weight, targets, entropy="grad",
+                                                        validate=validate)
         logits = model(input_ids=ids).logits[0]  # [T, V] in the model's dtype
         return ppo_ops.log_probs_and_entropy(logits, targets, entropy="grad", validate=validate)
 
@@ -71,8 +90,13 @@ def build(case: Case, inp: Inputs):
         model.zero_grad(set_to_none=True)
 
     def step(_):
-        out = log_probs_and_entropy(case.validate)
-        loss = ((weights * out.log_probs).sum() + ENTROPY_COEF * out.entropy.sum()) / case.T
+        if case.provider == "qwen3_step_loss":
+            hidden = model.model(input_ids=ids).last_hidden_state[0]
+            loss, _ = ppo_ops.linear_token_loss(hidden, model.lm_head.weight, targets, token_loss, entropy="grad",
+                                                validate=case.validate)
+        else:
+            out = log_probs_and_entropy(case.validate)
+            loss = ((weights * out.log_probs).sum() + ENTROPY_COEF * out.entropy.sum()) / case.T
         loss.backward()
         return loss
 

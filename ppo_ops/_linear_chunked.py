@@ -1,0 +1,441 @@
+"""The chunked backend of the fused LM head: library GEMMs on fixed-shape chunks, the logits op's passes in between.
+
+The half-precision CUDA path of linear_log_probs_and_entropy, and the only path of linear_token_loss. It implements
+`FusedLossBackend` (ppo_ops/_linear_backend.py). The GEMM work runs at the GEMM library's rate because it IS the
+library's GEMM (cuBLAS through torch.mm / torch.addmm with out_dtype=float32 on CUDA; an fp32 torch.mm on upcast
+operands elsewhere, whose products are exact and whose sums accumulate in fp32, so the CPU suite runs the same
+orchestration); everything between the GEMMs is a memory-bound pass of the logits op over a bounded fp32 chunk:
+its own forward-partials and gradient kernels (Triton; `passes="torch"`: its PyTorch code).
+
+Chunks. Row blocks of `rows` rows (the kept rows, in order; the last block zero-padded to the full shape) times the
+fixed vocabulary segments of _layout.py (V_global / 8 columns, whichever rank holds them):
+
+    logits chunk  z[B, seg_len] = X[block] @ W[segment]^T    one GEMM shape for every block, segment, rank, TP size
+                                                              and row count: so one cuBLAS algorithm, one set of bits
+    partials      the logits op's forward kernel on the chunk (its launch depends on seg_len and fp32 only), writing
+                  the five partials of (segment, rows): the core's all-gather and fixed-order merge apply unchanged.
+
+Bitwise invariance. A row's logits come from a GEMM whose shape never changes; within it an element depends on its
+row of X, its column of W and the library's K order for that shape, not on the other rows of the block nor on which
+rank computes it (the segment starts at a global column and the chunk is always seg_len wide). Row blocks and
+weight segments start at multiples of 16 bytes whenever H * itemsize is (rows of X and of W are H long), so the
+library also sees the same operand alignment; other H still give deterministic results. Partials and merge are
+the logits op's, which are TP-invariant by construction. Hence log-probs and entropies are bitwise identical across
+TP sizes and row counts (a row mask that moves rows between blocks included), and equal bit for bit to
+log_probs_and_entropy(tile_logits(...)) with the same passes. dW's GEMM shapes are segment-relative
+([seg_len, K] @ [K, H], K the rows of a group), so dW is bitwise identical across TP sizes; dX sums a rank's
+segments and then ranks, deterministic but not TP-invariant (within fp32 rounding).
+
+General op (ChunkedBackend.forward_partials / backward):
+    forward    per block, per segment: GEMM -> partials pass. Nothing else is held: under torch.no_grad this is one
+               GEMM's work plus one read of the fp32 chunk (the Function then keeps nothing either).
+    backward   per segment (outer), per group of `dw_rows` rows (a multiple of `rows`), per block: the forward's GEMM
+               again (the same bits), the logits op's gradient pass writing dlogits in the input dtype into a
+               [dw_rows, seg_len] buffer; then per group dX32[group] += dl @ W_s (fp32 accumulator, K = seg_len) and
+               dW_s (+)= dl^T @ X[group] (K = dw_rows: large enough that the fp32 dW read + write is small next to
+               the GEMM; when one group covers every row, dW_s is written once in the input dtype, no accumulator).
+               Four GEMMs' work in all: the forward's, the recompute, dX, dW.
+Token loss (ChunkedBackend.loss_forward): per block of `loss_rows` rows: the block's logits over every local segment
+    (held: loss_rows x V_local fp32), their partials, the merge (hooks.merge: TP all-gather), the caller's loss
+    (hooks.block_grads), then per segment dlogits -> dX32[block] += dl @ W_s (rounded by hooks.finish_dx, per block)
+    and dW32_s += dl^T @ X[block...] every `loss_dw_rows` rows. Three GEMMs' work: the logits are formed once. dW's
+    fp32 accumulator [V_local, H] is rounded once at the end, in place: the result lives in the first half of the
+    accumulator's storage (no second [V_local, H] allocation; it keeps that storage until released).
+
+Memory (besides dX and dW): general op forward one chunk (rows x seg_len fp32: 78 MB at Qwen3 and rows = 1024);
+backward one chunk, a dl buffer (dw_rows x seg_len in the input dtype) and, with more than one group, a dW_s fp32
+accumulator (seg_len x H), plus the fp32 dX accumulator [R, H]. Token loss: the block's logits (loss_rows x V_local
+fp32: 0.58 GiB), dl (loss_dw_rows x V_local in the input dtype), dX32 of one block, the fp32 dW accumulator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from ppo_ops import _row_stats
+from ppo_ops._backend import RowStats, UpstreamGrads
+from ppo_ops._linear_backend import LinearSaved, LinearShard, LossHooks
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkShape:
+    """Row counts of the chunks. Part of the bit-exactness contract: every call on a device uses the same ones."""
+
+    rows: int  # general op: rows per GEMM chunk (forward and the backward's recompute)
+    dw_rows: int  # general op backward: dlogits rows per dX / dW GEMM, a multiple of rows
+    loss_rows: int  # token loss: rows per block, whose logits over all local segments are held
+    loss_dw_rows: int  # token loss: dlogits rows per dW GEMM (its K), a multiple of loss_rows
+
+
+# CUDA, from the two numbers of each GEMM and the H200 measurements in docs/performance.md: a [1024, 4096] x
+# [4096, 18992] logits GEMM is 159 GFLOP (0.23 ms at 680 TFLOP/s) and fills the chip (600 tiles of 128 x 256); its
+# fp32 chunk (78 MB) is written once and read once by the partials pass (512 and 2048 rows measured within 5%). The
+# general op's dW GEMM at K = 8192 reads + writes its fp32 accumulator (622 MB, 0.15 ms) once per 1.27 TFLOP (1.9 ms).
+# The token loss's dW GEMM accumulates into its 2.3 GiB fp32 accumulator: at K = 1024 the 622 MB of C traffic per
+# 159 GFLOP made 64 such GEMMs 23.9 ms where bf16 output took 16.2 (K = 2048: 18.1). A larger K needs K x V_local x 2
+# bytes of dlogits: 1024 rows of logits with 2048 of dlogits measured 58.6 ms at T = 8192 (vs 61.2) but a 3.59 GiB
+# peak, over the 3.5 GiB allowance; 512 rows of logits with 2048 of dlogits, the same memory, measured 64.7 ms: per
+# block the host issues ~100 launches (closure, autograd, merge, passes), and 512-row blocks made it host-bound.
+CUDA_SHAPE = ChunkShape(rows=1024, dw_rows=8192, loss_rows=1024, loss_dw_rows=1024)
+# Elsewhere (the CPU suite, Triton's interpreter): small, so tiny test shapes cross block and group boundaries.
+HOST_SHAPE = ChunkShape(rows=16, dw_rows=32, loss_rows=8, loss_dw_rows=16)
+
+
+def chunk_shape(device: torch.device) -> ChunkShape:
+    return CUDA_SHAPE if device.type == "cuda" else HOST_SHAPE
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---- GEMMs: the library's, fp32 accumulation ----
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out (fp32) = a @ b. Half precision on CUDA: cuBLAS with fp32 accumulation and fp32 output (mm's out_dtype);
+    elsewhere an fp32 matmul of the upcast operands (bf16 / fp16 products are exact in fp32)."""
+    if a.is_cuda and a.dtype in _HALF:
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
+    else:
+        torch.mm(a.float(), b.float(), out=out)
+
+
+def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b, accumulating into the fp32 buffer (addmm's out_dtype on CUDA)."""
+    if a.is_cuda and a.dtype in _HALF:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.float(), b.float())
+
+
+def _mm_rounded(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out (a's dtype) = a @ b, fp32 accumulation inside the GEMM, one rounding."""
+    if a.is_cuda:
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(torch.mm(a.float(), b.float()))
+
+
+def round_in_place(acc: torch.Tensor, dtype: torch.dtype, chunk_elems: int = 1 << 24) -> torch.Tensor:
+    """acc (fp32, contiguous) rounded to `dtype` into the first half of acc's own storage; returns that tensor (of
+    acc's shape). Chunk by chunk from the start: a chunk is read whole before its rounded values are written, and
+    they land on bytes of this or earlier chunks only, so nothing is overwritten before it was read."""
+    if dtype == torch.float32:
+        return acc
+    flat = acc.view(-1)
+    narrow = flat.view(dtype)[: flat.numel()]
+    for lo in range(0, flat.numel(), chunk_elems):
+        hi = min(lo + chunk_elems, flat.numel())
+        narrow[lo:hi].copy_(flat[lo:hi].to(dtype))
+    return narrow.view(acc.shape)
+
+
+# ---- the passes over a chunk: the logits op's kernels (Triton) or code (PyTorch) ----
+
+class _TritonPasses:
+    """The logits op's Triton kernels on one fp32 chunk [B, seg_len], launched on its first n rows."""
+
+    name = "triton"
+
+    def __init__(self):
+        from ppo_ops import _triton_backend, _triton_kernels  # imported when selected: triton may be absent
+
+        self._tb, self._tk = _triton_backend, _triton_kernels
+
+    def merge(self, partials: torch.Tensor) -> RowStats:
+        return self._tb.merge_partials(partials, False)
+
+    def partials(self, chunk, n, tokens, seg, with_entropy, out) -> None:
+        """out [5, B] fp32 (rows >= n untouched): the segment partials of the chunk's first n rows."""
+        tb = self._tb
+        config = tb.launch_config("forward", chunk.dtype, seg.seg_len, tb.interpreting())
+        _, kwargs = tb.forward_launch_args(chunk, None, tokens, None, seg.inv_temperature, seg.n_valid, seg.seg_len,
+                                           with_entropy, out.unsqueeze(0), config, seg.vocab_start)
+        self._tk.forward_partials_kernel[(n, 1)](**kwargs)  # programs for the real rows only
+
+    def dlogits(self, chunk, n, tokens, seg, shift, log_sum, mean_shifted, g_lp, g_ent, out) -> None:
+        """out [>= n, seg_len] in its dtype: the logits op's gradient of the chunk's first n rows (fp32 math, one
+        rounding to out's dtype)."""
+        tb = self._tb
+        config = tb.launch_config("backward", chunk.dtype, seg.seg_len, tb.interpreting())
+        unused = shift  # stands in for the pointers the constexprs switch off
+        self._tk.backward_grad_kernel[(n, _cdiv(seg.seg_len, config.block_v))](
+            logits_ptr=chunk, out_ptr=out, row_mask_ptr=unused, tokens_ptr=tokens, keep_ptr=chunk,
+            shift_ptr=shift, log_sum_ptr=log_sum, log_sum_kept_ptr=unused,
+            mean_shifted_ptr=unused if mean_shifted is None else mean_shifted,
+            grad_log_prob_ptr=unused if g_lp is None else g_lp, grad_entropy_ptr=unused if g_ent is None else g_ent,
+            log_prob_defined_ptr=unused, mass_ptr=unused,
+            v_local=seg.seg_len, n_valid=seg.n_valid, vocab_start=int(seg.vocab_start),
+            logits_row_stride=chunk.stride(0), out_row_stride=out.stride(0), keep_row_stride=0,
+            inv_temperature=float(seg.inv_temperature),
+            HAS_ROW_MASK=False, HAS_KEEP=False, HAS_GRAD_LOG_PROB=g_lp is not None,
+            HAS_GRAD_ENTROPY=g_ent is not None, HAS_LOG_PROB_DEFINED=False, HAS_MASS=False,
+            SCALE=float(seg.inv_temperature) != 1.0, BLOCK_V=config.block_v,
+            ROUND_BF16_BY_BITS=out.dtype == torch.bfloat16 and tb.interpreting(), **tb._options(config),
+        )
+
+
+class _TorchPasses:
+    """The logits op's PyTorch code on one fp32 chunk (any device)."""
+
+    name = "torch"
+
+    def __init__(self):
+        from ppo_ops import _torch_backend
+
+        self._tb = _torch_backend
+
+    def merge(self, partials: torch.Tensor) -> RowStats:
+        return _row_stats.merge_partials(partials, False)
+
+    def partials(self, chunk, n, tokens, seg, with_entropy, out) -> None:
+        p = self._tb.forward_partials(chunk[:n], None, tokens[:n], None, seg.inv_temperature, seg.n_valid,
+                                      seg.seg_len, with_entropy, None, vocab_start=seg.vocab_start)
+        out[:, :n].copy_(p[0])
+
+    def dlogits(self, chunk, n, tokens, seg, shift, log_sum, mean_shifted, g_lp, g_ent, out) -> None:
+        self._tb.backward_grad(chunk[:n], None, tokens[:n], None, seg.inv_temperature, seg.n_valid, shift[:n],
+                               log_sum[:n], None, None if mean_shifted is None else mean_shifted[:n],
+                               None if g_lp is None else g_lp[:n], None if g_ent is None else g_ent[:n], out[:n],
+                               None, vocab_start=seg.vocab_start)
+
+
+# ---- row blocks ----
+
+class _RowBlocks:
+    """The kept rows as fixed-shape [rows, H] blocks: a view of hidden where it is a whole block starting at a
+    16-byte boundary, else a copy into one zero-padded buffer (so every GEMM gets the same shape and alignment)."""
+
+    def __init__(self, hidden: torch.Tensor, rows: int):
+        self.hidden, self.rows = hidden, rows
+        n_rows, width = hidden.shape
+        self.aligned = (hidden.stride(0) * hidden.element_size()) % 16 == 0 and hidden.data_ptr() % 16 == 0
+        self._pad = None
+        self.count = _cdiv(n_rows, rows)
+
+    def block(self, b: int):
+        """(first row, real rows n, [rows, H] block) of block b."""
+        r0 = b * self.rows
+        n = min(self.rows, self.hidden.shape[0] - r0)
+        if n == self.rows and self.aligned:
+            return r0, n, self.hidden[r0:r0 + n]
+        if self._pad is None:
+            self._pad = torch.zeros((self.rows, self.hidden.shape[1]), dtype=self.hidden.dtype,
+                                    device=self.hidden.device)
+        elif n < self.rows:
+            self._pad[n:].zero_()
+        self._pad[:n].copy_(self.hidden[r0:r0 + n])
+        return r0, n, self._pad
+
+
+def _neutral(out: torch.Tensor) -> None:
+    """Partials of a segment with no real column (vocabulary padding): neutral under the merge."""
+    out.zero_()
+    out[..., _row_stats.MAX, :] = float("-inf")
+    out[..., _row_stats.TARGET_Z, :] = float("-inf")
+
+
+def _segments(shard: LinearShard, v_local: int):
+    """(segment index, first local column, the segment's ShardOptions) of this shard, in order."""
+    for s, seg_lo in enumerate(range(0, v_local, shard.seg_len)):
+        yield s, seg_lo, shard.segment(seg_lo)
+
+
+class ChunkedBackend:
+    """LinearBackend and FusedLossBackend over library GEMMs and the logits op's passes (`passes`)."""
+
+    def __init__(self, passes):
+        self.passes = passes
+        self.name = f"chunked-{passes.name}"
+
+    # -- the general op --
+
+    def merge_partials(self, partials: torch.Tensor) -> RowStats:
+        return self.passes.merge(partials)
+
+    def forward_partials(self, hidden, weight, tokens, shard: LinearShard, with_entropy: bool) -> torch.Tensor:
+        n_rows, v_local = hidden.shape[0], weight.shape[0]
+        n_seg = v_local // shard.seg_len
+        shape = chunk_shape(hidden.device)
+        blocks = _RowBlocks(hidden, shape.rows)
+        buf = torch.empty((blocks.count, n_seg, _row_stats.NUM_PARTIALS, shape.rows), dtype=torch.float32,
+                          device=hidden.device)
+        if n_rows == 0:
+            return buf.new_empty((n_seg, _row_stats.NUM_PARTIALS, 0))
+        tokens = tokens.to(torch.int64).contiguous()
+        chunk = torch.empty((shape.rows, shard.seg_len), dtype=torch.float32, device=hidden.device)
+        for s, seg_lo, seg in _segments(shard, v_local):
+            if seg.n_valid == 0:
+                _neutral(buf[:, s])
+        for b in range(blocks.count):
+            r0, n, x = blocks.block(b)
+            for s, seg_lo, seg in _segments(shard, v_local):
+                if seg.n_valid == 0:
+                    continue
+                _mm_fp32(x, weight[seg_lo:seg_lo + shard.seg_len].T, chunk)
+                self.passes.partials(chunk, n, tokens[r0:r0 + n], seg, with_entropy, buf[b, s])
+        # [blocks, segments, 5, rows] -> [segments, 5, R] (O(R) bytes)
+        return buf.permute(1, 2, 0, 3).reshape(n_seg, _row_stats.NUM_PARTIALS, -1)[:, :, :n_rows]
+
+    def backward(self, hidden, weight, tokens, shard: LinearShard, saved: LinearSaved, upstream: UpstreamGrads,
+                 need_dx: bool, need_dw: bool):
+        n_rows, width = hidden.shape
+        v_local = weight.shape[0]
+        seg_len = shard.seg_len
+        dx = torch.zeros((n_rows, width), dtype=torch.float32, device=hidden.device) if need_dx else None
+        dw = torch.empty_like(weight) if need_dw else None
+        shape = chunk_shape(hidden.device)
+        g_lp, g_ent = upstream.grad_log_prob, upstream.grad_entropy
+        if n_rows == 0 or (g_lp is None and g_ent is None):
+            if dw is not None:
+                dw.zero_()
+            return dx, dw
+        tokens = tokens.to(torch.int64).contiguous()
+        blocks = _RowBlocks(hidden, shape.rows)
+        group_rows = min(shape.dw_rows, blocks.count * shape.rows)
+        chunk = torch.empty((shape.rows, seg_len), dtype=torch.float32, device=hidden.device)
+        dl = torch.empty((group_rows, seg_len), dtype=hidden.dtype, device=hidden.device)
+        one_group = n_rows <= shape.dw_rows
+        dw_acc = None
+        if need_dw and not one_group:
+            dw_acc = torch.empty((seg_len, width), dtype=torch.float32, device=hidden.device)
+        blocks_per_group = shape.dw_rows // shape.rows
+        for s, seg_lo, seg in _segments(shard, v_local):
+            w_s = weight[seg_lo:seg_lo + seg_len]
+            if seg.n_valid == 0:  # padding only: no gradient, no dX contribution
+                if need_dw:
+                    dw[seg_lo:seg_lo + seg_len].zero_()
+                continue
+            for g0_block in range(0, blocks.count, blocks_per_group):
+                g0 = g0_block * shape.rows
+                for b in range(g0_block, min(g0_block + blocks_per_group, blocks.count)):
+                    r0, n, x = blocks.block(b)
+                    _mm_fp32(x, w_s.T, chunk)  # the forward's GEMM: the same logits, bit for bit
+                    rs = slice(r0, r0 + n)
+                    self.passes.dlogits(chunk, n, tokens[rs], seg, saved.shift[rs], saved.log_sum[rs],
+                                        None if (g_ent is None or saved.mean_shifted is None)
+                                        else saved.mean_shifted[rs],
+                                        None if g_lp is None else g_lp[rs], None if g_ent is None else g_ent[rs],
+                                        dl[r0 - g0:r0 - g0 + n])
+                m = min(group_rows, n_rows - g0)
+                part = dl[:m]
+                if need_dx:
+                    _addmm_fp32(dx[g0:g0 + m], part, w_s)
+                if need_dw:
+                    if one_group:
+                        _mm_rounded(part.T, hidden[g0:g0 + m], dw[seg_lo:seg_lo + seg_len])
+                    elif g0 == 0:
+                        _mm_fp32(part.T, hidden[g0:g0 + m], dw_acc)
+                    else:
+                        _addmm_fp32(dw_acc, part.T, hidden[g0:g0 + m])
+            if dw_acc is not None:
+                dw[seg_lo:seg_lo + seg_len].copy_(dw_acc)
+        return dx, dw
+
+    # -- the token loss --
+
+    def loss_forward(self, hidden, weight, tokens, shard: LinearShard, with_entropy: bool, hooks: LossHooks,
+                     need_dx: bool, need_dw: bool) -> Optional[torch.Tensor]:
+        n_rows, width = hidden.shape
+        v_local, seg_len = weight.shape[0], shard.seg_len
+        n_seg = v_local // seg_len
+        shape = chunk_shape(hidden.device)
+        device = hidden.device
+        need_grad = need_dx or need_dw
+        dw_acc = torch.empty((v_local, width), dtype=torch.float32, device=device) if need_dw else None
+        started = [False] * n_seg  # a segment's first dW GEMM writes its accumulator (no memset, no read of C)
+        if n_rows:
+            tokens = tokens.to(torch.int64).contiguous()
+            blocks = _RowBlocks(hidden, shape.loss_rows)
+            logits = torch.empty((n_seg, shape.loss_rows, seg_len), dtype=torch.float32, device=device)
+            parts = torch.empty((n_seg, _row_stats.NUM_PARTIALS, shape.loss_rows), dtype=torch.float32, device=device)
+            group_rows = min(shape.loss_dw_rows, blocks.count * shape.loss_rows)
+            dl = (torch.empty((n_seg, group_rows, seg_len), dtype=hidden.dtype, device=device) if need_grad
+                  else None)
+            dx_block = torch.empty((shape.loss_rows, width), dtype=torch.float32, device=device) if need_dx else None
+            segments = list(_segments(shard, v_local))
+            for s, seg_lo, seg in segments:
+                if seg.n_valid == 0:
+                    _neutral(parts[s])
+                    if need_dw:
+                        dw_acc[seg_lo:seg_lo + seg_len].zero_()  # padding only: no gradient
+            blocks_per_group = shape.loss_dw_rows // shape.loss_rows
+            for b in range(blocks.count):
+                r0, n, x = blocks.block(b)
+                rs = slice(r0, r0 + n)
+                for s, seg_lo, seg in segments:
+                    if seg.n_valid:
+                        _mm_fp32(x, weight[seg_lo:seg_lo + seg_len].T, logits[s])
+                        self.passes.partials(logits[s], n, tokens[rs], seg, with_entropy, parts[s])
+                stats = hooks.merge(parts[:, :, :n])
+                grads = hooks.block_grads(stats, r0, r0 + n)
+                if not need_grad:
+                    continue
+                g_lp, g_ent = grads.grad_log_prob, grads.grad_entropy
+                offset = (b % blocks_per_group) * shape.loss_rows
+                if g_lp is None and g_ent is None:  # the loss does not depend on these rows: zero gradient
+                    dl[:, offset:offset + n].zero_()
+                    if need_dx:
+                        dx_block[:n].zero_()
+                contributed = False
+                for s, seg_lo, seg in segments:
+                    if seg.n_valid == 0 or (g_lp is None and g_ent is None):
+                        continue
+                    dl_s = dl[s, offset:offset + n]
+                    self.passes.dlogits(logits[s], n, tokens[rs], seg, stats.shift, stats.log_sum,
+                                        stats.mean_shifted if g_ent is not None else None, g_lp, g_ent, dl_s)
+                    if need_dx:
+                        w_s = weight[seg_lo:seg_lo + seg_len]
+                        if contributed:
+                            _addmm_fp32(dx_block[:n], dl_s, w_s)
+                        else:
+                            _mm_fp32(dl_s, w_s, dx_block[:n])
+                    contributed = True
+                if need_dx:
+                    if not contributed:
+                        dx_block[:n].zero_()
+                    hooks.finish_dx(dx_block[:n], r0, r0 + n)
+                if need_dw and ((b + 1) % blocks_per_group == 0 or b + 1 == blocks.count):
+                    g0 = (b // blocks_per_group) * shape.loss_dw_rows
+                    m = r0 + n - g0
+                    for s, seg_lo, seg in segments:
+                        if seg.n_valid and started[s]:
+                            _addmm_fp32(dw_acc[seg_lo:seg_lo + seg_len], dl[s, :m].T, hidden[g0:g0 + m])
+                        elif seg.n_valid:
+                            _mm_fp32(dl[s, :m].T, hidden[g0:g0 + m], dw_acc[seg_lo:seg_lo + seg_len])
+                            started[s] = True
+        if dw_acc is None:
+            return None
+        if n_rows == 0:
+            dw_acc.zero_()
+        return round_in_place(dw_acc, weight.dtype)
+
+
+def tile_logits(hidden: torch.Tensor, weight: torch.Tensor, seg_len: int) -> torch.Tensor:
+    """[R, V_local] fp32 logits made by exactly the chunks' GEMMs (tests and comparisons: the op never holds them)."""
+    n_rows, v_local = hidden.shape[0], weight.shape[0]
+    shape = chunk_shape(hidden.device)
+    blocks = _RowBlocks(hidden.contiguous(), shape.rows)
+    out = torch.empty((blocks.count * shape.rows, v_local), dtype=torch.float32, device=hidden.device)
+    chunk = torch.empty((shape.rows, seg_len), dtype=torch.float32, device=hidden.device)
+    for b in range(blocks.count):
+        r0, n, x = blocks.block(b)
+        for seg_lo in range(0, v_local, seg_len):
+            _mm_fp32(x, weight[seg_lo:seg_lo + seg_len].T, chunk)
+            out[r0:r0 + shape.rows, seg_lo:seg_lo + seg_len] = chunk
+    return out[:n_rows]
+
+
+_BACKENDS = {}
+
+
+def backend(passes: str) -> ChunkedBackend:
+    """The chunked backend over the logits op's "triton" or "torch" passes (one instance each)."""
+    if passes not in _BACKENDS:
+        _BACKENDS[passes] = ChunkedBackend(_TritonPasses() if passes == "triton" else _TorchPasses())
+    return _BACKENDS[passes]

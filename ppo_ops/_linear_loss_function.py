@@ -1,0 +1,196 @@
+"""linear_token_loss as one autograd Function: the loss's gradient formed inside the forward, logits formed once.
+
+Forward (under no_grad for autograd; the caller's loss runs under enable_grad on small per-row tensors), per row
+block of the chunked backend (ppo_ops/_linear_chunked.py, `loss_forward`): the block's fp32 logits over this rank's
+segments -> per-segment partials -> (TP > 1) all-gather -> fixed-order merge -> the caller's token_loss on the block's
+global log-probs and entropies -> torch.autograd.grad of its values w.r.t. those two -> dlogits (input dtype) -> dX
+rows of the block (fp32 accumulation over the segments; with reduce_dx at TP > 1 all-reduced in fp32; one rounding)
+and dW accumulated in fp32 over the blocks, rounded once. Returned: the loss (sum over the kept rows, fp32, 0-d),
+and the log-probs and entropies (detached: metrics). Saved: dX [T, H] and dW [V_local, H] in the input dtypes.
+Backward: scales them by the upstream scalar, in place (they are this op's own buffers), and hands them out; a
+second backward raises (the saved gradients are gone).
+
+Row-separable losses only: a row's term may depend on its own log-prob, entropy and constants (indexed by the row
+ids the loss is given), never on other rows' values, because the loss sees one row block at a time. TP > 1: every
+rank calls token_loss with the same global values (merged statistics), so a deterministic loss gives the same values,
+gradients and errors on every rank.
+
+Validation (validate=True): at TP > 1 the logits op's header exchange runs before the first block's all-gather
+(ranks agreeing on rows, tokens and options; the NaN / +inf flag from this rank's first block); every block adds
+device-side flags for NaN / +inf logits (merged statistics) and for non-finite loss values or gradients; one host
+read at the end raises on them, and at TP = 1 also on out-of-range tokens. Host reads: TP = 1, one; TP > 1, two
+(the header table, the end flags; both identical on every rank, so every rank raises the same error). Checked
+always, on each block: token_loss returns a float32 tensor of shape [n] on hidden's device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from ppo_ops import _validate
+from ppo_ops._function import refuse_double_backward
+from ppo_ops._linear_backend import BlockGrads, LossHooks
+from ppo_ops._linear_shell import NAMING, LinearPlan, kept, kept_row_indices, merge_across_ranks, scatter_rows
+
+
+class LinearTokenLossFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens, row_mask, plan: LinearPlan, token_loss):
+        layout = plan.layout
+        device = hidden.device
+        n_rows, width = hidden.shape
+        rows = kept_row_indices(row_mask)
+        h = kept(hidden, rows).contiguous()
+        t = kept(tokens, rows)
+        row_ids = rows if rows is not None else torch.arange(n_rows, device=device)
+        n_kept = h.shape[0]
+        need_dx = plan.needs_grad and ctx.needs_input_grad[0]
+        need_dw = plan.needs_grad and ctx.needs_input_grad[1]
+        with_entropy = plan.entropy_mode != "none"
+
+        log_prob = torch.zeros(n_kept, dtype=torch.float32, device=device)
+        entropy = torch.zeros(n_kept, dtype=torch.float32, device=device) if with_entropy else None
+        loss = torch.zeros((), dtype=torch.float32, device=device)
+        flags = torch.zeros(2, dtype=torch.bool, device=device)  # NaN / +inf logits; non-finite loss or gradient
+        dx = None
+        if need_dx:
+            dx = (torch.zeros if rows is not None else torch.empty)((n_rows, width), dtype=hidden.dtype,
+                                                                   device=device)
+        headers_done = [layout.group is None or not plan.validate]
+
+        def merge(partials):
+            stats = merge_across_ranks(plan, partials, tokens, row_mask, hidden.dtype, validate=not headers_done[0])
+            headers_done[0] = True
+            return stats
+
+        def block_grads(stats, r0, r1):
+            log_prob[r0:r1] = stats.log_prob
+            ent = None
+            if with_entropy:
+                entropy[r0:r1] = stats.entropy
+                ent = stats.entropy
+            value, g_lp, g_ent = _call_loss(plan.fn_name, token_loss, stats.log_prob, ent, row_ids[r0:r1],
+                                            need_grad=need_dx or need_dw,
+                                            entropy_grad=plan.entropy_mode == "grad")
+            loss.add_(value.sum())
+            if plan.validate:
+                flags[0] |= stats.bad_input.any()
+                finite = torch.isfinite(value).all()
+                for g in (g_lp, g_ent):
+                    if g is not None:
+                        finite = finite & torch.isfinite(g).all()
+                flags[1] |= ~finite
+            # No gradient where the quantity has none (log-prob -inf: no mass in its set; entropy of an empty row).
+            if g_lp is not None:
+                g_lp = torch.where(stats.log_prob_defined, g_lp, torch.zeros_like(g_lp)).contiguous()
+            if g_ent is not None:
+                g_ent = torch.where(stats.row_has_mass, g_ent, torch.zeros_like(g_ent)).contiguous()
+            return BlockGrads(g_lp, g_ent)
+
+        def finish_dx(dx32, r0, r1):
+            if plan.reduce_dx and layout.group is not None:
+                dist.all_reduce(dx32, group=layout.group)  # fp32: one rounding to the input dtype, after the sum
+            if rows is None:
+                dx[r0:r1].copy_(dx32)
+            else:
+                dx.index_copy_(0, rows[r0:r1], dx32.to(dx.dtype))
+
+        dw = plan.backend.loss_forward(h, weight, t, plan.shard, with_entropy,
+                                       LossHooks(merge=merge, block_grads=block_grads, finish_dx=finish_dx),
+                                       need_dx=need_dx, need_dw=need_dw)
+        if not headers_done[0]:  # no kept row on this rank: it still takes part in the header exchange
+            _validate.check_across_ranks(
+                plan.fn_name, layout.group, layout.world_size, tokens, row_mask,
+                torch.zeros((layout.segments_local, 5, 0), dtype=torch.float32, device=device), naming=NAMING,
+                v_local=layout.v_local, vocab_size=layout.vocab_size, temperature=plan.temperature,
+                entropy_mode=plan.entropy_mode, has_keep_mask=False, dtype=hidden.dtype)
+        if plan.validate:
+            _check_end(plan, tokens, row_mask, flags)
+
+        ctx.plan = plan
+        ctx.consumed = False
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(dx, dw)
+        lp_out = scatter_rows(log_prob, rows, n_rows)
+        # entropy="none": an empty placeholder (the wrapper returns None), so every output is a tensor.
+        ent_out = log_prob.new_empty(0) if entropy is None else scatter_rows(entropy, rows, n_rows)
+        ctx.mark_non_differentiable(lp_out, ent_out)
+        return loss, lp_out, ent_out
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_log_prob=None, grad_entropy=None):
+        plan: LinearPlan = ctx.plan
+        refuse_double_backward(plan.fn_name)
+        if ctx.consumed:
+            raise RuntimeError(
+                f"ppo_ops.{plan.fn_name}: backward ran twice; the first one handed out the gradients this op formed "
+                "in its forward (call the op again for a second backward)")
+        ctx.consumed = True
+        dx, dw = ctx.saved_tensors
+        if grad_loss is None:
+            return None, None, None, None, None, None
+        g = grad_loss.to(torch.float32)
+        # Scaled in place: the buffers are this op's own. (One more rounding unless the upstream gradient is 1.)
+        if dx is not None:
+            dx.mul_(g)
+        if dw is not None:
+            dw.mul_(g)
+        return dx, dw, None, None, None, None
+
+
+def _call_loss(fn_name, token_loss, log_prob, entropy, rows, *, need_grad, entropy_grad):
+    """(values [n] fp32, d sum / d log_prob or None, d sum / d entropy or None) of the caller's loss on a block."""
+    lp_in = log_prob.detach().requires_grad_(need_grad)
+    ent_in = None
+    if entropy is not None:
+        ent_in = entropy.detach().requires_grad_(need_grad and entropy_grad)
+    with torch.enable_grad() if need_grad else contextlib.nullcontext():
+        value = token_loss(lp_in, ent_in, rows)
+    n = log_prob.shape[0]
+    if not isinstance(value, torch.Tensor):
+        raise _validate.argument_error(TypeError, fn_name, "token_loss",
+                                       f"token_loss must return a torch.Tensor, got {type(value).__name__}")
+    if value.dtype != torch.float32:
+        raise _validate.argument_error(TypeError, fn_name, "token_loss",
+                                       f"token_loss must return float32 values, got {value.dtype}")
+    if tuple(value.shape) != (n,):
+        raise _validate.argument_error(
+            ValueError, fn_name, "token_loss",
+            f"token_loss must return one value per row, shape ({n},) for this block of {n} rows, got "
+            f"{tuple(value.shape)} (the loss must be row-separable: a sum over rows of per-row terms)")
+    if value.device != log_prob.device:
+        raise _validate.argument_error(ValueError, fn_name, "token_loss",
+                                       f"token_loss must return values on {log_prob.device}, got {value.device}")
+    if not need_grad:
+        return value.detach(), None, None
+    inputs = [lp_in] + ([ent_in] if ent_in is not None and ent_in.requires_grad else [])
+    grads = [None] * len(inputs)
+    if value.requires_grad:
+        grads = torch.autograd.grad(value, inputs, grad_outputs=torch.ones_like(value), allow_unused=True)
+    g_lp = None if grads[0] is None else grads[0].to(torch.float32)
+    g_ent = None if len(grads) < 2 or grads[1] is None else grads[1].to(torch.float32)
+    return value.detach(), g_lp, g_ent
+
+
+def _check_end(plan: LinearPlan, tokens, row_mask, flags) -> None:
+    """The end-of-forward host read of the value checks (see the module docstring)."""
+    fn = plan.fn_name
+    if plan.layout.group is None:
+        # The logits op's TP = 1 read (token range, NaN / +inf logits), this op's loss flag in the same read.
+        (bad_loss,) = _validate.check_single_rank_values(fn, flags[:1], tokens, row_mask, plan.layout.vocab_size,
+                                                         naming=NAMING, extra_flags=flags[1:])
+        bad_logits, where = False, ""
+    else:
+        bad_logits, bad_loss = _validate.read_to_host(flags.to(torch.int64))
+        where = f" (merged over the {plan.layout.world_size} tensor-parallel ranks)"
+    if bad_logits:
+        raise _validate.argument_error(ValueError, fn, NAMING.bad_logits_argument,
+                                       NAMING.bad_logits.format(where=where))
+    if bad_loss:
+        raise _validate.argument_error(
+            ValueError, fn, "token_loss",
+            "token_loss returned a non-finite value or gradient (NaN or inf) on some row; check the loss's inputs "
+            "(e.g. ratios exp(log_prob - old_log_prob) overflowing) or pass validate=False to skip this check")

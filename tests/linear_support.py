@@ -1,0 +1,109 @@
+"""Shared pieces of the fused LM head's test files (tests/test_linear_log_probs.py, tests/test_linear_token_loss.py):
+seeded inputs, the float64 reference with per-element error bounds derived from the GEMMs' rounding, and the check
+against them.
+"""
+
+import torch
+
+from tests.core_support import make_tokens
+from tests.reference import ENTROPY_TOL, LOG_PROB_TOL, reference_log_probs_and_entropy
+
+# --- tolerances: unit roundoffs, and how the bounds of `_bounds` use them ---
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # u of each dtype
+U32 = UNIT_ROUNDOFF[torch.float32]
+# An fp32 accumulation may lose a full ulp per add instead of half (tensor cores truncate when aligning addends).
+ACCUM_ULPS = 2.0
+# A few fp32 ulps of exp, log and the subtractions that form log p from the logits.
+ELEMENTWISE_ULPS = 8.0
+# First-order bounds; the factor covers second-order terms (products of relative errors, all << 1 here).
+SAFETY = 2.0
+
+V_GLOBAL = 256  # eight fixed segments of 32: V_local = 64 at TP = 4
+HIDDEN = 48  # not a power of two: K tiles with a tail
+INPUT_SCALE = 1.0  # hidden ~ N(0, 1); weight ~ N(0, 1/H) * WEIGHT_SCALE
+WEIGHT_SCALE = 3.0  # logits of O(3): a peaked but not one-hot distribution
+
+
+def inputs(lead, dtype, seed, v=V_GLOBAL, h=HIDDEN):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(lead + (h,), generator=gen) * INPUT_SCALE).to(dtype)
+    weight = (torch.randn((v, h), generator=gen) * (WEIGHT_SCALE / h**0.5)).to(dtype)
+    tokens = make_tokens(lead, v, seed + 1)
+    return hidden, weight, tokens
+
+
+# --- the float64 reference and the derived bounds ---
+
+def bounds(hidden, weight, tokens, g_lp, g_ent, *, temperature=1.0, vocab_size=None, row_mask=None,
+            dl_roundoff=0.0):
+    """Float64 reference (log_probs, entropy, dX, dW) and per-element error bounds (same shapes).
+
+    Logits: fp32 accumulation of H exact products (bf16/fp16 products are exact in fp32) errs by at most
+    eps_z = gamma_H * (|X| @ |W|^T), gamma_n = ACCUM_ULPS * n * u32; E_r = inv_t * max_c eps_z is the row's bound.
+    log p = (z - M) - log S errs by at most eps_r = 2 E_r + (gamma_V + ELEMENTWISE_ULPS * u32) (z and log S each move by
+    E_r; S is a sum of V terms). Then, with p, d = z / t and mean = E_p[d] of the reference:
+      log-prob: |dlp| <= LOG_PROB_TOL-style fp32 error of the logits op + 2 E_r   (d lp / d z has l1 norm <= 2)
+      entropy:  |dH| <= ENTROPY_TOL + E_r * sum_c p |d - mean|                    (d H / d z_c = p_c (mean - d_c))
+      dlogits:  |d dl| <= inv_t * eps_r * S_dl + dl_roundoff * |dl|,
+                S_dl = |g_lp| (1[c = t] + p) + |g_ent| p (|d - mean| + sum_c p |d - mean| + 2);
+                dl_roundoff is the rounding of dlogits to the GEMM's input dtype (0 when the GEMM takes fp32)
+      dX = dl @ W, dW = dl^T @ X: that error through the GEMM, plus gamma_K (|dl| @ |W|) for its fp32 accumulation
+                (K = V or T), plus one rounding u_out |ref| of the result to the input dtype.
+    Every bound is multiplied by SAFETY (second-order terms).
+    """
+    x = hidden.detach().double().reshape(-1, hidden.shape[-1])
+    w = weight.detach().double()
+    n_rows, v, h = x.shape[0], w.shape[0], x.shape[1]
+    inv_t = 1.0 / temperature
+    logits = x @ w.T
+    ref = reference_log_probs_and_entropy(
+        logits, tokens.reshape(-1), entropy="grad", temperature=temperature, vocab_size=vocab_size,
+        row_mask=None if row_mask is None else row_mask.reshape(-1),
+        grad_log_probs=None if g_lp is None else g_lp.reshape(-1),
+        grad_entropy=None if g_ent is None else g_ent.reshape(-1))
+    dl = ref.grad
+    valid = torch.arange(v) < (v if vocab_size is None else vocab_size)
+    rows_on = torch.ones(n_rows, dtype=torch.bool) if row_mask is None else row_mask.reshape(-1)
+
+    gamma = lambda n: ACCUM_ULPS * n * U32  # noqa: E731
+    eps_z = gamma(h) * (x.abs() @ w.abs().T)
+    e_row = inv_t * torch.where(valid, eps_z, 0.0).amax(dim=1)
+    eps_r = 2 * e_row + gamma(v) + ELEMENTWISE_ULPS * U32
+
+    d = torch.where(valid, logits * inv_t, float("-inf"))
+    p = torch.softmax(d, dim=1)
+    d0 = torch.where(valid, d, 0.0)
+    mean = (p * d0).sum(1, keepdim=True)
+    spread = (p * (d0 - mean).abs()).sum(1, keepdim=True)  # sum_c p |d - mean|
+    onehot = torch.zeros_like(p).scatter_(1, tokens.reshape(-1, 1).clamp(0, v - 1), 1.0)
+    s_dl = torch.zeros_like(p)
+    if g_lp is not None:
+        s_dl += g_lp.reshape(-1, 1).double().abs() * (onehot + p)
+    if g_ent is not None:
+        s_dl += g_ent.reshape(-1, 1).double().abs() * p * ((d0 - mean).abs() + spread + 2)
+    s_dl = torch.where(valid & rows_on[:, None], s_dl, 0.0)
+    dl_err = inv_t * eps_r[:, None] * s_dl + dl_roundoff * dl.abs()
+
+    u_out = UNIT_ROUNDOFF[hidden.dtype]
+    dx_ref, dw_ref = dl @ w, dl.T @ x
+    dx_tol = SAFETY * (dl_err @ w.abs() + gamma(v) * (dl.abs() @ w.abs())) + u_out * dx_ref.abs()
+    dw_tol = SAFETY * (dl_err.T @ x.abs() + gamma(n_rows) * (dl.abs().T @ x.abs())) + u_out * dw_ref.abs()
+    lp_tol = LOG_PROB_TOL * ref.log_probs.abs().clamp(min=1) + SAFETY * 2 * e_row
+    ent_tol = ENTROPY_TOL + SAFETY * e_row * spread[:, 0]
+    lead = tuple(hidden.shape[:-1])
+    zero = ~rows_on
+    lp_tol, ent_tol = lp_tol.masked_fill(zero, 0.0), ent_tol.masked_fill(zero, 0.0)
+    return dict(log_probs=(ref.log_probs.reshape(lead), lp_tol.reshape(lead)),
+                entropy=(ref.entropy.reshape(lead), ent_tol.reshape(lead)),
+                dx=(dx_ref.reshape(hidden.shape), dx_tol.reshape(hidden.shape)), dw=(dw_ref, dw_tol))
+
+
+def assert_within(name, got, ref_and_tol):
+    ref, tol = ref_and_tol
+    assert got is not None and got.shape == ref.shape, f"{name}: shape {None if got is None else got.shape}"
+    err = (got.double() - ref).abs()
+    assert not torch.isnan(err).any(), f"{name}: NaN"
+    worst = (err - tol).argmax()
+    assert bool((err <= tol).all()), (
+        f"{name}: error {err.flatten()[worst]:.3e} over its bound {tol.flatten()[worst]:.3e} at flat index "
+        f"{int(worst)} (max relative to bound {float((err / tol.clamp(min=1e-300)).max()):.2f})")

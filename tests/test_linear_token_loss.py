@@ -1,0 +1,484 @@
+"""ppo_ops.linear_token_loss: the fused LM head with a per-token loss's gradient formed inside its forward.
+
+What is checked, per backend ("torch": the chunked path over the logits op's PyTorch passes; "triton": over its Triton
+passes, under TRITON_INTERPRET=1 on CPU with an fp32 matmul standing in for cuBLAS, compiled with cuBLAS on CUDA):
+- the loss, log-probs, entropies, dX and dW against float64 (autograd through the same closure on float64 logits),
+  within the bounds of tests/linear_support.py with the closure's float64 gradients as the upstream weights, for
+  simple closures and for the PPO closure of the bench (clipped surrogate, entropy bonus, k3 KL);
+- log-probs and entropies bit for bit those of the logits op on the chunks' own logits, and of
+  linear_log_probs_and_entropy's chunked path (the same chunks, passes and merge);
+- the upstream scalar scales dX and dW (one rounding), row_mask (dropped rows: zeros, never passed to the loss),
+  rows given to the loss are indices into the flattened tokens, a second backward raises, no_grad keeps nothing;
+- errors: a non-callable token_loss, a loss of the wrong shape or dtype, non-finite values with validate=True
+  (and none with validate=False); on 2 gloo ranks a bad token_loss or token on ONE rank makes both raise, naming the
+  rank and the argument;
+- TP = 2 and 4 (gloo on CPU, NCCL on GPUs): loss, log-probs, entropies and the concatenated dW bitwise equal to TP = 1,
+  dX within its bound, reduce_dx=False giving per-rank contributions.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ppo_ops
+from ppo_ops import _layout, _linear_chunked
+from tests.core_support import backend_params, make_weights, triton_skip_reason
+from tests.linear_support import UNIT_ROUNDOFF, V_GLOBAL, assert_within, bounds, inputs
+from tests.ranks import DEVICE, rank_device, run_ranks, world_size_param
+
+# The loss is a sum of per-row terms: its fp32 value errs by the terms' errors (each the term's gradient times the
+# log-prob / entropy error bound) plus the fp32 additions of the sum (a few ulps of sum |term| per add).
+LOSS_SUM_ULPS = 4.0
+U32 = UNIT_ROUNDOFF[torch.float32]
+
+CLIP_LOW, CLIP_HIGH, ENTROPY_COEF, KL_COEF = 0.2, 0.28, 0.01, 0.05
+
+
+def _ppo(n_rows, seed):
+    """A PPO closure over [n_rows] constants (the bench's form, in torch ops: runs on fp32 and float64)."""
+    gen = torch.Generator().manual_seed(seed)
+    old = -3.0 + torch.randn(n_rows, generator=gen)
+    ref = -3.0 + torch.randn(n_rows, generator=gen)
+    adv = torch.randn(n_rows, generator=gen)
+    wts = torch.full((n_rows,), 1.0 / n_rows)
+
+    def loss(log_probs, entropy, rows):
+        rows = rows.cpu()
+        dev = log_probs.device
+        o, r, a, w = (t[rows].to(dev) for t in (old, ref, adv, wts))
+        ratio = torch.exp(log_probs - o)
+        surrogate = -torch.minimum(ratio * a, ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH) * a)
+        d = r - log_probs
+        out = surrogate + KL_COEF * (torch.exp(d) - d - 1)
+        if entropy is not None:
+            out = out - ENTROPY_COEF * entropy
+        return out * w
+
+    return loss
+
+
+def _weighted(n_rows, seed):
+    """sum_r a_r * log_prob_r + b_r * entropy_r: upstream weights a, b exactly."""
+    a = make_weights((n_rows,), seed)
+    b = make_weights((n_rows,), seed + 1, low=-1.0, high=1.0)
+
+    def loss(log_probs, entropy, rows):
+        rows = rows.cpu()
+        out = a[rows].to(log_probs.device) * log_probs
+        if entropy is not None:
+            out = out + b[rows].to(log_probs.device) * entropy
+        return out
+
+    return loss
+
+
+def _shipped(name):
+    """The losses of ppo_ops/token_losses.py, on [n_rows] constants (they take fp32 inputs only)."""
+
+    def make(n_rows, seed):
+        from ppo_ops import token_losses
+
+        gen = torch.Generator().manual_seed(seed)
+        old = -3.0 + torch.randn(n_rows, generator=gen)
+        ref = -3.0 + torch.randn(n_rows, generator=gen)
+        mask = torch.rand(n_rows, generator=gen) < 0.8
+        seq_ids = torch.arange(n_rows) // 4  # sequences of 4 tokens
+        if name == "policy":  # DAPO's clip-higher, dual clip, entropy bonus, k3 KL, token mean over a loss mask
+            loss = token_losses.policy_loss(old, torch.randn(n_rows, generator=gen), clip_low=0.2, clip_high=0.28,
+                                            dual_clip=3.0, entropy_coef=0.01, kl_coef=0.05, ref_log_probs=ref,
+                                            kl_type="k3", loss_mask=mask, normalization="token_mean")
+        elif name == "policy_seq_mean":  # k2 KL, per-sequence means
+            loss = token_losses.policy_loss(old, torch.randn(n_rows, generator=gen), kl_coef=0.1, ref_log_probs=ref,
+                                            kl_type="k2", loss_mask=mask, normalization="seq_mean", seq_ids=seq_ids)
+        else:  # GRPO's defaults over groups of 2 sequences
+            n_seq = int(seq_ids.max()) + 1
+            n_seq += n_seq % 2
+            loss = token_losses.grpo_loss(old, torch.randn(n_seq, generator=gen), seq_ids, group_size=2,
+                                          ref_log_probs=ref, loss_mask=mask, entropy_coef=0.02)
+        return _on_device(loss)
+
+    return make
+
+
+def _on_device(loss):
+    """A TokenLoss keeps its constants on their device: move them to the op's (the rows arrive there)."""
+    import dataclasses
+
+    fields = {f.name: getattr(loss, f.name) for f in dataclasses.fields(loss)}
+    moved = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in fields.items()}
+    return type(loss)(**moved)
+
+
+LOSSES = {"weighted": _weighted, "ppo": _ppo, "policy": _shipped("policy"),
+          "policy_seq_mean": _shipped("policy_seq_mean"), "grpo": _shipped("grpo")}
+
+
+def _run(hidden, weight, tokens, token_loss, device=DEVICE, scale=None, **opts):
+    """(loss, log_probs, entropy, dX, dW) on CPU, from leaf copies; `scale` multiplies the loss before backward."""
+    h = hidden.detach().to(device).clone().requires_grad_(True)
+    w = weight.detach().to(device).clone().requires_grad_(True)
+    opts = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in opts.items()}
+    loss, out = ppo_ops.linear_token_loss(h, w, tokens.to(device), token_loss, **opts)
+    dx, dw = torch.autograd.grad(loss if scale is None else loss * scale, (h, w))
+    ent = None if out.entropy is None else out.entropy.cpu()
+    return loss.detach().cpu(), out.log_probs.cpu(), ent, dx.cpu(), dw.cpu()
+
+
+def _float64(hidden, weight, tokens, token_loss, *, temperature, vocab_size, row_mask, entropy):
+    """(loss, d loss / d log_prob, d loss / d entropy) in float64 over the kept rows of the flattened call."""
+    x, w = hidden.double().reshape(-1, hidden.shape[-1]), weight.double()
+    z = (x @ w.T) / temperature
+    if vocab_size is not None:
+        z[:, vocab_size:] = float("-inf")
+    lsm = torch.log_softmax(z, dim=-1)
+    t = tokens.reshape(-1)
+    rows = torch.arange(t.numel()) if row_mask is None else torch.nonzero(row_mask.reshape(-1)).squeeze(1)
+    lp = lsm[rows, t[rows]].detach().requires_grad_(True)
+    p = lsm[rows].exp()
+    ent = (-(p * torch.where(p > 0, lsm[rows], 0.0)).sum(-1)).detach().requires_grad_(entropy == "grad")
+    if hasattr(token_loss, "n_tokens"):  # a shipped TokenLoss takes fp32 only: the float64 values, rounded once
+        rows_d = rows.to(DEVICE)
+        value = token_loss(lp.float().to(DEVICE), ent.float().to(DEVICE) if entropy != "none" else None,
+                           rows_d).double().cpu()
+    else:
+        value = token_loss(lp, ent if entropy != "none" else None, rows)
+    inputs_ = [lp] + ([ent] if entropy == "grad" else [])
+    grads = torch.autograd.grad(value.sum(), inputs_, allow_unused=True)
+    n = t.numel()
+    g_lp = torch.zeros(n, dtype=torch.float64).index_copy_(0, rows, grads[0])
+    g_ent = None
+    if entropy == "grad" and grads[1] is not None:
+        g_ent = torch.zeros(n, dtype=torch.float64).index_copy_(0, rows, grads[1])
+    terms = value.detach()
+    return terms.sum(), terms.abs().sum(), g_lp, g_ent
+
+
+def _check_vs_float64_once(backend, dtype, loss_name, temperature, vocab_size, masked, entropy="grad", lead=(3, 7)):
+    hidden, weight, tokens = inputs(lead, dtype, seed=91)
+    if vocab_size is not None:
+        tokens = tokens.clamp(max=vocab_size - 1)
+    n = tokens.numel()
+    row_mask = None
+    if masked:
+        row_mask = torch.rand(lead, generator=torch.Generator().manual_seed(92)) < 0.6
+        row_mask.view(-1)[0], row_mask.view(-1)[-1] = True, False
+        tokens = torch.where(row_mask, tokens, -100)
+    token_loss = LOSSES[loss_name](n, 93)
+    opts = dict(entropy=entropy, temperature=temperature, vocab_size=vocab_size, backend=backend)
+    if masked:
+        opts["row_mask"] = row_mask
+    loss, lp, ent, dx, dw = _run(hidden, weight, tokens, token_loss, **opts)
+    ref_loss, ref_abs, g_lp, g_ent = _float64(hidden, weight, tokens, token_loss, temperature=temperature,
+                                              vocab_size=vocab_size, row_mask=row_mask, entropy=entropy)
+    half = backend == "triton" or dtype != torch.float32  # the chunked path rounds dlogits to the input dtype
+    b = bounds(hidden, weight, tokens, g_lp.float().reshape(lead),
+               None if g_ent is None else g_ent.float().reshape(lead), temperature=temperature,
+               vocab_size=vocab_size, row_mask=row_mask, dl_roundoff=UNIT_ROUNDOFF[dtype] if half else 0.0)
+    assert loss.dtype == torch.float32 and loss.shape == ()
+    assert lp.dtype == torch.float32 and dx.dtype == dtype and dw.dtype == dtype
+    assert_within("log_probs", lp, b["log_probs"])
+    if entropy != "none":
+        assert_within("entropy", ent, b["entropy"])
+    else:
+        assert ent is None
+    assert_within("dX", dx, b["dx"])
+    assert_within("dW", dw, b["dw"])
+    lp_tol, ent_tol = b["log_probs"][1].reshape(-1), b["entropy"][1].reshape(-1)
+    loss_tol = ((g_lp.abs() * lp_tol).sum() + (0 if g_ent is None else (g_ent.abs() * ent_tol).sum())
+                + LOSS_SUM_ULPS * n * U32 * ref_abs)
+    assert abs(loss.double() - ref_loss) <= loss_tol, f"loss {loss.item()} vs {ref_loss.item()} (bound {loss_tol})"
+    if masked:
+        assert bool((lp[~row_mask] == 0).all() and (dx[~row_mask] == 0).all())
+    if vocab_size is not None:
+        assert bool((dw[vocab_size:] == 0).all()), "padding rows of the weight got a gradient"
+
+
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+@pytest.mark.parametrize("dtype,loss_name,temperature,vocab_size,masked,entropy", [
+    (torch.float32, "weighted", 1.0, None, False, "grad"),  # upstream weights exactly: the general op's case
+    (torch.bfloat16, "ppo", 1.0, None, False, "grad"),  # the production dtype and loss
+    (torch.bfloat16, "ppo", 0.8, 230, True, "grad"),  # temperature, padding in the last segment, row mask
+    (torch.float16, "weighted", 1.2, None, False, "value"),  # entropy without gradient
+    (torch.float32, "ppo", 1.0, None, True, "none"),  # no entropy: the closure gets None
+])
+def test_values_and_gradients_vs_float64(backend, dtype, loss_name, temperature, vocab_size, masked, entropy):
+    _check_vs_float64_once(backend, dtype, loss_name, temperature, vocab_size, masked, entropy)
+
+
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+@pytest.mark.parametrize("loss_name,dtype,masked", [
+    ("policy", torch.bfloat16, False),  # PPO with every term on
+    ("policy_seq_mean", torch.float32, True),  # per-sequence normalisation, row mask
+    ("grpo", torch.bfloat16, True),  # GRPO's group-normalised advantages
+])
+def test_shipped_losses_vs_float64(backend, loss_name, dtype, masked):
+    pytest.importorskip("ppo_ops.token_losses")
+    _check_vs_float64_once(backend, dtype, loss_name, 1.0, None, masked, entropy="grad", lead=(16,))
+
+
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+def test_many_blocks_and_dw_groups_vs_float64(backend):
+    """Rows over several loss blocks and dW groups (on CPU: blocks of 8 rows, dW every 16), the last block padded."""
+    shape = _linear_chunked.chunk_shape(DEVICE)
+    _check_vs_float64_once(backend, torch.bfloat16, "ppo", 1.0, None, True,
+                           lead=(2 * shape.loss_dw_rows + shape.loss_rows + 3,))
+
+
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+def test_log_probs_bitwise_as_the_logits_op_on_the_chunks_logits(backend):
+    lead = (13,)
+    hidden, weight, tokens = inputs(lead, torch.bfloat16, seed=94)
+    h, w, t = hidden.to(DEVICE), weight.to(DEVICE), tokens.to(DEVICE)
+    logits = _linear_chunked.tile_logits(h, w, _layout.segment_length(V_GLOBAL, 1))
+    want = ppo_ops.log_probs_and_entropy(logits, t, entropy="value", temperature=0.9, backend=backend)
+    with torch.no_grad():
+        _, got = ppo_ops.linear_token_loss(h, w, t, _weighted(13, 95), entropy="grad", temperature=0.9,
+                                           backend=backend)
+    assert torch.equal(got.log_probs, want.log_probs) and torch.equal(got.entropy, want.entropy)
+    if backend == "triton":  # the general op's chunked path: the same chunks, passes and merge
+        general = ppo_ops.linear_log_probs_and_entropy(h, w, t, entropy="value", temperature=0.9, backend=backend)
+        assert torch.equal(got.log_probs, general.log_probs) and torch.equal(got.entropy, general.entropy)
+
+
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+def test_upstream_scalar_scales_the_gradients(backend):
+    hidden, weight, tokens = inputs((10,), torch.float32, seed=96)
+    token_loss = _ppo(10, 97)
+    plain = _run(hidden, weight, tokens, token_loss, entropy="grad", backend=backend)
+    scaled = _run(hidden, weight, tokens, token_loss, scale=-2.5, entropy="grad", backend=backend)
+    assert torch.equal(plain[0], scaled[0])
+    # The saved fp32 gradients times the scalar, rounded once: exactly what the same product gives here.
+    assert torch.equal(scaled[3], plain[3] * -2.5) and torch.equal(scaled[4], plain[4] * -2.5)
+
+
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+def test_row_mask_rows_given_to_the_loss_and_inputs_untouched(backend):
+    lead = (2, 6)
+    hidden, weight, tokens = inputs(lead, torch.bfloat16, seed=98)
+    row_mask = torch.tensor([[True, False, True, True, False, True], [False, False, True, True, True, False]])
+    tokens = torch.where(row_mask, tokens, -100)
+    copies = [x.clone() for x in (hidden, weight, tokens, row_mask)]
+    seen = []
+
+    def token_loss(lp, ent, rows):
+        seen.append(rows.cpu())
+        assert lp.shape == rows.shape and lp.dtype == torch.float32 and lp.requires_grad
+        return lp * 1.0
+
+    loss, lp, _, dx, _ = _run(hidden, weight, tokens, token_loss, backend=backend, row_mask=row_mask)
+    assert torch.equal(torch.cat(seen), torch.nonzero(row_mask.reshape(-1)).squeeze(1)), "rows: kept rows' indices"
+    assert bool((lp[~row_mask] == 0).all()) and bool((dx[~row_mask] == 0).all())
+    assert loss.item() == pytest.approx(lp[row_mask].double().sum().item(), rel=1e-6)
+    for before, after in zip(copies, (hidden, weight, tokens, row_mask)):
+        assert torch.equal(before, after), "an input was modified"
+
+
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+def test_second_backward_raises_and_no_grad_keeps_nothing(backend):
+    hidden, weight, tokens = inputs((5,), torch.float32, seed=99)
+    h = hidden.to(DEVICE).requires_grad_(True)
+    loss, _ = ppo_ops.linear_token_loss(h, weight.to(DEVICE), tokens.to(DEVICE), _weighted(5, 100), backend=backend)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+    calls = []
+
+    def token_loss(lp, ent, rows):
+        calls.append(lp.requires_grad)
+        return lp * 2.0
+
+    with torch.no_grad():
+        loss, out = ppo_ops.linear_token_loss(h, weight.to(DEVICE), tokens.to(DEVICE), token_loss, backend=backend)
+    assert loss.grad_fn is None and out.log_probs.grad_fn is None, "a graph (and saved gradients) was kept"
+    assert calls == [False], "under no_grad the loss needs no gradient"
+    assert loss.item() == pytest.approx(2.0 * out.log_probs.double().sum().item(), rel=1e-6)
+
+
+def _bad_losses():
+    return [
+        ("not_callable", 3.0, TypeError, "token_loss must be callable"),
+        ("wrong_shape", lambda lp, ent, rows: lp.sum(), ValueError, "one value per row"),
+        ("wrong_dtype", lambda lp, ent, rows: lp.double(), TypeError, "float32"),
+        ("not_a_tensor", lambda lp, ent, rows: 1.0, TypeError, "torch.Tensor"),
+        ("non_finite", lambda lp, ent, rows: lp * float("inf"), ValueError, "non-finite"),
+    ]
+
+
+@pytest.mark.parametrize("name,token_loss,error,match", _bad_losses(), ids=[c[0] for c in _bad_losses()])
+def test_bad_token_loss_raises_naming_it(name, token_loss, error, match):
+    hidden, weight, tokens = inputs((4,), torch.float32, seed=101)
+    h = hidden.to(DEVICE).requires_grad_(True)
+    with pytest.raises(error, match=match):
+        ppo_ops.linear_token_loss(h, weight.to(DEVICE), tokens.to(DEVICE), token_loss, backend="torch")
+
+
+def test_non_finite_loss_passes_without_validate():
+    hidden, weight, tokens = inputs((4,), torch.float32, seed=102)
+    loss, _ = ppo_ops.linear_token_loss(hidden.to(DEVICE), weight.to(DEVICE), tokens.to(DEVICE),
+                                        lambda lp, ent, rows: lp * float("inf"), backend="torch", validate=False)
+    assert not torch.isfinite(loss)
+
+
+def test_bad_tokens_raise():
+    hidden, weight, tokens = inputs((4,), torch.float32, seed=103)
+    with pytest.raises(ValueError, match="tokens must be global token ids"):
+        ppo_ops.linear_token_loss(hidden.to(DEVICE), weight.to(DEVICE), (tokens + V_GLOBAL).to(DEVICE),
+                                  _weighted(4, 104), backend="torch")
+
+
+# --- tensor parallelism ---
+
+TP_ROWS = (11,)  # two loss blocks on CPU (8 rows each), the second partial
+
+
+def _tp_case(dtype):
+    hidden, weight, tokens = inputs(TP_ROWS, dtype, seed=105)
+    tokens = tokens.clamp(max=229)
+    row_mask = torch.ones(TP_ROWS, dtype=torch.bool)
+    row_mask[3] = False
+    return hidden, weight, torch.where(row_mask, tokens, -100), row_mask
+
+
+TP_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _tp_results(rank, world_size, group, device, backends):
+    results = {}
+    for backend in backends:
+        for name, dtype in TP_DTYPES.items():
+            hidden, weight, tokens, row_mask = _tp_case(dtype)
+            v_local = V_GLOBAL // world_size
+            shard = weight[rank * v_local:(rank + 1) * v_local]
+            for reduce_dx in (True, False) if world_size > 1 else (True,):
+                results[(backend, name, reduce_dx)] = _run(
+                    hidden, shard, tokens, _ppo(TP_ROWS[0], 106), device=device, tp_group=group, backend=backend,
+                    entropy="grad", temperature=0.9, vocab_size=230, row_mask=row_mask, reduce_dx=reduce_dx)
+    return results
+
+
+def _runnable_backends():
+    return ["torch"] + (["triton"] if triton_skip_reason(DEVICE) is None else [])
+
+
+def _tp_worker(rank, world_size, out_dir, backends):
+    results = _tp_results(rank, world_size, dist.group.WORLD, rank_device(rank), backends)
+    torch.save(results, os.path.join(out_dir, f"tp{world_size}_rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def tp_results(tmp_path_factory):
+    out_dir = str(tmp_path_factory.mktemp("token_loss_tp"))
+    cache = {}
+
+    def results(tp):
+        if tp not in cache:
+            if tp == 1:
+                cache[1] = [_tp_results(0, 1, None, DEVICE, _runnable_backends())]
+            else:
+                run_ranks(tp, _tp_worker, out_dir, _runnable_backends())
+                cache[tp] = [torch.load(os.path.join(out_dir, f"tp{tp}_rank{r}.pt")) for r in range(tp)]
+        return cache[tp]
+
+    return results
+
+
+@pytest.mark.parametrize("name", list(TP_DTYPES))
+@pytest.mark.parametrize("tp", [world_size_param(2), world_size_param(4)])
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+def test_tp_bitwise_invariant(tp_results, backend, tp, name):
+    loss1, lp1, ent1, _, dw1 = tp_results(1)[0][(backend, name, True)]
+    ranks = tp_results(tp)
+    for rank, per_rank in enumerate(ranks):
+        loss, lp, ent, dx, _ = per_rank[(backend, name, True)]
+        assert torch.equal(loss, loss1), f"TP={tp} rank {rank}: loss differs bitwise from TP=1"
+        assert torch.equal(lp, lp1) and torch.equal(ent, ent1), f"TP={tp} rank {rank}: log-probs / entropy differ"
+        assert torch.equal(dx, ranks[0][(backend, name, True)][3]), f"rank {rank}: dX differs between ranks"
+    dw = torch.cat([per_rank[(backend, name, True)][4] for per_rank in ranks])
+    assert torch.equal(dw, dw1), f"TP={tp}: concatenated dW shards differ bitwise from TP=1"
+    # dX: summed over ranks in another order than at TP = 1, held to the float64 bound; reduce_dx=False: per-rank
+    # contributions (each rounded once) that sum to it.
+    dtype = TP_DTYPES[name]
+    hidden, weight, tokens, row_mask = _tp_case(dtype)
+    _, _, g_lp, g_ent = _float64(hidden, weight, tokens, _ppo(TP_ROWS[0], 106), temperature=0.9, vocab_size=230,
+                                 row_mask=row_mask, entropy="grad")
+    b = bounds(hidden, weight, tokens, g_lp.float(), g_ent.float(), temperature=0.9, vocab_size=230,
+               row_mask=row_mask, dl_roundoff=UNIT_ROUNDOFF[dtype])
+    assert_within("dX (reduced)", ranks[0][(backend, name, True)][3], b["dx"])
+    partial_sum = sum(per_rank[(backend, name, False)][3].double() for per_rank in ranks)
+    contributions = sum(per_rank[(backend, name, False)][3].double().abs() for per_rank in ranks)
+    ref, tol = b["dx"]
+    assert bool(((partial_sum - ref).abs() <= tol + UNIT_ROUNDOFF[dtype] * contributions).all())
+
+
+
+# --- the whole-step bench's LM-head variants, on a tiny model (CPU plumbing and agreement) ---
+
+# fp32 tiny model: the three variants compute the same loss through different reduction orders (fused fp32 tiles,
+# chunks, the logits op on [T, V] logits); their gradients agree to a few fp32 ulps of the largest entry per tensor.
+WHOLE_STEP_REL_TOL = 1e-4
+
+
+@pytest.mark.device("cpu")
+def test_whole_step_head_variants_train_alike():
+    pytest.importorskip("transformers", reason="the whole-step provider builds its model with transformers")
+    from tools.bench import whole_step
+    from tools.bench.cases import suite_cases
+    from tools.bench.inputs import make_inputs
+
+    grads = {}
+    for case in suite_cases(["lm_head_step_smoke"]):
+        closure = whole_step.build(case, make_inputs(case, torch.device("cpu"), seed=0))
+        closure.prepare()
+        loss = closure.step(None)
+        assert torch.isfinite(loss)
+        model = next(c.cell_contents for c in closure.prepare.__closure__
+                     if hasattr(c.cell_contents, "named_parameters"))
+        grads[case.provider] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    base = grads["qwen3_step_ckpt"]
+    for provider in ("qwen3_step_head", "qwen3_step_loss"):
+        for name, g in grads[provider].items():
+            scale = base[name].abs().max().clamp(min=1e-30)
+            err = ((g - base[name]).abs().max() / scale).item()
+            assert err <= WHOLE_STEP_REL_TOL, f"{provider}: {name} differs from the logits path by {err:.2e}"
+
+
+# --- collective failure (2 gloo ranks) ---
+
+GLOO_TIMEOUT_S = 30  # a collective that waits this long fails the rank: a hang becomes an error
+DEADLINE_S = 180  # both ranks done by then, or the test fails as a hang
+
+
+def _collective_worker(rank, world_size, out_dir):
+    hidden, weight, tokens = inputs((5,), torch.float32, seed=107)
+    v_local = V_GLOBAL // world_size
+    shard = weight[rank * v_local:(rank + 1) * v_local]
+    cases = {
+        "not_callable_on_rank_1": dict(token_loss=3.0 if rank == 1 else _weighted(5, 108)),
+        "bad_token_on_rank_0": dict(token_loss=_weighted(5, 108),
+                                    tokens=torch.where(torch.arange(5) == 2, V_GLOBAL, tokens) if rank == 0 else tokens),
+    }
+    record = {}
+    for name, args in cases.items():
+        try:
+            ppo_ops.linear_token_loss(hidden.clone().requires_grad_(True), shard, args.get("tokens", tokens),
+                                      args["token_loss"], tp_group=dist.group.WORLD, backend="torch")
+            record[name] = ("no error", "")
+        except (TypeError, ValueError) as exc:
+            record[name] = (type(exc).__name__, str(exc))
+    torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_failure_is_collective(tmp_path):
+    from tests.ranks import run_gloo
+
+    run_gloo(2, _collective_worker, str(tmp_path), timeout_s=GLOO_TIMEOUT_S, deadline_s=DEADLINE_S)
+    records = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    expected = {"not_callable_on_rank_1": ("TypeError", ("token_loss", "rank 1 of 2")),
+                "bad_token_on_rank_0": ("ValueError", ("tokens", "rank 0 of 2"))}
+    for name, (exc_type, needles) in expected.items():
+        for rank, record in enumerate(records):
+            got_type, message = record[name]
+            assert got_type == exc_type, f"{name}: rank {rank} raised {got_type}: {message}"
+            assert all(n in message for n in needles), f"{name}: rank {rank}: {message}"
