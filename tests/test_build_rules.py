@@ -203,7 +203,7 @@ GPU_SUITES = {
     "test_core_reliability_gpu2": 2,
     "test_core_memory_gpu": 1, "test_core_parallel_gpu": 2, "test_triton_backend_gpu": 1,
     "test_tp_invariance_gpu": 1, "test_tp_invariance_gpu2": 2, "test_tp_invariance_gpu4": 4, "test_tp_invariance_gpu8": 8,
-    "test_ppo_logprob_entropy_gpu": 1, "test_ppo_logprob_entropy_gpu2": 2, "test_linear_log_probs_gpu": 2, "test_qwen3_parallel_check_gpu": 1, "test_qwen3_parallel_check_gpu2": 2, "test_qwen3_0.6B_parallel_check": 2,
+    "test_ppo_logprob_entropy_gpu": 1, "test_ppo_logprob_entropy_gpu2": 2, "test_linear_log_probs_gpu": 1, "test_linear_log_probs_gpu2": 2, "test_linear_token_loss_gpu": 1, "test_linear_token_loss_gpu2": 2, "test_qwen3_parallel_check_gpu": 1, "test_qwen3_parallel_check_gpu2": 2, "test_qwen3_0.6B_parallel_check": 2,
 }
 
 

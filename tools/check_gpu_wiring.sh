@@ -35,8 +35,12 @@ test_core_properties_gpu 1
 test_core_reliability_gpu 1
 test_core_reliability_gpu2 2
 test_core_values_gpu 1
-test_linear_log_probs_gpu 2
+test_linear_log_probs_gpu 1
+test_linear_log_probs_gpu2 2
 test_linear_log_probs_gpu4 4
+test_linear_token_loss_gpu 1
+test_linear_token_loss_gpu2 2
+test_linear_token_loss_gpu4 4
 test_ppo_logprob_entropy_gpu 1
 test_ppo_logprob_entropy_gpu2 2
 test_qwen3_0.6B_parallel_check 2
