@@ -21,6 +21,7 @@ import time
 import pytest
 import torch
 
+from tests import processes
 from tools.bench import measure, providers, report, runner
 from tools.bench.cases import Case, suite_cases
 from tools.bench.check import checked_rows
@@ -370,41 +371,6 @@ def test_cli_unwritable_out_dir_is_one_line_and_exit_2(tmp_path, out_dir):
     assert _one_line(out.stderr).startswith(f"bench: error: --out_dir={out_dir}: not a writable folder")
 
 
-def _children(pid):
-    """Processes whose parent is `pid` (from /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry))
-    return found
-
-
-def _gone(pid):
-    """True when `pid` no longer runs (exited, or a zombie left for a reaper that is not the bench)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
-
-
-def _interrupted_line(stderr, program):
-    """The program's own line after Ctrl-C: the last line, the only one that is the program's, and no traceback.
-    Other lines come from libraries in the ranks (c10d warns that it cannot resolve its hostname in a sandbox)."""
-    lines = [line for line in stderr.strip().splitlines() if line.strip()]
-    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
-    assert [line for line in lines if line.startswith(f"{program}:")] == lines[-1:], stderr
-    return lines[-1]
-
-
-# How long the ranks may take to go after the bench exits (runner.py terminates them, then kills after 10 s).
-RANKS_GONE_S = 15
 
 
 def test_cli_sigint_exits_130_with_one_line_and_no_rank_left(tmp_path):
@@ -421,7 +387,7 @@ def test_cli_sigint_exits_130_with_one_line_and_no_rank_left(tmp_path):
         for line in proc.stdout:  # rank 0 reports the copy bandwidth once the group is up
             if "device copy" in line:
                 break
-        ranks = _children(proc.pid)
+        ranks = processes.children(proc.pid)
         assert len(ranks) >= 2, "the ranks did not start"
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
@@ -429,11 +395,11 @@ def test_cli_sigint_exits_130_with_one_line_and_no_rank_left(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, err
-    assert _interrupted_line(err, "bench") == "bench: interrupted"
-    deadline = time.monotonic() + RANKS_GONE_S
-    while not all(_gone(pid) for pid in ranks) and time.monotonic() < deadline:
+    assert processes.interrupted_line(err, "bench") == "bench: interrupted"
+    deadline = time.monotonic() + processes.RANKS_GONE_S
+    while not all(processes.gone(pid) for pid in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert all(_gone(pid) for pid in ranks), [pid for pid in ranks if not _gone(pid)]
+    assert all(processes.gone(pid) for pid in ranks), [pid for pid in ranks if not processes.gone(pid)]
     # Stopped, not waited for: ranks left to finish (the interpreter's exit waits for non-daemon children) would
     # have measured every case.
     rows = report.read_csv(str(tmp_path / "results.csv")) if (tmp_path / "results.csv").exists() else []

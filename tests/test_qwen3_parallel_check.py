@@ -25,6 +25,7 @@ import torch
 from sglang_checks import calibrate, check, cli, controls, layouts, logprob_kinds, models, report, trainer
 from sglang_checks.engines import SamplingSettings, hf_engine
 from sglang_checks.errors import CheckError
+from tests import processes
 from tests.check_support import run_calibrate
 
 pytestmark = pytest.mark.device("cpu")  # the CUDA runs at the end are marked cuda (tests/conftest.py places them)
@@ -512,41 +513,6 @@ def test_relative_paths_are_the_callers_under_bazel_run(default_run, cache_dir, 
     assert not os.path.exists(os.path.join(REPO_ROOT, "relrep"))
 
 
-def _children(pid):
-    """Processes whose parent is `pid` (from /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry))
-    return found
-
-
-def _gone(pid):
-    """True when `pid` no longer runs (exited, or a zombie waiting for a reaper that is not the check)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
-
-
-def _interrupted_line(stderr, program):
-    """The program's own line after Ctrl-C: the last line, the only one that is the program's, and no traceback.
-    Other lines come from libraries in the ranks (c10d warns that it cannot resolve its hostname in a sandbox)."""
-    lines = [line for line in stderr.strip().splitlines() if line.strip()]
-    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
-    assert [line for line in lines if line.startswith(f"{program}:")] == lines[-1:], stderr
-    return lines[-1]
-
-
-# How long rank processes may take to go after the check exits (a terminate, then a kill after 10 s in trainer.py).
-RANKS_GONE_S = 15
 
 
 def test_sigint_exits_130_with_one_line_and_no_rank_left(default_run, cache_dir, tmp_path):
@@ -562,9 +528,9 @@ def test_sigint_exits_130_with_one_line_and_no_rank_left(default_run, cache_dir,
             if "trainer layouts" in line:
                 break
         deadline = time.monotonic() + 60
-        while len(_children(proc.pid)) < 2 and time.monotonic() < deadline:
+        while len(processes.children(proc.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        ranks = _children(proc.pid)
+        ranks = processes.children(proc.pid)
         assert len(ranks) >= 2, "the trainer ranks did not start"
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
@@ -572,11 +538,11 @@ def test_sigint_exits_130_with_one_line_and_no_rank_left(default_run, cache_dir,
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, err
-    assert _interrupted_line(err, "qwen3_parallel_check") == "qwen3_parallel_check: interrupted"
-    deadline = time.monotonic() + RANKS_GONE_S
-    while not all(_gone(pid) for pid in ranks) and time.monotonic() < deadline:
+    assert processes.interrupted_line(err, "qwen3_parallel_check") == "qwen3_parallel_check: interrupted"
+    deadline = time.monotonic() + processes.RANKS_GONE_S
+    while not all(processes.gone(pid) for pid in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert all(_gone(pid) for pid in ranks), [pid for pid in ranks if not _gone(pid)]
+    assert all(processes.gone(pid) for pid in ranks), [pid for pid in ranks if not processes.gone(pid)]
     with report.folder_lock("--report_dir", str(report_dir)):  # and the folder is free again
         pass
 
