@@ -34,7 +34,6 @@ accumulator across the other's chunks, and dX's is the smaller while R < V_local
 GEMM (dX by row blocks over the whole vocabulary, then dW by vocabulary chunks) or a half-precision accumulator.
 """
 
-import os
 from typing import NamedTuple, Optional
 
 import torch

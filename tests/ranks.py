@@ -6,6 +6,8 @@
   runs `worker(rank, world_size, *args)` on each: NCCL with rank r on cuda:r when DEVICE is cuda, else gloo. A rank
   that raises fails the caller with its traceback; a rank stuck in a collective fails after RANK_TIMEOUT.
 - `run_gloo`: the same on gloo and CPU tensors, wherever the test runs (checks of the CPU path itself).
+- `results_by_tp(out_dir, compute, *args)`: per-TP-size results of one computation, TP = 1 in this process and each
+  TP > 1 spawned once, for the suites that compare TP sizes bit for bit.
 - `world_size_param(n)`: a pytest parameter for a case that needs n ranks, marked `world_size(n)`: a GPU target runs
   it only where n GPUs are declared (tests/conftest.py), plain pytest on a GPU machine skips it with the reason.
 """
@@ -84,6 +86,29 @@ def run_gloo(world_size: int, worker, *args, **limits):
     """run_ranks over gloo: the ranks compute on CPU tensors even where a GPU is visible (`limits`: timeout_s,
     deadline_s as in run_ranks)."""
     run_ranks(world_size, worker, *args, backend="gloo", **limits)
+
+
+def _save_results(rank, world_size, out_dir, compute, args):
+    results = compute(rank, world_size, dist.group.WORLD, rank_device(rank), *args)
+    torch.save(results, os.path.join(out_dir, f"tp{world_size}_rank{rank}.pt"))
+
+
+def results_by_tp(out_dir: str, compute, *args):
+    """tp -> [per-rank results of compute(rank, world_size, group, device, *args)]: TP = 1 in this process (no group,
+    on DEVICE), each TP > 1 spawned the first time it is asked for (a GPU target runs only the TP sizes its GPUs
+    hold), its ranks' results saved in out_dir. `compute` must be a module-level function (the ranks import it)."""
+    cache = {}
+
+    def results(tp: int):
+        if tp not in cache:
+            if tp == 1:
+                cache[1] = [compute(0, 1, None, DEVICE, *args)]
+            else:
+                run_ranks(tp, _save_results, out_dir, compute, args)
+                cache[tp] = [torch.load(os.path.join(out_dir, f"tp{tp}_rank{r}.pt")) for r in range(tp)]
+        return cache[tp]
+
+    return results
 
 
 def world_size_param(n: int, **kwargs):

@@ -32,7 +32,7 @@ from tests.linear_support import HIDDEN, UNIT_ROUNDOFF, V_GLOBAL
 from tests.linear_support import assert_within as _assert_within
 from tests.linear_support import bounds as _bounds
 from tests.linear_support import inputs as _inputs
-from tests.ranks import DEVICE, rank_device, run_gloo, run_ranks, world_size_param
+from tests.ranks import DEVICE, results_by_tp, run_gloo, world_size_param
 from tests.reference import ENTROPY_TOL, LOG_PROB_TOL
 
 HALF = (torch.bfloat16, torch.float16)
@@ -498,26 +498,9 @@ def _runnable_backends():
     return ["torch"] + (["triton"] if triton_skip_reason(DEVICE) is None else [])
 
 
-def _tp_worker(rank, world_size, out_dir, backends):
-    results = _tp_results(rank, world_size, dist.group.WORLD, rank_device(rank), backends)
-    torch.save(results, os.path.join(out_dir, f"tp{world_size}_rank{rank}.pt"))
-
-
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory):
-    out_dir = str(tmp_path_factory.mktemp("linear_tp"))
-    cache = {}
-
-    def results(tp):
-        if tp not in cache:
-            if tp == 1:
-                cache[1] = [_tp_results(0, 1, None, DEVICE, _runnable_backends())]
-            else:
-                run_ranks(tp, _tp_worker, out_dir, _runnable_backends())
-                cache[tp] = [torch.load(os.path.join(out_dir, f"tp{tp}_rank{r}.pt")) for r in range(tp)]
-        return cache[tp]
-
-    return results
+    return results_by_tp(str(tmp_path_factory.mktemp("linear_tp")), _tp_results, _runnable_backends())
 
 
 @pytest.mark.parametrize("name", list(TP_CASES))

@@ -26,7 +26,7 @@ import ppo_ops
 from ppo_ops import _layout, _linear_chunked
 from tests.core_support import backend_params, make_weights, triton_skip_reason
 from tests.linear_support import UNIT_ROUNDOFF, V_GLOBAL, assert_within, bounds, inputs
-from tests.ranks import DEVICE, rank_device, run_ranks, world_size_param
+from tests.ranks import DEVICE, results_by_tp, world_size_param
 
 # The loss is a sum of per-row terms: its fp32 value errs by the terms' errors (each the term's gradient times the
 # log-prob / entropy error bound) plus the fp32 additions of the sum (a few ulps of sum |term| per add).
@@ -362,26 +362,9 @@ def _runnable_backends():
     return ["torch"] + (["triton"] if triton_skip_reason(DEVICE) is None else [])
 
 
-def _tp_worker(rank, world_size, out_dir, backends):
-    results = _tp_results(rank, world_size, dist.group.WORLD, rank_device(rank), backends)
-    torch.save(results, os.path.join(out_dir, f"tp{world_size}_rank{rank}.pt"))
-
-
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory):
-    out_dir = str(tmp_path_factory.mktemp("token_loss_tp"))
-    cache = {}
-
-    def results(tp):
-        if tp not in cache:
-            if tp == 1:
-                cache[1] = [_tp_results(0, 1, None, DEVICE, _runnable_backends())]
-            else:
-                run_ranks(tp, _tp_worker, out_dir, _runnable_backends())
-                cache[tp] = [torch.load(os.path.join(out_dir, f"tp{tp}_rank{r}.pt")) for r in range(tp)]
-        return cache[tp]
-
-    return results
+    return results_by_tp(str(tmp_path_factory.mktemp("token_loss_tp")), _tp_results, _runnable_backends())
 
 
 @pytest.mark.parametrize("name", list(TP_DTYPES))

@@ -18,15 +18,13 @@ vocabulary (the last rank at TP=8 holds padding), -inf logits, chunking, inplace
 both backends run in one spawn per TP size (14 processes in all on the CI's 2 cores), each rank saving its results.
 """
 
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import ppo_ops
 from tests.core_support import BACKENDS, backend_params, triton_skip_reason
-from tests.ranks import DEVICE, rank_device, run_ranks, world_size_param
+from tests.ranks import DEVICE, results_by_tp, world_size_param
 from tests.reference import (assert_entropy_close, assert_grad_close, assert_log_probs_close,
                              reference_log_probs_and_entropy, shard_vocab)
 from tests.sharded_case import ShardedCase, global_inputs
@@ -93,28 +91,10 @@ def _runnable_backends():
     return [b for b in BACKENDS if b == "torch" or triton_skip_reason(DEVICE) is None]
 
 
-def _worker(rank, world_size, out_dir):
-    results = _all_results(rank, world_size, dist.group.WORLD, rank_device(rank))
-    torch.save(results, os.path.join(out_dir, f"tp{world_size}_rank{rank}.pt"))
-
-
-@pytest.fixture(scope="module")
-def results_by_tp(tmp_path_factory):
-    """tp -> [per-rank {(backend, case): (log_probs, entropy, grad shard)}]; TP=1 in this process, each TP > 1 spawned
-    the first time a test asks for it (a GPU target runs only the TP sizes its GPUs hold)."""
-    out_dir = str(tmp_path_factory.mktemp("tp_invariance"))
-    cache = {}
-
-    def results(tp):
-        if tp not in cache:
-            if tp == 1:
-                cache[1] = [_all_results(0, 1, None, DEVICE)]
-            else:
-                run_ranks(tp, _worker, out_dir)
-                cache[tp] = [torch.load(os.path.join(out_dir, f"tp{tp}_rank{r}.pt")) for r in range(tp)]
-        return cache[tp]
-
-    return results
+@pytest.fixture(scope="module", name="results_by_tp")
+def results_by_tp_fixture(tmp_path_factory):
+    """tp -> [per-rank {(backend, case): (log_probs, entropy, grad shard)}] (tests/ranks.py)."""
+    return results_by_tp(str(tmp_path_factory.mktemp("tp_invariance")), _all_results)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

@@ -68,7 +68,7 @@ def flags_parser(program: str):
             rest = flags.FLAGS(argv)
         except flags.Error as exc:
             error_exit(program, exc)
-        except SystemExit as exc:
+        except SystemExit:
             if _asks_for_help(argv):
                 sys.exit(0)  # the usage went to stdout, as asked
             raise
