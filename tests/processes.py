@@ -3,10 +3,11 @@
 - `children(pid)`: the processes whose parent is `pid`;
 - `gone(pid)`: it no longer runs (exited, or a zombie left for a reaper that is not the program under test);
 - `interrupted_line(stderr, program)`: the program's one line after Ctrl-C, asserting there is no traceback;
-- RANKS_GONE_S: how long rank processes may take to go after their program exits.
+- `assert_gone(pids)`: waits up to RANKS_GONE_S for every one of `pids` to be gone, then asserts it.
 """
 
 import os
+import time
 
 # The programs terminate their ranks on the way out and kill them 10 s later (tools/bench/runner.py,
 # sglang_checks/trainer.py); a little more for the kernel to reap them.
@@ -44,3 +45,11 @@ def interrupted_line(stderr, program):
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
     assert [line for line in lines if line.startswith(f"{program}:")] == lines[-1:], stderr
     return lines[-1]
+
+
+def assert_gone(pids, within_s=RANKS_GONE_S):
+    """Every process of `pids` is gone within `within_s` seconds (the ranks of a program that has exited)."""
+    deadline = time.monotonic() + within_s
+    while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(gone(pid) for pid in pids), [pid for pid in pids if not gone(pid)]

@@ -16,7 +16,6 @@ import pathlib
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -396,10 +395,7 @@ def test_cli_sigint_exits_130_with_one_line_and_no_rank_left(tmp_path):
             proc.kill()
     assert proc.returncode == 130, err
     assert processes.interrupted_line(err, "bench") == "bench: interrupted"
-    deadline = time.monotonic() + processes.RANKS_GONE_S
-    while not all(processes.gone(pid) for pid in ranks) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert all(processes.gone(pid) for pid in ranks), [pid for pid in ranks if not processes.gone(pid)]
+    processes.assert_gone(ranks)
     # Stopped, not waited for: ranks left to finish (the interpreter's exit waits for non-daemon children) would
     # have measured every case.
     rows = report.read_csv(str(tmp_path / "results.csv")) if (tmp_path / "results.csv").exists() else []

@@ -539,10 +539,7 @@ def test_sigint_exits_130_with_one_line_and_no_rank_left(default_run, cache_dir,
             proc.kill()
     assert proc.returncode == 130, err
     assert processes.interrupted_line(err, "qwen3_parallel_check") == "qwen3_parallel_check: interrupted"
-    deadline = time.monotonic() + processes.RANKS_GONE_S
-    while not all(processes.gone(pid) for pid in ranks) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert all(processes.gone(pid) for pid in ranks), [pid for pid in ranks if not processes.gone(pid)]
+    processes.assert_gone(ranks)
     with report.folder_lock("--report_dir", str(report_dir)):  # and the folder is free again
         pass
 
