@@ -25,6 +25,9 @@ SUMMARY_LINES = [
     # tools/check_gpu_wiring.sh, run by .ci/run after the suite
     ("gpu-wiring PASSED: --config=gpu without PPO_OPS_GPU_PYTHON fails naming the variable", "passed"),
     ("gpu-wiring FAILED: GPU targets declared with their tags and GPU counts (bazel query)", "failed"),
+    # the lint, run by .ci/run after the wiring checks
+    ("lint PASSED: ruff check .", "passed"),
+    ("lint FAILED: ruff check . (the findings are above)", "failed"),
 ]
 
 # Lines around the summary that must not be counted.
