@@ -21,14 +21,18 @@ rank computes it (the segment starts at a global column and the chunk is always 
 weight segments start at multiples of 16 bytes whenever H * itemsize is (rows of X and of W are H long), so the
 library also sees the same operand alignment; other H still give deterministic results. Partials and merge are
 the logits op's, which are TP-invariant by construction. Hence log-probs and entropies are bitwise identical across
-TP sizes and row counts (a row mask that moves rows between blocks included), and equal bit for bit to
-log_probs_and_entropy(tile_logits(...)) with the same passes. dW's GEMM shapes are segment-relative
+TP sizes and row counts (a row mask that moves rows between blocks included), and, where the forward is the chunk
+GEMM and the logits op's pass, equal bit for bit to log_probs_and_entropy(tile_logits(...)) with the same passes. dW's GEMM shapes are segment-relative
 ([seg_len, K] @ [K, H], K the rows of a group), so dW is bitwise identical across TP sizes; dX sums a rank's
 segments and then ranks, deterministic but not TP-invariant (within fp32 rounding).
 
 General op (ChunkedBackend.forward_partials / backward):
-    forward    per block, per segment: GEMM -> partials pass. Nothing else is held: under torch.no_grad this is one
-               GEMM's work plus one read of the fp32 chunk (the Function then keeps nothing either).
+    forward    with the Triton passes on half precision (CUDA, or the interpreter), 16-byte aligned rows: one Triton
+               GEMM whose epilogue forms the partials (_linear_gemm_partials.py), no logits in memory; its reductions
+               run over GEMM tiles, so the values equal the logits op's within fp32 reduction order, not bit for
+               bit (TP and row-count invariance hold as below). Otherwise per block, per segment: GEMM -> partials
+               pass. Nothing else is held: under torch.no_grad this is one GEMM's work (the Function then keeps
+               nothing either).
     backward   per segment (outer), per group of `dw_rows` rows (a multiple of `rows`), per block: the forward's GEMM
                again (the same bits), the logits op's gradient pass writing dlogits in the input dtype into a
                [dw_rows, seg_len] buffer; then per group dX32[group] += dl @ W_s (fp32 accumulator, K = seg_len) and
@@ -143,9 +147,11 @@ class _TritonPasses:
     name = "triton"
 
     def __init__(self):
-        from ppo_ops import _triton_backend, _triton_kernels  # imported when selected: triton may be absent
+        # imported when selected: triton may be absent
+        from ppo_ops import _linear_gemm_partials, _triton_backend, _triton_kernels
 
         self._tb, self._tk = _triton_backend, _triton_kernels
+        self.gemm_partials = _linear_gemm_partials
 
     def merge(self, partials: torch.Tensor) -> RowStats:
         return self._tb.merge_partials(partials, False)
@@ -259,6 +265,10 @@ class ChunkedBackend:
         return self.passes.merge(partials)
 
     def forward_partials(self, hidden, weight, tokens, shard: LinearShard, with_entropy: bool) -> torch.Tensor:
+        if self.passes.name == "triton" and self.passes.gemm_partials.applies(hidden, weight):
+            # one GEMM whose epilogue forms the partials: no logits written or read
+            return self.passes.gemm_partials.forward_partials(hidden, weight, tokens, shard.seg_len, shard.n_valid,
+                                                          shard.vocab_start, shard.inv_temperature, with_entropy)
         n_rows, v_local = hidden.shape[0], weight.shape[0]
         n_seg = v_local // shard.seg_len
         shape = chunk_shape(hidden.device)

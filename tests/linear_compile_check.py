@@ -1,12 +1,15 @@
-"""Compiles the fused LM head's Triton kernels (ppo_ops/_linear_triton.py) for an H200 (sm_90) without a GPU; run by
-tests/test_linear_log_probs.py as `python -m tests.linear_compile_check` in a child process WITHOUT TRITON_INTERPRET
-(an interpreting process cannot compile). Triton's bundled ptxas compiles for a fixed target.
+"""Compiles the fused LM head's Triton kernels (ppo_ops/_linear_triton.py, _linear_gemm_partials.py) for an H200
+(sm_90) without a GPU; run by tests/test_linear_log_probs.py as `python -m tests.linear_compile_check` in a child
+process WITHOUT TRITON_INTERPRET (an interpreting process cannot compile). Triton's bundled ptxas compiles for a
+fixed target.
 
 Prints one JSON object:
 - "forward_keys": {"<dtype>": distinct forward binaries over every rank of TP = 1, 2, 4, 8 at Qwen3's vocabulary
-  (V_local 151936 ... 18992) with padding on the last rank}: 1 means every TP size runs the same code on a segment.
+  (V_local 151936 ... 18992) with padding on the last rank}, and "gemm_partials bf16" for the chunked backend's
+  one-GEMM forward: 1 means every TP size runs the same code on a segment.
 - "kernels": {"<kernel> <dtype>": {"wgmma": bool, "mma": bool}} with the GPU launch configs: "wgmma" when the PTX
-  issues Hopper's warpgroup MMA (wgmma.mma_async), "mma" when it issues any tensor-core MMA at all.
+  issues Hopper's warpgroup MMA (wgmma.mma_async), "mma" when it issues any tensor-core MMA at all; "gemm_partials
+  bf16" has "tma" instead of "mma": its tiles arrive by TMA (cp.async.bulk.tensor).
 """
 
 import json
@@ -21,7 +24,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile as triton_compile, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from ppo_ops import _linear_triton as lt  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+
+from ppo_ops import _linear_gemm_partials as gp, _linear_triton as lt  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H200 (Hopper), 32-thread warps
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -97,8 +102,39 @@ def _gemm_args(dtype, transposed_a, n_rows=8192, chunk=4096):
     return args, kwargs
 
 
+def _gemm_partials_args(n_rows, v_local, n_valid, vocab_start, inv_t=1.5):
+    """The chunked backend's one-GEMM forward (bf16 only: the path is half precision)."""
+    cfg = gp._GPU_CONFIG
+    seg_len = V_QWEN3 // 8
+    hidden = torch.empty((n_rows, H_QWEN3_8B), dtype=torch.bfloat16)
+    weight = torch.empty((v_local, H_QWEN3_8B), dtype=torch.bfloat16)
+    args = (TensorDescriptor.from_tensor(hidden, [cfg.block_m, cfg.block_k]),
+            TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]), torch.zeros(n_rows, dtype=torch.int64),
+            torch.empty(1), n_rows, H_QWEN3_8B, seg_len, v_local // seg_len, n_valid, vocab_start,
+            -(-seg_len // cfg.block_n), inv_t)
+    kwargs = dict(SCALE=inv_t != 1.0, WITH_ENTROPY=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                  BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, UPCAST=False,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return args, kwargs
+
+
+def gemm_partials_key_count(n_rows=8192, vocab_size=V_QWEN3 - 100):
+    keys = set()
+    for tp in (1, 2, 4, 8):
+        v_local = V_QWEN3 // tp
+        for rank in range(tp):
+            n_valid = max(0, min(v_local, vocab_size - rank * v_local))
+            args, kwargs = _gemm_partials_args(n_rows, v_local, n_valid, rank * v_local)
+            keys.add(_specialize(gp.gemm_partials_kernel, args, kwargs)[0])
+    return len(keys)
+
+
 def main():
     report = {"forward_keys": {name: forward_key_count(dtype) for name, dtype in DTYPES.items()}, "kernels": {}}
+    report["forward_keys"]["gemm_partials bf16"] = gemm_partials_key_count()
+    ptx = _ptx(gp.gemm_partials_kernel, *_gemm_partials_args(8192, V_QWEN3, V_QWEN3, 0))
+    report["kernels"]["gemm_partials bf16"] = {"wgmma": "wgmma.mma_async" in ptx,
+                                              "tma": "cp.async.bulk.tensor" in ptx}
     for name, dtype in DTYPES.items():
         cases = {
             "forward": (lt.forward_partials_kernel, _forward_args(dtype, 8192, V_QWEN3, V_QWEN3 // 8, V_QWEN3, 0, 1.5)),

@@ -96,14 +96,14 @@ def _check_matches_logits_op_once(backend, dtype, temperature, vocab_size, row_m
         opts["row_mask"] = row_mask.to(DEVICE)
     want = ppo_ops.log_probs_and_entropy(logits.reshape(lead + (V_GLOBAL,)), tokens.to(DEVICE), **opts)
     got = ppo_ops.linear_log_probs_and_entropy(hidden.to(DEVICE), weight.to(DEVICE), tokens.to(DEVICE), **opts)
-    if backend == "torch" or _chunked(backend, dtype):
-        # torch: the logits op's own code on each tile; chunked: the logits op's own Triton kernels on each chunk.
+    if backend == "torch":
+        # the logits op's own code on each tile
         assert torch.equal(got.log_probs, want.log_probs), "log_probs differ bitwise from the logits op"
         assert torch.equal(got.entropy, want.entropy), "entropy differs bitwise from the logits op"
     else:
-        # The Triton GEMM kernels reduce [rows x BLOCK_N] GEMM tiles, the logits op's kernel lanes of one row: the same
-        # logits (bitwise, checked through tile_logits), reductions in another order, so the logits op's own fp32
-        # tolerances apply, which bound any correct fp32 reduction order.
+        # The Triton GEMM kernels (fp32 inputs: _linear_triton; half precision: the chunked backend's one-GEMM
+        # forward) reduce [rows x BLOCK_N] GEMM tiles, the logits op's kernel lanes of one row: reductions in another
+        # order, so the logits op's own fp32 tolerances apply, which bound any correct fp32 reduction order.
         lp_err = (got.log_probs - want.log_probs).abs()
         assert bool((lp_err <= LOG_PROB_TOL * want.log_probs.abs().clamp(min=1)).all()), lp_err.max()
         assert bool(((got.entropy - want.entropy).abs() <= ENTROPY_TOL).all())
@@ -545,17 +545,23 @@ def compile_report(tmp_path_factory):
 
 
 @pytest.mark.device("any")
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32", "gemm_partials bf16"])
 def test_forward_binary_is_the_same_at_every_tp_size(compile_report, dtype):
     # One specialisation for every rank of TP = 1, 2, 4, 8 at Qwen3's vocabulary: the same code per segment.
     assert compile_report["forward_keys"][dtype] == 1
 
 
 @pytest.mark.device("any")
-@pytest.mark.parametrize("kernel", ["forward", "dlogits", "gemm_dx", "gemm_dw"])
+@pytest.mark.parametrize("kernel", ["forward", "dlogits", "gemm_dx", "gemm_dw", "gemm_partials"])
 def test_half_precision_kernels_use_wgmma_on_sm90(compile_report, kernel):
     # bf16 tiles must reach Hopper's warpgroup MMA; a kernel on mma.sync or FMAs would run at a fraction of the rate.
     assert compile_report["kernels"][f"{kernel} bf16"]["wgmma"], f"{kernel}: no wgmma.mma_async in the sm_90 PTX"
+
+
+@pytest.mark.device("any")
+def test_one_gemm_forward_loads_tiles_with_tma(compile_report):
+    # The chunked backend's one-GEMM forward feeds wgmma from TMA loads (the bulk tensor copy engine).
+    assert compile_report["kernels"]["gemm_partials bf16"]["tma"], "no cp.async.bulk.tensor in the sm_90 PTX"
 
 
 # --- the bench's LM-head suite, on the CPU (plumbing only) ---
