@@ -60,8 +60,9 @@ _MAX_RANKS = flags.DEFINE_integer("max_ranks", 8, "Most ranks a trainer layout m
                                   "per visible GPU).")
 _TRAINER_TIMEOUT = flags.DEFINE_float("trainer_timeout_s", 900.0, "Time limit of all trainer layouts together.")
 _TOLERANCES = {name: flags.DEFINE_float(name, None, f"Default: the calibrated value for --dtype when installed "
-                                        f"(tolerances.py), else {fp32:g} (float32) / {bf16:g} (bfloat16): {why}.")
-               for name, (fp32, bf16, why) in tolerances.DEFAULTS.items()}
+                                        f"(tolerances.py), else {default.float32:g} (float32) / "
+                                        f"{default.bfloat16:g} (bfloat16): {default.reason}.")
+               for name, default in tolerances.DEFAULTS.items()}
 _SGLANG_PYTHON = flags.DEFINE_string("sglang_python", sys.executable, "Interpreter that has sglang installed.")
 _SGLANG_PORT = flags.DEFINE_integer("sglang_port", 0, "Port of the SGLang server on 127.0.0.1 (0: a free one).")
 _SGLANG_START_TIMEOUT = flags.DEFINE_float("sglang_start_timeout_s", 900.0, "How long a server may take to start.")
