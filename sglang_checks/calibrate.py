@@ -102,7 +102,7 @@ def _rows(kind, control, engine, config, comparisons) -> List[Row]:
 
 def measure(s: check.Settings, seeds: List[int], prompt_sets: List[str]) -> Tuple[List[Row], List[dict]]:
     """Every healthy configuration and every control; returns the rows and the engines' info."""
-    plan = check._plan(s)
+    plan = check.validate_inputs(s)
     info = models.resolve_model(s.model, cache_dir=s.cache_dir, seed=s.seed, log=_log)
     other = models.resolve_model(s.model, cache_dir=s.cache_dir, seed=s.seed + controls.WEIGHTS_SEED_OFFSET,
                                  log=_log) if s.model in models.PRESETS else None
