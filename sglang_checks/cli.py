@@ -74,13 +74,19 @@ _RL_ON_POLICY_TARGET = flags.DEFINE_enum(
     "Launch SGLang with --rl-on-policy-target (true on-policy: sampler log-probs from log_softmax of bf16 logits / T; "
     "implies deterministic inference).")
 _SGLANG_ATTENTION_BACKEND = flags.DEFINE_string("sglang_attention_backend", None, "SGLang --attention-backend "
-                                                "(triton for the H200 bundle, which has no FA3).")
-_SGLANG_SAMPLING_BACKEND = flags.DEFINE_string("sglang_sampling_backend", None, "SGLang --sampling-backend (pytorch "
-                                               "for the H200 bundle, which has no FlashInfer sampling).")
+                                                "(unset: SGLang's choice). Pass triton when the SGLang install of "
+                                                "--sglang_python has no FA3 kernels.")
+_SGLANG_SAMPLING_BACKEND = flags.DEFINE_string("sglang_sampling_backend", None, "SGLang --sampling-backend (unset: "
+                                               "SGLang's choice). Pass pytorch when the SGLang install of "
+                                               "--sglang_python has no FlashInfer sampling kernels.")
 _SGLANG_DISABLE_CUSTOM_ALL_REDUCE = flags.DEFINE_bool("sglang_disable_custom_all_reduce", False,
-                                                      "SGLang --disable-custom-all-reduce (NCCL all-reduce).")
+                                                      "SGLang --disable-custom-all-reduce (NCCL all-reduce). Pass "
+                                                      "it when the SGLang install of --sglang_python has no FA3 / "
+                                                      "FlashInfer sampling kernels.")
 _SGLANG_MM_FEATURE_TRANSPORT = flags.DEFINE_enum("sglang_mm_feature_transport", None, ["cpu", "cuda_ipc"],
-                                                 "SGLang --mm-feature-transport (cpu for the H200 bundle).")
+                                                 "SGLang --mm-feature-transport (unset: SGLang's choice). Pass cpu "
+                                                 "when the SGLang install of --sglang_python has no FA3 / FlashInfer "
+                                                 "sampling kernels.")
 _SGLANG_DISABLE_CUDA_GRAPH = flags.DEFINE_bool("sglang_disable_cuda_graph", False, "No decode CUDA graphs either "
                                                "(faster start-up; piecewise prefill graphs are always off).")
 _SGLANG_SKIP_WARMUP = flags.DEFINE_bool("sglang_skip_server_warmup", False, "SGLang --skip-server-warmup.")

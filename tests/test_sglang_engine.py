@@ -127,7 +127,7 @@ def test_launch_command_always_disables_piecewise_cuda_graph():
     assert plain[-2:] == PIECEWISE_OFF and "--enable-deterministic-inference" not in plain
 
 
-def test_launch_command_with_the_h200_bundle_and_on_policy_options():
+def test_launch_command_for_an_install_without_fa3_and_with_on_policy_options():
     options = sglang_engine.ServerOptions(
         python="/tmp/sgl_python", dtype="bfloat16", rl_on_policy_target="fsdp", attention_backend="triton",
         sampling_backend="pytorch", disable_custom_all_reduce=True, mm_feature_transport="cpu",
