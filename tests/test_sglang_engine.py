@@ -95,12 +95,14 @@ if __name__ == "__main__":
     _fake_server_main(sys.argv[1:])
     sys.exit(0)
 
-import pytest
+# Below the fake server on purpose: run as the fake server (one start per test), this file stops above, before these
+# imports pull in torch through sglang_checks and add seconds to every start-up.
+import pytest  # noqa: E402
 
-from sglang_checks.engines import SamplingSettings, sglang_engine
-from sglang_checks.errors import CheckError
-from sglang_checks.layouts import Layout
-from sglang_checks.rollout import Sample
+from sglang_checks.engines import SamplingSettings, sglang_engine  # noqa: E402
+from sglang_checks.errors import CheckError  # noqa: E402
+from sglang_checks.layouts import Layout  # noqa: E402
+from sglang_checks.rollout import Sample  # noqa: E402
 
 THIS_FILE = os.path.abspath(__file__)
 REPO_ROOT = os.path.dirname(os.path.dirname(THIS_FILE))
