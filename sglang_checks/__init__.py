@@ -1,7 +1,8 @@
 """The Qwen3 parallel check: do trainer log-probs equal the rollout engine's, in every parallel layout?
 
 Pipeline (one concern per module):
-  models.py    -> a Qwen3 checkpoint directory (generated `tiny` / `qwen3-0.6b-random`, cached, or the user's) + fingerprint
+  models.py    -> a Qwen3 checkpoint directory (generated `tiny` / `qwen3-0.6b-random`, cached, or the user's) and
+                  its fingerprint
   prompts.py   -> token-id prompts (built in, or a JSONL file)
   engines/     -> rollout: the engine samples completions and returns the log-prob of every sampled token;
                   each engine layout then teacher-force scores the saved rollout (engine layout consistency)

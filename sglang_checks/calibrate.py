@@ -33,13 +33,13 @@ import math
 import os
 import sys
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from absl import flags
 
 from sglang_checks import check, cli, controls, layouts as layouts_lib, metrics, models, prompts, report, tolerances
 from sglang_checks import rollout as rollout_lib, trainer
-from sglang_checks.engines import SamplingSettings, hf_engine
+from sglang_checks.engines import hf_engine
 from sglang_checks.errors import CheckError
 from tools import cli_contract
 
@@ -100,9 +100,29 @@ def _rows(kind, control, engine, config, comparisons) -> List[Row]:
             for c in comparisons if c.tolerance_name in tolerances.DEFAULTS]
 
 
+def _config(layout_name: str, key: tuple) -> str:
+    """Where a healthy engine row comes from: the layout that sampled, the sampling seed, the prompt set."""
+    seed, prompt_set_name = key
+    return f"{layout_name} sampled, seed {seed}, {prompt_set_name}"
+
+
 def measure(s: check.Settings, seeds: List[int], prompt_sets: List[str]) -> Tuple[List[Row], List[dict]]:
     """Every healthy configuration and every control; returns the rows and the engines' info."""
-    plan = check._plan(s)
+    plan = check.validate_inputs(s)
+    m = _load_both_models(s, plan)
+    sets = {name: prompt_set(name, s.num_prompts, m.info, seed=1000 + n) for n, name in enumerate(prompt_sets)}
+    keys = [(seed, name) for seed in seeds for name in prompt_sets]
+    runs = _sample_and_score_on_every_engine_layout(s, plan, m, sets, keys)
+    tol = tolerances.resolve_all({}, s.dtype)
+    rows, packed, views = _healthy_engine_rows(s, plan, m.model, runs, keys, tol)
+    rows += _control_rows(s, m, runs, packed[keys[0]], views[keys[0]], keys[0], tol)
+    del m  # the trainer ranks need the memory the models hold
+    rows += _trainer_rows(s, plan, packed, views, keys, tol)
+    return rows, runs.infos
+
+
+def _load_both_models(s: check.Settings, plan: check.Plan) -> check.Models:
+    """The model under check and the other weights (seed + 1) of the weight controls, both loaded."""
     info = models.resolve_model(s.model, cache_dir=s.cache_dir, seed=s.seed, log=_log)
     other = models.resolve_model(s.model, cache_dir=s.cache_dir, seed=s.seed + controls.WEIGHTS_SEED_OFFSET,
                                  log=_log) if s.model in models.PRESETS else None
@@ -112,112 +132,133 @@ def measure(s: check.Settings, seeds: List[int], prompt_sets: List[str]) -> Tupl
 
     dtype = getattr(torch, s.dtype)
     model = models.load_hf_model(info, dtype=dtype, device=plan.device)
-    other_model = models.load_hf_model(other, dtype=dtype, device=plan.device)
-    sets = {name: prompt_set(name, s.num_prompts, info, seed=1000 + n) for n, name in enumerate(prompt_sets)}
-    keys = [(seed, name) for seed in seeds for name in prompt_sets]
-    first, last = plan.engine_layouts[0].name, plan.engine_layouts[-1].name
-    canonical: Dict[tuple, rollout_lib.Rollout] = {}
-    own: Dict[str, Dict[tuple, rollout_lib.Rollout]] = {}
-    scores: Dict[str, Dict[tuple, list]] = {}
-    other_scores = None
-    infos = []
-    for index, layout in enumerate(plan.engine_layouts):
-        t0 = time.monotonic()
-        with check.open_engine(s, layout, model, plan.device, info) as engine:
-            own[layout.name], scores[layout.name] = {}, {}
-            for seed, name in keys:
-                sampling = SamplingSettings(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens,
-                                            seed=seed, eos_token_id=None if s.ignore_eos else info.eos_token_id)
-                samples = engine.generate(sets[name], s.samples_per_prompt, sampling)
-                own[layout.name][(seed, name)] = rollout_lib.Rollout(
-                    model_name=info.name, model_fingerprint=info.fingerprint, engine=s.engine,
-                    engine_layout=layout.name, logprob_kind=engine.sampled_logprob_kind, temperature=s.temperature,
-                    top_p=s.top_p, max_new_tokens=s.max_new_tokens, seed=seed, samples=samples)
-            if index == 0:
-                canonical = dict(own[layout.name])
-            for key in keys:
-                scores[layout.name][key] = engine.score(canonical[key].samples)
-            infos.append(engine.info())
-            if layout.name == last and len(plan.engine_layouts) > 1:  # engine_layout_weights, on the last layout
-                if s.engine == "sglang":
-                    engine.load_weights(other.path)
-                    other_scores = engine.score(canonical[keys[0]].samples)
-                else:
-                    with hf_engine.HFEngine(other_model, layout, plan.device) as other_engine:
-                        other_scores = other_engine.score(canonical[keys[0]].samples)
-        _log(f"engine layout {layout.name}: {time.monotonic() - t0:.1f} s")
+    return check.Models(info=info, model=model, trainer_model=model, other=other,
+                        other_model=models.load_hf_model(other, dtype=dtype, device=plan.device))
 
-    tol = {name: tolerances.resolve(name, None, s.dtype) for name in tolerances.DEFAULTS}
+
+@dataclasses.dataclass
+class _EngineRuns:
+    """What the engine layouts produced, by (sampling seed, prompt set) key."""
+
+    first: str  # the first engine layout's name: its rollouts are the ones every layout scores
+    last: str  # the last one's: it serves the other weights of engine_layout_weights
+    canonical: Dict[tuple, rollout_lib.Rollout]  # the first layout's rollouts
+    own: Dict[str, Dict[tuple, rollout_lib.Rollout]]  # every layout's own rollouts
+    scores: Dict[str, Dict[tuple, list]]  # every layout's teacher-forced scores of the canonical rollouts
+    other_scores: Optional[list]  # the last layout's scores of the first rollout with the other weights
+    infos: List[dict]  # each engine's info for the report
+
+
+def _sample_and_score_on_every_engine_layout(s: check.Settings, plan: check.Plan, m: check.Models,
+                                             sets: Dict[str, List[List[int]]], keys: List[tuple]) -> _EngineRuns:
+    """Each engine layout started once: it samples a rollout per key, teacher-force scores the first layout's, and,
+    when it is the last of several, scores the first rollout again with the other weights."""
+    layouts = plan.engine_layouts
+    runs = _EngineRuns(first=layouts[0].name, last=layouts[-1].name, canonical={}, own={}, scores={},
+                       other_scores=None, infos=[])
+    for index, layout in enumerate(layouts):
+        t0 = time.monotonic()
+        with check.open_engine(s, layout, m.model, plan.device, m.info) as engine:
+            runs.own[layout.name] = {key: check.sample_rollout(s, engine, layout, m.info, sets[key[1]], key[0])
+                                     for key in keys}
+            if index == 0:
+                runs.canonical = dict(runs.own[layout.name])
+            runs.scores[layout.name] = {key: engine.score(runs.canonical[key].samples) for key in keys}
+            runs.infos.append(engine.info())
+            if layout.name == runs.last and len(layouts) > 1:  # engine_layout_weights, on the last layout
+                runs.other_scores = _score_with_other_weights(s, engine, layout, plan, m,
+                                                              runs.canonical[keys[0]].samples)
+        _log(f"engine layout {layout.name}: {time.monotonic() - t0:.1f} s")
+    return runs
+
+
+def _score_with_other_weights(s: check.Settings, engine, layout, plan: check.Plan, m: check.Models, samples):
+    """SGLang reloads the running server with the other weights; the hf engine scores on a second model."""
+    if s.engine == "sglang":
+        engine.load_weights(m.other.path)
+        return engine.score(samples)
+    with hf_engine.HFEngine(m.other_model, layout, plan.device) as other_engine:
+        return other_engine.score(samples)
+
+
+def _healthy_engine_rows(s: check.Settings, plan: check.Plan, model, runs: _EngineRuns, keys: List[tuple], tol):
+    """Per key: the first layout's rollout against the trainer at TP = 1 and against every layout's scores, and every
+    other layout's own rollout against the trainer. Returns the rows and, per key, the first layout's packed rollout
+    and trainer view (the controls and the trainer layouts start from them)."""
     rows: List[Row] = []
     packed, views = {}, {}
     for key in keys:
-        r = canonical[key]
-        seq_len = layouts_lib.auto_seq_len(r.longest, plan.trainer_layouts)
-        packed[key] = rollout_lib.pack(r, seq_len)
+        r = runs.canonical[key]
+        packed[key] = rollout_lib.pack(r, layouts_lib.auto_seq_len(r.longest, plan.trainer_layouts))
         views[key] = check.trainer_view(model, packed[key], r, r.temperature, r.top_p)
-        engine_scores = {name: scores[name][key] for name in scores}
+        engine_scores = {name: runs.scores[name][key] for name in runs.scores}
         comparisons, _, _ = check.compare(r, packed[key], [], engine_scores, views[key], tol, engine=s.engine,
-                                          first_layout=first)
-        rows += _rows("healthy", controls.NONE, s.engine, f"{first} sampled, seed {key[0]}, {key[1]}", comparisons)
-        for name, by_key in own.items():
-            if name == first:
+                                          first_layout=runs.first)
+        rows += _rows("healthy", controls.NONE, s.engine, _config(runs.first, key), comparisons)
+        for name, by_key in runs.own.items():
+            if name == runs.first:
                 continue
             o = by_key[key]
             p = rollout_lib.pack(o, layouts_lib.auto_seq_len(o.longest, plan.trainer_layouts))
             comparisons, _, _ = check.compare(o, p, [], {}, check.trainer_view(model, p, o, o.temperature, o.top_p),
-                                              tol, engine=s.engine, first_layout=first)
-            rows += _rows("healthy", controls.NONE, s.engine, f"{name} sampled, seed {key[0]}, {key[1]}",
-                          comparisons)
+                                              tol, engine=s.engine, first_layout=runs.first)
+            rows += _rows("healthy", controls.NONE, s.engine, _config(name, key), comparisons)
+    return rows, packed, views
 
-    key0 = keys[0]
-    r0, p0, v0 = canonical[key0], packed[key0], views[key0]
-    config0 = f"{first} sampled, seed {key0[0]}, {key0[1]}"
-    all_scores0 = {name: scores[name][key0] for name in scores}
+
+def _control_rows(s: check.Settings, m: check.Models, runs: _EngineRuns, p0, v0, key0: tuple, tol) -> List[Row]:
+    """Every negative control but vocab_offset (a trainer layout: _trainer_rows), on the first key's rollout."""
+    r0 = runs.canonical[key0]
+    all_scores0 = {name: runs.scores[name][key0] for name in runs.scores}
 
     def control(name, view, engine_scores, **kw):
-        comparisons, _, _ = check.compare(r0, p0, [], engine_scores, view, tol, engine=s.engine, first_layout=first,
-                                          **kw)
-        return _rows("control", name, s.engine, config0, comparisons)
+        comparisons, _, _ = check.compare(r0, p0, [], engine_scores, view, tol, engine=s.engine,
+                                          first_layout=runs.first, **kw)
+        return _rows("control", name, s.engine, _config(runs.first, key0), comparisons)
 
-    rows += control(controls.TRAINER_TEMPERATURE, check.trainer_view(
-        model, p0, r0, r0.temperature * controls.TEMPERATURE_FACTOR, r0.top_p), {})
-    rows += control(controls.TRAINER_TOP_P, check.trainer_view(model, p0, r0, r0.temperature, controls.CONTROL_TOP_P),
-                    {})
-    rows += control(controls.TRAINER_WEIGHTS, check.trainer_view(other_model, p0, r0, r0.temperature, r0.top_p),
+    rows = control(controls.TRAINER_TEMPERATURE, check.trainer_view(
+        m.model, p0, r0, r0.temperature * controls.TEMPERATURE_FACTOR, r0.top_p), {})
+    rows += control(controls.TRAINER_TOP_P, check.trainer_view(m.model, p0, r0, r0.temperature,
+                                                               controls.CONTROL_TOP_P), {})
+    rows += control(controls.TRAINER_WEIGHTS, check.trainer_view(m.other_model, p0, r0, r0.temperature, r0.top_p),
                     all_scores0)
     rows += control(controls.SHIFTED_LOGPROBS, v0, all_scores0, shifted=True)
-    if other_scores is not None:
-        rows += control(controls.ENGINE_LAYOUT_WEIGHTS, v0, {first: scores[first][key0], last: other_scores})
-    del model, other_model
+    if runs.other_scores is not None:
+        rows += control(controls.ENGINE_LAYOUT_WEIGHTS, v0,
+                        {runs.first: runs.scores[runs.first][key0], runs.last: runs.other_scores})
+    return rows
 
+
+def _trainer_rows(s: check.Settings, plan: check.Plan, packed, views, keys: List[tuple], tol) -> List[Row]:
+    """Every trainer layout on every key's rollout, on one spawned group of ranks; the first key's also under a
+    tp2 layout with the vocab_offset fault. Empties `views` once the ranks' inputs are built (their memory)."""
+    key0 = keys[0]
     jobs = []
     for key in keys:
-        v = views[key]
-        inputs = trainer.TrainerInputs(
-            hidden=v.hidden.cpu(), lm_head=v.lm_head.cpu(), targets=packed[key].targets,
-            row_mask=packed[key].row_mask, keep_mask=None if v.keep is None else v.keep.cpu(),
-            advantages=packed[key].advantages, temperature=v.temperature, entropy_coef=s.entropy_coef)
         layouts = list(plan.trainer_layouts)
         faulty = ()
         if key == key0:
             layouts.append(layouts_lib.Layout(VOCAB_OFFSET_LAYOUT, tp=2))
             faulty = (VOCAB_OFFSET_LAYOUT,)
-        jobs.append(trainer.Job(inputs, layouts, faulty))
+        jobs.append(trainer.Job(check.trainer_inputs(views[key], packed[key], s.entropy_coef), layouts, faulty))
     views.clear()
     t0 = time.monotonic()
     results = trainer.run_jobs(jobs, backend=plan.backend, threads=s.cpu_threads, timeout_s=s.trainer_timeout_s)
     _log(f"trainer layouts, {len(jobs)} rollouts: {time.monotonic() - t0:.1f} s")
+    rows: List[Row] = []
     for key, job_results in zip(keys, results):
         mask = packed[key].row_mask.numpy()
         base = job_results[0]
         for result in job_results[1:]:
             comparisons = metrics.trainer_comparisons(base, result, mask, tol)
             if result.layout.name == VOCAB_OFFSET_LAYOUT:
-                rows += _rows("control", controls.VOCAB_OFFSET, s.engine, config0, comparisons)
+                rows += _rows("control", controls.VOCAB_OFFSET, s.engine, _config(plan.engine_layouts[0].name, key0),
+                              comparisons)
             else:
-                rows += _rows("healthy", controls.NONE, s.engine, f"trainer {result.layout.name}, seed {key[0]}, "
-                              f"{key[1]}", comparisons)
-    return rows, infos
+                seed, prompt_set_name = key
+                rows += _rows("healthy", controls.NONE, s.engine, f"trainer {result.layout.name}, seed {seed}, "
+                              f"{prompt_set_name}", comparisons)
+    return rows
 
 
 def derive(rows: List[dict]) -> List[dict]:
@@ -317,49 +358,73 @@ def main(argv):
 
 
 def _calibrate(s: check.Settings, out: str, seeds: List[int]) -> int:
+    included = _read_included(_INCLUDE.value, s.dtype)
+    t0 = time.monotonic()
+    rows, infos = measure(s, seeds, _PROMPT_SETS.value)
+    runs = [_run_record(s, seeds, rows, infos, wall_s=time.monotonic() - t0)]
+    runs += [r for inc in included for r in inc.get("runs", [inc])]
+    all_rows = [row for r in runs for row in r["rows"]]
+    table = derive(all_rows)
+    calibration = _write_tables(out, s.dtype, runs, table)
+    if _INSTALL.value:
+        _install(calibration, s.dtype)
+    bad = [e["name"] for e in table if e["status"] not in ("ok", "weak")]
+    print(f"calibrate: {len(all_rows)} values, wrote {out}/calibration.md, calibration.json, measurements.json"
+          + (f"; NOT separated or not measured: {', '.join(bad)}" if bad else ""))
+    return 1 if bad else 0
+
+
+def _read_included(paths: List[str], dtype: str) -> List[dict]:
+    """The measurements.json files of --include, each checked to be of `dtype`."""
     included = []
-    for path in map(cli_contract.caller_path, _INCLUDE.value):
+    for path in map(cli_contract.caller_path, paths):
         try:
             with open(path) as f:
                 included.append(json.load(f))
         except (OSError, ValueError) as exc:
             raise CheckError(f"--include={path}: cannot read measurements ({exc})") from exc
-        if included[-1].get("dtype") != s.dtype:
-            raise CheckError(f"--include={path}: measured in {included[-1].get('dtype')}, not --dtype={s.dtype}")
-    t0 = time.monotonic()
-    rows, infos = measure(s, seeds, _PROMPT_SETS.value)
+        if included[-1].get("dtype") != dtype:
+            raise CheckError(f"--include={path}: measured in {included[-1].get('dtype')}, not --dtype={dtype}")
+    return included
+
+
+def _run_record(s: check.Settings, seeds: List[int], rows: List[Row], infos: List[dict], *, wall_s: float) -> dict:
+    """This run in measurements.json: what was measured where, and every row."""
     import torch
 
     device = torch.cuda.get_device_name(0) if s.device != "cpu" and torch.cuda.is_available() else "CPU"
-    run = {"engine": s.engine, "model": s.model, "dtype": s.dtype, "device": device, "engines": infos,
-           "engine_layouts": s.engine_layouts, "trainer_layouts": s.trainer_layouts, "seeds": seeds,
-           "prompt_sets": _PROMPT_SETS.value, "num_prompts": s.num_prompts, "samples_per_prompt": s.samples_per_prompt,
-           "max_new_tokens": s.max_new_tokens, "date": datetime.date.today().isoformat(),
-           "wall_s": round(time.monotonic() - t0, 1), "rows": [dataclasses.asdict(r) for r in rows]}
-    runs = [run] + [r for inc in included for r in inc.get("runs", [inc])]
-    all_rows = [row for r in runs for row in r["rows"]]
-    table = derive(all_rows)
+    return {"engine": s.engine, "model": s.model, "dtype": s.dtype, "device": device, "engines": infos,
+            "engine_layouts": s.engine_layouts, "trainer_layouts": s.trainer_layouts, "seeds": seeds,
+            "prompt_sets": _PROMPT_SETS.value, "num_prompts": s.num_prompts,
+            "samples_per_prompt": s.samples_per_prompt, "max_new_tokens": s.max_new_tokens,
+            "date": datetime.date.today().isoformat(), "wall_s": round(wall_s, 1),
+            "rows": [dataclasses.asdict(r) for r in rows]}
+
+
+def _write_tables(out: str, dtype: str, runs: List[dict], table: List[dict]) -> dict:
+    """measurements.json, calibration.json and calibration.md into `out`, the table also on stdout; returns the
+    calibration (the thresholds in the format tolerances.py reads)."""
     source = "; ".join(f"{r['engine']} engine, {r['model']}, {r['dtype']}, {r['device']}, engine layouts "
                        f"{r['engine_layouts']}, seeds {r['seeds']}, prompt sets {r['prompt_sets']}, {r['date']}"
                        for r in runs)
-    measurements = {"dtype": s.dtype, "runs": runs}
+    measurements = {"dtype": dtype, "runs": runs}
     report.write_atomic(os.path.join(out, "measurements.json"), json.dumps(measurements, indent=1))
-    calibration = {"source": source, "dtype": s.dtype,
+    calibration = {"source": source, "dtype": dtype,
                    "thresholds": {e["name"]: {k: e[k] for k in ("value", "healthy_max", "broken_min", "margin")}
                                   for e in table if e["status"] in ("ok", "weak")},
                    "table": table}
     report.write_atomic(os.path.join(out, "calibration.json"), json.dumps(calibration, indent=1))
-    report.write_atomic(os.path.join(out, "calibration.md"), markdown(table, source=source, dtype=s.dtype))
-    print(markdown(table, source=source, dtype=s.dtype))
-    if _INSTALL.value:
-        target = os.path.join(_source_tree(), "sglang_checks", "calibration", f"{s.dtype}.json")
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        report.write_atomic(target, json.dumps(calibration, indent=1))  # the check never reads half a table
-        print(f"calibrate: installed {target}")
-    bad = [e["name"] for e in table if e["status"] not in ("ok", "weak")]
-    print(f"calibrate: {len(all_rows)} values, wrote {out}/calibration.md, calibration.json, measurements.json"
-          + (f"; NOT separated or not measured: {', '.join(bad)}" if bad else ""))
-    return 1 if bad else 0
+    report.write_atomic(os.path.join(out, "calibration.md"), markdown(table, source=source, dtype=dtype))
+    print(markdown(table, source=source, dtype=dtype))
+    return calibration
+
+
+def _install(calibration: dict, dtype: str) -> None:
+    """--install: the calibration becomes the check's default tolerances for `dtype` (tolerances.py reads it)."""
+    target = os.path.join(_source_tree(), "sglang_checks", "calibration", f"{dtype}.json")
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    report.write_atomic(target, json.dumps(calibration, indent=1))  # the check never reads half a table
+    print(f"calibrate: installed {target}")
 
 
 if __name__ == "__main__":

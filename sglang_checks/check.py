@@ -111,7 +111,7 @@ def _check_control(s: Settings, trainer_layouts, engine_layouts) -> None:
                          f"from, got --model={s.model}")
     if s.negative_control == controls.ENGINE_LAYOUT_WEIGHTS and len(engine_layouts) < 2:
         raise CheckError(f"{flag}: needs at least two --engine_layouts (the last one gets other weights)")
-    if s.negative_control == controls.VOCAB_OFFSET and not any(l.tp > 1 for l in trainer_layouts):
+    if s.negative_control == controls.VOCAB_OFFSET and not any(layout.tp > 1 for layout in trainer_layouts):
         raise CheckError(f"{flag}: needs a tensor-parallel trainer layout (tp2 or more) in --trainer_layouts")
 
 
@@ -141,8 +141,8 @@ def _versions(s: Settings) -> Dict[str, str]:
 
 
 @dataclasses.dataclass
-class _Plan:
-    """What the early validation settled."""
+class Plan:
+    """What the early validation settled (validate_inputs): everything a run needs before it builds a model."""
 
     device: torch.device
     backend: str  # "gloo" or "nccl"
@@ -163,14 +163,30 @@ def check_writable(flag: str, path: str) -> None:
         raise CheckError(f"{flag}={path}: not a writable folder ({exc.strerror or exc})") from exc
 
 
-def _plan(s: Settings) -> _Plan:
+def validate_inputs(s: Settings) -> Plan:
     """Checks every input that needs no model: folders, layout names, rank budgets, the engine's prerequisites, the
-    rollout file or the prompts."""
+    rollout file or the prompts. The check and the calibration both start here."""
     check_writable("--report_dir", s.report_dir)
     check_writable("--cache_dir", s.cache_dir)
     _check_values(s)
     device = _device(s)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    trainer_layouts = _parse_trainer_layouts(s, backend)
+    engine_layouts = _parse_engine_layouts(s)
+    _check_control(s, trainer_layouts, engine_layouts)
+    replay, prompt_ids = _rollout_source(s)
+    num_sequences = len(replay.samples) if replay else len(prompt_ids) * s.samples_per_prompt
+    vocab_size, _ = models.peek(s.model)
+    for layout in trainer_layouts:
+        layouts_lib.check_trainer_layout(layout, flag="--trainer_layouts", vocab_size=vocab_size,
+                                         num_sequences=num_sequences)
+    info = _check_replay_fits(replay, s) if replay else None
+    return Plan(device, backend, trainer_layouts, engine_layouts, replay, prompt_ids, info)
+
+
+def _parse_trainer_layouts(s: Settings, backend: str) -> List[layouts_lib.Layout]:
+    """--trainer_layouts with tp1 added, each within the rank budget (NCCL: also one rank per visible GPU) and the
+    sequence length; the vocabulary and batch are checked once the rollout source is known."""
     if backend == "nccl":
         rank_limit = min(s.max_ranks, torch.cuda.device_count())
         limit_reason = f"one rank per visible GPU with NCCL, and --max_ranks={s.max_ranks}"
@@ -181,6 +197,11 @@ def _plan(s: Settings) -> _Plan:
     for layout in trainer_layouts:
         layouts_lib.check_rank_budget(layout, flag="--trainer_layouts", max_ranks=rank_limit, what=limit_reason)
         layouts_lib.check_trainer_layout(layout, flag="--trainer_layouts", seq_len=s.seq_len or None)
+    return trainer_layouts
+
+
+def _parse_engine_layouts(s: Settings) -> List[layouts_lib.Layout]:
+    """--engine_layouts for the chosen engine; for SGLang also its install, the visible GPUs and --sglang_port."""
     engine = hf_engine if s.engine == "hf" else sglang_engine
     engine_layouts = layouts_lib.parse_layouts(s.engine_layouts, flag="--engine_layouts",
                                                allowed_dims=engine.ALLOWED_DIMS)
@@ -193,15 +214,7 @@ def _plan(s: Settings) -> _Plan:
             sglang_engine.check_layout(layout, "--engine_layouts", torch.cuda.device_count())
         if s.sglang.port:
             sglang_engine.check_port_free(s.sglang.host, s.sglang.port)
-    _check_control(s, trainer_layouts, engine_layouts)
-    replay, prompt_ids = _rollout_source(s)
-    num_sequences = len(replay.samples) if replay else len(prompt_ids) * s.samples_per_prompt
-    vocab_size, _ = models.peek(s.model)
-    for layout in trainer_layouts:
-        layouts_lib.check_trainer_layout(layout, flag="--trainer_layouts", vocab_size=vocab_size,
-                                         num_sequences=num_sequences)
-    info = _check_replay_fits(replay, s) if replay else None
-    return _Plan(device, backend, trainer_layouts, engine_layouts, replay, prompt_ids, info)
+    return engine_layouts
 
 
 def _check_replay_fits(replay: rollout_lib.Rollout, s: Settings) -> Optional[models.ModelInfo]:
@@ -240,7 +253,7 @@ class Models:
     other_model: object = None
 
 
-def load_models(s: Settings, plan: _Plan) -> Models:
+def load_models(s: Settings, plan: Plan) -> Models:
     info = plan.info or models.resolve_model(s.model, cache_dir=s.cache_dir, seed=s.seed, log=_log)
     dtype = getattr(torch, s.dtype)
     model = models.load_hf_model(info, dtype=dtype, device=plan.device)
@@ -280,84 +293,121 @@ def _clear_outputs(s: Settings) -> None:
 
 
 def _run(s: Settings) -> int:
-    timings: Dict[str, float] = {}
     start = time.monotonic()
-    plan = _plan(s)
+    plan = validate_inputs(s)
     _clear_outputs(s)
     torch.set_num_threads(s.cpu_threads)
-
     m = load_models(s, plan)
-    replay, prompt_ids = plan.replay, plan.prompt_ids
-    if replay:
-        rollout_lib.check_model(replay, m.info.fingerprint, m.info.name, s.rollout_data)
-    timings["model_s"] = time.monotonic() - start
+    if plan.replay:  # a generated model's fingerprint is known once it is built
+        rollout_lib.check_model(plan.replay, m.info.fingerprint, m.info.name, s.rollout_data)
+    timings = {"model_s": time.monotonic() - start}
 
     t0 = time.monotonic()
     os.makedirs(s.report_dir, exist_ok=True)
-    rollout, engine_scores, engine_infos = _run_engines(s, plan, m, replay, prompt_ids)
+    rollout, engine_scores, engine_infos = _sample_and_score_with_engines(s, plan, m)
     timings["engines_s"] = time.monotonic() - t0
 
     t0 = time.monotonic()
+    scores = _pack_and_view(s, plan, m.trainer_model, rollout)
+    info = m.info
+    del m  # the ranks get what they need through their inputs; free the models first
+    _run_trainer_layouts(s, plan, scores)
+    timings["trainer_s"] = time.monotonic() - t0
+
+    tol = tolerances.resolve_all(s.tolerances, s.dtype)
+    comparisons, mismatch_hist, layout_hist = compare(
+        rollout, scores.packed, scores.results, engine_scores, scores.view, tol, engine=s.engine,
+        first_layout=plan.engine_layouts[0].name, bitwise=s.expect_bitwise,
+        shifted=s.negative_control == controls.SHIFTED_LOGPROBS)
+    timings["total_s"] = time.monotonic() - start
+    summary = _summary(s, plan, info=info, rollout=rollout, engine_infos=engine_infos, scores=scores, tol=tol,
+                       timings=timings)
+    paths = report.write_all(s.report_dir, summary, comparisons, mismatch_hist, layout_hist)
+    return _verdict(comparisons, paths, scores.error)
+
+
+@dataclasses.dataclass
+class _TrainerScores:
+    """The trainer side of a run: the packed rollout, the model's view of it in this process, each layout's result."""
+
+    seq_len: int
+    packed: rollout_lib.Packed
+    view: TrainerView
+    results: List[trainer.LayoutResult] = dataclasses.field(default_factory=list)  # the layouts that finished
+    error: Optional[trainer.TrainerRankError] = None  # the rank that crashed or timed out
+
+
+def _pack_and_view(s: Settings, plan: Plan, model, rollout: rollout_lib.Rollout) -> _TrainerScores:
+    """Packs the rollout at --seq_len (0: the automatic length) and runs the trainer's model over it once."""
     seq_len = s.seq_len or layouts_lib.auto_seq_len(rollout.longest, plan.trainer_layouts)
     if seq_len < rollout.longest:
         raise CheckError(f"--seq_len={s.seq_len}: shorter than the longest rollout sequence ({rollout.longest})")
     packed = rollout_lib.pack(rollout, seq_len)
-    view = trainer_view(m.trainer_model, packed, rollout, trainer_temperature(s, rollout), trainer_top_p(s, rollout))
-    info = m.info
-    del m  # the ranks get what they need through `inputs`; free the models first
-    inputs = trainer.TrainerInputs(
+    view = trainer_view(model, packed, rollout, trainer_temperature(s, rollout), trainer_top_p(s, rollout))
+    return _TrainerScores(seq_len, packed, view)
+
+
+def trainer_inputs(view: TrainerView, packed: rollout_lib.Packed, entropy_coef: float) -> trainer.TrainerInputs:
+    """What every trainer rank is given: the view's hidden states and LM head on the CPU, the packed targets."""
+    return trainer.TrainerInputs(
         hidden=view.hidden.cpu(), lm_head=view.lm_head.cpu(), targets=packed.targets, row_mask=packed.row_mask,
         keep_mask=None if view.keep is None else view.keep.cpu(), advantages=packed.advantages,
-        temperature=view.temperature, entropy_coef=s.entropy_coef)
-    world = max(l.world_size for l in plan.trainer_layouts)
-    _log(f"trainer layouts {','.join(l.name for l in plan.trainer_layouts)} on {world} {plan.backend} ranks")
-    faulty = tuple(l.name for l in plan.trainer_layouts if l.tp > 1) \
+        temperature=view.temperature, entropy_coef=entropy_coef)
+
+
+def _run_trainer_layouts(s: Settings, plan: Plan, scores: _TrainerScores) -> None:
+    """Every trainer layout on one group of ranks; fills `scores.results`, and `scores.error` when a rank crashed or
+    timed out (the results are then those of the layouts that finished)."""
+    inputs = trainer_inputs(scores.view, scores.packed, s.entropy_coef)
+    world = max(layout.world_size for layout in plan.trainer_layouts)
+    _log(f"trainer layouts {','.join(layout.name for layout in plan.trainer_layouts)} on {world} {plan.backend} "
+         f"ranks")
+    faulty = tuple(layout.name for layout in plan.trainer_layouts if layout.tp > 1) \
         if s.negative_control == controls.VOCAB_OFFSET else ()
     bar = _progress(range(len(plan.trainer_layouts)), desc="trainer layouts")
-    trainer_error = None
     try:
-        results = trainer.run_layouts(inputs, plan.trainer_layouts, backend=plan.backend, threads=s.cpu_threads,
-                                      timeout_s=s.trainer_timeout_s, progress=lambda layout: bar.update(1),
-                                      vocab_offset_layouts=faulty)
+        scores.results = trainer.run_layouts(inputs, plan.trainer_layouts, backend=plan.backend,
+                                             threads=s.cpu_threads, timeout_s=s.trainer_timeout_s,
+                                             progress=lambda layout: bar.update(1), vocab_offset_layouts=faulty)
     except trainer.TrainerRankError as exc:  # report what finished, then exit 3 with one line
-        trainer_error, results = exc, exc.finished
+        scores.error, scores.results = exc, exc.finished
     bar.close()
-    timings["trainer_s"] = time.monotonic() - t0
 
-    tol = {name: tolerances.resolve(name, s.tolerances.get(name), s.dtype) for name in tolerances.DEFAULTS}
-    comparisons, mismatch_hist, layout_hist = compare(
-        rollout, packed, results, engine_scores, view, tol, engine=s.engine,
-        first_layout=plan.engine_layouts[0].name, bitwise=s.expect_bitwise,
-        shifted=s.negative_control == controls.SHIFTED_LOGPROBS)
 
-    timings["total_s"] = time.monotonic() - start
-    summary = {
+def _summary(s: Settings, plan: Plan, *, info: models.ModelInfo, rollout: rollout_lib.Rollout, engine_infos,
+             scores: _TrainerScores, tol: Dict[str, float], timings: Dict[str, float]) -> dict:
+    """report.json's record of the run: settings, versions, model, rollout, engines, trainer, tolerances, timings."""
+    error = scores.error
+    return {
         "settings": dataclasses.asdict(s),
         "versions": _versions(s),
         "model": dataclasses.asdict(info),
-        "rollout": {**rollout_lib.settings_dict(rollout), "replayed": replay is not None,
+        "rollout": {**rollout_lib.settings_dict(rollout), "replayed": plan.replay is not None,
                     "path": s.rollout_data or os.path.join(s.report_dir, report.ROLLOUT_NAME),
                     "sequences": len(rollout.samples), "completion_tokens": rollout.num_completion_tokens,
-                    "longest": rollout.longest, "seq_len": seq_len},
-        "trainer": {"temperature": view.temperature, "top_p": view.top_p, "backend": plan.backend,
+                    "longest": rollout.longest, "seq_len": scores.seq_len},
+        "trainer": {"temperature": scores.view.temperature, "top_p": scores.view.top_p, "backend": plan.backend,
                     "entropy_coef": s.entropy_coef, "logprob_kind": rollout.logprob_kind},
-        "engine_layouts": [l.name for l in plan.engine_layouts],
+        "engine_layouts": [layout.name for layout in plan.engine_layouts],
         "engines": engine_infos,
         "negative_control": s.negative_control,
         "expect_bitwise": s.expect_bitwise,
         "calibration": tolerances.source(s.dtype),
-        "trainer_layouts": {r.layout.name: r.losses for r in results},
-        "trainer_error": None if trainer_error is None else {"message": str(trainer_error),
-                                                             "layout": trainer_error.layout,
-                                                             "rank": trainer_error.rank,
-                                                             "detail": trainer_error.detail},
+        "trainer_layouts": {r.layout.name: r.losses for r in scores.results},
+        "trainer_error": None if error is None else {"message": str(error), "layout": error.layout,
+                                                     "rank": error.rank, "detail": error.detail},
         "tolerances": {name: {"value": tol[name], "reason": tolerances.reason(name, s.dtype)} for name in tol},
         "timings_s": timings,
     }
-    paths = report.write_all(s.report_dir, summary, comparisons, mismatch_hist, layout_hist)
-    if trainer_error is not None:
-        print(f"qwen3_parallel_check: error: {trainer_error} (report with what finished: "
-              f"{paths[report.MD_NAME]})", file=sys.stderr, flush=True)
+
+
+def _verdict(comparisons: List[metrics.Comparison], paths: Dict[str, str],
+             error: Optional[trainer.TrainerRankError]) -> int:
+    """One line on stdout (PASS or FAIL, where the report is) or, after a trainer rank failed, one on stderr; a log
+    line per comparison out of tolerance. Returns the exit code."""
+    if error is not None:
+        print(f"qwen3_parallel_check: error: {error} (report with what finished: {paths[report.MD_NAME]})",
+              file=sys.stderr, flush=True)
         return EXIT_TRAINER_FAILED
     failed = [c for c in comparisons if not c.passed]
     for c in failed:
@@ -419,12 +469,23 @@ def _rollout_source(s: Settings):
     return None, prompt_ids
 
 
-def _run_engines(s: Settings, plan: _Plan, m: Models, replay, prompt_ids):
-    """The first engine layout samples the rollout (unless replayed); every layout teacher-force scores it.
-    Under the engine_layout_weights control the last layout serves the other weights."""
+def sample_rollout(s: Settings, engine, layout: layouts_lib.Layout, info: models.ModelInfo,
+                   prompt_ids: List[List[int]], seed: int) -> rollout_lib.Rollout:
+    """--samples_per_prompt completions of every prompt from `engine` at the check's sampling settings and `seed`."""
     sampling = SamplingSettings(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens,
-                                seed=s.seed, eos_token_id=None if s.ignore_eos else m.info.eos_token_id)
-    rollout, scores, infos = replay, {}, []
+                                seed=seed, eos_token_id=None if s.ignore_eos else info.eos_token_id)
+    samples = engine.generate(prompt_ids, s.samples_per_prompt, sampling)
+    return rollout_lib.Rollout(
+        model_name=info.name, model_fingerprint=info.fingerprint, engine=s.engine, engine_layout=layout.name,
+        logprob_kind=engine.sampled_logprob_kind, temperature=s.temperature, top_p=s.top_p,
+        max_new_tokens=s.max_new_tokens, seed=seed, samples=samples)
+
+
+def _sample_and_score_with_engines(s: Settings, plan: Plan, m: Models):
+    """The first engine layout samples the rollout (unless replayed); every layout teacher-force scores it.
+    Under the engine_layout_weights control the last layout serves the other weights.
+    Returns the rollout, each layout's scores by name, and each engine's info for the report."""
+    rollout, scores, infos = plan.replay, {}, []
     for index, layout in enumerate(plan.engine_layouts):
         other = s.negative_control == controls.ENGINE_LAYOUT_WEIGHTS and index == len(plan.engine_layouts) - 1
         with open_engine(s, layout, m.other_model if other and s.engine == "hf" else m.model, plan.device,
@@ -432,13 +493,9 @@ def _run_engines(s: Settings, plan: _Plan, m: Models, replay, prompt_ids):
             if other and s.engine == "sglang":
                 engine.load_weights(m.other.path)
             if index == 0 and rollout is None:
-                _log(f"sampling {len(prompt_ids) * s.samples_per_prompt} completions with {s.engine} {layout.name}")
-                samples = engine.generate(prompt_ids, s.samples_per_prompt, sampling)
-                rollout = rollout_lib.Rollout(
-                    model_name=m.info.name, model_fingerprint=m.info.fingerprint, engine=s.engine,
-                    engine_layout=layout.name, logprob_kind=engine.sampled_logprob_kind,
-                    temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens, seed=s.seed,
-                    samples=samples)
+                _log(f"sampling {len(plan.prompt_ids) * s.samples_per_prompt} completions with {s.engine} "
+                     f"{layout.name}")
+                rollout = sample_rollout(s, engine, layout, m.info, plan.prompt_ids, s.seed)
                 path = os.path.join(s.report_dir, report.ROLLOUT_NAME)
                 rollout_lib.save(rollout, path)
                 _log(f"rollout saved to {path} (replay it with --rollout_data={path})")

@@ -60,8 +60,9 @@ _MAX_RANKS = flags.DEFINE_integer("max_ranks", 8, "Most ranks a trainer layout m
                                   "per visible GPU).")
 _TRAINER_TIMEOUT = flags.DEFINE_float("trainer_timeout_s", 900.0, "Time limit of all trainer layouts together.")
 _TOLERANCES = {name: flags.DEFINE_float(name, None, f"Default: the calibrated value for --dtype when installed "
-                                        f"(tolerances.py), else {fp32:g} (float32) / {bf16:g} (bfloat16): {why}.")
-               for name, (fp32, bf16, why) in tolerances.DEFAULTS.items()}
+                                        f"(tolerances.py), else {default.float32:g} (float32) / "
+                                        f"{default.bfloat16:g} (bfloat16): {default.reason}.")
+               for name, default in tolerances.DEFAULTS.items()}
 _SGLANG_PYTHON = flags.DEFINE_string("sglang_python", sys.executable, "Interpreter that has sglang installed.")
 _SGLANG_PORT = flags.DEFINE_integer("sglang_port", 0, "Port of the SGLang server on 127.0.0.1 (0: a free one).")
 _SGLANG_START_TIMEOUT = flags.DEFINE_float("sglang_start_timeout_s", 900.0, "How long a server may take to start.")
@@ -73,13 +74,19 @@ _RL_ON_POLICY_TARGET = flags.DEFINE_enum(
     "Launch SGLang with --rl-on-policy-target (true on-policy: sampler log-probs from log_softmax of bf16 logits / T; "
     "implies deterministic inference).")
 _SGLANG_ATTENTION_BACKEND = flags.DEFINE_string("sglang_attention_backend", None, "SGLang --attention-backend "
-                                                "(triton for the H200 bundle, which has no FA3).")
-_SGLANG_SAMPLING_BACKEND = flags.DEFINE_string("sglang_sampling_backend", None, "SGLang --sampling-backend (pytorch "
-                                               "for the H200 bundle, which has no FlashInfer sampling).")
+                                                "(unset: SGLang's choice). Pass triton when the SGLang install of "
+                                                "--sglang_python has no FA3 kernels.")
+_SGLANG_SAMPLING_BACKEND = flags.DEFINE_string("sglang_sampling_backend", None, "SGLang --sampling-backend (unset: "
+                                               "SGLang's choice). Pass pytorch when the SGLang install of "
+                                               "--sglang_python has no FlashInfer sampling kernels.")
 _SGLANG_DISABLE_CUSTOM_ALL_REDUCE = flags.DEFINE_bool("sglang_disable_custom_all_reduce", False,
-                                                      "SGLang --disable-custom-all-reduce (NCCL all-reduce).")
+                                                      "SGLang --disable-custom-all-reduce (NCCL all-reduce). Pass "
+                                                      "it when the SGLang install of --sglang_python has no FA3 / "
+                                                      "FlashInfer sampling kernels.")
 _SGLANG_MM_FEATURE_TRANSPORT = flags.DEFINE_enum("sglang_mm_feature_transport", None, ["cpu", "cuda_ipc"],
-                                                 "SGLang --mm-feature-transport (cpu for the H200 bundle).")
+                                                 "SGLang --mm-feature-transport (unset: SGLang's choice). Pass cpu "
+                                                 "when the SGLang install of --sglang_python has no FA3 / FlashInfer "
+                                                 "sampling kernels.")
 _SGLANG_DISABLE_CUDA_GRAPH = flags.DEFINE_bool("sglang_disable_cuda_graph", False, "No decode CUDA graphs either "
                                                "(faster start-up; piecewise prefill graphs are always off).")
 _SGLANG_SKIP_WARMUP = flags.DEFINE_bool("sglang_skip_server_warmup", False, "SGLang --skip-server-warmup.")

@@ -92,8 +92,8 @@ def parse_layouts(text: str, *, flag: str, allowed_dims: Sequence[str]) -> List[
 
 def with_baseline(layouts: List[Layout]) -> List[Layout]:
     """The trainer's TP=1 baseline first (added when the user did not list it), then the rest in the given order."""
-    base = [l for l in layouts if l.canonical == (1, 1, 1)]
-    rest = [l for l in layouts if l.canonical != (1, 1, 1)]
+    base = [layout for layout in layouts if layout.canonical == (1, 1, 1)]
+    rest = [layout for layout in layouts if layout.canonical != (1, 1, 1)]
     return (base or [Layout(name="tp1")]) + rest
 
 

@@ -99,6 +99,8 @@ def write_markdown(path: str, report: dict, comparisons: List[Comparison], note:
     verdict = "PASS" if not failed else f"FAIL ({len(failed)} of {len(comparisons)} comparisons out of tolerance)"
     s = report["settings"]
     r = report["rollout"]
+    bitwise = "; --expect_bitwise: teacher-forced and engine layout differences must be 0" \
+        if report.get("expect_bitwise") else ""
     lines = [
         "# Qwen3 parallel check",
         "",
@@ -112,8 +114,7 @@ def write_markdown(path: str, report: dict, comparisons: List[Comparison], note:
         f"`{','.join(report['trainer_layouts'])}`, backend `{report['trainer']['backend']}`",
         f"- rollout: {r['sequences']} sequences, {r['completion_tokens']} completion tokens, trainer sequence length "
         f"{r['seq_len']}{' (replayed from ' + r['path'] + ')' if r.get('replayed') else ''}",
-        f"- tolerances: {report.get('calibration', 'defaults')}"
-        f"{'; --expect_bitwise: teacher-forced and engine layout differences must be 0' if report.get('expect_bitwise') else ''}",
+        f"- tolerances: {report.get('calibration', 'defaults')}{bitwise}",
     ]
     if report.get("negative_control", "none") != "none":
         lines.append(f"- **negative control `{report['negative_control']}`** (a fault injected on purpose; a FAIL is "

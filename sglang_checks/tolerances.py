@@ -4,10 +4,11 @@ A tolerance flag left unset takes the value for `--dtype`: the calibrated value 
 `sglang_checks/calibration/<dtype>.json` exists (written by `calibrate --install`: each threshold placed between the
 worst healthy and the best broken value measured, docs/calibration.md), else the hand-set default below.
 
-fp32 defaults are far tighter than the peer's 1% on gradient norms: on fp32 the only differences between trainer
-layouts are the shard shapes of the logits matmul (ppo_ops itself is bitwise identical across TP), and an fp32 engine
-differs from the trainer only by the order of its fp32 sums; docs/calibration.md shows them between the measured
-healthy and broken values on CPU.
+fp32 defaults are far tighter than the 1% that slime's parallel check (its tests/test_qwen3_0.6B_parallel_check.py)
+allows between the total gradient norms of two parallel layouts: on fp32 the only differences between trainer layouts
+are the shard shapes of the logits matmul (ppo_ops itself is bitwise identical across TP), and an fp32 engine differs
+from the trainer only by the order of its fp32 sums; docs/calibration.md shows them between the measured healthy and
+broken values on CPU.
 
 bf16 uses the two-H200 calibration installed in sglang_checks/calibration/bfloat16.json (docs/calibration.md). The
 hand-set bf16 defaults below are the fallback where that file is absent; they were set from earlier two-H200
@@ -16,41 +17,65 @@ measurements quoted in the reasons, so that a healthy bf16 setup passes and a wr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Dict, Optional
 
 CALIBRATION_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration")
 
-# name -> (float32 default, bfloat16 fallback default, reason)
-DEFAULTS: Dict[str, tuple] = {
+# name: (float32 default, bfloat16 fallback default), one line each so the sizes read side by side.
+_VALUES = {
+    "trainer_logprob_atol": (1e-5, 5e-2),
+    "trainer_rtol": (1e-5, 1e-2),
+    "engine_layout_tol": (1e-4, 1e-1),
+    "mismatch_tol": (1e-4, 1e-1),
+    "kl_tol": (1e-6, 2e-2),
+    "top_p_outside_tol": (1e-2, 5e-2),
+}
+
+# name: what the tolerance bounds, and why its two sizes are what they are (the flag help and the report quote it).
+_REASONS = {
     "trainer_logprob_atol": (
-        1e-5, 5e-2,
-        "max |d log-prob| and |d entropy| of a trainer layout vs tp1; fp32 logits from matmul shards of other shapes "
-        "differ by a few ulps (~1e-7 relative); bf16 logits are rounded to 8 bits after the matmul, so one ulp of a "
-        "logit (up to ~0.03) can differ"),
+        "max |d log-prob| and |d entropy| of a trainer layout vs tp1; fp32 logits from matmul shards of other "
+        "shapes differ by a few ulps (~1e-7 relative); bf16 logits are rounded to 8 bits after the matmul, so one "
+        "ulp of a logit (up to ~0.03) can differ"),
     "trainer_rtol": (
-        1e-5, 1e-2,
-        "relative difference of the loss and the logits / LM-head gradient norms vs tp1 (the peer accepts 1e-2 on "
-        "gradient norms); fp32 sums in another order differ by ~1e-7 relative"),
+        "relative difference of the loss and the logits / LM-head gradient norms vs tp1; fp32 sums in another order "
+        "differ by ~1e-7 relative; the bf16 1e-2 is what slime's parallel check allows between the total gradient "
+        "norms of two parallel layouts"),
     "engine_layout_tol": (
-        1e-4, 1e-1,
         "mean |d log-prob| of an engine layout's teacher-forced scores vs the first layout's; fp32 engines differ by "
-        "~1e-6; bf16: no more than two different stacks (trainer vs SGLang teacher-forced, 0.046 on two H200s), while "
-        "other weights differ by ~1 nat"),
+        "~1e-6; bf16: no more than two different stacks (trainer vs SGLang teacher-forced, 0.046 on two H200s), "
+        "while other weights differ by ~1 nat"),
     "mismatch_tol": (
-        1e-4, 1e-1,
         "mean |trainer - engine| log-prob per token, same log-prob kind on both sides; fp32 KV-cache decoding vs a "
         "full forward differs by ~1e-6; healthy bf16 on two H200s 0.046-0.051 (hf and SGLang)"),
     "kl_tol": (
-        1e-6, 2e-2,
         "k3 estimate of KL(engine || trainer) (~ mean of d^2 / 2 for small d); healthy bf16 on two H200s "
-        "2.4e-3-3.5e-3, a trainer at 1.0 instead of 0.8 temperature 0.12: the bf16 value sits between, ~6x from each"),
+        "2.4e-3-3.5e-3, a trainer at 1.0 instead of 0.8 temperature 0.12: the bf16 value sits between, ~6x from "
+        "each"),
     "top_p_outside_tol": (
-        1e-2, 5e-2,
-        "share of sampled tokens outside the trainer's top-p set: only tokens at the set's boundary can flip, through "
-        "rounding of the cumulative probability (and, for SGLang, its kept-set rule differing at the boundary)"),
+        "share of sampled tokens outside the trainer's top-p set: only tokens at the set's boundary can flip, "
+        "through rounding of the cumulative probability (and, for SGLang, its kept-set rule differing at the "
+        "boundary)"),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Default:
+    """A tolerance's hand-set sizes, used where no calibration is installed for the dtype, and their reason."""
+
+    float32: float
+    bfloat16: float
+    reason: str
+
+    def value(self, dtype: str) -> float:
+        return self.float32 if dtype == "float32" else self.bfloat16
+
+
+DEFAULTS: Dict[str, Default] = {name: Default(*sizes, _REASONS[name]) for name, sizes in _VALUES.items()}
+assert set(_REASONS) == set(_VALUES), "every tolerance has sizes and a reason"
 
 
 def calibration_path(dtype: str) -> str:
@@ -73,8 +98,12 @@ def resolve(name: str, given, dtype: str) -> float:
     table = calibrated(dtype)
     if table and name in table["thresholds"]:
         return float(table["thresholds"][name]["value"])
-    fp32, bf16, _ = DEFAULTS[name]
-    return fp32 if dtype == "float32" else bf16
+    return DEFAULTS[name].value(dtype)
+
+
+def resolve_all(given: Dict[str, Optional[float]], dtype: str) -> Dict[str, float]:
+    """resolve() for every tolerance; `given` maps a name to its flag's value (missing or None: not given)."""
+    return {name: resolve(name, given.get(name), dtype) for name in DEFAULTS}
 
 
 def reason(name: str, dtype: str) -> str:
@@ -83,7 +112,7 @@ def reason(name: str, dtype: str) -> str:
         t = table["thresholds"][name]
         return (f"calibrated: between the worst healthy value {t['healthy_max']:.3g} and the best broken value "
                 f"{t['broken_min']:.3g}, margin {t['margin']:.3g}x on each side ({table['source']})")
-    return DEFAULTS[name][2]
+    return DEFAULTS[name].reason
 
 
 def source(dtype: str) -> str:

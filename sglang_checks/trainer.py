@@ -115,11 +115,12 @@ def run_layouts(inputs: TrainerInputs, layouts: List[Layout], *, backend: str, t
 def run_jobs(jobs: List[Job], *, backend: str, threads: int = 1, timeout_s: float = 900.0,
              progress=None) -> List[List[LayoutResult]]:
     """Runs every job's layouts, job after job, on one spawned group of ranks (one start-up for all)."""
-    world = max(l.world_size for job in jobs for l in job.layouts)
+    world = max(layout.world_size for job in jobs for layout in job.layouts)
     ctx = torch.multiprocessing.get_context("spawn")
-    results: Dict[Tuple[int, str], Dict[int, dict]] = {(j, l.name): {} for j, job in enumerate(jobs)
-                                                       for l in job.layouts}
-    plan = [(j, [(l, l.name in job.vocab_offset_layouts) for l in job.layouts]) for j, job in enumerate(jobs)]
+    results: Dict[Tuple[int, str], Dict[int, dict]] = {(j, layout.name): {} for j, job in enumerate(jobs)
+                                                       for layout in job.layouts}
+    plan = [(j, [(layout, layout.name in job.vocab_offset_layouts) for layout in job.layouts])
+            for j, job in enumerate(jobs)]
     with tempfile.TemporaryDirectory(prefix="qwen3_check_trainer_") as tmp:
         payload = os.path.join(tmp, "inputs.pt")
         torch.save([dataclasses.asdict(job.inputs) for job in jobs], payload)
@@ -133,26 +134,27 @@ def run_jobs(jobs: List[Job], *, backend: str, threads: int = 1, timeout_s: floa
                 p.start()
             _collect(procs, messages, jobs, results, timeout_s, progress)
         except TrainerRankError as exc:
-            exc.finished = [_assemble(l, results[(0, l.name)], jobs[0].inputs) for l in jobs[0].layouts
-                            if len(results[(0, l.name)]) == l.world_size]
+            exc.finished = [_assemble(layout, results[(0, layout.name)], jobs[0].inputs)
+                            for layout in jobs[0].layouts if len(results[(0, layout.name)]) == layout.world_size]
             raise
         finally:
             _reap(procs)
             messages.close()
-    return [[_assemble(l, results[(j, l.name)], job.inputs) for l in job.layouts] for j, job in enumerate(jobs)]
+    return [[_assemble(layout, results[(j, layout.name)], job.inputs) for layout in job.layouts]
+            for j, job in enumerate(jobs)]
 
 
 def _first_unfinished(jobs, results):
     for j, job in enumerate(jobs):
-        for l in job.layouts:
-            if len(results[(j, l.name)]) < l.world_size:
-                missing = [r for r in range(l.world_size) if r not in results[(j, l.name)]]
-                return l.name, missing
+        for layout in job.layouts:
+            if len(results[(j, layout.name)]) < layout.world_size:
+                missing = [r for r in range(layout.world_size) if r not in results[(j, layout.name)]]
+                return layout.name, missing
     return None, []
 
 
 def _collect(procs, messages, jobs, results, timeout_s, progress) -> None:
-    expected = sum(l.world_size for job in jobs for l in job.layouts)
+    expected = sum(layout.world_size for job in jobs for layout in job.layouts)
     received, done, deadline = 0, set(), time.monotonic() + timeout_s
     while received < expected or len(done) < len(procs):
         try:
@@ -163,12 +165,12 @@ def _collect(procs, messages, jobs, results, timeout_s, progress) -> None:
                 layout, _ = _first_unfinished(jobs, results)
                 rank, code = dead[0]
                 raise TrainerRankError(f"trainer layout {layout}: rank {rank} exited with code {code} without a "
-                                       f"report", layout=layout, rank=rank)
+                                       f"report", layout=layout, rank=rank) from None  # an empty poll, not a cause
             if time.monotonic() > deadline:
                 layout, missing = _first_unfinished(jobs, results)
                 rank = missing[0] if missing else None
                 raise TrainerRankError(f"trainer layout {layout}: rank {rank} did not finish within "
-                                       f"--trainer_timeout_s={timeout_s:g} s", layout=layout, rank=rank)
+                                       f"--trainer_timeout_s={timeout_s:g} s", layout=layout, rank=rank) from None
             continue
         kind = message[0]
         if kind == "error":
@@ -182,7 +184,7 @@ def _collect(procs, messages, jobs, results, timeout_s, progress) -> None:
         _, j, name, rank, payload = message
         results[(j, name)][rank] = payload
         received += 1
-        layout = next(l for l in jobs[j].layouts if l.name == name)
+        layout = next(candidate for candidate in jobs[j].layouts if candidate.name == name)
         if progress is not None and len(results[(j, name)]) == layout.world_size:
             progress(layout)
 

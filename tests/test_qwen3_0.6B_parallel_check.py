@@ -2,11 +2,11 @@
 0.5.17 server), trainer layouts tp1, tp2, cp2 and dp2 over NCCL, bf16, `qwen3-0.6b-random` (or $QWEN3_0_6B_PATH).
 
 SGLang runs in the interpreter named by $PPO_OPS_SGLANG_PYTHON (SGLang pins its own torch, so it usually lives in an
-environment or a bundle of its own). With that variable set, this test FAILS, never skips, when SGLang is unusable
-there or fewer than two GPUs are visible: it is set only by a GPU/SGLang configuration that promises both. With it
-unset (a plain CPU run) the test skips and says why.
+environment of its own). With that variable set, this test FAILS, never skips, when SGLang is unusable there or fewer
+than two GPUs are visible: it is set only by a GPU/SGLang configuration that promises both. With it unset (a plain CPU
+run) the test skips and says why.
 
-Server flags: those of a minimal SGLang bundle without FA3 / FlashInfer sampling (triton attention, pytorch
+Server flags: those of an SGLang install without FA3 / FlashInfer sampling kernels (triton attention, pytorch
 sampling, NCCL all-reduce, CPU feature transport), with CUDA graphs and warm-up off for a faster start. Expected
 wall time on two H200s: the layouts test 247 s measured (three server starts); the negative controls through the
 calibration program (two server starts, each serving every control) a few minutes more.

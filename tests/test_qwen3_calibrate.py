@@ -9,13 +9,15 @@ import json
 import os
 
 from sglang_checks import calibrate, controls, tolerances
+from tests import processes
 from tests.check_support import run_calibrate, run_calibrate_raw
 
 
 def test_calibrate_measures_every_control_and_separates_it(tmp_path):
     out = tmp_path / "cal"
     rows = run_calibrate(out, f"--cache_dir={tmp_path / 'models'}", "--seeds=0", "--prompt_sets=builtin",
-                         "--num_prompts=2", "--max_new_tokens=8", "--engine_layouts=tp1,dp2", "--trainer_layouts=tp1,tp2")
+                         "--num_prompts=2", "--max_new_tokens=8", "--engine_layouts=tp1,dp2",
+                         "--trainer_layouts=tp1,tp2")
     cal = json.loads((out / "calibration.json").read_text())
     assert set(cal["thresholds"]) == set(tolerances.DEFAULTS)
     for name, t in cal["thresholds"].items():
@@ -64,12 +66,6 @@ def test_violations_name_a_false_fail_and_a_fault_that_would_pass():
 # ------------------------------------------------------------------------------------ the CLI: one line, exit code
 
 
-def _one_line(stderr):
-    lines = [l for l in stderr.strip().splitlines() if l.strip()]
-    assert len(lines) == 1 and "Traceback" not in stderr, stderr
-    return lines[0]
-
-
 def test_help_exits_0_and_lists_calibrates_and_the_checks_flags():
     proc = run_calibrate_raw("--help")
     assert proc.returncode == 0, proc.stderr
@@ -81,7 +77,7 @@ def test_unbalanced_quote_is_one_line_and_exit_2(tmp_path):
     proc = run_calibrate_raw(f"--out_dir={tmp_path / 'cal'}", f"--cache_dir={tmp_path / 'models'}",
                              "--sglang_extra_args='abc")
     assert proc.returncode == 2, proc.stderr
-    assert _one_line(proc.stderr).startswith("calibrate: error: --sglang_extra_args='abc: not a shell-quoted")
+    assert processes.only_line(proc.stderr).startswith("calibrate: error: --sglang_extra_args='abc: not a shell-quoted")
     assert not (tmp_path / "models").exists()
 
 
@@ -98,6 +94,6 @@ def test_relative_out_dir_is_the_callers_and_a_folder_being_written_is_refused(t
     finally:
         os.close(fd)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert _one_line(proc.stderr).startswith(f"calibrate: error: --out_dir={caller / 'relcal'}: another run is "
-                                             f"writing this folder")
+    assert processes.only_line(proc.stderr).startswith(f"calibrate: error: --out_dir={caller / 'relcal'}: another "
+                                                       f"run is writing this folder")
     assert not (tmp_path / "models").exists()

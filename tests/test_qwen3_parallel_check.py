@@ -14,10 +14,8 @@ import json
 import math
 import multiprocessing
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -405,12 +403,6 @@ def test_binary_bad_input_exits_2_with_a_message_and_no_traceback(tmp_path):
 # ------------------------------------------------------------------------------------ the CLI: one line, exit code
 
 
-def _one_line(stderr):
-    lines = [l for l in stderr.strip().splitlines() if l.strip()]
-    assert len(lines) == 1 and "Traceback" not in stderr, stderr
-    return lines[0]
-
-
 @pytest.mark.parametrize("args, message", [
     (["--dtype=float16"], "flag --dtype=float16: value should be one of"),  # absl's own enum validation
     (["--num_prompts=many"], "flag --num_prompts=many"),
@@ -433,7 +425,7 @@ def test_binary_bad_input_is_one_line_and_exit_2_before_any_model(args, message,
     proc = _run_binary([d for d in defaults if d.split("=")[0] not in {a.split("=")[0] for a in args}] + args,
                        timeout=300)
     assert proc.returncode == 2, proc.stderr
-    line = _one_line(proc.stderr)
+    line = processes.only_line(proc.stderr)
     assert line.startswith("qwen3_parallel_check: error: ") and fill(message) in line, line
     assert not cache.exists() or not any(cache.iterdir())  # no model was built
 
@@ -468,7 +460,7 @@ def test_a_second_run_into_a_folder_being_written_is_refused(tmp_path):
     finally:
         os.close(fd)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    line = _one_line(proc.stderr)
+    line = processes.only_line(proc.stderr)
     assert line.startswith(f"qwen3_parallel_check: error: --report_dir={report_dir}: another run is writing"), line
     assert not cache.exists() or not any(cache.iterdir())  # refused before any model was built
     assert os.listdir(report_dir) == [LOCK_FILE]
@@ -523,23 +515,9 @@ def test_sigint_exits_130_with_one_line_and_no_rank_left(default_run, cache_dir,
                              f"--report_dir={report_dir}", f"--rollout_data={os.path.join(first_dir, 'rollout.json')}",
                              "--trainer_layouts=tp1,tp2"], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    try:
-        for line in proc.stderr:  # the check's progress log: wait until the trainer ranks are being started
-            if "trainer layouts" in line:
-                break
-        deadline = time.monotonic() + 60
-        while len(processes.children(proc.pid)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        ranks = processes.children(proc.pid)
-        assert len(ranks) >= 2, "the trainer ranks did not start"
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, err
-    assert processes.interrupted_line(err, "qwen3_parallel_check") == "qwen3_parallel_check: interrupted"
-    processes.assert_gone(ranks)
+    # The check's progress log says when the trainer ranks are being started.
+    processes.assert_interrupt_stops_ranks(proc, "qwen3_parallel_check", stream=proc.stderr,
+                                           ready_text="trainer layouts")
     with report.folder_lock("--report_dir", str(report_dir)):  # and the folder is free again
         pass
 
@@ -593,7 +571,7 @@ def test_trainer_timeout_is_exit_3_with_one_line_and_the_report(default_run, cac
     s = _settings(tmp_path, cache_dir, rollout_data=os.path.join(first_dir, "rollout.json"), trainer_layouts="tp1",
                   trainer_timeout_s=1e-3)
     assert check.run(s) == check.EXIT_TRAINER_FAILED
-    errors = [l for l in capsys.readouterr().err.splitlines() if l.startswith("qwen3_parallel_check: error:")]
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("qwen3_parallel_check: error:")]
     assert len(errors) == 1 and "trainer layout tp1: rank 0 did not finish within" in errors[0], errors
     report = _report(s.report_dir)  # written with what finished: the engine-side comparisons
     assert report["trainer_error"]["layout"] == "tp1" and report["trainer_error"]["rank"] == 0

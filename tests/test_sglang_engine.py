@@ -95,12 +95,14 @@ if __name__ == "__main__":
     _fake_server_main(sys.argv[1:])
     sys.exit(0)
 
-import pytest
+# Below the fake server on purpose: run as the fake server (one start per test), this file stops above, before these
+# imports pull in torch through sglang_checks and add seconds to every start-up.
+import pytest  # noqa: E402
 
-from sglang_checks.engines import SamplingSettings, sglang_engine
-from sglang_checks.errors import CheckError
-from sglang_checks.layouts import Layout
-from sglang_checks.rollout import Sample
+from sglang_checks.engines import SamplingSettings, sglang_engine  # noqa: E402
+from sglang_checks.errors import CheckError  # noqa: E402
+from sglang_checks.layouts import Layout  # noqa: E402
+from sglang_checks.rollout import Sample  # noqa: E402
 
 THIS_FILE = os.path.abspath(__file__)
 REPO_ROOT = os.path.dirname(os.path.dirname(THIS_FILE))
@@ -127,7 +129,7 @@ def test_launch_command_always_disables_piecewise_cuda_graph():
     assert plain[-2:] == PIECEWISE_OFF and "--enable-deterministic-inference" not in plain
 
 
-def test_launch_command_with_the_h200_bundle_and_on_policy_options():
+def test_launch_command_for_an_install_without_fa3_and_with_on_policy_options():
     options = sglang_engine.ServerOptions(
         python="/tmp/sgl_python", dtype="bfloat16", rl_on_policy_target="fsdp", attention_backend="triton",
         sampling_backend="pytorch", disable_custom_all_reduce=True, mm_feature_transport="cpu",

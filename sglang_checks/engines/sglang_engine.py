@@ -4,16 +4,19 @@ Version facts (SGLang 0.5.17, the release the check is written against; 0.5.11-0
   - `python -m sglang.launch_server` still starts a server (0.5.17 prefers `sglang serve` and warns).
   - Piecewise (prefill) CUDA graphs are on by default and a known source of flaky results in such checks; 0.5.17
     turns them off with `--cuda-graph-backend-prefill disabled` (its `--disable-piecewise-cuda-graph` is a deprecated
-    alias of that), which every launch passes. `--disable-cuda-graph` is likewise deprecated: --sglang_disable_cuda_graph
-    passes `--cuda-graph-backend-decode disabled` as well.
+    alias of that), which every launch passes. `--disable-cuda-graph` is likewise deprecated:
+    --sglang_disable_cuda_graph passes `--cuda-graph-backend-decode disabled` as well.
   - `--enable-deterministic-inference` (batch-invariant kernels) and `--rl-on-policy-target fsdp` (true on-policy:
     sampler log-probs from log_softmax of bf16 logits / T, sampling from them; it implies deterministic inference).
   - `GET /server_info` (0.5.17; `/get_server_info` is its deprecated alias) reports `version`; it is recorded with
     the launch command and the start-up time in the report.
   - `POST /update_weights_from_disk {"model_path": ...}` reloads weights in a running server (the RL weight sync);
     the negative control `engine_layout_weights` uses it to give one engine layout other weights.
-  - A minimal H200 bundle of SGLang without FA3/FlashInfer sampling needs `--attention-backend triton
-    --sampling-backend pytorch --disable-custom-all-reduce --mm-feature-transport cpu` (the --sglang_* flags).
+  - An SGLang install without FA3 kernels and FlashInfer sampling kernels (such as SGLang 0.5.17 with sglang-kernel
+    0.4.5 built on torch 2.11, the one of docs/gpu_runs.md) needs `--attention-backend triton --sampling-backend
+    pytorch --disable-custom-all-reduce --mm-feature-transport cpu`: pass its interpreter as --sglang_python and
+    --sglang_attention_backend=triton --sglang_sampling_backend=pytorch --sglang_disable_custom_all_reduce
+    --sglang_mm_feature_transport=cpu.
 
 Server: started on 127.0.0.1 at a free port (or --sglang_port, refused up front if taken) in a session of its own,
 so its scheduler and detokenizer processes share its process group; its stdout and stderr go to a log file in the
@@ -79,10 +82,10 @@ class ServerOptions:
     seed: int = 0
     deterministic: bool = False
     rl_on_policy_target: Optional[str] = None  # one of RL_ON_POLICY_TARGETS; implies deterministic inference
-    attention_backend: Optional[str] = None  # e.g. "triton" (the H200 bundle has no FA3)
-    sampling_backend: Optional[str] = None  # e.g. "pytorch" (the H200 bundle has no FlashInfer sampling)
+    attention_backend: Optional[str] = None  # e.g. "triton" for an install without FA3 kernels
+    sampling_backend: Optional[str] = None  # e.g. "pytorch" for an install without FlashInfer sampling kernels
     disable_custom_all_reduce: bool = False
-    mm_feature_transport: Optional[str] = None  # "cpu" for the H200 bundle
+    mm_feature_transport: Optional[str] = None  # "cpu" for an install without FA3 / FlashInfer sampling
     disable_cuda_graph: bool = False  # decode graphs too (piecewise prefill graphs are always off)
     skip_server_warmup: bool = False
     mem_fraction_static: Optional[float] = None
