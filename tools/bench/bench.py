@@ -81,7 +81,7 @@ def main(argv):
         try:
             cases = _cases()  # before importing torch, so that a usage error is reported at once
         except ValueError as error:
-            raise app.UsageError(str(error))
+            raise app.UsageError(str(error)) from error
     out_dir = _writable_folder(_OUT_DIR.value)  # before any case runs: a result lost at the end costs the run
     csv, md, png = (os.path.join(out_dir, name) for name in (_CSV.value, _MD.value, _PNG.value))
     if _RENDER_ONLY.value:
@@ -110,7 +110,7 @@ def main(argv):
     try:
         return runner.run(config)
     except ValueError as error:  # raised before any case runs (e.g. fewer CUDA devices than --tp)
-        raise app.UsageError(str(error))
+        raise app.UsageError(str(error)) from error
 
 
 def _writable_folder(path: str) -> str:
@@ -122,7 +122,7 @@ def _writable_folder(path: str) -> str:
         with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write_test_"):
             pass
     except OSError as error:
-        raise app.UsageError(f"--out_dir={path}: not a writable folder ({error.strerror or error})")
+        raise app.UsageError(f"--out_dir={path}: not a writable folder ({error.strerror or error})") from error
     return out_dir
 
 
@@ -163,7 +163,7 @@ def _ints(name, values):
     try:
         out = [int(v) for v in values]
     except ValueError:
-        raise ValueError(f"--{name}: expected integers, got {values}")
+        raise ValueError(f"--{name}: expected integers, got {values}") from None
     if any(v < 1 for v in out):
         raise ValueError(f"--{name}: expected positive integers, got {values}")
     return out

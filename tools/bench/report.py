@@ -220,7 +220,7 @@ def render_markdown(all_rows: list[dict]) -> str:
         parts.append(f"- {gpu} ({device}); torch {torch_v}, triton {triton_v}, ppo_ops {ppo_v}, "
                      f"liger-kernel {liger_v or 'absent'}, megatron-core {mcore_v or 'absent'} "
                      f"(its jit_fuser's torch.compile {compiled})")
-    for gpu, tp, copy in copies:
+    for _gpu, tp, copy in copies:
         copy_text = _fmt({"c": copy}, "c", "g")
         parts.append(f"- measured device copy bandwidth (read + write) in the TP={tp} run: {copy_text} GB/s per GPU")
     if dates:
