@@ -67,7 +67,8 @@ _OUT_DIR = flags.DEFINE_string("out_dir", None, "Directory for the CSV, Markdown
 _CSV = flags.DEFINE_string("csv", "results.csv", "CSV file name in --out_dir (appended to).")
 _MD = flags.DEFINE_string("md", "results.md", "Markdown file name in --out_dir.")
 _PNG = flags.DEFINE_string("png", "results.png", "Plot file name in --out_dir.")
-_RENDER_ONLY = flags.DEFINE_bool("render_only", False, "Only render the Markdown and PNG from the existing CSV.")
+_RENDER_ONLY = flags.DEFINE_bool("render_only", False, "Only render the report from the existing CSV (of the --suite's "
+                                  "family: the LM head's suites render lm_head.md).")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed calls before timing (the first compiles).", lower_bound=1)
 _MIN_REPS = flags.DEFINE_integer("min_reps", 5, "Fewest timed repetitions.", lower_bound=1)
 _MAX_REPS = flags.DEFINE_integer("max_reps", 50, "Most timed repetitions.", lower_bound=1)
@@ -85,24 +86,19 @@ def main(argv):
     del argv  # the flags parser refused stray arguments
     if _SUITE.value == [PIECES_SUITE]:
         return _pieces()
-    family, cases = "logits", None
-    if not _RENDER_ONLY.value:
-        try:
-            family, cases = _cases()  # before importing torch, so that a usage error is reported at once
-        except ValueError as error:
-            raise app.UsageError(str(error)) from error
+    try:
+        # Before importing torch, so that a usage error is reported at once.
+        family, cases = (_family(), None) if _RENDER_ONLY.value else _cases()
+    except ValueError as error:
+        raise app.UsageError(str(error)) from error
     out_dir = _writable_folder(_OUT_DIR.value)  # before any case runs: a result lost at the end costs the run
     csv, md, png = (os.path.join(out_dir, name) for name in (_CSV.value, _MD.value, _PNG.value))
-    if _RENDER_ONLY.value:
-        from tools.bench import report  # no torch needed
-
-        report.render(csv, md, png)
-        print(f"wrote {md} and {png} from {csv}")
-        return 0
-    from tools.bench import runner
-
     if family == "lm_head":
         csv, md = os.path.join(out_dir, LM_HEAD_CSV), os.path.join(out_dir, LM_HEAD_MD)
+    if _RENDER_ONLY.value:
+        return _render_only(family, csv, md, png)
+    from tools.bench import runner
+
     config = runner.BenchConfig(
         cases=cases,
         tp=_TP.value,
@@ -123,6 +119,22 @@ def main(argv):
         return runner.run(config)
     except ValueError as error:  # raised before any case runs (e.g. fewer CUDA devices than --tp)
         raise app.UsageError(str(error)) from error
+
+
+def _render_only(family: str, csv: str, md: str, png: str) -> int:
+    """The report of the family's record, rendered again (no torch needed)."""
+    if family == "lm_head":
+        from tools.bench import lm_head_report
+
+        with open(md, "w") as f:
+            f.write(lm_head_report.render(lm_head_report.read_rows(csv)))
+        print(f"wrote {md} from {csv}")
+        return 0
+    from tools.bench import report
+
+    report.render(csv, md, png)
+    print(f"wrote {md} and {png} from {csv}")
+    return 0
 
 
 def _pieces() -> int:
@@ -151,16 +163,20 @@ def _writable_folder(path: str) -> str:
     return out_dir
 
 
+def _family() -> str:
+    """The family of --suite ('custom' is the logits op's)."""
+    from tools.bench import cases as cases_lib
+
+    return "logits" if _SUITE.value == ["custom"] else cases_lib.suite_family(_SUITE.value)
+
+
 def _cases() -> tuple[str, list]:
     """The family and the cases of the flags."""
     from tools.bench import cases as cases_lib
 
     tp = _TP.value
     providers = _PROVIDERS.value
-    if _SUITE.value == ["custom"]:
-        family = "logits"
-    else:
-        family = cases_lib.suite_family(_SUITE.value)
+    family = _family()
     known = (cases_lib.LM_HEAD_PROVIDERS if family == "lm_head"
              else cases_lib.ALL_PROVIDERS + cases_lib.WHOLE_STEP_PROVIDERS)
     filtering = family == "logits" or _PROVIDERS.present
