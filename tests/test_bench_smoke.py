@@ -416,7 +416,7 @@ def _rep_count_worker(rank, world_size):
 
     # Each rank's own warm-up estimate differs (rank 1 looks 10x slower); the agreed estimate, hence the number of
     # timed steps (each a collective at TP > 1), must be the same on every rank.
-    estimate = runner._max_over_ranks(0.5 if rank == 0 else 5.0, dist.group.WORLD, torch.device("cpu"))
+    estimate = runner.max_over_ranks(0.5 if rank == 0 else 5.0, dist.group.WORLD, torch.device("cpu"))
     assert estimate == 5.0, f"rank {rank}: agreed estimate {estimate}, expected the slowest rank's 5.0"
     calls = []
     measure.time_step(lambda x: calls.append(x), lambda: None, torch.device("cpu"), estimate_ms=estimate,

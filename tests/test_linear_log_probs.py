@@ -568,10 +568,12 @@ def test_one_gemm_forward_loads_tiles_with_tma(compile_report):
 
 @pytest.mark.device("cpu")
 def test_bench_lm_head_smoke(tmp_path):
-    from tools.bench import lm_head
+    from tools.bench import lm_head, runner
+    from tools.bench.cases import suite_cases
 
-    cfg = dict(warmup=1, min_reps=1, max_reps=1, target_ms=0.0, time_budget_s=0.0, seed=5)
-    lm_head.main("lm_head_smoke", 1, "cpu", str(tmp_path), cfg)
+    paths = runner.OutputPaths(csv=str(tmp_path / "lm_head.csv"), md=str(tmp_path / "lm_head.md"), png="")
+    runner.run(runner.BenchConfig(cases=suite_cases(["lm_head_smoke"], tp=1), tp=1, device="cpu", paths=paths,
+                                  warmup=1, min_reps=1, max_reps=1, target_ms=0.0, seed=5, family="lm_head"))
     rows = (tmp_path / "lm_head.csv").read_text().splitlines()
     assert len(rows) == 1 + len(lm_head.PROVIDERS), rows
     assert sum(",ok," in r for r in rows) == len(lm_head.PROVIDERS) - len(lm_head.PEERS)  # peers: skipped off CUDA

@@ -17,6 +17,7 @@ ppo_ops/_triton_backend.py::_GPU_CONFIG.
 About 1 to 2 minutes on one H200 (compiles dominate).
 """
 
+import functools
 import os
 import sys
 import traceback
@@ -138,7 +139,7 @@ def _tune_dtype(name, n_rows, vocab, keep, check_rows):
     seg8 = vocab // 8
 
     dst = torch.empty_like(logits)
-    copy_ms = _bench(lambda: dst.copy_(logits))
+    copy_ms = _bench(functools.partial(dst.copy_, logits))
     copy_gbs = 2 * nbytes / copy_ms[1] / 1e6
     del dst
     print(f"== {name}: T={n_rows} V={vocab} keep={keep}: logits {nbytes / 1e9:.2f} GB; device copy "
@@ -171,20 +172,21 @@ def _tune_dtype(name, n_rows, vocab, keep, check_rows):
         try:
             if pass_name == "forward":
                 segs = vocab // seg_len
-                fn = lambda: tb.forward_partials(logits, None, target_col, keep_mask, 1.0, vocab, seg_len, True,  # noqa
-                                                 None, **overrides)
+                fn = functools.partial(tb.forward_partials, logits, None, target_col, keep_mask, 1.0, vocab, seg_len,
+                                       True, None, **overrides)
                 got = fn()[:, :, rows]
                 excess = _partials_error(got, ref_partials8 if segs == 8 else ref_partials1)
                 moved = nbytes + keep_bytes
             else:
                 segs = ""
                 out = torch.empty_like(logits)
-                fn = lambda: tb.backward_grad(logits, None, target_col, keep_mask, 1.0, vocab, *row_stats, g_lp,  # noqa
-                                              g_ent, out, None, **overrides)
+                fn = functools.partial(tb.backward_grad, logits, None, target_col, keep_mask, 1.0, vocab, *row_stats,
+                                       g_lp, g_ent, out, None, **overrides)
                 fn()
                 excess = ((out[rows].double() - ref_grad).abs() - grad_tol).max().item()
                 moved = 2 * nbytes + keep_bytes
             ms = _bench(fn)
+            del fn  # it holds the backward's output buffer: free it before the next variant allocates its own
             if pass_name == "backward":
                 del out
             gbs = moved / ms[1] / 1e6

@@ -6,6 +6,12 @@
     python3 tools/bench/bench.py --device=cpu --suite=smoke --out_dir=/tmp/b    # plumbing only (tests)
     python3 tools/bench/bench.py --suite=whole_step --out_dir=/tmp/bench        # RL step through random Qwen3-0.6B
     bazel run //tools:bench -- --suite=lm_head --out_dir=...   # the fused LM head from hidden states (lm_head.py)
+    python3 tools/bench/bench.py --suite=lm_head_pieces --out_dir=/tmp/bench    # its chunked path's pieces, CUDA
+
+Families: a suite belongs to the logits op's family (logits.py: results.csv / .md / .png, named by --csv, --md,
+--png) or the LM head's (lm_head.py: lm_head.csv and lm_head.md); one run measures suites of one family, each the
+same way (runner.py). lm_head_pieces is no case list: it times the chunked path's pieces alone (lm_head_pieces.py) at
+T = 8192, or at each --tokens value given, into pieces.csv.
 
 Flow: build the case list (named suites in priority order, or --suite=custom: the cross product of the list flags);
 measure the device copy bandwidth; then for each case, while the time budget lasts: skip it with a printed reason if
@@ -38,10 +44,16 @@ from absl import app, flags
 
 from tools import cli_contract
 
-_SUITE = flags.DEFINE_list("suite", ["headline"], "Named case lists (tools/bench/cases.py SUITES), or 'custom'.")
+PIECES_SUITE = "lm_head_pieces"
+# The LM head's record has fixed names (its docs and tables link them).
+LM_HEAD_CSV, LM_HEAD_MD = "lm_head.csv", "lm_head.md"
+
+_SUITE = flags.DEFINE_list("suite", ["headline"], "Named case lists (tools/bench/cases.py SUITES), 'custom', or "
+                           f"'{PIECES_SUITE}'.")
 _PROVIDERS = flags.DEFINE_list("providers", ["triton", "torch", "legacy", "naive", "liger", "qwen3_step"],
-                               "Providers to run (filters the suites too).")
-_TOKENS = flags.DEFINE_list("tokens", ["4096", "8192", "16384"], "custom: T values.")
+                               "Providers to run (filters the suites too; the LM head's suites only when given).")
+_TOKENS = flags.DEFINE_list("tokens", ["4096", "8192", "16384"], f"custom: T values; {PIECES_SUITE}: its T values "
+                            "when given (else 8192).")
 _VOCAB = flags.DEFINE_list("vocab", ["151936"], "custom: global vocabulary sizes V.")
 _DTYPES = flags.DEFINE_list("dtypes", ["bf16", "fp32"], "custom: logits dtypes (bf16, fp32).")
 _ENTROPY = flags.DEFINE_list("entropy", ["none", "value", "grad"], "custom: entropy modes.")
@@ -55,49 +67,43 @@ _OUT_DIR = flags.DEFINE_string("out_dir", None, "Directory for the CSV, Markdown
 _CSV = flags.DEFINE_string("csv", "results.csv", "CSV file name in --out_dir (appended to).")
 _MD = flags.DEFINE_string("md", "results.md", "Markdown file name in --out_dir.")
 _PNG = flags.DEFINE_string("png", "results.png", "Plot file name in --out_dir.")
-_RENDER_ONLY = flags.DEFINE_bool("render_only", False, "Only render the Markdown and PNG from the existing CSV.")
+_RENDER_ONLY = flags.DEFINE_bool("render_only", False, "Only render the report from the existing CSV (of the --suite's "
+                                  "family: the LM head's suites render lm_head.md).")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed calls before timing (the first compiles).", lower_bound=1)
 _MIN_REPS = flags.DEFINE_integer("min_reps", 5, "Fewest timed repetitions.", lower_bound=1)
 _MAX_REPS = flags.DEFINE_integer("max_reps", 50, "Most timed repetitions.", lower_bound=1)
 _TARGET_MS = flags.DEFINE_float("target_ms", 150.0, "Timed device time per case to aim for (sets the repetitions).")
 _COPY_MIB = flags.DEFINE_integer("copy_mib", 2048, "Buffer size of the copy-bandwidth measurement.", lower_bound=1)
 _CHECK_ROWS = flags.DEFINE_integer("check_rows", 8, "First and last rows checked against the float64 reference "
-                                   "(0: no check).", lower_bound=0)
+                                   "(0: no check; the LM head's suites check 64 rows unless 0).", lower_bound=0)
 _BUDGET = flags.DEFINE_float("time_budget_s", 0.0, "Stop starting cases after this many seconds (0: no limit).")
 _SEED = flags.DEFINE_integer("seed", 1234, "Seed of the random inputs.")
-_LABEL = flags.DEFINE_string("label", "", "lm_head suites: a name for this run, written on each of its rows.")
+_LABEL = flags.DEFINE_string("label", "", f"lm_head suites and {PIECES_SUITE}: a name for this run, written on each "
+                             "of its rows.")
 
 
 def main(argv):
     del argv  # the flags parser refused stray arguments
-    if _SUITE.value in (["lm_head"], ["lm_head_own"], ["lm_head_smoke"]):  # the fused LM head's cases and report
-        from tools.bench import lm_head
-
-        cfg = dict(warmup=_WARMUP.value, min_reps=_MIN_REPS.value, max_reps=max(_MAX_REPS.value, _MIN_REPS.value),
-                   target_ms=_TARGET_MS.value, time_budget_s=_BUDGET.value, seed=_SEED.value, label=_LABEL.value)
-        return lm_head.main(_SUITE.value[0], _TP.value, _DEVICE.value, _writable_folder(_OUT_DIR.value), cfg)
-    cases = None
-    if not _RENDER_ONLY.value:
-        try:
-            cases = _cases()  # before importing torch, so that a usage error is reported at once
-        except ValueError as error:
-            raise app.UsageError(str(error))
+    if _SUITE.value == [PIECES_SUITE]:
+        return _pieces()
+    try:
+        # Before importing torch, so that a usage error is reported at once.
+        family, cases = (_family(), None) if _RENDER_ONLY.value else _cases()
+    except ValueError as error:
+        raise app.UsageError(str(error)) from error
     out_dir = _writable_folder(_OUT_DIR.value)  # before any case runs: a result lost at the end costs the run
     csv, md, png = (os.path.join(out_dir, name) for name in (_CSV.value, _MD.value, _PNG.value))
+    if family == "lm_head":
+        csv, md = os.path.join(out_dir, LM_HEAD_CSV), os.path.join(out_dir, LM_HEAD_MD)
     if _RENDER_ONLY.value:
-        from tools.bench import report  # no torch needed
-
-        report.render(csv, md, png)
-        print(f"wrote {md} and {png} from {csv}")
-        return 0
+        return _render_only(family, csv, md, png)
     from tools.bench import runner
 
-    paths = runner.OutputPaths(csv=csv, md=md, png=png)
     config = runner.BenchConfig(
         cases=cases,
         tp=_TP.value,
         device=_DEVICE.value,
-        paths=paths,
+        paths=runner.OutputPaths(csv=csv, md=md, png=png),
         warmup=_WARMUP.value,
         min_reps=_MIN_REPS.value,
         max_reps=max(_MAX_REPS.value, _MIN_REPS.value),
@@ -106,11 +112,42 @@ def main(argv):
         check_rows=_CHECK_ROWS.value,
         time_budget_s=_BUDGET.value,
         seed=_SEED.value,
+        family=family,
+        label=_LABEL.value,
     )
     try:
         return runner.run(config)
     except ValueError as error:  # raised before any case runs (e.g. fewer CUDA devices than --tp)
-        raise app.UsageError(str(error))
+        raise app.UsageError(str(error)) from error
+
+
+def _render_only(family: str, csv: str, md: str, png: str) -> int:
+    """The report of the family's record, rendered again (no torch needed)."""
+    if family == "lm_head":
+        from tools.bench import lm_head_report
+
+        with open(md, "w") as f:
+            f.write(lm_head_report.render(lm_head_report.read_rows(csv)))
+        print(f"wrote {md} from {csv}")
+        return 0
+    from tools.bench import report
+
+    report.render(csv, md, png)
+    print(f"wrote {md} and {png} from {csv}")
+    return 0
+
+
+def _pieces() -> int:
+    try:
+        tokens = _ints("tokens", _TOKENS.value) if _TOKENS.present else [8192]
+    except ValueError as error:
+        raise app.UsageError(str(error)) from error
+    if _DEVICE.value != "cuda" or _TP.value != 1:
+        raise app.UsageError(f"--suite={PIECES_SUITE} times CUDA kernels on one GPU: --device=cuda --tp=1")
+    out_dir = _writable_folder(_OUT_DIR.value)
+    from tools.bench import lm_head_pieces
+
+    return lm_head_pieces.run(out_dir, tokens, seed=_SEED.value, label=_LABEL.value)
 
 
 def _writable_folder(path: str) -> str:
@@ -122,17 +159,28 @@ def _writable_folder(path: str) -> str:
         with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write_test_"):
             pass
     except OSError as error:
-        raise app.UsageError(f"--out_dir={path}: not a writable folder ({error.strerror or error})")
+        raise app.UsageError(f"--out_dir={path}: not a writable folder ({error.strerror or error})") from error
     return out_dir
 
 
-def _cases():
+def _family() -> str:
+    """The family of --suite ('custom' is the logits op's)."""
+    from tools.bench import cases as cases_lib
+
+    return "logits" if _SUITE.value == ["custom"] else cases_lib.suite_family(_SUITE.value)
+
+
+def _cases() -> tuple[str, list]:
+    """The family and the cases of the flags."""
     from tools.bench import cases as cases_lib
 
     tp = _TP.value
     providers = _PROVIDERS.value
-    known = cases_lib.ALL_PROVIDERS + cases_lib.WHOLE_STEP_PROVIDERS
-    unknown = sorted(set(providers) - set(known))
+    family = _family()
+    known = (cases_lib.LM_HEAD_PROVIDERS if family == "lm_head"
+             else cases_lib.ALL_PROVIDERS + cases_lib.WHOLE_STEP_PROVIDERS)
+    filtering = family == "logits" or _PROVIDERS.present
+    unknown = sorted(set(providers) - set(known)) if filtering else []
     if unknown:
         raise ValueError(f"--providers: unknown {unknown}; expected some of {list(known)}")
     if _SUITE.value == ["custom"]:
@@ -149,21 +197,22 @@ def _cases():
             tp=tp,
         )
     else:
-        cases = [c for c in cases_lib.suite_cases(_SUITE.value) if c.provider in providers]
+        cases = [c for c in cases_lib.suite_cases(_SUITE.value) if not filtering or c.provider in providers]
     cases = [c for c in cases if c.tp == tp]
     for case in cases:
         if case.V % case.tp:
             raise ValueError(f"--vocab: V={case.V} must be divisible by --tp={case.tp}")
     if not cases:
-        raise ValueError(f"no case of --suite={','.join(_SUITE.value)} has TP={tp} and a provider in {providers}")
-    return cases
+        which = f" and a provider in {providers}" if filtering else ""
+        raise ValueError(f"no case of --suite={','.join(_SUITE.value)} has TP={tp}{which}")
+    return family, cases
 
 
 def _ints(name, values):
     try:
         out = [int(v) for v in values]
     except ValueError:
-        raise ValueError(f"--{name}: expected integers, got {values}")
+        raise ValueError(f"--{name}: expected integers, got {values}") from None
     if any(v < 1 for v in out):
         raise ValueError(f"--{name}: expected positive integers, got {values}")
     return out

@@ -17,14 +17,23 @@ stops on its time budget (bench --time_budget_s) has measured the headline befor
   lm_head_step  the whole step at T = 8192 and 32768 with the logits path, the fused head and linear_token_loss
             (--suite=lm_head_step --providers=qwen3_step_ckpt,qwen3_step_head,qwen3_step_loss); its _smoke on CPU.
 
-Duplicates across suites are dropped (first occurrence wins), so `--suite=headline,sweep` never measures a case twice.
+The LM head's suites (`HeadCase`: hidden states [T, H] and a weight shard [V_local, H] in, see lm_head.py):
+  lm_head       T in (8192, 32768), H = 4096, V = 151936, bf16: ppo_ops' fused paths, the unfused path, the GEMMs
+            they are measured against and other projects' kernels; at TP = 1 also the gemms, unfused and fused
+            providers on a TP = 2 rank's local shape (V = 75968), the reference of the TP = 2 target.
+  lm_head_own   the same without the other projects' kernels; its local-shape rows are gemms, fused, token_loss.
+  lm_head_smoke  every LM-head provider on a tiny shape, for the CPU tests.
+
+A suite belongs to one family (its case type); one run measures the suites of one family. Every suite lists its
+cases for the TP sizes it runs at; a run keeps those of its --tp. Duplicates across suites are dropped (first
+occurrence wins), so `--suite=headline,sweep` never measures a case twice.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 QWEN3_VOCAB = 151936  # Qwen3's vocabulary (divisible by 8 x 128): the V of every headline case
 TOKENS = (4096, 8192, 16384)
@@ -38,6 +47,19 @@ PPO_OPS_PROVIDERS = ("triton", "torch")
 ALL_PROVIDERS = ("triton", "torch", "legacy", "naive", "liger")
 # A whole training step through a model that calls ppo_ops (tools/bench/whole_step.py): only in its own suites.
 WHOLE_STEP_PROVIDERS = ("qwen3_step", "qwen3_step_ckpt", "qwen3_step_head", "qwen3_step_loss")
+HEAD_STEP_PROVIDERS = WHOLE_STEP_PROVIDERS[1:]  # with checkpointing; the logits path, the fused head, the loss
+
+
+# The LM head's shape and providers (lm_head.py says what each one runs).
+LM_HEAD_HIDDEN = 4096
+LM_HEAD_TOKENS = (8192, 32768)
+LM_HEAD_TP = (1, 2, 4, 8)  # the TP sizes whose ranks split V = 151936 into the 8 equal segments
+LM_HEAD_PROVIDERS = ("gemms", "gemm1", "unfused", "fused", "fused_novalidate", "fused_gemm", "fused_nograd",
+                     "token_loss", "token_loss_novalidate", "liger", "cce", "cce_exact", "verl")
+LM_HEAD_PEERS = ("liger", "cce", "cce_exact", "verl")  # other projects' kernels
+LM_HEAD_OWN = tuple(p for p in LM_HEAD_PROVIDERS if p != "unfused" and p not in LM_HEAD_PEERS)  # ppo_ops + GEMMs
+LM_HEAD_LOCAL_SHAPE = ("gemms", "unfused", "fused", "fused_novalidate")  # lm_head's rows on a TP = 2 rank's shape
+LM_HEAD_OWN_LOCAL_SHAPE = ("gemms", "fused", "token_loss")  # lm_head_own's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +95,24 @@ class Case:
     def input_key(self) -> tuple:
         """Cases with equal keys share one input set (the bench keeps the last one alive)."""
         return (self.T, self.V, self.dtype, self.tp, self.keep_mask, self.row_frac)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadCase:
+    """A forward + backward of one LM-head provider on bf16 hidden states [T, H] and the weight shard [V_local, H]."""
+
+    provider: str
+    T: int  # tokens (rows)
+    H: int  # hidden size
+    V: int  # global vocabulary; each of the `tp` ranks holds V // tp rows of the weight
+    tp: int = 1
+
+    @property
+    def v_local(self) -> int:
+        return self.V // self.tp
+
+    def input_key(self) -> tuple:
+        return (self.T, self.H, self.V, self.tp)
 
 
 def _variants(provider: str, *, validate_off: bool = False, inplace: bool = False) -> list[dict]:
@@ -180,11 +220,11 @@ def _whole_step() -> list[Case]:
 def _lm_head_step() -> list[Case]:
     """The whole step with the logits path, the fused head and linear_token_loss (tools/bench/whole_step.py)."""
     return [Case(p, T=T, V=QWEN3_VOCAB, dtype="bf16", entropy="grad")
-            for T in (HEADLINE_TOKENS, 32768) for p in WHOLE_STEP_PROVIDERS[1:]]
+            for T in (HEADLINE_TOKENS, 32768) for p in HEAD_STEP_PROVIDERS]
 
 
 def _lm_head_step_smoke() -> list[Case]:
-    return [Case(p, T=8, V=256, dtype="fp32", entropy="grad") for p in WHOLE_STEP_PROVIDERS[1:]]
+    return [Case(p, T=8, V=256, dtype="fp32", entropy="grad") for p in HEAD_STEP_PROVIDERS]
 
 
 def _whole_step_smoke() -> list[Case]:
@@ -192,29 +232,71 @@ def _whole_step_smoke() -> list[Case]:
     return [Case("qwen3_step", validate=True, **s), Case("qwen3_step", validate=False, **s)]
 
 
+def _lm_head_suite(providers: Sequence[str], local_shape: Sequence[str]) -> list[HeadCase]:
+    cases = []
+    for tp in LM_HEAD_TP:
+        cases += [HeadCase(p, T, LM_HEAD_HIDDEN, QWEN3_VOCAB, tp) for T in LM_HEAD_TOKENS for p in providers]
+    # The local shape of a TP = 2 rank, at TP = 1: the reference of the TP = 2 target.
+    return cases + [HeadCase(p, T, LM_HEAD_HIDDEN, QWEN3_VOCAB // 2) for T in LM_HEAD_TOKENS for p in local_shape]
+
+
+def _lm_head() -> list[HeadCase]:
+    return _lm_head_suite(LM_HEAD_PROVIDERS, LM_HEAD_LOCAL_SHAPE)
+
+
+def _lm_head_own() -> list[HeadCase]:
+    return _lm_head_suite(LM_HEAD_OWN, LM_HEAD_OWN_LOCAL_SHAPE)
+
+
+def _lm_head_smoke() -> list[HeadCase]:
+    return [HeadCase(p, 16, 64, 256, tp) for tp in (1, 2) for p in LM_HEAD_PROVIDERS]
+
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+    family: str  # which family measures its cases (tools/bench/runner.py FAMILIES)
+    cases: Callable[[], list]
+
+
 SUITES = {
-    "headline": _headline,
-    "tp_ref": _tp_ref,
-    "sweep": _sweep,
-    "options": _options,
-    "grid": _grid,
-    "tp2": _tp2,
-    "smoke": _smoke,
-    "whole_step": _whole_step,
-    "whole_step_smoke": _whole_step_smoke,
-    "lm_head_step": _lm_head_step,
-    "lm_head_step_smoke": _lm_head_step_smoke,
+    "headline": Suite("logits", _headline),
+    "tp_ref": Suite("logits", _tp_ref),
+    "sweep": Suite("logits", _sweep),
+    "options": Suite("logits", _options),
+    "grid": Suite("logits", _grid),
+    "tp2": Suite("logits", _tp2),
+    "smoke": Suite("logits", _smoke),
+    "whole_step": Suite("logits", _whole_step),
+    "whole_step_smoke": Suite("logits", _whole_step_smoke),
+    "lm_head_step": Suite("logits", _lm_head_step),
+    "lm_head_step_smoke": Suite("logits", _lm_head_step_smoke),
+    "lm_head": Suite("lm_head", _lm_head),
+    "lm_head_own": Suite("lm_head", _lm_head_own),
+    "lm_head_smoke": Suite("lm_head", _lm_head_smoke),
 }
 
 
-def suite_cases(names: Iterable[str]) -> list[Case]:
-    """Cases of the named suites in order, duplicates dropped (first occurrence wins)."""
-    seen, out = set(), []
+def suite_family(names: Iterable[str]) -> str:
+    """The one family of the named suites."""
+    families = []
     for name in names:
         if name not in SUITES:
             raise ValueError(f"unknown suite {name!r}; expected one of {sorted(SUITES)}")
-        for case in SUITES[name]():
-            if case not in seen:
+        families.append(SUITES[name].family)
+    if len(set(families)) != 1:
+        raise ValueError(f"suites {list(names)} mix the {' and '.join(sorted(set(families)))} families: run each alone")
+    return families[0]
+
+
+def suite_cases(names: Iterable[str], tp: Optional[int] = None) -> list:
+    """Cases of the named suites (of one family) in order, only those of `tp` when given, duplicates dropped
+    (first occurrence wins)."""
+    names = list(names)
+    suite_family(names)
+    seen, out = set(), []
+    for name in names:
+        for case in SUITES[name].cases():
+            if case not in seen and (tp is None or case.tp == tp):
                 seen.add(case)
                 out.append(case)
     return out

@@ -44,7 +44,7 @@ timeout 300 python3 tools/bench/bench.py --suite=lm_head_own --label="$LABEL" --
   --max_reps=20 2>&1 | tee -a "$LOG"
 fi
 if step pieces; then
-timeout 150 python3 -m tools.bench.lm_head --pieces --out="$OUT/b/pieces.csv" 2>&1 | tee -a "$LOG"
+timeout 150 python3 tools/bench/bench.py --suite=lm_head_pieces --label="$LABEL" --out_dir="$OUT/b" 2>&1 | tee -a "$LOG"
 fi
 if step whole; then
 timeout 200 python3 tools/bench/bench.py --suite=lm_head_step --providers=qwen3_step_ckpt,qwen3_step_head,qwen3_step_loss \

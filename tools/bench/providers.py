@@ -17,30 +17,27 @@ Providers:
           gradient into its input, so the step clones the logits first; the clone is timed, as any caller pays it.
           Rows dropped by the row mask are passed as its ignore_index (-100), which it skips.
 
-`unsupported(case, device)` gives the reason a provider cannot run a case (missing package or option), or None;
-the bench records it as "skipped: <reason>" and prints it.
+Each provider is a contract.Provider in PROVIDERS; its `unsupported(case, device)` gives the reason it cannot run a
+case (missing package or option), or None; the bench records it as "skipped: <reason>" and prints it.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import importlib
 import os
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from tools.bench import whole_step
 from tools.bench.cases import Case
+from tools.bench.contract import Closure, Provider, first_import_problem, registry
 from tools.bench.inputs import IGNORED_TOKEN, Inputs
 
-
-@dataclasses.dataclass
-class Closure:
-    prepare: Callable[[], torch.Tensor]
-    step: Callable[[torch.Tensor], object]
-    forward: Callable[[], tuple]
+# What each provider imports (in its build function, so that the bench starts without them).
+TRITON_MODULES = ("triton", "ppo_ops")
+TORCH_MODULES = ("ppo_ops",)
+LEGACY_MODULES = ("megatron.core", "ppo_ops.legacy")
+LIGER_MODULES = ("liger_kernel.transformers.functional",)
 
 
 def _grad(outputs: list, grads: list, logits: torch.Tensor):
@@ -58,17 +55,6 @@ def _outputs_and_grads(case: Case, inp: Inputs, log_prob, entropy):
 
 def _fp32_1d(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if x is None else x.detach().float().reshape(-1)
-
-
-@functools.lru_cache(maxsize=None)
-def _import_error(module: str) -> Optional[str]:
-    """None when `module` imports, else why not (cached: imports are slow)."""
-    try:
-        importlib.import_module(module)
-    except Exception as error:  # ImportError, or a package that fails at import (e.g. needs a GPU driver)
-        first_line = (str(error).splitlines() or [""])[0]
-        return f"{module} is not importable ({type(error).__name__}: {first_line})"
-    return None
 
 
 # --- ppo_ops (triton and torch backends) ----------------------------------------------------------------------------
@@ -124,11 +110,11 @@ def build_torch(case: Case, inp: Inputs) -> Closure:
 def _unsupported_triton(case: Case, device: torch.device) -> Optional[str]:
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return "the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)"
-    return _import_error("triton") or _import_error("ppo_ops")
+    return first_import_problem(TRITON_MODULES)
 
 
 def _unsupported_torch(case: Case, device: torch.device) -> Optional[str]:
-    return _import_error("ppo_ops")
+    return first_import_problem(TORCH_MODULES)
 
 
 # --- legacy reference ----------------------------------------------------------------------------------------------
@@ -163,7 +149,7 @@ def build_legacy(case: Case, inp: Inputs) -> Closure:
 def _unsupported_legacy(case: Case, device: torch.device) -> Optional[str]:
     if case.row_frac < 1.0:
         return "the legacy API has no row mask"
-    return _import_error("megatron.core") or _import_error("ppo_ops.legacy")
+    return first_import_problem(LEGACY_MODULES)
 
 
 # --- naive torch ---------------------------------------------------------------------------------------------------
@@ -246,46 +232,14 @@ def _unsupported_liger(case: Case, device: torch.device) -> Optional[str]:
         return "Liger-Kernel's cross entropy has no keep mask"
     if device.type != "cuda":
         return "Liger-Kernel needs a GPU"
-    return _import_error("liger_kernel.transformers.functional")
+    return first_import_problem(LIGER_MODULES)
 
 
-# Modules each provider imports (lazily, in its build function).
-_MODULES = {
-    "triton": ("triton", "ppo_ops"),
-    "torch": ("ppo_ops",),
-    "legacy": ("megatron.core", "ppo_ops.legacy"),
-    "naive": (),
-    "liger": ("liger_kernel.transformers.functional",),
-    "qwen3_step": ("transformers", "ppo_ops"),
-    **{name: ("transformers", "ppo_ops") for name in whole_step.HEAD_PROVIDERS},
-}
-
-
-def preload(names) -> None:
-    """Imports what the named providers need, now rather than inside a case (failures are reported per case)."""
-    for name in names:
-        for module in _MODULES[name]:
-            _import_error(module)
-
-
-@dataclasses.dataclass(frozen=True)
-class Provider:
-    name: str
-    build: Callable[[Case, Inputs], Closure]
-    unsupported: Callable[[Case, torch.device], Optional[str]]
-    checked: bool = True  # forward() is compared with the float64 reference of the case's logits
-
-
-PROVIDERS = {
-    p.name: p
-    for p in (
-        Provider("triton", build_triton, _unsupported_triton),
-        Provider("torch", build_torch, _unsupported_torch),
-        Provider("legacy", build_legacy, _unsupported_legacy),
-        Provider("naive", build_naive, _unsupported_naive),
-        Provider("liger", build_liger, _unsupported_liger),
-        # Its logits come from a model, not from the case's inputs: no reference check (see whole_step.py).
-        Provider(whole_step.PROVIDER, whole_step.build, whole_step.unsupported, checked=False),
-        *(Provider(name, whole_step.build, whole_step.unsupported, checked=False) for name in whole_step.HEAD_PROVIDERS),
-    )
-}
+PROVIDERS = registry(
+    Provider("triton", build_triton, _unsupported_triton, modules=TRITON_MODULES),
+    Provider("torch", build_torch, _unsupported_torch, modules=TORCH_MODULES),
+    Provider("legacy", build_legacy, _unsupported_legacy, modules=LEGACY_MODULES),
+    Provider("naive", build_naive, _unsupported_naive),
+    Provider("liger", build_liger, _unsupported_liger, modules=LIGER_MODULES),
+    *whole_step.PROVIDERS,
+)

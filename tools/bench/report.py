@@ -14,7 +14,7 @@ from __future__ import annotations
 import csv
 import math
 import os
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 COLUMNS = (
     "provider", "T", "V", "V_local", "dtype", "entropy", "keep_mask", "row_frac", "kept_rows", "tp", "validate",
@@ -35,21 +35,34 @@ def fmt_bool(value: Optional[bool]) -> str:
     return "n/a" if value is None else ("on" if value else "off")
 
 
-def append_csv(path: str, rows: Iterable[dict]) -> None:
-    """Appends rows (dicts keyed by COLUMNS); writes the header when the file is new. Refuses a foreign header."""
+def append_csv(path: str, rows: Iterable[dict], columns: Sequence[str] = COLUMNS) -> None:
+    """Appends rows (dicts keyed by `columns`); writes the header when the file is new. Refuses a foreign header."""
     rows = list(rows)
     new = not os.path.exists(path) or os.path.getsize(path) == 0
-    if not new:
-        with open(path, newline="") as f:
-            header = next(csv.reader(f), None)
-        if tuple(header or ()) != COLUMNS:
-            raise ValueError(f"{path}: existing CSV has columns {header}, expected {list(COLUMNS)}; use a new --csv")
+    if not new and csv_columns(path) != tuple(columns):
+        raise ValueError(f"{path}: existing CSV has columns {list(csv_columns(path))}, expected {list(columns)}; "
+                         "use a new --csv")
     with open(path, "a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=columns)
         if new:
             writer.writeheader()
         for row in rows:
-            writer.writerow({k: _cell(row.get(k)) for k in COLUMNS})
+            writer.writerow({k: _cell(row.get(k)) for k in columns})
+
+
+def csv_columns(path: str) -> tuple:
+    """The header of an existing CSV."""
+    with open(path, newline="") as f:
+        return tuple(next(csv.reader(f), None) or ())
+
+
+def write_csv(path: str, rows: Iterable[dict], columns: Sequence[str]) -> None:
+    """Writes the whole file: the header, then each row's `columns` (missing ones empty)."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _cell(row.get(k)) for k in columns})
 
 
 def _cell(value) -> str:
@@ -91,7 +104,8 @@ def _find(rows: list[dict], **fields) -> Optional[dict]:
     return None
 
 
-def _label(row: dict) -> str:
+def case_label(row: dict) -> str:
+    """The provider and the options that set a row apart from its default (the tables' and the plot's name)."""
     label = row["provider"]
     if row.get("inplace_grad") == "on":
         label += " inplace"
@@ -199,7 +213,7 @@ def _case_cells(row: dict) -> list[str]:
     status = row["status"] if row.get("check") in ("", "ok", None) else f"{row['status']}, check {row['check']}"
     rows = "all" if row["row_frac"] == "1.0" else f"{float(row['row_frac']):.0%}"
     return [
-        _label(row), row["T"], row["V"], row["dtype"], row["entropy"], row["keep_mask"], rows, row["tp"],
+        case_label(row), row["T"], row["V"], row["dtype"], row["entropy"], row["keep_mask"], rows, row["tp"],
         _fmt(row, "p50_ms", ".3f"), spread, _fmt(row, "gbps", "g"), _fmt(row, "frac_copy_bw", ".0%"),
         _fmt(row, "peak_extra_mib", ".1f"), status,
     ]
@@ -220,7 +234,7 @@ def render_markdown(all_rows: list[dict]) -> str:
         parts.append(f"- {gpu} ({device}); torch {torch_v}, triton {triton_v}, ppo_ops {ppo_v}, "
                      f"liger-kernel {liger_v or 'absent'}, megatron-core {mcore_v or 'absent'} "
                      f"(its jit_fuser's torch.compile {compiled})")
-    for gpu, tp, copy in copies:
+    for _gpu, tp, copy in copies:
         copy_text = _fmt({"c": copy}, "c", "g")
         parts.append(f"- measured device copy bandwidth (read + write) in the TP={tp} run: {copy_text} GB/s per GPU")
     if dates:
@@ -264,7 +278,7 @@ def plot_series(all_rows: list[dict]) -> tuple[Optional[str], dict]:
         sel = [r for r in rows if r["V"] == vocab and r["dtype"] == dtype and r["entropy"] == entropy]
         panel = {}
         for row in sorted(sel, key=lambda r: int(r["T"])):
-            panel.setdefault(_label(row), []).append((
+            panel.setdefault(case_label(row), []).append((
                 int(row["T"]), _num(row, "p20_ms"), _num(row, "p50_ms"), _num(row, "p80_ms"),
                 _num(row, "peak_extra_mib"),
             ))

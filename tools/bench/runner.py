@@ -1,10 +1,11 @@
-"""Runs the bench's cases on one rank or, spawned, on each rank of a TP group in lockstep; rank 0 records.
+"""Runs the cases of one bench family on one rank or, spawned, on each rank of a TP group in lockstep; rank 0 records.
 
 Per case (see bench.py for the flow): skip with a reason, or make inputs, check, warm up, peak memory, time. Ranks
 agree before each case whether the time budget is spent (one small all-reduce), so they never diverge on which
-cases run; per-case results are all-gathered to rank 0, which merges them (slowest rank's times, largest peak) and
-appends one CSV row. Between cases everything but the current input set is freed; an input set is reused by
-consecutive cases with the same shape and masks.
+cases run; per-case results are all-gathered to rank 0, which has the family merge them into one row (the slowest
+rank's times, the largest peak) and append it. Between cases everything but the current input set is freed; an input
+set is reused by consecutive cases with the same input_key(). What differs between families (cases, inputs,
+providers, the check, the row, the report) is theirs (contract.py); measuring and the ranks are here.
 """
 
 from __future__ import annotations
@@ -24,11 +25,8 @@ import torch
 import torch.distributed as dist
 
 from tools import rank_exit
-from tools.bench import measure, report
-from tools.bench.cases import Case
-from tools.bench.check import check_forward, reference_rows
-from tools.bench.inputs import make_inputs
-from tools.bench.providers import PROVIDERS, preload
+from tools.bench import lm_head, logits, measure
+from tools.bench.contract import Family, RankResult, RunInfo, preload
 
 _DIST_TIMEOUT = datetime.timedelta(minutes=5)  # a rank stuck in a collective (e.g. its peer died) fails, not hangs
 
@@ -42,7 +40,7 @@ class OutputPaths:
 
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
-    cases: list  # [Case], in the order to run
+    cases: list  # the family's cases, in the order to run
     tp: int
     device: str  # "cuda" | "cpu"
     paths: OutputPaths
@@ -54,32 +52,36 @@ class BenchConfig:
     check_rows: int = 8
     time_budget_s: float = 0.0  # 0: no limit
     seed: int = 1234
+    family: str = "logits"  # a key of FAMILIES
+    label: str = ""  # a name for this run, on each row of the families that record one
 
 
-def render(paths: OutputPaths) -> None:
-    report.render(paths.csv, paths.md, paths.png)
-    print(f"wrote {paths.md} and {paths.png} from {paths.csv}", flush=True)
+FAMILIES = {"logits": logits.LogitsFamily, "lm_head": lm_head.LmHeadFamily}
+
+
+def family_of(config: BenchConfig) -> Family:
+    return FAMILIES[config.family](config)
 
 
 def run(config: BenchConfig) -> int:
-    """Runs every case, appends the CSV, renders Markdown and PNG; returns 1 if a case hit an unexpected error or
-    failed its check."""
+    """Runs every case, appends the record, renders the report; returns 1 if a row of this run is a problem (an
+    unexpected error, a failed check)."""
     if config.device == "cuda" and torch.cuda.device_count() < config.tp:
         raise ValueError(f"--tp={config.tp} needs {config.tp} CUDA devices, found {torch.cuda.device_count()}"
                          + ("" if config.tp > 1 else "; use --device=cpu to exercise the plumbing"))
-    before = len(report.read_csv(config.paths.csv)) if os.path.exists(config.paths.csv) else 0
+    family = family_of(config)
+    before = len(family.record_rows())
     if config.tp == 1:
         device = torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda" else torch.device("cpu")
         _run_rank(config, device, group=None, rank=0)
     else:
         _spawn_ranks(config)
-    rows = report.read_csv(config.paths.csv)[before:] if os.path.exists(config.paths.csv) else []
-    render(config.paths)
-    errors = [r for r in rows if r["status"].startswith("error")]
-    failed_checks = [r for r in rows if r["check"].startswith("fail")]
-    for r in errors + failed_checks:
-        print(f"PROBLEM: {r['provider']} T={r['T']} {r['dtype']} entropy={r['entropy']}: {r['status']} {r['check']}")
-    return 1 if errors or failed_checks else 0
+    rows = family.record_rows()[before:]
+    family.render()
+    problems = [p for p in map(family.problem, rows) if p]
+    for p in problems:
+        print(f"PROBLEM: {p}")
+    return 1 if problems else 0
 
 
 # How long a terminated rank may take to go before it is killed.
@@ -168,28 +170,24 @@ def environment(device: torch.device) -> dict:
 
 
 class _InputCache:
-    """Keeps the last input set and its float64 references (one per entropy mode); a new key frees the old set
-    before allocating."""
+    """Keeps the last input set and its memo (the family's float64 references and the like); a new key frees the
+    old set before allocating."""
 
-    def __init__(self, config: BenchConfig, device: torch.device, group, rank: int):
-        self._config, self._device, self.group, self._rank = config, device, group, rank
-        self._key, self._inputs, self._refs = None, None, {}
+    def __init__(self, family: Family, config: BenchConfig, device: torch.device, group, rank: int):
+        self._family, self._config, self._device, self.group, self._rank = family, config, device, group, rank
+        self._key, self._inputs, self._memo = None, None, {}
 
-    def get(self, case: Case):
+    def get(self, case):
+        """(inputs, memo) of the case."""
         if case.input_key() != self._key:
             self.clear()
-            self._inputs = make_inputs(case, self._device, seed=self._config.seed, rank=self._rank, group=self.group)
+            self._inputs = self._family.make_inputs(case, self._device, seed=self._config.seed, rank=self._rank,
+                                                    group=self.group)
             self._key = case.input_key()
-        return self._inputs
-
-    def reference(self, case: Case):
-        """Float64 reference rows for the case's check (collective when TP > 1, like the check itself)."""
-        if case.entropy not in self._refs:
-            self._refs[case.entropy] = reference_rows(case, self.get(case), self._config.check_rows)
-        return self._refs[case.entropy]
+        return self._inputs, self._memo
 
     def clear(self) -> None:
-        self._key, self._inputs, self._refs = None, None, {}
+        self._key, self._inputs, self._memo = None, None, {}
         _free_memory(self._device)
 
 
@@ -204,65 +202,35 @@ def _is_oom(error: BaseException) -> bool:
     return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
-def _run_case(case: Case, config: BenchConfig, device: torch.device, cache: _InputCache) -> dict:
+def _run_case(case, family: Family, config: BenchConfig, device: torch.device, cache: _InputCache) -> RankResult:
     """This rank's measurement of one case: status, check, timing quantiles, peak extra bytes."""
-    reason = PROVIDERS[case.provider].unsupported(case, device)
+    provider = family.providers[case.provider]
+    reason = provider.unsupported(case, device)
     if reason:
-        return {"status": f"skipped: {reason}"}
+        return RankResult(f"skipped: {reason}")
     closure = None
     try:
-        inp = cache.get(case)
-        closure = PROVIDERS[case.provider].build(case, inp)
-        checked = config.check_rows and PROVIDERS[case.provider].checked
-        check = check_forward(closure.forward(), cache.reference(case)) if checked else ""
+        inputs, memo = cache.get(case)
+        closure = provider.build(case, inputs)
+        checks = family.check(case, inputs, closure, memo, config.check_rows)
         estimate = measure.warm_up(closure.step, closure.prepare, device, config.warmup)
         # Every rank must time the same number of steps (each step issues collectives): agree on the estimate the
         # repetition count comes from. Ranks that each picked their own once deadlocked the TP=2 run.
-        estimate = _max_over_ranks(estimate, cache.group, device)
+        estimate = max_over_ranks(estimate, cache.group, device)
         peak = measure.peak_extra_bytes(closure.step, closure.prepare, device)
         timing = measure.time_step(closure.step, closure.prepare, device, estimate_ms=estimate,
                                    min_reps=config.min_reps, max_reps=config.max_reps, target_ms=config.target_ms)
-        return {"status": "ok", "check": check, "timing": timing, "peak": peak}
+        return RankResult("ok", checks, timing, peak)
     except Exception as error:  # recorded per case so one failure does not lose the run
         if _is_oom(error):
             cache.clear()
-            return {"status": "OOM"}
+            return RankResult("OOM")
         traceback.print_exc()
         first_line = (str(error).splitlines() or [""])[0][:200]
-        return {"status": f"error: {type(error).__name__}: {first_line}"}
+        return RankResult(f"error: {type(error).__name__}: {first_line}")
     finally:
         del closure
         _free_memory(device)
-
-
-def _merge(case: Case, results: list[dict], env: dict, copy_gbps: float) -> dict:
-    """One CSV row from all ranks' results: slowest rank's quantiles, largest peak, first problem."""
-    bytes_ = measure.case_bytes(case.T, case.v_local, case.dtype, case.kept_rows, case.keep_mask)
-    row = dict(
-        provider=case.provider, T=case.T, V=case.V, V_local=case.v_local, dtype=case.dtype, entropy=case.entropy,
-        keep_mask=report.fmt_bool(case.keep_mask), row_frac=f"{case.row_frac:.1f}", kept_rows=case.kept_rows,
-        tp=case.tp, validate=report.fmt_bool(case.validate), inplace_grad=report.fmt_bool(case.inplace_grad),
-        bytes_fwd=bytes_.fwd, bytes_bwd=bytes_.bwd, copy_gbps=copy_gbps,
-        grad_mib=case.T * case.v_local * measure.DTYPE_BYTES[case.dtype] / measure.MIB, **env,
-    )
-    bad = [r for r in results if r["status"] != "ok"]
-    row["status"] = bad[0]["status"] if bad else "ok"
-    checks = [r.get("check", "") for r in results]
-    row["check"] = next((c for c in checks if c and c != "ok"), checks[0])
-    if bad:
-        return row
-    timings = [r["timing"] for r in results]
-    row.update(
-        reps=min(t.reps for t in timings),
-        p20_ms=max(t.p20_ms for t in timings),
-        p50_ms=max(t.p50_ms for t in timings),
-        p80_ms=max(t.p80_ms for t in timings),
-    )
-    row["gbps"] = measure.gbps(bytes_.total, row["p50_ms"])
-    row["frac_copy_bw"] = row["gbps"] / copy_gbps if copy_gbps else None
-    peaks = [r["peak"] for r in results if r["peak"] is not None]
-    row["peak_extra_mib"] = max(peaks) / measure.MIB if peaks else None
-    return row
 
 
 def _gather(obj, group, world_size: int) -> list:
@@ -273,7 +241,8 @@ def _gather(obj, group, world_size: int) -> list:
     return out
 
 
-def _max_over_ranks(value: float, group, device: torch.device) -> float:
+def max_over_ranks(value: float, group, device: torch.device) -> float:
+    """The largest of every rank's `value` (the value itself without a group)."""
     if group is None:
         return value
     t = torch.tensor([value], dtype=torch.float64, device=device)
@@ -289,41 +258,34 @@ def _any_rank(flag: bool, group, device: torch.device, world_size: int) -> bool:
     return bool(t.item())
 
 
-def _describe(row: dict) -> str:
-    head = (f"{report._label(row):22s} T={row['T']:>5} V={row['V']:>6} {row['dtype']} entropy={row['entropy']:5s} "
-            f"keep={row['keep_mask']:3s} rows={row['row_frac']} tp={row['tp']}")
-    if row["status"] != "ok":
-        return f"{head}: {row['status']}"
-    frac = row.get("frac_copy_bw")
-    peak = row.get("peak_extra_mib")
-    return (f"{head}: p50 {row['p50_ms']:.3f} ms [{row['p20_ms']:.3f}, {row['p80_ms']:.3f}] "
-            f"{row['gbps']:.0f} GB/s" + (f" ({frac:.0%} of copy)" if frac else "")
-            + (f", peak extra {peak:.1f} MiB" if peak is not None else "") + f", check {row['check'] or 'off'}")
-
-
 def _run_rank(config: BenchConfig, device: torch.device, group, rank: int) -> None:
     world = config.tp
+    family = family_of(config)
     env = environment(device)
-    copy = measure.copy_bandwidth(device, config.copy_bytes, warmup=config.warmup, min_reps=config.min_reps,
-                                  max_reps=config.max_reps, target_ms=config.target_ms)
-    copy_gbps = max(_gather(copy.gbps, group, world))
-    if rank == 0:
-        print(f"{env['gpu']}: device copy {copy_gbps:.0f} GB/s (read + write, {copy.nbytes >> 20} MiB buffer); "
-              f"{len(config.cases)} cases, TP={world}", flush=True)
-    preload(sorted({c.provider for c in config.cases}))
+    copy_gbps = None
+    if family.measures_copy_bandwidth:
+        copy = measure.copy_bandwidth(device, config.copy_bytes, warmup=config.warmup, min_reps=config.min_reps,
+                                      max_reps=config.max_reps, target_ms=config.target_ms)
+        copy_gbps = max(_gather(copy.gbps, group, world))
+        if rank == 0:
+            print(f"{env['gpu']}: device copy {copy_gbps:.0f} GB/s (read + write, {copy.nbytes >> 20} MiB buffer); "
+                  f"{len(config.cases)} cases, TP={world}", flush=True)
+    elif rank == 0:
+        print(f"{env['gpu']}: {len(config.cases)} cases, TP={world}", flush=True)
+    preload([family.providers[name] for name in sorted({c.provider for c in config.cases})])
     # Imports (megatron-core especially) leave millions of objects that every gc.collect() would walk again; freeze
     # them so that freeing memory between cases costs milliseconds.
     gc.collect()
     gc.freeze()
     try:
-        _run_cases(config, device, group, rank, env, copy_gbps)
+        _run_cases(config, family, device, group, rank, RunInfo(env=env, copy_gbps=copy_gbps, label=config.label))
     finally:
         gc.unfreeze()  # frozen objects are never freed: nanobind (triton) would report them as leaks at exit
 
 
-def _run_cases(config: BenchConfig, device: torch.device, group, rank: int, env: dict, copy_gbps: float) -> None:
+def _run_cases(config: BenchConfig, family: Family, device: torch.device, group, rank: int, info: RunInfo) -> None:
     world = config.tp
-    cache = _InputCache(config, device, group, rank)
+    cache = _InputCache(family, config, device, group, rank)
     start = time.monotonic()
     for index, case in enumerate(config.cases):
         over = config.time_budget_s > 0 and time.monotonic() - start > config.time_budget_s
@@ -333,9 +295,9 @@ def _run_cases(config: BenchConfig, device: torch.device, group, rank: int, env:
                 print(f"time budget of {config.time_budget_s:.0f} s spent: {len(left)} cases not run, first "
                       f"{left[0]}", flush=True)
             break
-        results = _gather(_run_case(case, config, device, cache), group, world)
+        results = _gather(_run_case(case, family, config, device, cache), group, world)
         if rank == 0:
-            row = _merge(case, results, env, copy_gbps)
-            report.append_csv(config.paths.csv, [row])
-            print(_describe(row), flush=True)
+            row = family.row(case, results, info)
+            family.append(row)
+            print(family.describe(row), flush=True)
     cache.clear()

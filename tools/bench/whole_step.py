@@ -28,12 +28,12 @@ from typing import Optional
 
 import torch
 
-from tools.bench.cases import QWEN3_VOCAB, Case
+from tools.bench.cases import HEAD_STEP_PROVIDERS, QWEN3_VOCAB, WHOLE_STEP_PROVIDERS, Case
+from tools.bench.contract import Closure, Provider, first_import_problem
 from tools.bench.inputs import Inputs
 from tools.bench.measure import TORCH_DTYPES
 
-PROVIDER = "qwen3_step"
-HEAD_PROVIDERS = ("qwen3_step_ckpt", "qwen3_step_head", "qwen3_step_loss")  # see the module docstring
+MODULES = ("transformers", "ppo_ops")
 QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                   head_dim=128, intermediate_size=3072, vocab_size=QWEN3_VOCAB, tie_word_embeddings=True,
                   rope_theta=1e6, max_position_embeddings=40960)
@@ -64,12 +64,11 @@ def build_model(case: Case, device: torch.device):
 
 
 def build(case: Case, inp: Inputs):
-    """A Closure (tools/bench/providers.py): prepare() clears the parameters' gradients, step() runs the whole step."""
+    """prepare() clears the parameters' gradients, step() runs the whole step."""
     import ppo_ops
-    from tools.bench.providers import Closure
 
     model = build_model(case, inp.tokens.device)
-    if case.provider in HEAD_PROVIDERS:
+    if case.provider in HEAD_STEP_PROVIDERS:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids = inp.tokens.reshape(1, -1)  # the sampled tokens, as the model's input
     targets = torch.roll(inp.tokens, -1)  # next-token targets (the last wraps around: a valid id all the same)
@@ -109,10 +108,12 @@ def build(case: Case, inp: Inputs):
 
 
 def unsupported(case: Case, device: torch.device) -> Optional[str]:
-    from tools.bench.providers import _import_error
-
     if case.tp > 1:
         return "the whole-step case runs one model on one rank"
     if case.entropy != "grad" or case.keep_mask or case.row_frac < 1.0:
         return "the whole-step case trains on log-prob + entropy with grad, no masks"
-    return _import_error("transformers") or _import_error("ppo_ops")
+    return first_import_problem(MODULES)
+
+
+# Their logits come from a model, not from the case's inputs: no reference check (see the module docstring).
+PROVIDERS = tuple(Provider(name, build, unsupported, checked=False, modules=MODULES) for name in WHOLE_STEP_PROVIDERS)

@@ -1,0 +1,54 @@
+"""The parts of ppo_ops below its public API that the LM-head bench measures: the switch between the fused head's two
+half-precision paths, and the chunked path's pieces (its GEMMs, its passes, its chunk shape). Every other bench module
+uses the public `ppo_ops` API only, so a change of ppo_ops' internal layout is followed here alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+from ppo_ops import _linear_chunked, _linear_shell
+from ppo_ops._linear_backend import LinearShard
+
+# The chunked path's row-block shape (rows, dw_rows, loss_rows, loss_dw_rows).
+DEFAULT_CHUNK_SHAPE = _linear_chunked.CUDA_SHAPE
+
+
+@contextlib.contextmanager
+def half_precision_path(path: str):
+    """The fused head's half-precision path while the block runs: "chunked" (cuBLAS GEMMs on fixed-shape chunks, the
+    default) or "triton-gemm" (its Triton GEMM kernels)."""
+    before = _linear_shell.HALF_PRECISION_PATH
+    _linear_shell.HALF_PRECISION_PATH = path
+    try:
+        yield
+    finally:
+        _linear_shell.HALF_PRECISION_PATH = before
+
+
+@contextlib.contextmanager
+def chunk_shape(**fields):
+    """The chunked path's row-block shape with `fields` replaced while the block runs."""
+    before = _linear_chunked.CUDA_SHAPE
+    _linear_chunked.CUDA_SHAPE = dataclasses.replace(before, **fields)
+    try:
+        yield
+    finally:
+        _linear_chunked.CUDA_SHAPE = before
+
+
+def triton_passes():
+    """The logits op's Triton passes as the chunked path calls them (partials, dlogits)."""
+    return _linear_chunked.backend("triton").passes
+
+
+def shard(vocab: int, seg_len: int) -> LinearShard:
+    """A whole-vocabulary shard (TP = 1) cut into segments of seg_len columns, temperature 1."""
+    return LinearShard(inv_temperature=1.0, n_valid=vocab, seg_len=seg_len, vocab_start=0)
+
+
+# The chunked path's GEMMs: out = a @ b in fp32; acc += a @ b in fp32; out = a @ b rounded to out's dtype.
+mm_fp32 = _linear_chunked._mm_fp32
+addmm_fp32 = _linear_chunked._addmm_fp32
+mm_rounded = _linear_chunked._mm_rounded
