@@ -13,7 +13,6 @@ interpreted step takes about half a second.
 import csv
 import os
 import pathlib
-import signal
 import subprocess
 import sys
 
@@ -343,14 +342,8 @@ def test_cli_rejects_bad_flags(tmp_path, flag, message):
     suite = [] if flag.startswith("--suite") else ["--suite=custom"]
     out = _bench("--device=cpu", *suite, flag, f"--out_dir={tmp_path}", timeout=60)
     assert out.returncode == 2, out.stderr
-    assert message in _one_line(out.stderr)
+    assert message in processes.only_line(out.stderr)
     assert not (tmp_path / "results.csv").exists()
-
-
-def _one_line(stderr):
-    lines = [line for line in stderr.strip().splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in stderr, stderr
-    return lines[0]
 
 
 def test_cli_help_exits_0_and_lists_the_bench_flags():
@@ -367,7 +360,7 @@ def test_cli_unwritable_out_dir_is_one_line_and_exit_2(tmp_path, out_dir):
     out_dir = out_dir.format(file=a_file)
     out = _bench("--device=cpu", "--suite=smoke", f"--out_dir={out_dir}", timeout=60)
     assert out.returncode == 2, out.stderr
-    assert _one_line(out.stderr).startswith(f"bench: error: --out_dir={out_dir}: not a writable folder")
+    assert processes.only_line(out.stderr).startswith(f"bench: error: --out_dir={out_dir}: not a writable folder")
 
 
 
@@ -382,20 +375,8 @@ def test_cli_sigint_exits_130_with_one_line_and_no_rank_left(tmp_path):
                              "--entropy=none,value,grad", "--keep_mask=off,on", "--row_frac=1.0,0.1",
                              "--warmup=1", "--min_reps=50", "--max_reps=50", "--copy_mib=1", f"--out_dir={tmp_path}"],
                             cwd=str(REPO_ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        for line in proc.stdout:  # rank 0 reports the copy bandwidth once the group is up
-            if "device copy" in line:
-                break
-        ranks = processes.children(proc.pid)
-        assert len(ranks) >= 2, "the ranks did not start"
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, err
-    assert processes.interrupted_line(err, "bench") == "bench: interrupted"
-    processes.assert_gone(ranks)
+    # Rank 0 reports the copy bandwidth once the group is up.
+    processes.assert_interrupt_stops_ranks(proc, "bench", stream=proc.stdout, ready_text="device copy")
     # Stopped, not waited for: ranks left to finish (the interpreter's exit waits for non-daemon children) would
     # have measured every case.
     rows = report.read_csv(str(tmp_path / "results.csv")) if (tmp_path / "results.csv").exists() else []
