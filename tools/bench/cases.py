@@ -55,8 +55,9 @@ LM_HEAD_HIDDEN = 4096
 LM_HEAD_TOKENS = (8192, 32768)
 LM_HEAD_TP = (1, 2, 4, 8)  # the TP sizes whose ranks split V = 151936 into the 8 equal segments
 LM_HEAD_PROVIDERS = ("gemms", "gemm1", "unfused", "fused", "fused_novalidate", "fused_gemm", "fused_nograd",
-                     "token_loss", "token_loss_novalidate", "liger", "cce", "cce_exact", "verl")
-LM_HEAD_PEERS = ("liger", "cce", "cce_exact", "verl")  # other projects' kernels
+                     "token_loss", "token_loss_novalidate", "liger", "liger_flsce", "liger_flsce_nograd", "cce",
+                     "cce_exact", "verl")
+LM_HEAD_PEERS = ("liger", "liger_flsce", "liger_flsce_nograd", "cce", "cce_exact", "verl")  # other projects' kernels
 LM_HEAD_OWN = tuple(p for p in LM_HEAD_PROVIDERS if p != "unfused" and p not in LM_HEAD_PEERS)  # ppo_ops + GEMMs
 LM_HEAD_LOCAL_SHAPE = ("gemms", "unfused", "fused", "fused_novalidate")  # lm_head's rows on a TP = 2 rank's shape
 LM_HEAD_OWN_LOCAL_SHAPE = ("gemms", "fused", "token_loss")  # lm_head_own's

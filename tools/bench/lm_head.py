@@ -22,6 +22,9 @@ target. Providers:
             range, entropy bonus, k3 KL to a reference, token mean), validate on and off (token_loss_novalidate): the
             gradient formed in the forward
   liger     Liger-Kernel's fused linear cross entropy (log-prob only, reduction "mean"; TP=1), where installed
+  liger_flsce Liger-Kernel's fused linear scaled cross entropy (per-token NLL and entropy, both gradients; on sm_90
+            its CuTe DSL kernel; TP=1), where it and the CUTLASS DSL are installed; liger_flsce_nograd its forward
+            under torch.no_grad, against gemm1
   cce       Cut Cross-Entropy's linear_cross_entropy (log-prob only, per token; TP=1), gradient filtering on (its
             default: gradient blocks under bf16 eps/32 are skipped, an approximation), where installed
   cce_exact the same with filter_eps=None: exact gradients
@@ -54,7 +57,8 @@ from tools.bench.cases import LM_HEAD_PEERS, LM_HEAD_PROVIDERS, HeadCase
 from tools.bench.contract import Closure, Provider, RankResult, RunInfo, first_import_problem, registry
 
 PEERS = LM_HEAD_PEERS
-ONE_GEMM = ("gemm1", "fused_nograd")  # rows measured against one GEMM (the rest against the three)
+# rows measured against one GEMM (the rest against the three)
+ONE_GEMM = ("gemm1", "fused_nograd", "liger_flsce_nograd")
 BASELINES = ("gemms", "gemm1")
 CHECK_ROWS = 64  # rows compared with float64 (first and last half): a [64, V] float64 logits block is 78 MB
 # The PPO loss of the token_loss rows (ppo_ops.token_losses.policy_loss).
@@ -289,6 +293,38 @@ def build_liger(case: HeadCase, inp: HeadInputs) -> HeadClosure:
     return HeadClosure(step)
 
 
+def build_liger_flsce(case: HeadCase, inp: HeadInputs) -> HeadClosure:
+    """liger_flsce (log-prob and entropy, both gradients) and liger_flsce_nograd (its forward under no_grad)."""
+    from liger_kernel.ops.fused_linear_scaled_cross_entropy import LigerFusedLinearScaledCrossEntropyFunction
+
+    def forward(x, w):  # per-token NLL and entropy; temperature 1, ignore_index -100, one M tile per cluster
+        return LigerFusedLinearScaledCrossEntropyFunction.apply(x, w, inp.tokens, 1.0, -100, 1, True)
+
+    def backward(nll, ent, x, w):
+        return torch.autograd.grad([nll, ent], [x, w], [-inp.g_lp, inp.g_ent])  # log p = -NLL
+
+    def step():
+        x, w = inp.leaves()
+        if case.provider == "liger_flsce_nograd":
+            with torch.no_grad():
+                return forward(x, w)
+        return backward(*forward(x, w), x, w)
+
+    def log_probs():
+        with torch.no_grad():
+            return -forward(*inp.leaves())[0]
+
+    def values():
+        x, w = inp.leaves()
+        nll, ent = forward(x, w)
+        if case.provider == "liger_flsce_nograd":
+            return Values(-nll.detach(), ent.detach())
+        dx, _ = backward(nll, ent, x, w)
+        return Values(-nll.detach(), ent.detach(), dx)
+
+    return HeadClosure(step, log_probs, values)
+
+
 def build_cce(case: HeadCase, inp: HeadInputs) -> HeadClosure:
     """cce (gradient filtering on, its default) and cce_exact."""
     from cut_cross_entropy import linear_cross_entropy
@@ -318,6 +354,8 @@ def build_verl(case: HeadCase, inp: HeadInputs) -> HeadClosure:
 
 PPO_OPS_MODULES = ("ppo_ops",)
 LIGER_MODULES = ("liger_kernel.transformers.functional",)
+# Liger's scaled CE dispatches to its CuTe DSL kernel on sm_90, which needs NVIDIA's CUTLASS DSL (`cutlass`).
+LIGER_FLSCE_MODULES = ("liger_kernel.ops.fused_linear_scaled_cross_entropy", "cutlass")
 CCE_MODULES = ("cut_cross_entropy",)
 
 
@@ -383,6 +421,8 @@ def verl_linear_cross_entropy():
 
 _LIGER_UNSUPPORTED = _single_rank_cuda_peer("Liger's fused linear CE has no vocabulary parallelism",
                                             "Liger's kernels need CUDA", LIGER_MODULES)
+_LIGER_FLSCE_UNSUPPORTED = _single_rank_cuda_peer("this bench runs Liger's scaled CE at TP = 1 only",
+                                                  "Liger's CuTe DSL kernel needs CUDA", LIGER_FLSCE_MODULES)
 _CCE_UNSUPPORTED = _single_rank_cuda_peer("Cut Cross-Entropy has no vocabulary parallelism",
                                           "Cut Cross-Entropy's kernels need CUDA", CCE_MODULES)
 PROVIDERS = registry(
@@ -395,6 +435,8 @@ PROVIDERS = registry(
     *(Provider(name, build_token_loss, _needs_ppo_ops, modules=PPO_OPS_MODULES)
       for name in ("token_loss", "token_loss_novalidate")),
     Provider("liger", build_liger, _LIGER_UNSUPPORTED, modules=LIGER_MODULES),
+    *(Provider(name, build_liger_flsce, _LIGER_FLSCE_UNSUPPORTED, modules=LIGER_FLSCE_MODULES)
+      for name in ("liger_flsce", "liger_flsce_nograd")),
     *(Provider(name, build_cce, _CCE_UNSUPPORTED, modules=CCE_MODULES) for name in ("cce", "cce_exact")),
     Provider("verl", build_verl, _unsupported_verl),
 )
