@@ -14,10 +14,11 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from ppo_ops import _torch_backend, _validate
-from ppo_ops._backend import Backend, ShardOptions
-from ppo_ops._function import LogProbEntropyFunction, Plan
-from ppo_ops._layout import make_layout
+from ppo_ops.core import checks
+from ppo_ops.logits import torch_backend
+from ppo_ops.core.contracts import Backend, ShardOptions
+from ppo_ops.logits.function import LogProbEntropyFunction, Plan
+from ppo_ops.core.layout import make_layout
 
 
 class LogProbsEntropy(NamedTuple):
@@ -70,7 +71,7 @@ def log_probs_and_entropy(
         tokens and options) and make failure collective. Exactly one host sync per call at any TP size: at TP = 1 at
         the end of the forward, at TP > 1 when the ranks' fixed-size headers have been all-gathered, before the
         partials' all-gather; every rank then raises the same error, naming the rank(s) at fault and the argument.
-        False: no host sync, and what ppo_ops/_validate.py lists is no longer guaranteed (out-of-range tokens, NaN
+        False: no host sync, and what ppo_ops/checks.py lists is no longer guaranteed (out-of-range tokens, NaN
         logits and ranks that disagree give wrong results, or an error or wait until the process group's timeout;
         an argument error raises on its own rank only). Must be the same on every rank.
 
@@ -139,7 +140,7 @@ def backend_kind(fn_name: str, backend: str, tensor: torch.Tensor, name: str) ->
         return "torch"
     interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     if backend == "triton" and not (tensor.is_cuda or interpreted):
-        raise _validate.argument_error(
+        raise checks.argument_error(
             ValueError, fn_name, "backend",
             f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before triton is imported, to run its "
             f"kernels on CPU), got {name} on {tensor.device}")
@@ -148,7 +149,7 @@ def backend_kind(fn_name: str, backend: str, tensor: torch.Tensor, name: str) ->
     except ImportError as err:
         if backend == "auto":
             return "torch"
-        raise _validate.argument_error(
+        raise checks.argument_error(
             RuntimeError, fn_name, "backend",
             f"backend='triton' is unavailable ({err}); install triton (pip install triton) or use backend='torch'"
         ) from err
@@ -157,10 +158,10 @@ def backend_kind(fn_name: str, backend: str, tensor: torch.Tensor, name: str) ->
 
 def _select_backend(fn_name: str, backend: str, logits: torch.Tensor) -> Backend:
     if backend_kind(fn_name, backend, logits, "logits") == "torch":
-        return _torch_backend.BACKEND
-    from ppo_ops import _triton_backend
+        return torch_backend.BACKEND
+    from ppo_ops.logits import triton_backend
 
-    return _triton_backend.BACKEND
+    return triton_backend.BACKEND
 
 
 class _Call(NamedTuple):
@@ -178,14 +179,14 @@ def _compute(
     fn_name, logits, tokens, *, tp_group, entropy, keep_mask, temperature, row_mask, vocab_size, chunk_size,
     inplace_grad, backend, validate,
 ) -> LogProbsEntropy:
-    group, world_size, rank = _validate.check_tp_group(fn_name, tp_group)
+    group, world_size, rank = checks.check_tp_group(fn_name, tp_group)
     try:
         call = _prepare(fn_name, logits, tokens, group, world_size, rank, entropy=entropy, keep_mask=keep_mask,
                         temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, chunk_size=chunk_size,
                         inplace_grad=inplace_grad, backend=backend, validate=validate)
     except Exception as exc:
         # TP > 1 with validate=True: the other ranks learn of this error from the header exchange and raise with it.
-        _validate.raise_collectively(fn_name, exc, group, world_size, validate, logits)
+        checks.raise_collectively(fn_name, exc, group, world_size, validate, logits)
     out = LogProbEntropyFunction.apply(call.logits, call.tokens, call.keep_mask, call.row_mask, call.plan)
     if entropy == "none":
         return LogProbsEntropy(out.reshape(call.lead), None)
@@ -196,14 +197,14 @@ def _compute(
 def _prepare(fn_name, logits, tokens, group, world_size, rank, *, entropy, keep_mask, temperature, row_mask,
              vocab_size, chunk_size, inplace_grad, backend, validate) -> _Call:
     """Every local check (no tensor value read, no collective), the layout and the backend."""
-    temperature, inv_temperature, chunk_size, vocab_size = _validate.check_options(
+    temperature, inv_temperature, chunk_size, vocab_size = checks.check_options(
         fn_name, entropy=entropy, backend=backend, temperature=temperature, chunk_size=chunk_size,
         vocab_size=vocab_size, inplace_grad=inplace_grad, validate=validate,
     )
-    _validate.check_tensors(fn_name, logits, tokens, keep_mask, row_mask)
+    checks.check_tensors(fn_name, logits, tokens, keep_mask, row_mask)
     lead, v_local = tuple(logits.shape[:-1]), logits.shape[-1]
     layout = make_layout(group, world_size, rank, v_local, vocab_size)
-    _validate.check_vocab(fn_name, vocab_size, layout.v_global)
+    checks.check_vocab(fn_name, vocab_size, layout.v_global)
     selected = _select_backend(fn_name, backend, logits)
 
     n_rows = math.prod(lead)
@@ -235,11 +236,11 @@ def _flatten_logits_view(fn_name, logits, n_rows, v_local, inplace_grad, needs_u
         try:
             flat = logits.view(n_rows, v_local)
         except RuntimeError as err:
-            raise _validate.argument_error(
+            raise checks.argument_error(
                 ValueError, fn_name, "inplace_grad",
                 f"inplace_grad=True needs logits whose leading dims flatten without a copy (got shape "
                 f"{tuple(logits.shape)}, strides {logits.stride()})") from err
-        _validate.check_inplace_target(fn_name, flat, needs_unit_stride)
+        checks.check_inplace_target(fn_name, flat, needs_unit_stride)
         return flat
     flat = logits.reshape(n_rows, v_local)
     if needs_unit_stride and v_local > 1 and flat.stride(1) != 1:

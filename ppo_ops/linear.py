@@ -1,6 +1,6 @@
 """Public API of the fused LM head: log-probs and entropy straight from hidden states, vocab-parallel, no [T, V] logits.
 
-A thin wrapper: the shell both LM-head ops share (ppo_ops/_linear_shell.py) checks arguments (before any
+A thin wrapper: the shell both LM-head ops share (ppo_ops/shell.py) checks arguments (before any
 collective), resolves the TP layout and the backend and flattens the leading dimensions; LinearLogProbEntropyFunction
 (ppo_ops/_linear_function.py) computes; the leading dimensions are restored here.
 """
@@ -11,8 +11,9 @@ from typing import Optional
 
 import torch
 
-from ppo_ops import _linear_shell, _validate
-from ppo_ops._linear_function import LinearLogProbEntropyFunction
+from ppo_ops.core import checks
+from ppo_ops.lm_head import shell
+from ppo_ops.lm_head.function import LinearLogProbEntropyFunction
 from ppo_ops.api import LogProbsEntropy
 
 _FN = "linear_log_probs_and_entropy"
@@ -84,7 +85,7 @@ def linear_log_probs_and_entropy(
         `gather_from_sequence_parallel_region`, whose backward reduce-scatters it); True would sum it twice.
       backend: "auto" (triton for CUDA tensors when triton imports, else torch), "torch" or "triton".
       validate: run the checks that read tensor values (token range; NaN / +inf logits; ranks agreeing on rows,
-        tokens and options) and make failure collective, as `log_probs_and_entropy` does (ppo_ops/_validate.py):
+        tokens and options) and make failure collective, as `log_probs_and_entropy` does (ppo_ops/checks.py):
         one host read of values per call at any TP size: at TP = 1 at the end of the forward, at TP > 1 when the
         ranks' fixed-size headers have been all-gathered, before the partials' all-gather; every rank then raises
         the same error, naming the rank(s) at fault and the argument. A local argument error (a wrong shape, dtype
@@ -109,14 +110,14 @@ def linear_log_probs_and_entropy(
     Returns:
       LogProbsEntropy(log_probs, entropy), float32, shaped like tokens.
     """
-    group, world_size, rank = _validate.check_tp_group(_FN, tp_group)
+    group, world_size, rank = checks.check_tp_group(_FN, tp_group)
     try:
-        call = _linear_shell.prepare(_FN, hidden, weight, tokens, group, world_size, rank, entropy=entropy,
+        call = shell.prepare(_FN, hidden, weight, tokens, group, world_size, rank, entropy=entropy,
                                      temperature=temperature, row_mask=row_mask, vocab_size=vocab_size,
                                      reduce_dx=reduce_dx, backend=backend, validate=validate, fused_loss=False)
     except Exception as exc:
         # TP > 1 with validate=True: the other ranks learn of this error from the header exchange and raise with it.
-        _validate.raise_collectively(_FN, exc, group, world_size, validate, hidden)
+        checks.raise_collectively(_FN, exc, group, world_size, validate, hidden)
     out = LinearLogProbEntropyFunction.apply(call.hidden, weight, call.tokens, call.row_mask, call.plan)
     if entropy == "none":
         return LogProbsEntropy(out.reshape(call.lead), None)

@@ -1,6 +1,6 @@
 """Public API of the fused LM head with the RL loss's gradient formed inside its forward: linear_token_loss.
 
-A thin wrapper: the shell both LM-head ops share (ppo_ops/_linear_shell.py) checks arguments (before any collective),
+A thin wrapper: the shell both LM-head ops share (ppo_ops/shell.py) checks arguments (before any collective),
 resolves the TP layout and the backend and flattens the leading dimensions; LinearTokenLossFunction
 (ppo_ops/_linear_loss_function.py) computes; the leading dimensions are restored here.
 """
@@ -11,8 +11,9 @@ from typing import Callable, Optional
 
 import torch
 
-from ppo_ops import _linear_shell, _validate
-from ppo_ops._linear_loss_function import LinearTokenLossFunction
+from ppo_ops.core import checks
+from ppo_ops.lm_head import shell
+from ppo_ops.lm_head.loss_function import LinearTokenLossFunction
 from ppo_ops.api import LogProbsEntropy
 
 _FN = "linear_token_loss"
@@ -79,19 +80,19 @@ def linear_token_loss(
     exchange before the first all-gather, the end flags); a row_mask adds one (the kept-row count). validate=False:
     none (plus the row mask's). Under torch.no_grad nothing is kept and only the loss value and the metrics are formed.
     """
-    group, world_size, rank = _validate.check_tp_group(_FN, tp_group)
+    group, world_size, rank = checks.check_tp_group(_FN, tp_group)
     try:
         if not callable(token_loss):
-            raise _validate.argument_error(
+            raise checks.argument_error(
                 TypeError, _FN, "token_loss",
                 f"token_loss must be callable as token_loss(log_probs, entropy, rows) -> [R] float32, got "
                 f"{type(token_loss).__name__}")
-        call = _linear_shell.prepare(_FN, hidden, weight, tokens, group, world_size, rank, entropy=entropy,
+        call = shell.prepare(_FN, hidden, weight, tokens, group, world_size, rank, entropy=entropy,
                                      temperature=temperature, row_mask=row_mask, vocab_size=vocab_size,
                                      reduce_dx=reduce_dx, backend=backend, validate=validate, fused_loss=True)
     except Exception as exc:
         # TP > 1 with validate=True: the other ranks learn of this error from the header exchange and raise with it.
-        _validate.raise_collectively(_FN, exc, group, world_size, validate, hidden)
+        checks.raise_collectively(_FN, exc, group, world_size, validate, hidden)
     loss, log_prob, ent = LinearTokenLossFunction.apply(call.hidden, weight, call.tokens, call.row_mask, call.plan,
                                                         token_loss)
     return loss, LogProbsEntropy(log_prob.reshape(call.lead), None if entropy == "none" else ent.reshape(call.lead))

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 import ppo_ops
-from ppo_ops import _layout, _linear_chunked
+from ppo_ops.core import layout as _layout
+from ppo_ops.lm_head import chunked as _linear_chunked
 from tests.core_support import backend_params, make_weights, triton_skip_reason
 from tests.linear_support import UNIT_ROUNDOFF, V_GLOBAL, assert_within, bounds, inputs
 from tests.ranks import DEVICE, results_by_tp, world_size_param

@@ -31,8 +31,8 @@ if _SKIP:
 pytestmark = pytest.mark.device("cpu")  # the interpreter's contract checks; compiled ones are marked cuda below
 
 # Imported after the skip: these load the kernels, which must see TRITON_INTERPRET first (tests/conftest.py sets it).
-from ppo_ops import _triton_backend as tb  # noqa: E402
-from ppo_ops._row_stats import ENT_SUM, MAX, SUMEXP, TARGET_Z, empty_partials  # noqa: E402
+from ppo_ops.logits import triton_backend as tb  # noqa: E402
+from ppo_ops.core.row_stats import ENT_SUM, MAX, SUMEXP, TARGET_Z, empty_partials  # noqa: E402
 from tests.triton_reference import (NEG_INF, assert_kernel_grad_close, assert_partials_close, check_once,  # noqa: E402
                                     make_case, reference_grad, reference_partials, reference_stats, results_per_tp)
 
@@ -300,20 +300,20 @@ def test_shards_give_the_same_bits(dtype, lane_width, block_v):
 
 def test_errors_name_the_argument():
     logits, _, target_col, _, _, _ = make_case(2, 64)
-    with pytest.raises(TypeError, match="ppo_ops._triton_backend: logits must"):
+    with pytest.raises(TypeError, match="ppo_ops.logits.triton_backend: logits must"):
         tb.forward_partials(logits.double(), None, target_col, None, 1.0, 64, 16, True, None)
     with pytest.raises(ValueError, match="stride"):
         tb.forward_partials(logits.t().contiguous().t(), None, target_col, None, 1.0, 64, 16, True, None)
-    with pytest.raises(ValueError, match="ppo_ops._triton_backend: seg_len must"):
+    with pytest.raises(ValueError, match="ppo_ops.logits.triton_backend: seg_len must"):
         tb.forward_partials(logits, None, target_col, None, 1.0, 64, 24, True, None)
-    with pytest.raises(ValueError, match="ppo_ops._triton_backend: n_valid must"):
+    with pytest.raises(ValueError, match="ppo_ops.logits.triton_backend: n_valid must"):
         tb.forward_partials(logits, None, target_col, None, 1.0, 65, 16, True, None)
-    with pytest.raises(ValueError, match="ppo_ops._triton_backend: keep_mask must"):
+    with pytest.raises(ValueError, match="ppo_ops.logits.triton_backend: keep_mask must"):
         tb.forward_partials(logits, None, target_col, torch.ones(2, 64, dtype=torch.uint8), 1.0, 64, 16, True, None)
     with pytest.raises(ValueError, match="lane_width must be a power of two"):
         tb.forward_partials(logits, None, target_col, None, 1.0, 64, 16, True, None, lane_width=6)
     stats = [torch.zeros(2)] * 4
-    with pytest.raises(ValueError, match="ppo_ops._triton_backend: out must"):
+    with pytest.raises(ValueError, match="ppo_ops.logits.triton_backend: out must"):
         tb.backward_grad(logits, None, target_col, None, 1.0, 64, *stats, stats[0], None, logits.half(), None)
 
 
@@ -378,7 +378,7 @@ MERGE_RTOL = 4e-6  # ~32 ulps: one exp per segment and one log per row, each a f
 
 @pytest.mark.parametrize("has_keep", [False, True])
 def test_fused_merge_matches_torch_merge(has_keep):
-    from ppo_ops import _row_stats
+    from ppo_ops.core import row_stats as _row_stats
     merge_partials = tb.merge_partials
 
     gen = torch.Generator().manual_seed(1)

@@ -25,8 +25,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile as triton_compile, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from ppo_ops import _triton_backend as tb, _triton_kernels  # noqa: E402
-from ppo_ops._row_stats import NUM_PARTIALS  # noqa: E402
+from ppo_ops.logits import triton_backend as tb, triton_kernels as _triton_kernels  # noqa: E402
+from ppo_ops.core.row_stats import NUM_PARTIALS  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H200 (Hopper), 32-thread warps
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

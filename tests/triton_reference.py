@@ -12,8 +12,8 @@ built on it, used by tests/test_triton_backend.py (CPU under the interpreter, an
 
 import torch
 
-from ppo_ops import _triton_backend as tb
-from ppo_ops._row_stats import ENT_SUM, KEPT_SUMEXP, MAX, SUMEXP, TARGET_Z
+from ppo_ops.logits import triton_backend as tb
+from ppo_ops.core.row_stats import ENT_SUM, KEPT_SUMEXP, MAX, SUMEXP, TARGET_Z
 
 NEG_INF = float("-inf")
 

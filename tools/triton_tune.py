@@ -123,7 +123,8 @@ def _print_table(header, rows):
 
 
 def _tune_dtype(name, n_rows, vocab, keep, check_rows):
-    from ppo_ops import _row_stats, _triton_backend as tb
+    from ppo_ops.core import row_stats as _row_stats
+    from ppo_ops.logits import triton_backend as tb
 
     dtype = DTYPES[name]
     dev = torch.device("cuda")
@@ -211,7 +212,7 @@ def main(argv):
         raise app.UsageError("needs a CUDA GPU")
     if _VOCAB.value % 8:
         raise app.UsageError("--vocab must be divisible by 8 (the fixed-segment layout)")
-    from ppo_ops import _triton_backend as tb
+    from ppo_ops.logits import triton_backend as tb
 
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {__import__('triton').__version__}", flush=True)

@@ -184,7 +184,7 @@ def _leaf(x):
 def _build(case: HeadCase, inp: Inputs, interpreted: bool):
     """A provider's Built, or a string saying why it cannot run."""
     import ppo_ops
-    from ppo_ops import _linear_shell
+    from ppo_ops.lm_head import shell as _linear_shell
 
     backend = "triton" if (inp.hidden.is_cuda or interpreted) else "torch"
     if case.provider == "gemms":
@@ -554,8 +554,8 @@ def pieces(out_path, T=8192, seed=1234):
     """Times the chunked path's pieces alone at (T, H, V) = (T, 4096, 151936), bf16, and the forward-only op at
     several row-block sizes; writes one line per piece (name, ms, count of launches, what it is) to out_path."""
     import ppo_ops
-    from ppo_ops import _linear_chunked as lc
-    from ppo_ops._linear_backend import LinearShard
+    from ppo_ops.lm_head import chunked as lc
+    from ppo_ops.core.lm_head_contracts import LinearShard
 
     device = torch.device("cuda")
     inp = Inputs(HeadCase("gemms", T, HIDDEN, VOCAB, 1), device, seed, None, 0)

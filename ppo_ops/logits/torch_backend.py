@@ -32,10 +32,10 @@ from typing import Optional
 
 import torch
 
-from ppo_ops import _row_stats
-from ppo_ops._backend import BackwardStats, RowInputs, RowStats, ShardOptions, UpstreamGrads
-from ppo_ops._layout import target_columns
-from ppo_ops._row_stats import ENT_SUM, KEPT_SUMEXP, MAX, NUM_PARTIALS, SUMEXP, TARGET_Z, empty_partials
+from ppo_ops.core import row_stats
+from ppo_ops.core.contracts import BackwardStats, RowInputs, RowStats, ShardOptions, UpstreamGrads
+from ppo_ops.core.layout import target_columns
+from ppo_ops.core.row_stats import ENT_SUM, KEPT_SUMEXP, MAX, NUM_PARTIALS, SUMEXP, TARGET_Z, empty_partials
 
 # Rows per chunk when the caller sets no bound: each of the two fp32 working buffers stays under this size.
 AUTO_CHUNK_BYTES = 64 * 1024 * 1024
@@ -249,7 +249,7 @@ class TorchBackend:
                                 vocab_start=shard.vocab_start)
 
     def merge_partials(self, partials: torch.Tensor, has_keep_mask: bool) -> RowStats:
-        return _row_stats.merge_partials(partials, has_keep_mask)
+        return row_stats.merge_partials(partials, has_keep_mask)
 
     def backward_grad(self, inputs: RowInputs, shard: ShardOptions, stats: BackwardStats, upstream: UpstreamGrads,
                       out: torch.Tensor) -> None:

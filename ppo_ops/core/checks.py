@@ -34,7 +34,7 @@ from typing import Mapping, NoReturn, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ppo_ops._row_stats import MAX, SUMEXP  # the partials' channels (the bad-logits flag reads them)
+from ppo_ops.core.row_stats import MAX, SUMEXP  # the partials' channels (the bad-logits flag reads them)
 
 ENTROPY_MODES = ("none", "value", "grad")
 BACKENDS = ("auto", "torch", "triton")

@@ -9,7 +9,7 @@ call is host-bound. So the core launches as few torch ops as it can (targets and
 the kernels).
 
 Communication: at TP > 1 forward issues one all-gather of [segments, 5, T] fp32 (plus, with validate=True and before
-it, one all-gather of a fixed-size int64 header per rank: ppo_ops/_validate.py). Backward issues none: given the
+it, one all-gather of a fixed-size int64 header per rank: ppo_ops/checks.py). Backward issues none: given the
 global row stats the gradient is element-wise. At TP = 1 it is the same code with the collectives skipped.
 
 What is kept for backward: a reference to the logits (no copy), the keep mask and the row mask the caller passed, and
@@ -30,9 +30,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ppo_ops import _validate
-from ppo_ops._backend import Backend, BackwardStats, RowInputs, ShardOptions, UpstreamGrads
-from ppo_ops._layout import VocabLayout
+from ppo_ops.core import checks
+from ppo_ops.core.contracts import Backend, BackwardStats, RowInputs, ShardOptions, UpstreamGrads
+from ppo_ops.core.layout import VocabLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,13 +66,13 @@ def merge_row_stats(fn_name: str, layout: VocabLayout, validate: bool, partials:
                     row_mask, *, naming=None, **header_fields):
     """This rank's [local segments, 5, T] partials -> global RowStats, the way every op of ppo_ops does it: at TP > 1
     with validate=True the ranks' fixed-size headers first (the value checks' one host read; `header_fields` as
-    _validate.rank_header takes them), then the all-gather of the partials, then `merge` (the backend's fixed-order
+    checks.rank_header takes them), then the all-gather of the partials, then `merge` (the backend's fixed-order
     merge). The logits op and both LM-head ops (ppo_ops/_linear_shell.py) call this."""
     if layout.group is not None:
         if validate:
             # Before the all-gather of the partials, whose size depends on the call: ranks that disagree, or whose
             # tokens or logits are bad, all raise here together.
-            _validate.check_across_ranks(fn_name, layout.group, layout.world_size, tokens, row_mask, partials,
+            checks.check_across_ranks(fn_name, layout.group, layout.world_size, tokens, row_mask, partials,
                                          naming=naming, v_local=layout.v_local, vocab_size=layout.vocab_size,
                                          **header_fields)
         # Every rank takes part, T = 0 included: [segments, 5, T] has the same shape on every rank.
@@ -103,7 +103,7 @@ class LogProbEntropyFunction(torch.autograd.Function):
             log_prob = torch.where(row_mask, log_prob, torch.zeros_like(log_prob))  # no mass would give -inf
         if plan.validate and plan.layout.group is None:
             # TP = 1: last, so every launch of the forward is queued before the host waits (the one host sync).
-            _validate.check_single_rank_values(plan.fn_name, stats.bad_input, tokens, row_mask,
+            checks.check_single_rank_values(plan.fn_name, stats.bad_input, tokens, row_mask,
                                                plan.layout.vocab_size)
 
         ctx.plan = plan

@@ -8,7 +8,7 @@ tiles of BLOCK_N columns starting at the segment start; per tile it forms the [B
 loop over H in steps of BLOCK_K (`tl.dot` on the input dtype's tiles: wgmma on Hopper for bf16/fp16, fp32
 accumulators; fp32 inputs use IEEE fp32 dots), scales it by 1/temperature (rounded once, as the logits op's kernel
 does) and folds it into per-row online statistics (max m, Σ e^(z-m), Σ e^(z-m)(z-m), the target's logit). At the end
-it stores the five partials of its (segment, rows): the same channels as the logits op (_row_stats.py), so the
+it stores the five partials of its (segment, rows): the same channels as the logits op (row_stats.py), so the
 core's all-gather and fixed-order merge apply unchanged. The segment axis is the grid's fast axis: programs running
 together share a few weight tiles (one per segment) and a few hidden-row blocks, which stay in L2.
 Backward, per vocabulary chunk of at most DL_CHUNK_BYTES of dlogits (chunks start at segment starts, so tiles do):
@@ -40,10 +40,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ppo_ops import _row_stats
-from ppo_ops._triton_backend import merge_partials  # the merge the logits op's Triton backend uses
+from ppo_ops.core import row_stats
+from ppo_ops.logits.triton_backend import merge_partials  # the merge the logits op's Triton backend uses
 # The partials' channel order, as the logits op's kernels hold it (constexprs: jit code may read only those).
-from ppo_ops._triton_kernels import _ENT_SUM, _KEPT_SUMEXP, _MAX, _NUM_PARTIALS, _SUMEXP, _TARGET_Z, _scaled
+from ppo_ops.logits.triton_kernels import _ENT_SUM, _KEPT_SUMEXP, _MAX, _NUM_PARTIALS, _SUMEXP, _TARGET_Z, _scaled
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)  # an empty row's running max: finite, so never -inf - -inf
 
 # Integers that differ between ranks / TP sizes: not specialised on (divisibility by 16 would change the code).
@@ -318,7 +318,7 @@ def forward_partials(hidden, weight, tokens, inv_temperature, n_valid, seg_len, 
     _check(hidden, weight)
     n_rows, width = hidden.shape
     v_local = weight.shape[0]
-    out = torch.empty((v_local // seg_len, _row_stats.NUM_PARTIALS, n_rows), dtype=torch.float32,
+    out = torch.empty((v_local // seg_len, row_stats.NUM_PARTIALS, n_rows), dtype=torch.float32,
                       device=hidden.device)
     if out.numel() == 0:
         return out

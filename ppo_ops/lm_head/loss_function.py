@@ -30,10 +30,10 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from ppo_ops import _validate
-from ppo_ops._function import refuse_double_backward
-from ppo_ops._linear_backend import BlockGrads, LossHooks
-from ppo_ops._linear_shell import NAMING, LinearPlan, kept, kept_row_indices, merge_across_ranks, scatter_rows
+from ppo_ops.core import checks
+from ppo_ops.logits.function import refuse_double_backward
+from ppo_ops.core.lm_head_contracts import BlockGrads, LossHooks
+from ppo_ops.lm_head.shell import NAMING, LinearPlan, kept, kept_row_indices, merge_across_ranks, scatter_rows
 
 
 class LinearTokenLossFunction(torch.autograd.Function):
@@ -102,7 +102,7 @@ class LinearTokenLossFunction(torch.autograd.Function):
                                        LossHooks(merge=merge, block_grads=block_grads, finish_dx=finish_dx),
                                        need_dx=need_dx, need_dw=need_dw)
         if not headers_done[0]:  # no kept row on this rank: it still takes part in the header exchange
-            _validate.check_across_ranks(
+            checks.check_across_ranks(
                 plan.fn_name, layout.group, layout.world_size, tokens, row_mask,
                 torch.zeros((layout.segments_local, 5, 0), dtype=torch.float32, device=device), naming=NAMING,
                 v_local=layout.v_local, vocab_size=layout.vocab_size, temperature=plan.temperature,
@@ -151,18 +151,18 @@ def _call_loss(fn_name, token_loss, log_prob, entropy, rows, *, need_grad, entro
         value = token_loss(lp_in, ent_in, rows)
     n = log_prob.shape[0]
     if not isinstance(value, torch.Tensor):
-        raise _validate.argument_error(TypeError, fn_name, "token_loss",
+        raise checks.argument_error(TypeError, fn_name, "token_loss",
                                        f"token_loss must return a torch.Tensor, got {type(value).__name__}")
     if value.dtype != torch.float32:
-        raise _validate.argument_error(TypeError, fn_name, "token_loss",
+        raise checks.argument_error(TypeError, fn_name, "token_loss",
                                        f"token_loss must return float32 values, got {value.dtype}")
     if tuple(value.shape) != (n,):
-        raise _validate.argument_error(
+        raise checks.argument_error(
             ValueError, fn_name, "token_loss",
             f"token_loss must return one value per row, shape ({n},) for this block of {n} rows, got "
             f"{tuple(value.shape)} (the loss must be row-separable: a sum over rows of per-row terms)")
     if value.device != log_prob.device:
-        raise _validate.argument_error(ValueError, fn_name, "token_loss",
+        raise checks.argument_error(ValueError, fn_name, "token_loss",
                                        f"token_loss must return values on {log_prob.device}, got {value.device}")
     if not need_grad:
         return value.detach(), None, None
@@ -180,17 +180,17 @@ def _check_end(plan: LinearPlan, tokens, row_mask, flags) -> None:
     fn = plan.fn_name
     if plan.layout.group is None:
         # The logits op's TP = 1 read (token range, NaN / +inf logits), this op's loss flag in the same read.
-        (bad_loss,) = _validate.check_single_rank_values(fn, flags[:1], tokens, row_mask, plan.layout.vocab_size,
+        (bad_loss,) = checks.check_single_rank_values(fn, flags[:1], tokens, row_mask, plan.layout.vocab_size,
                                                          naming=NAMING, extra_flags=flags[1:])
         bad_logits, where = False, ""
     else:
-        bad_logits, bad_loss = _validate.read_to_host(flags.to(torch.int64))
+        bad_logits, bad_loss = checks.read_to_host(flags.to(torch.int64))
         where = f" (merged over the {plan.layout.world_size} tensor-parallel ranks)"
     if bad_logits:
-        raise _validate.argument_error(ValueError, fn, NAMING.bad_logits_argument,
+        raise checks.argument_error(ValueError, fn, NAMING.bad_logits_argument,
                                        NAMING.bad_logits.format(where=where))
     if bad_loss:
-        raise _validate.argument_error(
+        raise checks.argument_error(
             ValueError, fn, "token_loss",
             "token_loss returned a non-finite value or gradient (NaN or inf) on some row; check the loss's inputs "
             "(e.g. ratios exp(log_prob - old_log_prob) overflowing) or pass validate=False to skip this check")

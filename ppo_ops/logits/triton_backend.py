@@ -1,4 +1,4 @@
-"""Triton backend: the launchers of the kernels of `_triton_kernels.py`, and `TritonBackend`, the backend contract
+"""Triton backend: the launchers of the kernels of `triton_kernels.py`, and `TritonBackend`, the backend contract
 (ppo_ops/_backend.py) over them.
 
 `forward_partials` reads each kept row's logits once, in their own dtype, and returns the [nseg, 5, T] fp32 segment
@@ -9,7 +9,7 @@ none of its logits and write neutral partials or a zero gradient row, with no ho
 does everything around them: validation, the TP all-gather of the partials, autograd. No fp32 [T, V] copy is ever
 made, so `chunk_rows` (a bound on fp32 working rows for the torch backend) is accepted and ignored.
 
-Forward kernel: one, `forward_partials_kernel` (lanes of LANE_WIDTH contiguous columns, see _triton_kernels.py);
+Forward kernel: one, `forward_partials_kernel` (lanes of LANE_WIDTH contiguous columns, see triton_kernels.py);
 the lane width is a launch option like the tile size. Different lane widths give partials within the same
 tolerances, not the same bits, so every rank must use the same config (they do: it depends only on the dtype and
 segment length). Merge: `merge_partials` launches `merge_partials_kernel` once per forward.
@@ -26,12 +26,12 @@ from typing import NamedTuple, Optional
 import torch
 import triton  # noqa: F401  an ImportError here is how backend="auto" (ppo_ops/api.py) learns triton is absent
 
-from ppo_ops import _triton_kernels
-from ppo_ops._backend import BackwardStats, RowInputs, RowStats, ShardOptions, UpstreamGrads
-from ppo_ops._row_stats import NUM_PARTIALS
-from ppo_ops._validate import argument_error
+from ppo_ops.logits import triton_kernels
+from ppo_ops.core.contracts import BackwardStats, RowInputs, RowStats, ShardOptions, UpstreamGrads
+from ppo_ops.core.row_stats import NUM_PARTIALS
+from ppo_ops.core.checks import argument_error
 
-_WHERE = "_triton_backend"  # the message prefix of this module's internal checks (ppo_ops._triton_backend: ...)
+_WHERE = "logits.triton_backend"  # message prefix of this module's own checks: "ppo_ops.logits.triton_backend: ..."
 
 # (BLOCK_V, num_warps, num_stages[, lane width]) per pass and logits element size in bytes: the fastest correct
 # variants measured on H200s (docs/performance.md says how and what they gave).
@@ -48,7 +48,7 @@ _INTERPRET_MAX_BLOCK = 1 << 16
 
 def interpreting():
     """True when the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 was set before this module loaded)."""
-    return type(_triton_kernels.forward_partials_kernel).__name__ == "InterpretedFunction"
+    return type(triton_kernels.forward_partials_kernel).__name__ == "InterpretedFunction"
 
 
 def _check_device(name, tensor):
@@ -181,7 +181,7 @@ def forward_partials(
     grid, kwargs = forward_launch_args(
         logits, row_mask, tokens, keep_mask, inv_temperature, n_valid, seg_len, with_entropy, out, config, vocab_start
     )
-    _triton_kernels.forward_partials_kernel[grid](**kwargs)
+    triton_kernels.forward_partials_kernel[grid](**kwargs)
     return out
 
 
@@ -243,7 +243,7 @@ def backward_grad(
     config = launch_config("backward", logits.dtype, v_local, interpreting(), **overrides)
     shift = _vector(shift, torch.float32)
     unused = shift  # stands in for pointers the constexprs switch off
-    _triton_kernels.backward_grad_kernel[(num_rows, _cdiv(v_local, config.block_v))](
+    triton_kernels.backward_grad_kernel[(num_rows, _cdiv(v_local, config.block_v))](
         logits_ptr=logits, out_ptr=out, row_mask_ptr=unused if row_bytes is None else row_bytes,
         tokens_ptr=_vector(tokens, torch.int64), keep_ptr=logits if keep is None else keep,
         shift_ptr=shift, log_sum_ptr=_vector(log_sum, torch.float32),
@@ -285,7 +285,7 @@ def merge_partials(partials: torch.Tensor, has_keep_mask: bool) -> RowStats:
     """[segments, 5, T] fp32 partials -> RowStats, the math of _row_stats.merge_partials in one launch."""
     num_seg, _, num_rows = partials.shape
     partials = partials.contiguous()
-    k = _triton_kernels
+    k = triton_kernels
     out = torch.empty((k.MERGED_FIELDS, num_rows), dtype=torch.float32, device=partials.device)
     if num_rows:
         k.merge_partials_kernel[(_cdiv(num_rows, _MERGE_BLOCK_R),)](

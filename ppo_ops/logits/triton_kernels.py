@@ -2,7 +2,7 @@
 
 Forward, `forward_partials_kernel`, grid (row, vocabulary segment): reads the segment's logits once, in their own
 dtype, and writes only that (row, segment)'s five fp32 partials of the [nseg, 5, T] output (channels in
-_row_stats.py): max m, sum-exp s, kept sum-exp sk (over keep ∪ {target}), entropy sum w = Σ e^(z-m)(z-m), and the
+row_stats.py): max m, sum-exp s, kept sum-exp sk (over keep ∪ {target}), entropy sum w = Σ e^(z-m)(z-m), and the
 target's logit (one scalar load).
     Lanes: a tile of BLOCK_V columns is viewed as LANES = BLOCK_V / LANE_WIDTH lanes of LANE_WIDTH contiguous columns
     (one 16-byte vector of bf16 for LANE_WIDTH = 8, so a lane's columns sit in one thread). Each lane keeps its own
@@ -10,7 +10,7 @@ target's logit (one scalar load).
     its columns (in-thread), rescales its sums once by alpha = exp(m_old - m_new), w by alpha * (w + (m_old - m_new) *
     s), then adds its columns with one exp per element: about 8 instructions per element and one rescale per LANE_WIDTH
     elements, no cross-thread reduction and no barrier inside the tile loop. At the end the lanes are merged with the
-    formulas of _row_stats.py (M = max m, a = exp(m - M), S = Σ a s, W = Σ a (w + (m - M) s)).
+    formulas of row_stats.py (M = max m, a = exp(m - M), S = Σ a s, W = Σ a (w + (m - M) s)).
     LANE_WIDTH spans the design space: 1 is a per-column online state, BLOCK_V a block-wide online softmax
     (cross-warp reductions with barriers per tile); the launcher's choice in between is a measurement
     (docs/performance.md).
@@ -41,8 +41,8 @@ Backward, `backward_grad_kernel`, grid (row, column tile):
     get zeros: their logits and keep-mask loads are masked off (their per-row scalars, in bounds, are read and
     selected away). -inf guards: p == 0 entries get no entropy term (no 0 * inf).
 Padding columns (>= n_valid) are loaded when their vector is and then selected away. Row offsets are int64.
-Merge, `merge_partials_kernel`, grid (block of rows): the fixed-order merge of _row_stats.merge_partials (the same
-math, see _row_stats.py) for BLOCK_R rows per program, segments merged in global order by a compile-time loop, so the
+Merge, `merge_partials_kernel`, grid (block of rows): the fixed-order merge of row_stats.merge_partials (the same
+math, see row_stats.py) for BLOCK_R rows per program, segments merged in global order by a compile-time loop, so the
 bits do not depend on which rank or TP size produced the partials; one launch where the torch-op merge costs about ten
 small kernels per segment.
 """
@@ -50,15 +50,15 @@ small kernels per segment.
 import triton
 import triton.language as tl
 
-from ppo_ops import _row_stats
+from ppo_ops.core import row_stats
 
 # Channel order of the partials, from the core's single definition.
-_MAX = tl.constexpr(_row_stats.MAX)
-_SUMEXP = tl.constexpr(_row_stats.SUMEXP)
-_KEPT_SUMEXP = tl.constexpr(_row_stats.KEPT_SUMEXP)
-_ENT_SUM = tl.constexpr(_row_stats.ENT_SUM)
-_TARGET_Z = tl.constexpr(_row_stats.TARGET_Z)
-_NUM_PARTIALS = tl.constexpr(_row_stats.NUM_PARTIALS)
+_MAX = tl.constexpr(row_stats.MAX)
+_SUMEXP = tl.constexpr(row_stats.SUMEXP)
+_KEPT_SUMEXP = tl.constexpr(row_stats.KEPT_SUMEXP)
+_ENT_SUM = tl.constexpr(row_stats.ENT_SUM)
+_TARGET_Z = tl.constexpr(row_stats.TARGET_Z)
+_NUM_PARTIALS = tl.constexpr(row_stats.NUM_PARTIALS)
 
 
 # The row stride (V_local) and n_valid differ between TP sizes: they must not change the compiled code (vector width,
@@ -125,7 +125,7 @@ def _scaled(z, inv_temperature):
 def _merge_lanes_and_store(m, s, sk, w, row_ptr, target, seg_start, seg_end, seg, row, num_rows, out_ptr,
                            inv_temperature, HAS_KEEP: tl.constexpr, WITH_ENTROPY: tl.constexpr, SCALE: tl.constexpr):
     """Merges per-lane online states (m, s, sk, w: vectors, each sum relative to its lane's max m) into the segment's
-    partials with the formulas of _row_stats.merge_partials, adds the target's logit and stores the five channels.
+    partials with the formulas of row_stats.merge_partials, adds the target's logit and stores the five channels.
     Lanes without a finite value have s == 0 and drop out."""
     neg_inf = float("-inf")
     present = s != 0.0  # a NaN s stays present, so it reaches the sums
@@ -360,7 +360,7 @@ _MEAN_SHIFTED = tl.constexpr(MEAN_SHIFTED)
 _LOG_PROB_DEFINED = tl.constexpr(LOG_PROB_DEFINED)
 _HAS_MASS = tl.constexpr(HAS_MASS)
 _BAD_INPUT = tl.constexpr(BAD_INPUT)
-_SHIFT_FLOOR = tl.constexpr(_row_stats.SHIFT_FLOOR)
+_SHIFT_FLOOR = tl.constexpr(row_stats.SHIFT_FLOOR)
 
 
 @triton.jit
@@ -396,7 +396,7 @@ def merge_partials_kernel(
         base = partials_ptr + j * _NUM_PARTIALS * num_rows + rows
         m_j = tl.load(base + _MAX * num_rows, mask=in_rows, other=neg_inf)
         s_j = tl.load(base + _SUMEXP * num_rows, mask=in_rows, other=0.0)
-        # As _row_stats.merge_partials: the shift clamped at _SHIFT_FLOOR (e^shift is 0 in fp32 there), so an empty
+        # As row_stats.merge_partials: the shift clamped at _SHIFT_FLOOR (e^shift is 0 in fp32 there), so an empty
         # segment (m_j = -inf) or a shift that overflows to -inf adds exactly 0, never 0 * -inf; NaN stays NaN.
         shift = m_j - m_safe  # <= 0
         shift = tl.where(shift < _SHIFT_FLOOR, _SHIFT_FLOOR, shift)

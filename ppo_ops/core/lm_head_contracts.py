@@ -40,7 +40,7 @@ from typing import Callable, Optional, Protocol, runtime_checkable
 
 import torch
 
-from ppo_ops._backend import RowStats, ShardOptions, UpstreamGrads
+from ppo_ops.core.contracts import RowStats, ShardOptions, UpstreamGrads
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

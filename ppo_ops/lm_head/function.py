@@ -11,7 +11,7 @@ Rows: a row_mask is applied before any GEMM: the kept rows' hidden states are ga
 (O(R * H) bytes; the index list is a host sync on CUDA), every kernel runs on those R rows only, and dropped rows get
 log-prob 0, entropy 0 and zero dX rows. Without a row mask `hidden` is used as is (no copy).
 
-Validation (validate=True) is the logits op's, in ppo_ops/_validate.py: at TP > 1 the ranks' fixed-size headers (over
+Validation (validate=True) is the logits op's, in ppo_ops/checks.py: at TP > 1 the ranks' fixed-size headers (over
 the call's T rows and row mask; the NaN / +inf flag from this rank's partials) are all-gathered before the partials
 and read once; at TP = 1 the token bounds and that flag are read once after the merge.
 
@@ -28,11 +28,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ppo_ops import _validate
-from ppo_ops._backend import UpstreamGrads
-from ppo_ops._function import forward_outputs, refuse_double_backward
-from ppo_ops._linear_backend import LinearSaved
-from ppo_ops._linear_shell import NAMING, LinearPlan, kept, kept_row_indices, row_stats, scatter_rows
+from ppo_ops.core import checks
+from ppo_ops.core.contracts import UpstreamGrads
+from ppo_ops.logits.function import forward_outputs, refuse_double_backward
+from ppo_ops.core.lm_head_contracts import LinearSaved
+from ppo_ops.lm_head.shell import NAMING, LinearPlan, kept, kept_row_indices, row_stats, scatter_rows
 
 __all__ = ["LinearLogProbEntropyFunction", "LinearPlan", "NAMING"]
 
@@ -52,7 +52,7 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         stats = row_stats(plan, partials, tokens, row_mask, hidden.dtype)
         if plan.validate and layout.group is None:
             # TP = 1: last, so every launch of the forward is queued before the host waits (the one value read).
-            _validate.check_single_rank_values(plan.fn_name, stats.bad_input, tokens, row_mask,
+            checks.check_single_rank_values(plan.fn_name, stats.bad_input, tokens, row_mask,
                                                layout.vocab_size, naming=NAMING)
 
         log_prob = scatter_rows(stats.log_prob, rows, n_rows)

@@ -3,9 +3,9 @@
 (value checks, TP all-gather, fixed-order merge).
 
 Preparing (no tensor value read, no collective): `prepare` checks hidden / weight / tokens / row_mask and the
-options with the logits op's checks (ppo_ops/_validate.py), resolves the vocabulary layout (_layout.py) and the
+options with the logits op's checks (ppo_ops/checks.py), resolves the vocabulary layout (_layout.py) and the
 backend, flattens the leading dimensions and returns a `LinearCall`. Its errors name the argument; the public wrappers
-make them collective at TP > 1 (`_validate.raise_collectively`).
+make them collective at TP > 1 (`checks.raise_collectively`).
 
 Backends (`select_backend`; the contract is ppo_ops/_linear_backend.py):
   backend="torch", or "auto" on CPU tensors: _linear_torch (fixed fp32 tiles) for the general op; the chunked backend
@@ -31,20 +31,20 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ppo_ops import _validate
-from ppo_ops._backend import RowStats
-from ppo_ops._function import merge_row_stats
-from ppo_ops._layout import VocabLayout, make_layout
-from ppo_ops._linear_backend import LinearBackend, LinearShard
+from ppo_ops.core import checks
+from ppo_ops.core.contracts import RowStats
+from ppo_ops.logits.function import merge_row_stats
+from ppo_ops.core.layout import VocabLayout, make_layout
+from ppo_ops.core.lm_head_contracts import LinearBackend, LinearShard
 
 _HALF = (torch.bfloat16, torch.float16)
 HALF_PRECISION_PATH = "chunked"  # or "triton-gemm": see the module docstring
 
 # How the value errors name the LM head's arguments: the logits are hidden @ weight.T, V_local is weight.shape[0].
-NAMING = _validate.Naming(
-    fields={**_validate.LOGITS_NAMING.fields,
-            _validate.V_LOCAL: ("V_local (weight.shape[0])", "weight"),
-            _validate.DTYPE: ("hidden dtype", "hidden")},
+NAMING = checks.Naming(
+    fields={**checks.LOGITS_NAMING.fields,
+            checks.V_LOCAL: ("V_local (weight.shape[0])", "weight"),
+            checks.DTYPE: ("hidden dtype", "hidden")},
     bad_logits_argument="hidden",
     bad_logits="hidden @ weight.T{where} has NaN or +inf logits (after the temperature scaling); check hidden and "
                "weight for NaN / inf",
@@ -79,17 +79,17 @@ class LinearCall(NamedTuple):
 def prepare(fn_name, hidden, weight, tokens, group, world_size, rank, *, entropy, temperature, row_mask, vocab_size,
             reduce_dx, backend, validate, fused_loss) -> LinearCall:
     """Every local check (no tensor value read, no collective), the layout and the backend."""
-    temperature, inv_temperature, _, vocab_size = _validate.check_options(
+    temperature, inv_temperature, _, vocab_size = checks.check_options(
         fn_name, entropy=entropy, backend=backend, temperature=temperature, chunk_size=None, vocab_size=vocab_size,
         inplace_grad=False, validate=validate,
     )
     if not isinstance(reduce_dx, bool):
-        raise _validate.argument_error(TypeError, fn_name, "reduce_dx",
+        raise checks.argument_error(TypeError, fn_name, "reduce_dx",
                                        f"reduce_dx must be a bool, got {type(reduce_dx).__name__}")
     check_tensors(fn_name, hidden, weight, tokens, row_mask)
     lead, width = tuple(hidden.shape[:-1]), hidden.shape[-1]
     layout = make_layout(group, world_size, rank, weight.shape[0], vocab_size)
-    _validate.check_vocab(fn_name, vocab_size, layout.v_global)
+    checks.check_vocab(fn_name, vocab_size, layout.v_global)
     selected = select_backend(fn_name, backend, hidden, fused_loss)
     n_rows = math.prod(lead)
     plan = LinearPlan(
@@ -105,11 +105,11 @@ def prepare(fn_name, hidden, weight, tokens, group, world_size, rank, *, entropy
 
 def check_tensors(fn_name, hidden, weight, tokens, row_mask) -> None:
     def fail(exc_type, name, detail):
-        raise _validate.argument_error(exc_type, fn_name, name, detail)
+        raise checks.argument_error(exc_type, fn_name, name, detail)
 
     if not isinstance(hidden, torch.Tensor):
         fail(TypeError, "hidden", f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
-    if hidden.dtype not in _validate.FLOAT_DTYPES:
+    if hidden.dtype not in checks.FLOAT_DTYPES:
         fail(TypeError, "hidden", f"hidden must be float32, bfloat16 or float16, got {hidden.dtype}")
     if hidden.is_meta:
         fail(ValueError, "hidden", "hidden must be on a device with values (CPU or CUDA), got meta: the op reads them")
@@ -126,21 +126,21 @@ def check_tensors(fn_name, hidden, weight, tokens, row_mask) -> None:
     if weight.device != hidden.device:
         fail(ValueError, "weight", f"weight must be on {hidden.device} like hidden, got {weight.device}")
     lead = tuple(hidden.shape[:-1])
-    _validate.check_row_tensors(fn_name, "hidden", hidden.device, lead, tokens, (("row_mask", row_mask, lead),))
+    checks.check_row_tensors(fn_name, "hidden", hidden.device, lead, tokens, (("row_mask", row_mask, lead),))
 
 
 def select_backend(fn_name: str, backend: str, hidden: torch.Tensor, fused_loss: bool) -> LinearBackend:
     """The logits op's choice of kind (api.backend_kind), then the LM head's backend of that kind."""
-    from ppo_ops import _linear_chunked, _linear_torch
+    from ppo_ops.lm_head import chunked, torch_backend
     from ppo_ops.api import backend_kind
 
     if backend_kind(fn_name, backend, hidden, "hidden") == "torch":
-        return _linear_chunked.backend("torch") if fused_loss else _linear_torch.BACKEND
+        return chunked.backend("torch") if fused_loss else torch_backend.BACKEND
     if fused_loss or (hidden.dtype in _HALF and HALF_PRECISION_PATH == "chunked"):
-        return _linear_chunked.backend("triton")
-    from ppo_ops import _linear_triton
+        return chunked.backend("triton")
+    from ppo_ops.lm_head import triton_backend
 
-    return _linear_triton.BACKEND
+    return triton_backend.BACKEND
 
 
 # ---- rows ----

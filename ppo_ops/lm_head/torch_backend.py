@@ -13,10 +13,10 @@ Inputs in bf16/fp16 are upcast before the matmul: each product is exact in fp32 
 
 Forward, per ROW_TILE rows and per segment: the segment's logits are assembled in a [ROW_TILE, seg_len] fp32 slab
 (the bounded tile of logits this backend holds) and handed to the logits op's own PyTorch code,
-`_torch_backend.BACKEND.forward_partials`, on that slab. So the five partials (and after the merge the log-probs and entropies)
+`logits_torch.BACKEND.forward_partials`, on that slab. So the five partials (and after the merge the log-probs and entropies)
 are bitwise those of `log_probs_and_entropy(logits, ..., backend="torch")` on the logits the same tiles produce.
 Backward, per vocabulary tile (outer) and ROW_TILE rows (inner): recompute the logit tile (the same bits as forward),
-form the fp32 dlogits tile with `_torch_backend.backward_grad` (the logits op's gradient formula), then
+form the fp32 dlogits tile with `logits_torch.backward_grad` (the logits op's gradient formula), then
 dX[rows] += dlogits @ W_tile (fp32 accumulator [R, H], vocabulary tiles added in order) and
 dW_tile += dlogits^T @ X[rows] (fp32 [VOCAB_TILE, H], row tiles added in order; written once in the weight's dtype).
 Every order is fixed, so results are bitwise deterministic; no dlogits tile is rounded below fp32.
@@ -28,9 +28,9 @@ from typing import Optional
 
 import torch
 
-from ppo_ops import _torch_backend
-from ppo_ops._backend import RowInputs, ShardOptions
-from ppo_ops._row_stats import merge_partials  # the merge the logits op's torch backend uses
+from ppo_ops.logits import torch_backend as logits_torch
+from ppo_ops.core.contracts import RowInputs, ShardOptions
+from ppo_ops.core.row_stats import merge_partials  # the merge the logits op's torch backend uses
 
 ROW_TILE = 128  # rows per GEMM tile (hidden rows zero-padded to a multiple)
 VOCAB_TILE = 256  # weight rows (vocabulary columns) per GEMM tile; tiles restart at every segment start
@@ -105,7 +105,7 @@ def forward_partials(hidden, weight, tokens, inv_temperature, n_valid, seg_len, 
                     break  # padding only: forward_partials sets these columns to -inf without reading them
                 z = _logit_tile(x_tile, _weight_tile(weight, seg_lo + lo, seg_lo + hi))
                 slab[:, lo:hi] = z[:, : hi - lo]
-            out[seg : seg + 1, :, r0 : r0 + n] = _torch_backend.BACKEND.forward_partials(
+            out[seg : seg + 1, :, r0 : r0 + n] = logits_torch.BACKEND.forward_partials(
                 RowInputs(slab[:n], tokens[r0 : r0 + n], keep_mask=None, row_mask=None),
                 ShardOptions(inv_temperature=inv_temperature, n_valid=seg_valid, seg_len=seg_len,
                              vocab_start=vocab_start + seg_lo, chunk_rows=None),
@@ -149,7 +149,7 @@ def backward(hidden, weight, tokens, inv_temperature, n_valid, seg_len, shift, l
             z = _logit_tile(x_tile, w)
             # The launch layer, not the typed contract: the upstream gradients arrive already zeroed where their
             # quantity has none (BackwardStats' two flags would be per-tile work for nothing).
-            _torch_backend.backward_grad(
+            logits_torch.backward_grad(
                 z, None, tokens_p[r0:r1], None, inv_temperature, tile_valid, shift_p[r0:r1], log_sum_p[r0:r1],
                 None, None if mean_p is None else mean_p[r0:r1], None if g_lp is None else g_lp[r0:r1],
                 None if g_ent is None else g_ent[r0:r1], dl, None, vocab_start=vocab_start + lo,

@@ -55,9 +55,9 @@ from typing import Optional
 
 import torch
 
-from ppo_ops import _row_stats
-from ppo_ops._backend import RowStats, UpstreamGrads
-from ppo_ops._linear_backend import LinearSaved, LinearShard, LossHooks
+from ppo_ops.core import row_stats
+from ppo_ops.core.contracts import RowStats, UpstreamGrads
+from ppo_ops.core.lm_head_contracts import LinearSaved, LinearShard, LossHooks
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -143,9 +143,9 @@ class _TritonPasses:
     name = "triton"
 
     def __init__(self):
-        from ppo_ops import _triton_backend, _triton_kernels  # imported when selected: triton may be absent
+        from ppo_ops.logits import triton_backend, triton_kernels  # imported when selected: triton may be absent
 
-        self._tb, self._tk = _triton_backend, _triton_kernels
+        self._tb, self._tk = triton_backend, triton_kernels
 
     def merge(self, partials: torch.Tensor) -> RowStats:
         return self._tb.merge_partials(partials, False)
@@ -186,12 +186,12 @@ class _TorchPasses:
     name = "torch"
 
     def __init__(self):
-        from ppo_ops import _torch_backend
+        from ppo_ops.logits import torch_backend
 
-        self._tb = _torch_backend
+        self._tb = torch_backend
 
     def merge(self, partials: torch.Tensor) -> RowStats:
-        return _row_stats.merge_partials(partials, False)
+        return row_stats.merge_partials(partials, False)
 
     def partials(self, chunk, n, tokens, seg, with_entropy, out) -> None:
         p = self._tb.forward_partials(chunk[:n], None, tokens[:n], None, seg.inv_temperature, seg.n_valid,
@@ -236,8 +236,8 @@ class _RowBlocks:
 def _neutral(out: torch.Tensor) -> None:
     """Partials of a segment with no real column (vocabulary padding): neutral under the merge."""
     out.zero_()
-    out[..., _row_stats.MAX, :] = float("-inf")
-    out[..., _row_stats.TARGET_Z, :] = float("-inf")
+    out[..., row_stats.MAX, :] = float("-inf")
+    out[..., row_stats.TARGET_Z, :] = float("-inf")
 
 
 def _segments(shard: LinearShard, v_local: int):
@@ -263,10 +263,10 @@ class ChunkedBackend:
         n_seg = v_local // shard.seg_len
         shape = chunk_shape(hidden.device)
         blocks = _RowBlocks(hidden, shape.rows)
-        buf = torch.empty((blocks.count, n_seg, _row_stats.NUM_PARTIALS, shape.rows), dtype=torch.float32,
+        buf = torch.empty((blocks.count, n_seg, row_stats.NUM_PARTIALS, shape.rows), dtype=torch.float32,
                           device=hidden.device)
         if n_rows == 0:
-            return buf.new_empty((n_seg, _row_stats.NUM_PARTIALS, 0))
+            return buf.new_empty((n_seg, row_stats.NUM_PARTIALS, 0))
         tokens = tokens.to(torch.int64).contiguous()
         chunk = torch.empty((shape.rows, shard.seg_len), dtype=torch.float32, device=hidden.device)
         for s, seg_lo, seg in _segments(shard, v_local):
@@ -280,7 +280,7 @@ class ChunkedBackend:
                 _mm_fp32(x, weight[seg_lo:seg_lo + shard.seg_len].T, chunk)
                 self.passes.partials(chunk, n, tokens[r0:r0 + n], seg, with_entropy, buf[b, s])
         # [blocks, segments, 5, rows] -> [segments, 5, R] (O(R) bytes)
-        return buf.permute(1, 2, 0, 3).reshape(n_seg, _row_stats.NUM_PARTIALS, -1)[:, :, :n_rows]
+        return buf.permute(1, 2, 0, 3).reshape(n_seg, row_stats.NUM_PARTIALS, -1)[:, :, :n_rows]
 
     def backward(self, hidden, weight, tokens, shard: LinearShard, saved: LinearSaved, upstream: UpstreamGrads,
                  need_dx: bool, need_dw: bool):
@@ -353,7 +353,7 @@ class ChunkedBackend:
             tokens = tokens.to(torch.int64).contiguous()
             blocks = _RowBlocks(hidden, shape.loss_rows)
             logits = torch.empty((n_seg, shape.loss_rows, seg_len), dtype=torch.float32, device=device)
-            parts = torch.empty((n_seg, _row_stats.NUM_PARTIALS, shape.loss_rows), dtype=torch.float32, device=device)
+            parts = torch.empty((n_seg, row_stats.NUM_PARTIALS, shape.loss_rows), dtype=torch.float32, device=device)
             group_rows = min(shape.loss_dw_rows, blocks.count * shape.loss_rows)
             dl = (torch.empty((n_seg, group_rows, seg_len), dtype=hidden.dtype, device=device) if need_grad
                   else None)

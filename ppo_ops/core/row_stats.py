@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ppo_ops._backend import RowStats
+from ppo_ops.core.contracts import RowStats
 
 MAX, SUMEXP, KEPT_SUMEXP, ENT_SUM, TARGET_Z = range(5)
 NUM_PARTIALS = 5
