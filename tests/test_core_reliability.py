@@ -5,7 +5,7 @@ One rank, in process (both backends; Triton under the interpreter on CPU, compil
   Triton kernels once gave NaN entropies once the scaled row max passed ~2e31);
 - NumPy scalars and one-element tensors are accepted as numbers and give the same bits as Python numbers;
 - the value checks read the device exactly once per call with validate=True and never with validate=False (counted at
-  `checks.read_to_host`, the one function that reads device values; on CUDA also with torch's sync debug mode, at
+  `agreement.read_to_host`, the one function that reads device values; on CUDA also with torch's sync debug mode, at
   TP=1 and, with two GPUs, at TP=2 over NCCL: these run only compiled, without TRITON_INTERPRET).
 
 Gloo groups of 2 and 3 ranks (one spawn per size running every case; a 30 s collective timeout and a join deadline,
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import ppo_ops
-from ppo_ops.core import checks
+from ppo_ops.core import agreement, checks
 from tests.core_support import (DEVICE, CaseFailures, backend_params, make_logits, make_tokens, make_weights,
                                 run_gloo, run_op, triton_skip_reason)
 from tests.reference import (assert_entropy_close, assert_grad_close, assert_log_probs_close,
@@ -126,11 +126,11 @@ def test_smallest_temperature_is_accepted_and_half_of_it_is_not():
 # --- host syncs (one rank) ---
 
 class _ReadCounter:
-    """Counts calls of checks.read_to_host, the one function that reads device values."""
+    """Counts calls of agreement.read_to_host, the one function that reads device values."""
 
     def __init__(self, monkeypatch=None):
         self.calls = 0
-        original = checks.read_to_host
+        original = agreement.read_to_host
 
         def counted(t):
             self.calls += 1
@@ -139,11 +139,11 @@ class _ReadCounter:
         self._original, self._counted = original, counted
 
     def __enter__(self):
-        checks.read_to_host = self._counted
+        agreement.read_to_host = self._counted
         return self
 
     def __exit__(self, *exc):
-        checks.read_to_host = self._original
+        agreement.read_to_host = self._original
 
 
 def _forward_backward(logits, tokens, **opts):

@@ -184,7 +184,7 @@ def _leaf(x):
 def _build(case: HeadCase, inp: Inputs, interpreted: bool):
     """A provider's Built, or a string saying why it cannot run."""
     import ppo_ops
-    from ppo_ops.lm_head import shell as _linear_shell
+    from ppo_ops.core import shell as _linear_shell
 
     backend = "triton" if (inp.hidden.is_cuda or interpreted) else "torch"
     if case.provider == "gemms":
@@ -555,7 +555,7 @@ def pieces(out_path, T=8192, seed=1234):
     several row-block sizes; writes one line per piece (name, ms, count of launches, what it is) to out_path."""
     import ppo_ops
     from ppo_ops.lm_head import chunked as lc
-    from ppo_ops.core.lm_head_contracts import LinearShard
+    from ppo_ops.core.contracts import ShardOptions as LinearShard
 
     device = torch.device("cuda")
     inp = Inputs(HeadCase("gemms", T, HIDDEN, VOCAB, 1), device, seed, None, 0)
