@@ -67,14 +67,14 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         return forward_outputs(ctx, plan.entropy_mode, log_prob, entropy)
 
     @staticmethod
-    def backward(ctx, grad_logprob, grad_entropy=None):
+    def backward(ctx, grad_log_prob, grad_entropy=None):
         plan: Plan = ctx.plan
         refuse_double_backward(plan.fn_name)
         if not plan.needs_grad:
             raise RuntimeError(f"ppo_ops.{plan.fn_name}: the forward ran without grad mode and kept nothing")
-        h, weight, t, rows, shift, log_sum, mean_shifted, logprob_ok, has_mass = ctx.saved_tensors
+        h, weight, t, rows, shift, log_sum, mean_shifted, log_prob_defined, has_mass = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        g_lp = _upstream(grad_logprob, rows, logprob_ok)
+        g_lp = _upstream(grad_log_prob, rows, log_prob_defined)
         g_ent = _upstream(grad_entropy, rows, has_mass) if plan.entropy_mode == "grad" else None
         if g_lp is None and g_ent is None:
             return None, None, None, None, None

@@ -147,20 +147,18 @@ def _call_loss(fn_name, token_loss, log_prob, entropy, rows, *, need_grad, entro
     with torch.enable_grad() if need_grad else contextlib.nullcontext():
         value = token_loss(lp_in, ent_in, rows)
     n = log_prob.shape[0]
+    def fail(exc_type, detail):
+        raise checks.argument_error(exc_type, fn_name, "token_loss", f"token_loss must return {detail}")
+
     if not isinstance(value, torch.Tensor):
-        raise checks.argument_error(TypeError, fn_name, "token_loss",
-                                       f"token_loss must return a torch.Tensor, got {type(value).__name__}")
+        fail(TypeError, f"a torch.Tensor, got {type(value).__name__}")
     if value.dtype != torch.float32:
-        raise checks.argument_error(TypeError, fn_name, "token_loss",
-                                       f"token_loss must return float32 values, got {value.dtype}")
+        fail(TypeError, f"float32 values, got {value.dtype}")
     if tuple(value.shape) != (n,):
-        raise checks.argument_error(
-            ValueError, fn_name, "token_loss",
-            f"token_loss must return one value per row, shape ({n},) for this block of {n} rows, got "
-            f"{tuple(value.shape)} (the loss must be row-separable: a sum over rows of per-row terms)")
+        fail(ValueError, f"one value per row, shape ({n},) for this block of {n} rows, got {tuple(value.shape)} (the "
+                         "loss must be row-separable: a sum over rows of per-row terms)")
     if value.device != log_prob.device:
-        raise checks.argument_error(ValueError, fn_name, "token_loss",
-                                       f"token_loss must return values on {log_prob.device}, got {value.device}")
+        fail(ValueError, f"values on {log_prob.device}, got {value.device}")
     if not need_grad:
         return value.detach(), None, None
     inputs = [lp_in] + ([ent_in] if ent_in is not None and ent_in.requires_grad else [])
@@ -184,7 +182,7 @@ def _check_end(plan: Plan, tokens, row_mask, flags) -> None:
         where = f" (merged over the {plan.layout.world_size} tensor-parallel ranks)"
     if bad_logits:
         raise checks.argument_error(ValueError, fn, plan.naming.bad_logits_argument,
-                                       plan.naming.bad_logits.format(where=where))
+                                    plan.naming.bad_logits.format(where=where))
     if bad_loss:
         raise checks.argument_error(
             ValueError, fn, "token_loss",
