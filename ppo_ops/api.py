@@ -1,23 +1,26 @@
-"""Public API: fused vocab-parallel log-prob + entropy, and a drop-in for slime's calculate_log_probs_and_entropy.
+"""The public functions of ppo_ops, both ops: thin wrappers over the call shell (ppo_ops/core/shell.py) and each op's
+autograd Function.
 
-Both are thin wrappers: check arguments (before any collective), resolve the TP layout and the backend, flatten the
-leading dimensions, call LogProbEntropyFunction (ppo_ops/_function.py), restore the leading dimensions.
+The logits op, from [..., V_local] logits: `log_probs_and_entropy` (the full API) and `calculate_log_probs_and_entropy`
+(a drop-in for slime's function of that name) -> logits/function.py. The fused LM head, from hidden states and a
+vocab-parallel weight, never holding [T, V] logits: `linear_log_probs_and_entropy` -> lm_head/function.py, and
+`linear_token_loss` (a per-token RL loss whose gradient is formed in the forward) -> lm_head/loss_function.py.
+Each wrapper prepares the call (local checks before any collective, the TP layout, the backend, the leading dimensions
+flattened), applies the Function and restores the leading dimensions.
 """
 
 from __future__ import annotations
 
-import math
 import numbers
-import os
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
-from ppo_ops import _torch_backend, _validate
-from ppo_ops._backend import Backend, ShardOptions
-from ppo_ops._function import LogProbEntropyFunction, Plan
-from ppo_ops._layout import make_layout
+from ppo_ops.core import shell
+from ppo_ops.lm_head.function import LinearLogProbEntropyFunction
+from ppo_ops.lm_head.loss_function import LinearTokenLossFunction
+from ppo_ops.logits.function import LogProbEntropyFunction
 
 
 class LogProbsEntropy(NamedTuple):
@@ -70,7 +73,7 @@ def log_probs_and_entropy(
         tokens and options) and make failure collective. Exactly one host sync per call at any TP size: at TP = 1 at
         the end of the forward, at TP > 1 when the ranks' fixed-size headers have been all-gathered, before the
         partials' all-gather; every rank then raises the same error, naming the rank(s) at fault and the argument.
-        False: no host sync, and what ppo_ops/_validate.py lists is no longer guaranteed (out-of-range tokens, NaN
+        False: no host sync, and what core/agreement.py lists is no longer guaranteed (out-of-range tokens, NaN
         logits and ranks that disagree give wrong results, or an error or wait until the process group's timeout;
         an argument error raises on its own rank only). Must be the same on every rank.
 
@@ -83,11 +86,13 @@ def log_probs_and_entropy(
     device and the collectives run in Python: a graph break; without fullgraph the op runs eagerly inside a
     compiled model).
     """
-    return _compute(
+    call = shell.prepare_logits(
         "log_probs_and_entropy", logits, tokens, tp_group=tp_group, entropy=entropy, keep_mask=keep_mask,
         temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, chunk_size=chunk_size,
         inplace_grad=inplace_grad, backend=backend, validate=validate,
     )
+    return _outputs(LogProbEntropyFunction.apply(call.rows, call.tokens, call.keep_mask, call.row_mask, call.plan),
+                    call)
 
 
 def calculate_log_probs_and_entropy(
@@ -111,11 +116,13 @@ def calculate_log_probs_and_entropy(
     if _is_number(chunk_size) and chunk_size <= 0:
         chunk_size = None
     mode = "none" if not with_entropy else ("grad" if with_entropy_grad else "value")
-    result = _compute(
+    call = shell.prepare_logits(
         "calculate_log_probs_and_entropy", logits, tokens, tp_group=tp_group, entropy=mode,
         keep_mask=log_prob_keep_mask, temperature=1.0, row_mask=None, vocab_size=None, chunk_size=chunk_size,
         inplace_grad=False, backend="auto", validate=True,
     )
+    result = _outputs(LogProbEntropyFunction.apply(call.rows, call.tokens, call.keep_mask, call.row_mask, call.plan),
+                      call)
     log_prob = result.log_probs
     log_prob = log_prob.reshape(0) if log_prob.numel() == 0 else log_prob.unsqueeze(-1)
     return log_prob, result.entropy
@@ -128,120 +135,175 @@ def _is_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def backend_kind(fn_name: str, backend: str, tensor: torch.Tensor, name: str) -> str:
-    """"torch" or "triton": the choice every op of ppo_ops makes for backend="auto" | "torch" | "triton" on `tensor`
-    (its argument `name`: logits, hidden). auto: triton for CUDA tensors when triton imports, else torch;
-    triton: CUDA tensors, or CPU ones under TRITON_INTERPRET=1 (set before triton is imported), and triton importable,
-    else an error naming `backend`."""
-    if backend == "torch":
-        return "torch"
-    if backend == "auto" and not tensor.is_cuda:
-        return "torch"
-    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    if backend == "triton" and not (tensor.is_cuda or interpreted):
-        raise _validate.argument_error(
-            ValueError, fn_name, "backend",
-            f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before triton is imported, to run its "
-            f"kernels on CPU), got {name} on {tensor.device}")
-    try:
-        import triton  # noqa: F401
-    except ImportError as err:
-        if backend == "auto":
-            return "torch"
-        raise _validate.argument_error(
-            RuntimeError, fn_name, "backend",
-            f"backend='triton' is unavailable ({err}); install triton (pip install triton) or use backend='torch'"
-        ) from err
-    return "triton"
-
-
-def _select_backend(fn_name: str, backend: str, logits: torch.Tensor) -> Backend:
-    if backend_kind(fn_name, backend, logits, "logits") == "torch":
-        return _torch_backend.BACKEND
-    from ppo_ops import _triton_backend
-
-    return _triton_backend.BACKEND
-
-
-class _Call(NamedTuple):
-    """A call whose arguments passed the local checks: what LogProbEntropyFunction.apply takes, and the lead shape."""
-
-    logits: torch.Tensor  # [T, V_local]
-    tokens: torch.Tensor  # [T]
-    keep_mask: Optional[torch.Tensor]  # [T, V_local] or None
-    row_mask: Optional[torch.Tensor]  # [T] or None
-    plan: Plan
-    lead: tuple
-
-
-def _compute(
-    fn_name, logits, tokens, *, tp_group, entropy, keep_mask, temperature, row_mask, vocab_size, chunk_size,
-    inplace_grad, backend, validate,
+def linear_log_probs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    *,
+    tp_group=None,
+    entropy: str = "none",
+    temperature: float = 1.0,
+    row_mask: Optional[torch.Tensor] = None,
+    vocab_size: Optional[int] = None,
+    reduce_dx: bool = True,
+    backend: str = "auto",
+    validate: bool = True,
 ) -> LogProbsEntropy:
-    group, world_size, rank = _validate.check_tp_group(fn_name, tp_group)
-    try:
-        call = _prepare(fn_name, logits, tokens, group, world_size, rank, entropy=entropy, keep_mask=keep_mask,
-                        temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, chunk_size=chunk_size,
-                        inplace_grad=inplace_grad, backend=backend, validate=validate)
-    except Exception as exc:
-        # TP > 1 with validate=True: the other ranks learn of this error from the header exchange and raise with it.
-        _validate.raise_collectively(fn_name, exc, group, world_size, validate, logits)
-    out = LogProbEntropyFunction.apply(call.logits, call.tokens, call.keep_mask, call.row_mask, call.plan)
-    if entropy == "none":
+    """Log-probability of each target token and the entropy of each row, from hidden states and a (vocab-parallel)
+    LM-head weight, without ever holding the [T, V] logits.
+
+    Same semantics and outputs as `log_probs_and_entropy(hidden @ weight.T, tokens, ...)` with the logits accumulated
+    in fp32 (never rounded to the input dtype): per-token log-probs and entropies in fp32, gradients for `hidden` and
+    `weight` in their dtype. Guarantees:
+      - bitwise deterministic run to run (fixed tile shapes and reduction orders, no atomics);
+      - bitwise identical log-probs, entropies and dW at every TP size: a column's logit never depends on which rank
+        computes it (tiles start at the fixed global segments, the K loop over H is fixed), and the per-segment
+        partials go through the logits op's all-gather and fixed-order merge;
+      - bitwise identical log-probs and entropies for every row count, backend="torch" and backend="triton" with
+        bf16/fp16 (the GEMMs run on fixed-shape chunks: a row's logits do not depend on the other rows of the call,
+        nor on a row mask that moves it; the fp32 Triton GEMM kernels place rows in tiles by their index);
+      - backend="torch": bitwise identical to `log_probs_and_entropy(logits, ..., backend="torch")` on the fp32 logits
+        its tiles produce (it runs that op's own code on each tile). backend="triton" with bf16/fp16 (the CUDA path):
+        cuBLAS GEMMs on fixed-shape chunks [1024 rows x one vocabulary segment], the logits op's own Triton kernels
+        on each fp32 chunk, so bitwise identical to `log_probs_and_entropy(logits, ..., backend="triton")` on the
+        logits those GEMMs produce; its backward rounds dlogits to the input dtype before the dX and dW GEMMs.
+        backend="triton" with fp32: Triton GEMM tiles with the statistics fused in (the logits op's tolerances).
+    The logits exist only as bounded chunks in forward and are recomputed chunk by chunk in backward: 4 GEMMs' worth
+    of work instead of the unfused path's 3 (forward, recompute, dX, dW), so the fused op cannot beat 4/3 of the
+    three GEMMs' time; it saves the [T, V] logits and their gradient. Under torch.no_grad it keeps nothing and costs
+    one GEMM plus one pass over each fp32 chunk. Extra memory (CUDA, half precision): one fp32 chunk (78 MB at
+    Qwen3's vocabulary), and in backward an fp32 dX accumulator [rows, H], a dlogits buffer of 8192 rows x one
+    segment and, past 8192 rows, one segment's fp32 dW accumulator. To form the gradient of an RL loss in the forward
+    instead (three GEMMs), see ppo_ops.linear_token_loss.
+
+    Args:
+      hidden: [..., H] float32/bfloat16/float16, the same on every rank of tp_group (the LM head's input).
+      weight: [V_local, H], hidden's dtype and device; this rank's contiguous slice of the vocabulary
+        ([rank * V_local, (rank + 1) * V_local)), as in Megatron's column-parallel output layer.
+      tokens: hidden.shape[:-1] integer global token ids.
+      tp_group: tensor-parallel process group, given explicitly (e.g. torch.distributed.group.WORLD for TP over
+        the default group); None means one rank, always, also inside an initialised job. One rank issues no
+        collective. Every rank of the group must call with the same hidden, rows, tokens, options and `validate`.
+      entropy: "none"; "value" (returned without gradient); "grad" (differentiable).
+      temperature: both quantities use logits / temperature; the gradients carry the 1 / temperature factor. Any
+        real number > 0 whose reciprocal fits in float32: Python or NumPy scalars, or a one-element tensor (read
+        with .item(): a host sync of its own when it is on a GPU).
+      row_mask: hidden.shape[:-1] bool; False rows get log-prob 0, entropy 0 and zero gradient, cost no GEMM work
+        (the kept rows are gathered first: O(rows * H) bytes, and on CUDA one host sync of its own for their count,
+        with validate True or False), and their tokens are not checked.
+      vocab_size: the true global vocabulary; global columns at or past it are padding (no mass, zero dW rows).
+        An int (Python, NumPy or a one-element integer tensor).
+      reduce_dx: True (default): backward all-reduces the hidden gradient over tp_group (in fp32, then one rounding
+        to hidden's dtype), so the returned dX is the full gradient. False: each rank returns only its own
+        vocabulary's contribution dlogits_local @ weight, and the caller reduces it. Use False when `hidden` reaches
+        this op through Megatron's `copy_to_tensor_model_parallel_region` (the input of its column-parallel LM head),
+        whose backward already all-reduces dX over the TP group (or, with sequence parallelism, through
+        `gather_from_sequence_parallel_region`, whose backward reduce-scatters it); True would sum it twice.
+      backend: "auto" (triton for CUDA tensors when triton imports, else torch), "torch" or "triton".
+      validate: run the checks that read tensor values (token range; NaN / +inf logits; ranks agreeing on rows,
+        tokens and options) and make failure collective, as `log_probs_and_entropy` does (core/agreement.py):
+        one host read of values per call at any TP size: at TP = 1 at the end of the forward, at TP > 1 when the
+        ranks' fixed-size headers have been all-gathered, before the partials' all-gather; every rank then raises
+        the same error, naming the rank(s) at fault and the argument. A local argument error (a wrong shape, dtype
+        or option) on one rank also raises on every rank. False: no value read, and what core/agreement.py lists is no
+        longer guaranteed (an argument error raises on its own rank only, the others wait in the all-gather until
+        the process group's timeout). Must be the same on every rank. Not checked either way: that `hidden` is the
+        same on every rank.
+
+    Host syncs per call on CUDA (forward + backward): validate=True, 1 without a row_mask and 2 with one (the kept-row
+    count, needed to size the GEMMs before the partials exist, and the value read, which needs the partials);
+    validate=False, 0 without a row_mask and 1 with one. On the CPU the count is no sync.
+
+    Options of `log_probs_and_entropy` that do not apply:
+      keep_mask: a dense [T, V] mask is as large as the logits this op exists not to hold.
+      inplace_grad: there is no logits tensor whose storage could take the gradient.
+      chunk_size: replaced by the backends' fixed GEMM chunks, which are part of the bit-exactness contract.
+
+    Gradient: dW is this rank's [V_local, H] slice (no communication); dX as `reduce_dx` says. dW's bits are
+    TP-invariant like the log-probs; dX's are deterministic but, at TP > 1, summed in a different order than at
+    TP = 1 (within rounding of fp32).
+
+    Returns:
+      LogProbsEntropy(log_probs, entropy), float32, shaped like tokens.
+    """
+    call = shell.prepare_lm_head(
+        "linear_log_probs_and_entropy", hidden, weight, tokens, tp_group=tp_group, entropy=entropy,
+        temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend,
+        validate=validate)
+    return _outputs(LinearLogProbEntropyFunction.apply(call.rows, weight, call.tokens, call.row_mask, call.plan), call)
+
+
+def linear_token_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    token_loss: Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor], torch.Tensor],
+    *,
+    tp_group=None,
+    entropy: str = "none",
+    temperature: float = 1.0,
+    row_mask: Optional[torch.Tensor] = None,
+    vocab_size: Optional[int] = None,
+    reduce_dx: bool = True,
+    backend: str = "auto",
+    validate: bool = True,
+) -> tuple:
+    """A per-token RL loss on the LM head's log-probs (and entropies), its gradient formed inside the forward: the
+    logits are computed once, so the whole op costs three GEMMs' work (logits, dX, dW) and never holds [T, V].
+
+    `token_loss(log_probs, entropy, rows) -> values` is the caller's per-token loss in torch ops:
+      log_probs: [n] fp32, the log-probs of a block of n kept rows (requires grad);
+      entropy: [n] fp32 (requires grad with entropy="grad"; a constant with "value") or None with entropy="none";
+      rows: [n] int64 indices of those rows into the flattened tokens (tokens.reshape(-1)): index per-token
+        constants (advantages, old log-probs, masks, per-row normalisation weights) with them;
+      values: [n] fp32, the rows' loss terms.
+    The op calls it on row blocks (1024 rows on CUDA) while the block's logits are live, takes the gradient of
+    values.sum() with autograd w.r.t. its first two arguments, and forms dlogits, dX and dW right there.
+    The loss MUST be row-separable: a row's term may depend only on its own log-prob, its own entropy and constants,
+    never on other rows' values (it sees one block at a time; a mean over rows must use a count known beforehand,
+    folded into the constants). PPO / GRPO / DAPO clipped surrogates, an entropy bonus, k1/k2/k3 KL to a reference
+    and token- or sequence-mean normalisation with known counts all are. Checked on every block: values is a float32
+    tensor of shape [n] on hidden's device; with validate=True also that values and gradients are finite.
+    At TP > 1 every rank calls token_loss with the same global values (merged statistics). Gradients flow to hidden
+    and weight only: tensors the loss closes over (constants, or a module's parameters) get none from this op.
+
+    Returns (loss, LogProbsEntropy(log_probs, entropy)):
+      loss: 0-d fp32, the sum of values over the kept rows; differentiable w.r.t. hidden and weight. Its backward
+        scales the gradients formed in the forward by the upstream scalar (in place, one more rounding unless that
+        scalar is 1: fold constant factors into token_loss) and can run once.
+      log_probs, entropy: fp32, shaped like tokens, detached (for metrics); entropy None with entropy="none".
+        Bitwise equal to linear_log_probs_and_entropy's on the same chunked backend (the same GEMM chunks, passes and
+        merge; TP- and row-count invariant, as there).
+
+    Arguments as in linear_log_probs_and_entropy (tp_group, entropy, temperature, row_mask, vocab_size, reduce_dx,
+    backend, validate); row_mask False rows get log-prob 0, entropy 0, no loss term and zero gradient, and are never
+    passed to token_loss. backend="triton" (the default on CUDA): cuBLAS GEMMs and the logits op's Triton passes;
+    "torch": the same chunks with the logits op's PyTorch code (any device).
+
+    Gradients: dX [T, H] in hidden's dtype (fp32 accumulation over this rank's segments, all-reduced in fp32 over
+    tp_group when reduce_dx, one rounding); dW [V_local, H] in weight's dtype, accumulated in fp32 over the row blocks
+    and rounded once, TP-invariant bit for bit. dW is rounded into the storage of its fp32 accumulator (no second
+    [V_local, H] buffer), which it keeps until released (2x dW's size).
+    Memory held from forward to backward: dX and dW. Working memory (CUDA, half precision): one block's fp32 logits
+    over the local vocabulary (1024 x V_local x 4 bytes: 0.58 GiB at Qwen3's vocabulary), its dlogits (half that)
+    and the fp32 dW accumulator (V_local x H x 4 bytes: 2.3 GiB at H = 4096).
+
+    Host syncs on CUDA with validate=True: one at TP = 1 (the end-of-forward value read), two at TP > 1 (the header
+    exchange before the first all-gather, the end flags); a row_mask adds one (the kept-row count). validate=False:
+    none (plus the row mask's). Under torch.no_grad nothing is kept and only the loss value and the metrics are formed.
+    """
+    call = shell.prepare_lm_head(
+        "linear_token_loss", hidden, weight, tokens, tp_group=tp_group, entropy=entropy, temperature=temperature,
+        row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend, validate=validate,
+        token_loss=token_loss, fused_loss=True)
+    loss, log_prob, ent = LinearTokenLossFunction.apply(call.rows, weight, call.tokens, call.row_mask, call.plan,
+                                                        token_loss)
+    return loss, _outputs((log_prob, ent) if entropy != "none" else log_prob, call)
+
+
+def _outputs(out, call: shell.Call) -> LogProbsEntropy:
+    """A Function's log-prob (and entropy) outputs, [T] each, in the call's leading shape."""
+    if call.plan.entropy_mode == "none":
         return LogProbsEntropy(out.reshape(call.lead), None)
     log_prob, ent = out
     return LogProbsEntropy(log_prob.reshape(call.lead), ent.reshape(call.lead))
-
-
-def _prepare(fn_name, logits, tokens, group, world_size, rank, *, entropy, keep_mask, temperature, row_mask,
-             vocab_size, chunk_size, inplace_grad, backend, validate) -> _Call:
-    """Every local check (no tensor value read, no collective), the layout and the backend."""
-    temperature, inv_temperature, chunk_size, vocab_size = _validate.check_options(
-        fn_name, entropy=entropy, backend=backend, temperature=temperature, chunk_size=chunk_size,
-        vocab_size=vocab_size, inplace_grad=inplace_grad, validate=validate,
-    )
-    _validate.check_tensors(fn_name, logits, tokens, keep_mask, row_mask)
-    lead, v_local = tuple(logits.shape[:-1]), logits.shape[-1]
-    layout = make_layout(group, world_size, rank, v_local, vocab_size)
-    _validate.check_vocab(fn_name, vocab_size, layout.v_global)
-    selected = _select_backend(fn_name, backend, logits)
-
-    n_rows = math.prod(lead)
-    logits2d = _flatten_logits(fn_name, logits, n_rows, v_local, inplace_grad,
-                               needs_unit_stride=selected.needs_unit_column_stride)
-    shard = ShardOptions(
-        inv_temperature=inv_temperature,
-        n_valid=layout.n_valid,
-        seg_len=layout.seg_len,
-        vocab_start=layout.vocab_start,
-        chunk_rows=None if chunk_size in (None, -1) else chunk_size,
-    )
-    plan = Plan(fn_name=fn_name, layout=layout, backend=selected, shard=shard, temperature=temperature,
-                entropy_mode=entropy, inplace_grad=inplace_grad, validate=validate)
-    return _Call(logits2d, tokens.reshape(n_rows), None if keep_mask is None else keep_mask.reshape(n_rows, v_local),
-                 None if row_mask is None else row_mask.reshape(n_rows), plan, lead)
-
-
-def _flatten_logits(fn_name, logits, n_rows, v_local, inplace_grad, needs_unit_stride):
-    flat = _flatten_logits_view(fn_name, logits, n_rows, v_local, inplace_grad, needs_unit_stride)
-    if v_local == 1 and flat.stride(1) != 1:
-        # One column: its stride is meaningless; give it the unit stride kernels expect (same storage, a view).
-        flat = flat.as_strided((n_rows, 1), (flat.stride(0), 1))
-    return flat
-
-
-def _flatten_logits_view(fn_name, logits, n_rows, v_local, inplace_grad, needs_unit_stride):
-    if inplace_grad:
-        try:
-            flat = logits.view(n_rows, v_local)
-        except RuntimeError as err:
-            raise _validate.argument_error(
-                ValueError, fn_name, "inplace_grad",
-                f"inplace_grad=True needs logits whose leading dims flatten without a copy (got shape "
-                f"{tuple(logits.shape)}, strides {logits.stride()})") from err
-        _validate.check_inplace_target(fn_name, flat, needs_unit_stride)
-        return flat
-    flat = logits.reshape(n_rows, v_local)
-    if needs_unit_stride and v_local > 1 and flat.stride(1) != 1:
-        flat = flat.contiguous()
-    return flat

@@ -52,7 +52,7 @@ from typing import Optional
 
 import torch
 
-from ppo_ops._validate import argument_error
+from ppo_ops.core.checks import argument_error
 
 KL_TYPES = ("k1", "k2", "k3")
 NORMALIZATIONS = ("token_mean", "seq_mean", "sum")

@@ -1,4 +1,4 @@
-"""Compiles the fused LM head's Triton kernels (ppo_ops/_linear_triton.py, _linear_gemm_partials.py) for an H200
+"""Compiles the fused LM head's Triton kernels (ppo_ops/lm_head/triton_backend.py, gemm_partials.py) for an H200
 (sm_90) without a GPU; run by tests/test_linear_log_probs.py as `python -m tests.linear_compile_check` in a child
 process WITHOUT TRITON_INTERPRET (an interpreting process cannot compile). Triton's bundled ptxas compiles for a
 fixed target.
@@ -26,7 +26,8 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
-from ppo_ops import _linear_gemm_partials as gp, _linear_triton as lt  # noqa: E402
+from ppo_ops.core.triton_common import options  # noqa: E402
+from ppo_ops.lm_head import gemm_partials as gp, triton_backend as lt  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H200 (Hopper), 32-thread warps
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -54,7 +55,7 @@ def _forward_args(dtype, n_rows, v_local, seg_len, n_valid, vocab_start, inv_t=1
     args = (hidden, weight, torch.zeros(n_rows, dtype=torch.int64), torch.empty((v_local // seg_len, 5, n_rows)),
             n_rows, H_QWEN3_8B, seg_len, n_valid, v_local, vocab_start, H_QWEN3_8B, H_QWEN3_8B, inv_t)
     kwargs = dict(WITH_ENTROPY=True, SCALE=inv_t != 1.0, IEEE=dtype == torch.float32, UPCAST=False,
-                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **lt._options(cfg))
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **options(cfg))
     return args, kwargs
 
 
@@ -77,16 +78,16 @@ def _dlogits_args(dtype, n_rows=8192, chunk=4096):
     out = torch.empty((n_rows, chunk), dtype=dtype)
     args = (hidden, weight, torch.zeros(n_rows, dtype=torch.int64), vec, vec, vec, vec, vec, out,
             n_rows, H_QWEN3_8B, 0, chunk, V_QWEN3, V_QWEN3, 0, H_QWEN3_8B, H_QWEN3_8B, chunk, 1.5)
-    kwargs = dict(HAS_GLP=True, HAS_GENT=True, SCALE=True, IEEE=dtype == torch.float32, UPCAST=False,
+    kwargs = dict(HAS_GRAD_LOG_PROB=True, HAS_GRAD_ENTROPY=True, SCALE=True, IEEE=dtype == torch.float32, UPCAST=False,
                   LOGITS_ONLY=False, ROUND_BF16_BY_BITS=False,
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=lt._DLOGITS_GROUP_M,
-                  **lt._options(cfg))
+                  **options(cfg))
     return args, kwargs
 
 
 def _gemm_args(dtype, transposed_a, n_rows=8192, chunk=4096):
     """dX: [R, chunk] @ [chunk, H] accumulated into fp32; dW: [chunk, R] (a transposed view) @ [R, H] into dtype."""
-    cfg = lt.tile_config(dtype, gemm=True)
+    cfg = lt.tile_config(dtype)
     dl = torch.empty((n_rows, chunk), dtype=dtype)
     if transposed_a:
         a, b = dl.T, torch.empty((n_rows, H_QWEN3_8B), dtype=dtype)
@@ -98,7 +99,7 @@ def _gemm_args(dtype, transposed_a, n_rows=8192, chunk=4096):
     args = (a, b, out, out, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
             out.stride(0), out.stride(1))
     kwargs = dict(ACCUMULATE=not transposed_a, IEEE=dtype == torch.float32, UPCAST=False, ROUND_BF16_BY_BITS=False,
-                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **lt._options(cfg))
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **options(cfg))
     return args, kwargs
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import ppo_ops
-from ppo_ops import _validate
+from ppo_ops.core import agreement
 from tests.core_support import DEVICE, backend_params, make_logits, make_tokens, run_gloo, triton_skip_reason
 
 N_ROWS, V_LOCAL = 4, 16
@@ -183,7 +183,7 @@ def test_second_backward_after_inplace_grad_raises(backend):
 _COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "all_reduce",
                 "all_to_all", "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather", "reduce",
                 "reduce_scatter", "reduce_scatter_tensor", "scatter", "send", "recv", "isend", "irecv")
-_HEADER_NUMEL = len(_validate.HEADER_FIELDS)
+_HEADER_NUMEL = len(agreement.HEADER)
 
 
 class CollectiveIssued(Exception):

@@ -371,12 +371,13 @@ def test_calculate_api_matches(n_rows, with_entropy, with_entropy_grad, with_kee
 
 def test_backends_implement_the_contract():
     """Both backends are instances of the typed contract (ppo_ops/_backend.py) that the autograd Function calls."""
-    from ppo_ops import _backend, _torch_backend
+    from ppo_ops.core import contracts
+    from ppo_ops.logits import torch_backend
 
-    backends = [_torch_backend.BACKEND]
+    backends = [torch_backend.BACKEND]
     if triton_skip_reason("cpu") is None:
-        from ppo_ops import _triton_backend
-        backends.append(_triton_backend.BACKEND)
+        from ppo_ops.logits import triton_backend
+        backends.append(triton_backend.BACKEND)
     for backend in backends:
-        assert isinstance(backend, _backend.Backend), type(backend).__name__
+        assert isinstance(backend, contracts.Backend), type(backend).__name__
     assert [b.name for b in backends] == ["torch", "triton"][:len(backends)]

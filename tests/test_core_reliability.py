@@ -5,7 +5,7 @@ One rank, in process (both backends; Triton under the interpreter on CPU, compil
   Triton kernels once gave NaN entropies once the scaled row max passed ~2e31);
 - NumPy scalars and one-element tensors are accepted as numbers and give the same bits as Python numbers;
 - the value checks read the device exactly once per call with validate=True and never with validate=False (counted at
-  `_validate.read_to_host`, the one function that reads device values; on CUDA also with torch's sync debug mode, at
+  `agreement.read_to_host`, the one function that reads device values; on CUDA also with torch's sync debug mode, at
   TP=1 and, with two GPUs, at TP=2 over NCCL: these run only compiled, without TRITON_INTERPRET).
 
 Gloo groups of 2 and 3 ranks (one spawn per size running every case; a 30 s collective timeout and a join deadline,
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import ppo_ops
-from ppo_ops import _validate
+from ppo_ops.core import agreement, checks
 from tests.core_support import (DEVICE, CaseFailures, backend_params, make_logits, make_tokens, make_weights,
                                 run_gloo, run_op, triton_skip_reason)
 from tests.reference import (assert_entropy_close, assert_grad_close, assert_log_probs_close,
@@ -67,7 +67,7 @@ def _extreme_case(name):
         logits = logits.float()
         return logits, logits.argmax(-1), 1.0
     if name == "smallest_temperature":  # 1 / temperature is fp32's max: scaled logits up to it
-        return _uniform(shape, 0.0, 1.0, 2).float(), tokens, _validate.MIN_TEMPERATURE
+        return _uniform(shape, 0.0, 1.0, 2).float(), tokens, checks.MIN_TEMPERATURE
     if name == "tiny_power_of_two_temperature_bf16":  # 2^-127: the gradient scaled back by it is exact in bf16
         return _uniform(shape, 0.0, 1.0, 3).to(torch.bfloat16), tokens, 2.0 ** -127
     if name == "bf16_max_everywhere":
@@ -118,19 +118,19 @@ def test_numpy_scalars_and_tensors_are_numbers(backend):
 
 def test_smallest_temperature_is_accepted_and_half_of_it_is_not():
     logits, tokens = make_logits((2, 16)), make_tokens((2,), 16)
-    ppo_ops.log_probs_and_entropy(logits.to(DEVICE) * 0, tokens.to(DEVICE), temperature=_validate.MIN_TEMPERATURE)
+    ppo_ops.log_probs_and_entropy(logits.to(DEVICE) * 0, tokens.to(DEVICE), temperature=checks.MIN_TEMPERATURE)
     with pytest.raises(ValueError, match="temperature must be >= .*fit in float32"):
-        ppo_ops.log_probs_and_entropy(logits.to(DEVICE), tokens.to(DEVICE), temperature=_validate.MIN_TEMPERATURE / 2)
+        ppo_ops.log_probs_and_entropy(logits.to(DEVICE), tokens.to(DEVICE), temperature=checks.MIN_TEMPERATURE / 2)
 
 
 # --- host syncs (one rank) ---
 
 class _ReadCounter:
-    """Counts calls of _validate.read_to_host, the one function that reads device values."""
+    """Counts calls of agreement.read_to_host, the one function that reads device values."""
 
     def __init__(self, monkeypatch=None):
         self.calls = 0
-        original = _validate.read_to_host
+        original = agreement.read_to_host
 
         def counted(t):
             self.calls += 1
@@ -139,11 +139,11 @@ class _ReadCounter:
         self._original, self._counted = original, counted
 
     def __enter__(self):
-        _validate.read_to_host = self._counted
+        agreement.read_to_host = self._counted
         return self
 
     def __exit__(self, *exc):
-        _validate.read_to_host = self._original
+        agreement.read_to_host = self._original
 
 
 def _forward_backward(logits, tokens, **opts):

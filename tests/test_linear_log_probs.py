@@ -11,7 +11,7 @@ What is checked, per backend ("torch"; "triton" under TRITON_INTERPRET=1 on CPU,
 - row mask (dropped rows: zeros, no gradient; kept rows bitwise as without the mask), run-to-run determinism,
   caller's tensors untouched, empty input, argument errors, NumPy scalars as numbers;
 - the value checks read the device once per call with validate=True and never with validate=False (counted at
-  `_validate.read_to_host`), at TP = 1 and TP = 2;
+  `agreement.read_to_host`), at TP = 1 and TP = 2;
 - collective failure on a 2-rank gloo group (a collective timeout and a join deadline, so a hang fails): a bad token,
   a bad weight shape, a non-bool reduce_dx or a NaN weight on ONE rank makes both ranks raise the same error naming the
   rank and the argument; tp_group=None inside the job is one rank.
@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 import ppo_ops
-from ppo_ops import _layout, _validate
-from ppo_ops import _linear_chunked, _linear_shell
+from ppo_ops.core import agreement, layout as _layout, shell
+from ppo_ops.lm_head import chunked as _linear_chunked
 from tests.core_support import (CaseFailures, backend_params, compile_check_report, make_weights, triton_skip_reason)
 from tests.linear_support import HIDDEN, UNIT_ROUNDOFF, V_GLOBAL
 from tests.linear_support import assert_within as _assert_within
@@ -40,7 +40,7 @@ HALF = (torch.bfloat16, torch.float16)
 
 def _chunked(backend, dtype):
     """Whether the op takes the chunked path (library GEMMs + the logits op's passes): Triton with half precision."""
-    return backend == "triton" and dtype in HALF and _linear_shell.HALF_PRECISION_PATH == "chunked"
+    return backend == "triton" and dtype in HALF and shell.HALF_PRECISION_PATH == "chunked"
 
 
 def _tile_logits(backend, dtype):
@@ -48,10 +48,10 @@ def _tile_logits(backend, dtype):
     if _chunked(backend, dtype):
         return _linear_chunked.tile_logits
     if backend == "torch":
-        from ppo_ops import _linear_torch
-        return _linear_torch.tile_logits
-    from ppo_ops import _linear_triton
-    return _linear_triton.tile_logits
+        from ppo_ops.lm_head import torch_backend
+        return torch_backend.tile_logits
+    from ppo_ops.lm_head import triton_backend
+    return triton_backend.tile_logits
 
 
 def _run(hidden, weight, tokens, g_lp=None, g_ent=None, device=DEVICE, **opts):
@@ -177,7 +177,7 @@ def test_chunked_path_crosses_blocks_and_groups_vs_float64(backend):
 @pytest.mark.parametrize("backend", [p for p in backend_params(DEVICE) if p.id == "triton"])
 def test_triton_gemm_path_vs_float64(backend, monkeypatch):
     """The Triton GEMM kernels on half precision (the path the chunked one replaced; kept for fp32 and comparisons)."""
-    monkeypatch.setattr(_linear_shell, "HALF_PRECISION_PATH", "triton-gemm")
+    monkeypatch.setattr(shell, "HALF_PRECISION_PATH", "triton-gemm")
     _check_vs_float64_once(backend, torch.bfloat16, 1.3, 200, True)
 
 
@@ -328,20 +328,20 @@ def test_numpy_scalars_are_numbers():
 # --- host reads of the value checks ---
 
 class _ReadCounter:
-    """Counts calls of _validate.read_to_host, the one function that reads device values for the checks."""
+    """Counts calls of agreement.read_to_host, the one function that reads device values for the checks."""
 
     def __enter__(self):
-        self.calls, self._original = 0, _validate.read_to_host
+        self.calls, self._original = 0, agreement.read_to_host
 
         def counted(t):
             self.calls += 1
             return self._original(t)
 
-        _validate.read_to_host = counted
+        agreement.read_to_host = counted
         return self
 
     def __exit__(self, *exc):
-        _validate.read_to_host = self._original
+        agreement.read_to_host = self._original
 
 
 def _forward_backward(hidden, weight, tokens, **opts):
@@ -541,7 +541,8 @@ COMPILE_TIMEOUT_S = 600  # eight kernels at Qwen3 sizes: about 15 s on one core,
 
 @pytest.fixture(scope="module")
 def compile_report(tmp_path_factory):
-    return compile_check_report("tests.linear_compile_check", tmp_path_factory.mktemp("triton_cache"), COMPILE_TIMEOUT_S)
+    return compile_check_report("tests.linear_compile_check", tmp_path_factory.mktemp("triton_cache"),
+                                COMPILE_TIMEOUT_S)
 
 
 @pytest.mark.device("any")

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 import ppo_ops
-from ppo_ops import _layout, _linear_chunked
+from ppo_ops.core import layout as _layout
+from ppo_ops.lm_head import chunked as _linear_chunked
 from tests.core_support import backend_params, make_weights, triton_skip_reason
 from tests.linear_support import UNIT_ROUNDOFF, V_GLOBAL, assert_within, bounds, inputs
 from tests.ranks import DEVICE, results_by_tp, world_size_param
@@ -439,8 +440,9 @@ def _collective_worker(rank, world_size, out_dir):
     shard = weight[rank * v_local:(rank + 1) * v_local]
     cases = {
         "not_callable_on_rank_1": dict(token_loss=3.0 if rank == 1 else _weighted(5, 108)),
-        "bad_token_on_rank_0": dict(token_loss=_weighted(5, 108),
-                                    tokens=torch.where(torch.arange(5) == 2, V_GLOBAL, tokens) if rank == 0 else tokens),
+        "bad_token_on_rank_0": dict(
+            token_loss=_weighted(5, 108),
+            tokens=torch.where(torch.arange(5) == 2, V_GLOBAL, tokens) if rank == 0 else tokens),
     }
     record = {}
     for name, args in cases.items():

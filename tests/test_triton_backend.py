@@ -1,16 +1,17 @@
-"""Contract-level tests of the Triton backend (ppo_ops/_triton_backend.py): under TRITON_INTERPRET=1 on CPU tensors
-(the CPU target), and compiled on CUDA at Qwen3 sizes (the `_gpu` target; the last section).
+"""Contract-level tests of the Triton backend (ppo_ops/logits/triton_backend.py): under TRITON_INTERPRET=1 on CPU
+tensors (the CPU target), and compiled on CUDA at Qwen3 sizes (the `_gpu` target; the last section).
 
-`forward_partials` is checked, for lanes of 1, 8 and a whole tile's columns (LANE_WIDTH, see ppo_ops/_triton_kernels.py;
-per-column lanes' online state has its own test over many small tiles), channel by channel against the float64
-partials of tests/triton_reference.py (MAX and TARGET_Z exactly: selections of the same fp32 z), `backward_grad`
-against the float64 gradient defined by float64 row statistics, given them rounded to fp32 as the core passes them.
-Edge cases have their own tests: -inf logits and rows, NaN/inf padding, targets on another rank, multi-tile online
-rescaling, strided and in-place tensors, empty inputs, row masks (a dropped row is never read: NaN logits there give
-exactly neutral partials and a zero gradient row, and kept rows keep the bits of an unmasked run); then determinism,
-bitwise invariance of a segment's partials and of the gradient under vocabulary sharding (the backend half of the
-TP-invariance claim), bad input. Last, the kernels are compiled for sm_90 in a child process (the interpreter accepts
-code the compiler rejects), which also shows the forward's compiled code is the same at every TP size.
+`forward_partials` is checked, for lanes of 1, 8 and a whole tile's columns (LANE_WIDTH, see
+ppo_ops/logits/triton_kernels.py; per-column lanes' online state has its own test over many small tiles), channel by
+channel against the float64 partials of tests/triton_reference.py (MAX and TARGET_Z exactly: selections of the same fp32
+z), `backward_grad` against the float64 gradient defined by float64 row statistics, given them rounded to fp32 as the
+core passes them. Edge cases have their own tests: -inf logits and rows, NaN/inf padding, targets on another rank,
+multi-tile online rescaling, strided and in-place tensors, empty inputs, row masks (a dropped row is never read: NaN
+logits there give exactly neutral partials and a zero gradient row, and kept rows keep the bits of an unmasked run);
+then determinism, bitwise invariance of a segment's partials and of the gradient under vocabulary sharding (the backend
+half of the TP-invariance claim), bad input. Last, the kernels are compiled for sm_90 in a child process (the
+interpreter accepts code the compiler rejects), which also shows the forward's compiled code is the same at every TP
+size.
 
 End-to-end numerics through the public API run for both backends in tests/test_core_*.py; tests/test_tp_invariance.py
 checks bitwise TP invariance over ranks. Tests marked `device("cpu")` (the interpreter's contract checks, the
@@ -31,10 +32,11 @@ if _SKIP:
 pytestmark = pytest.mark.device("cpu")  # the interpreter's contract checks; compiled ones are marked cuda below
 
 # Imported after the skip: these load the kernels, which must see TRITON_INTERPRET first (tests/conftest.py sets it).
-from ppo_ops import _triton_backend as tb  # noqa: E402
-from ppo_ops._row_stats import ENT_SUM, MAX, SUMEXP, TARGET_Z, empty_partials  # noqa: E402
-from tests.triton_reference import (NEG_INF, assert_kernel_grad_close, assert_partials_close, check_once,  # noqa: E402
-                                    make_case, reference_grad, reference_partials, reference_stats, results_per_tp)
+from ppo_ops.logits import triton_backend as tb  # noqa: E402
+from ppo_ops.core.row_stats import ENT_SUM, MAX, SUMEXP, TARGET_Z, empty_partials  # noqa: E402
+from tests.triton_reference import (NEG_INF, assert_kernel_grad_close, assert_partials_close, backward_grad,  # noqa: E402
+                                    check_once, forward_partials, make_case, reference_grad, reference_partials,
+                                    reference_stats, results_per_tp)
 
 COMPILE_TIMEOUT_S = 300  # the child compiles 11 kernels for sm_90 (about 15 s on 2 cores); a hang fails the test
 # The forward's lane width: per-column lanes, the bf16 default (one 16-byte vector per lane), one lane per tile (a
@@ -131,7 +133,8 @@ def test_nan_and_pos_inf_logits_reach_max(bad, lane_width, block_v):
     # The core rejects bad logits by looking at the merged MAX (NaN or +inf); tl.max alone would drop a NaN.
     logits, _, target_col, _, _, _ = make_case(3, 64)
     logits[1, 41] = bad
-    got = tb.forward_partials(logits, None, target_col, None, 1.0, 64, 16, True, None, block_v=block_v, lane_width=lane_width)
+    got = forward_partials(logits, None, target_col, None, 1.0, 64, 16, True, None, block_v=block_v,
+                           lane_width=lane_width)
     flagged = torch.isnan(got[:, MAX]) | (got[:, MAX] == float("inf"))
     assert flagged[2, 1] and int(flagged.sum()) == 1  # only segment 2 of row 1
 
@@ -148,10 +151,10 @@ def test_online_rescaling_across_tiles(lane_width):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lanes_online_state(dtype):
-    # Per-column lanes (lane width 1): each lane's online state over 12 tiles of 8 columns (plus a partial, masked 13th and padding), each
-    # lane seeing its own sequence: new maxima in some lanes and not others, repeated maxima (d = 0), lanes that stay
-    # -inf for several tiles (empty state, then a first finite value), a lane that is -inf throughout (drops out of
-    # the merge), a whole -inf tile, and a row with a single finite logit.
+    # Per-column lanes (lane width 1): each lane's online state over 12 tiles of 8 columns (plus a partial, masked 13th
+    # and padding), each lane seeing its own sequence: new maxima in some lanes and not others, repeated maxima (d = 0),
+    # lanes that stay -inf for several tiles (empty state, then a first finite value), a lane that is -inf throughout
+    # (drops out of the merge), a whole -inf tile, and a row with a single finite logit.
     logits, row_mask, target_col, keep_mask, g_lp, g_ent = make_case(5, 104, dtype=dtype, keep=True, scale=4.0)
     logits[0, 3::8] = NEG_INF  # lane 3 empty throughout
     logits[0, 5:40:8] = NEG_INF  # lane 5 empty for five tiles
@@ -180,7 +183,7 @@ def test_backward_with_one_upstream_gradient(which):
     g_lp = g_lp if which == "log_prob" else None
     g_ent = g_ent if which == "entropy" else None
     out = torch.full_like(logits, 7.0)
-    tb.backward_grad(logits, row_mask, target_col, keep_mask, 1.0, 64, *(s.float() for s in stats), g_lp, g_ent, out,
+    backward_grad(logits, row_mask, target_col, keep_mask, 1.0, 64, *(s.float() for s in stats), g_lp, g_ent, out,
                      None)
     assert_kernel_grad_close(out, reference_grad(logits, row_mask, target_col, keep_mask, 1.0, 64, stats, g_lp, g_ent))
 
@@ -192,12 +195,12 @@ def test_strided_rows_and_inplace_gradient():
     wide[:, 8:72] = logits
     view = wide[:, 8:72]
     stats = [s.float() for s in reference_stats(logits, row_mask, target_col, None, 1.0, 64)]
-    got = tb.forward_partials(view, row_mask, target_col, None, 1.0, 64, 16, True, None)
-    assert torch.equal(got, tb.forward_partials(logits, row_mask, target_col, None, 1.0, 64, 16, True, None))
+    got = forward_partials(view, row_mask, target_col, None, 1.0, 64, 16, True, None)
+    assert torch.equal(got, forward_partials(logits, row_mask, target_col, None, 1.0, 64, 16, True, None))
     expected = torch.empty_like(logits)
-    tb.backward_grad(logits, row_mask, target_col, None, 1.0, 64, *stats, g_lp, g_ent, expected, None)
+    backward_grad(logits, row_mask, target_col, None, 1.0, 64, *stats, g_lp, g_ent, expected, None)
     before = wide.clone()
-    tb.backward_grad(view, row_mask, target_col, None, 1.0, 64, *stats, g_lp, g_ent, view, None)
+    backward_grad(view, row_mask, target_col, None, 1.0, 64, *stats, g_lp, g_ent, view, None)
     assert torch.equal(view, expected)
     assert torch.equal(wide[:, :8], before[:, :8]) and torch.equal(wide[:, 72:], before[:, 72:])
 
@@ -213,16 +216,16 @@ def test_inputs_are_not_mutated():
 def test_empty_inputs():
     logits = torch.zeros((0, 64))
     none = torch.zeros(0, dtype=torch.int64)
-    assert tb.forward_partials(logits, None, none, None, 1.0, 64, 16, True, None).shape == (4, 5, 0)
+    assert forward_partials(logits, None, none, None, 1.0, 64, 16, True, None).shape == (4, 5, 0)
     empty = torch.zeros(0)
-    tb.backward_grad(logits, None, none, None, 1.0, 64, empty, empty, None, empty, empty, empty, logits, None)
+    backward_grad(logits, None, none, None, 1.0, 64, empty, empty, None, empty, empty, empty, logits, None)
     # Every row dropped: neutral partials and zero gradient rows, NaN logits never read.
     logits = torch.full((3, 64), float("nan"))
     no_row = torch.zeros(3, dtype=torch.bool)
     target_col, stats = torch.zeros(3, dtype=torch.int64), torch.ones(3)
-    got = tb.forward_partials(logits, no_row, target_col, None, 1.0, 64, 16, True, None)
+    got = forward_partials(logits, no_row, target_col, None, 1.0, 64, 16, True, None)
     assert torch.equal(got, empty_partials(4, 3, "cpu"))
-    tb.backward_grad(logits, no_row, target_col, None, 1.0, 64, stats, stats, None, stats, stats, stats, logits, None)
+    backward_grad(logits, no_row, target_col, None, 1.0, 64, stats, stats, None, stats, stats, stats, logits, None)
     assert bool((logits == 0).all())
 
 
@@ -232,12 +235,12 @@ def test_empty_inputs():
 @pytest.mark.parametrize("lane_width", LANE_WIDTHS)
 def test_deterministic_and_row_independent(lane_width):
     logits, _, target_col, keep_mask, _, _ = make_case(8, 96, keep=True)
-    full = tb.forward_partials(logits, None, target_col, keep_mask, 1.0, 90, 12, True, None, lane_width=lane_width)
-    assert torch.equal(full, tb.forward_partials(logits, None, target_col, keep_mask, 1.0, 90, 12, True, 3,
+    full = forward_partials(logits, None, target_col, keep_mask, 1.0, 90, 12, True, None, lane_width=lane_width)
+    assert torch.equal(full, forward_partials(logits, None, target_col, keep_mask, 1.0, 90, 12, True, 3,
                                                  lane_width=lane_width))
     row_mask = torch.zeros(8, dtype=torch.bool)
     row_mask[[1, 4, 7]] = True
-    part = tb.forward_partials(logits, row_mask, target_col, keep_mask, 1.0, 90, 12, True, None, lane_width=lane_width)
+    part = forward_partials(logits, row_mask, target_col, keep_mask, 1.0, 90, 12, True, None, lane_width=lane_width)
     # a row's bits do not depend on which other rows run
     assert torch.equal(part[:, :, row_mask], full[:, :, row_mask])
 
@@ -256,22 +259,22 @@ def test_row_mask_never_reads_dropped_rows(lane_width, block_v, keep):
     masked[~row_mask] = float("nan")
     opts = dict(lane_width=lane_width, block_v=block_v)
 
-    unmasked = tb.forward_partials(logits, None, target_col, keep_mask, inv_t, n_valid, seg_len, True, None, **opts)
-    got = tb.forward_partials(masked, row_mask, target_col, keep_mask, inv_t, n_valid, seg_len, True, None, **opts)
+    unmasked = forward_partials(logits, None, target_col, keep_mask, inv_t, n_valid, seg_len, True, None, **opts)
+    got = forward_partials(masked, row_mask, target_col, keep_mask, inv_t, n_valid, seg_len, True, None, **opts)
     assert torch.equal(got[:, :, row_mask], unmasked[:, :, row_mask])
     neutral = empty_partials(96 // seg_len, int((~row_mask).sum()), "cpu")
     assert torch.equal(got[:, :, ~row_mask], neutral)
 
     stats = [s.float() for s in reference_stats(logits, None, target_col, keep_mask, inv_t, n_valid)]
     expected = torch.empty_like(logits)
-    tb.backward_grad(logits, None, target_col, keep_mask, inv_t, n_valid, *stats, g_lp, g_ent, expected, None,
+    backward_grad(logits, None, target_col, keep_mask, inv_t, n_valid, *stats, g_lp, g_ent, expected, None,
                      block_v=block_v)
     junk = [torch.where(row_mask, t, float("nan")) for t in (*stats, g_lp, g_ent)]
     grad = torch.full_like(logits, 7.0)  # every entry must be written
-    tb.backward_grad(masked, row_mask, target_col, keep_mask, inv_t, n_valid, *junk, grad, None, block_v=block_v)
+    backward_grad(masked, row_mask, target_col, keep_mask, inv_t, n_valid, *junk, grad, None, block_v=block_v)
     assert torch.equal(grad[row_mask], expected[row_mask])
     assert bool((grad[~row_mask] == 0).all())
-    tb.backward_grad(masked, row_mask, target_col, keep_mask, inv_t, n_valid, *junk, masked, None, block_v=block_v)
+    backward_grad(masked, row_mask, target_col, keep_mask, inv_t, n_valid, *junk, masked, None, block_v=block_v)
     assert torch.equal(masked, grad)  # in place: the NaN rows are overwritten with zeros, never read
 
 
@@ -300,28 +303,28 @@ def test_shards_give_the_same_bits(dtype, lane_width, block_v):
 
 def test_errors_name_the_argument():
     logits, _, target_col, _, _, _ = make_case(2, 64)
-    with pytest.raises(TypeError, match="ppo_ops._triton_backend: logits must"):
-        tb.forward_partials(logits.double(), None, target_col, None, 1.0, 64, 16, True, None)
+    with pytest.raises(TypeError, match="ppo_ops.logits.triton_backend: logits must"):
+        forward_partials(logits.double(), None, target_col, None, 1.0, 64, 16, True, None)
     with pytest.raises(ValueError, match="stride"):
-        tb.forward_partials(logits.t().contiguous().t(), None, target_col, None, 1.0, 64, 16, True, None)
-    with pytest.raises(ValueError, match="ppo_ops._triton_backend: seg_len must"):
-        tb.forward_partials(logits, None, target_col, None, 1.0, 64, 24, True, None)
-    with pytest.raises(ValueError, match="ppo_ops._triton_backend: n_valid must"):
-        tb.forward_partials(logits, None, target_col, None, 1.0, 65, 16, True, None)
-    with pytest.raises(ValueError, match="ppo_ops._triton_backend: keep_mask must"):
-        tb.forward_partials(logits, None, target_col, torch.ones(2, 64, dtype=torch.uint8), 1.0, 64, 16, True, None)
+        forward_partials(logits.t().contiguous().t(), None, target_col, None, 1.0, 64, 16, True, None)
+    with pytest.raises(ValueError, match="ppo_ops.logits.triton_backend: seg_len must"):
+        forward_partials(logits, None, target_col, None, 1.0, 64, 24, True, None)
+    with pytest.raises(ValueError, match="ppo_ops.logits.triton_backend: n_valid must"):
+        forward_partials(logits, None, target_col, None, 1.0, 65, 16, True, None)
+    with pytest.raises(ValueError, match="ppo_ops.logits.triton_backend: keep_mask must"):
+        forward_partials(logits, None, target_col, torch.ones(2, 64, dtype=torch.uint8), 1.0, 64, 16, True, None)
     with pytest.raises(ValueError, match="lane_width must be a power of two"):
-        tb.forward_partials(logits, None, target_col, None, 1.0, 64, 16, True, None, lane_width=6)
+        forward_partials(logits, None, target_col, None, 1.0, 64, 16, True, None, lane_width=6)
     stats = [torch.zeros(2)] * 4
-    with pytest.raises(ValueError, match="ppo_ops._triton_backend: out must"):
-        tb.backward_grad(logits, None, target_col, None, 1.0, 64, *stats, stats[0], None, logits.half(), None)
+    with pytest.raises(ValueError, match="ppo_ops.logits.triton_backend: out must"):
+        backward_grad(logits, None, target_col, None, 1.0, 64, *stats, stats[0], None, logits.half(), None)
 
 
 def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
     monkeypatch.setattr(tb, "interpreting", lambda: False)
     logits, _, target_col, _, _, _ = make_case(2, 64)
     with pytest.raises(ValueError, match="triton backend needs CUDA tensors or TRITON_INTERPRET=1"):
-        tb.forward_partials(logits, None, target_col, None, 1.0, 64, 16, True, None)
+        forward_partials(logits, None, target_col, None, 1.0, 64, 16, True, None)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -333,7 +336,8 @@ any_device = pytest.mark.device("any")  # compiles in a child process, whatever 
 
 @pytest.fixture(scope="module")
 def compile_report(tmp_path_factory):
-    return compile_check_report("tests.triton_compile_check", tmp_path_factory.mktemp("triton_cache"), COMPILE_TIMEOUT_S)
+    return compile_check_report("tests.triton_compile_check", tmp_path_factory.mktemp("triton_cache"),
+                                COMPILE_TIMEOUT_S)
 
 
 @any_device
@@ -378,7 +382,7 @@ MERGE_RTOL = 4e-6  # ~32 ulps: one exp per segment and one log per row, each a f
 
 @pytest.mark.parametrize("has_keep", [False, True])
 def test_fused_merge_matches_torch_merge(has_keep):
-    from ppo_ops import _row_stats
+    from ppo_ops.core import row_stats as _row_stats
     merge_partials = tb.merge_partials
 
     gen = torch.Generator().manual_seed(1)
@@ -464,15 +468,15 @@ def test_compiled_shards_give_the_same_bits(dtype, v_global, vocab_size):
 def test_deterministic_run_to_run():
     logits, row_mask, target_col, keep_mask, g_lp, g_ent = make_case(512, QWEN3_VOCAB, dtype=torch.bfloat16, keep=True)
     args = [t.to(DEVICE) for t in (logits, target_col, keep_mask)]
-    first = tb.forward_partials(args[0], None, args[1], args[2], 1.0, QWEN3_VOCAB, QWEN3_VOCAB // 8, True, None)
+    first = forward_partials(args[0], None, args[1], args[2], 1.0, QWEN3_VOCAB, QWEN3_VOCAB // 8, True, None)
     for _ in range(3):
-        again = tb.forward_partials(args[0], None, args[1], args[2], 1.0, QWEN3_VOCAB, QWEN3_VOCAB // 8, True, None)
+        again = forward_partials(args[0], None, args[1], args[2], 1.0, QWEN3_VOCAB, QWEN3_VOCAB // 8, True, None)
         assert torch.equal(again, first)
     stats = [s.float().to(DEVICE) for s in reference_stats(logits, None, target_col, keep_mask, 1.0, QWEN3_VOCAB)]
     grads = []
     for _ in range(2):
         grads.append(torch.empty_like(args[0]))
-        tb.backward_grad(args[0], None, args[1], args[2], 1.0, QWEN3_VOCAB, *stats, g_lp.to(DEVICE),
+        backward_grad(args[0], None, args[1], args[2], 1.0, QWEN3_VOCAB, *stats, g_lp.to(DEVICE),
                          g_ent.to(DEVICE), grads[-1], None)
     assert torch.equal(grads[0], grads[1])
 
@@ -490,11 +494,11 @@ def test_int64_offsets():
     expected = reference_partials(small, None, target_col, None, 1.0, QWEN3_VOCAB, seg_len, True)
     targets = torch.zeros(n_rows, dtype=torch.int64, device=DEVICE)
     targets[-2:] = target_col.to(DEVICE)
-    everything = tb.forward_partials(logits, None, targets, None, 1.0, QWEN3_VOCAB, seg_len, True, None)
+    everything = forward_partials(logits, None, targets, None, 1.0, QWEN3_VOCAB, seg_len, True, None)
     assert_partials_close(everything[:, :, -2:].cpu(), expected)
     row_mask = torch.zeros(n_rows, dtype=torch.bool, device=DEVICE)
     row_mask[-2:] = True
-    last = tb.forward_partials(logits, row_mask, targets, None, 1.0, QWEN3_VOCAB, seg_len, True, None)
+    last = forward_partials(logits, row_mask, targets, None, 1.0, QWEN3_VOCAB, seg_len, True, None)
     assert_partials_close(last[:, :, -2:].cpu(), expected)
     assert torch.equal(last[:, :, :-2], empty_partials(last.shape[0], n_rows - 2, DEVICE))
 
@@ -504,7 +508,7 @@ def test_int64_offsets():
         return full
 
     stats = [last_two(s) for s in reference_stats(small, None, target_col, None, 1.0, QWEN3_VOCAB)]
-    tb.backward_grad(logits, row_mask, targets, None, 1.0, QWEN3_VOCAB, *stats, last_two(g_lp), last_two(g_ent),
+    backward_grad(logits, row_mask, targets, None, 1.0, QWEN3_VOCAB, *stats, last_two(g_lp), last_two(g_ent),
                      logits, None)
     stats64 = reference_stats(small, None, target_col, None, 1.0, QWEN3_VOCAB)
     assert_kernel_grad_close(logits[-2:].cpu(), reference_grad(small, None, target_col, None, 1.0, QWEN3_VOCAB, stats64,

@@ -25,8 +25,10 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile as triton_compile, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from ppo_ops import _triton_backend as tb, _triton_kernels  # noqa: E402
-from ppo_ops._row_stats import NUM_PARTIALS  # noqa: E402
+from ppo_ops.logits import triton_backend as tb, triton_kernels as _triton_kernels  # noqa: E402
+from ppo_ops.core.contracts import RowInputs, ShardOptions  # noqa: E402
+from ppo_ops.core.row_stats import NUM_PARTIALS  # noqa: E402
+from ppo_ops.core.triton_common import options  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H200 (Hopper), 32-thread warps
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -53,8 +55,8 @@ def _forward_args(logits, row_mask, keep_mask, seg_len, n_valid, inv_t=1.0, voca
     out = torch.empty((logits.shape[1] // seg_len, 5, n_rows))
     config = tb.launch_config("forward", logits.dtype, seg_len, interpreted=False)
     target_col = torch.zeros(n_rows, dtype=torch.int64)
-    _, kwargs = tb.forward_launch_args(logits, row_mask, target_col, keep_mask, inv_t, n_valid, seg_len, True, out,
-                                       config, vocab_start)
+    shard = ShardOptions(inv_temperature=inv_t, n_valid=n_valid, seg_len=seg_len, vocab_start=vocab_start)
+    _, kwargs = tb.forward_launch_args(RowInputs(logits, target_col, keep_mask, row_mask), shard, True, out, config)
     return (), kwargs  # the launch passes every argument by name
 
 
@@ -87,10 +89,11 @@ def qwen3_ptx(pass_name, dtype, keep, n_rows=8, v_local=151936):
     vec = torch.zeros(n_rows)
     args = (logits, logits, row_mask.view(torch.uint8), torch.zeros(n_rows, dtype=torch.int64),
             logits if keep_mask is None else keep_mask.view(torch.uint8), vec, vec, vec, vec, vec, vec,
-            row_mask.view(torch.uint8), row_mask.view(torch.uint8), v_local, v_local - 5, 0, v_local, v_local, v_local, 1.5)
+            row_mask.view(torch.uint8), row_mask.view(torch.uint8), v_local, v_local - 5, 0, v_local, v_local, v_local,
+            1.5)
     kwargs = dict(HAS_ROW_MASK=True, HAS_KEEP=keep, HAS_GRAD_LOG_PROB=True, HAS_GRAD_ENTROPY=True,
                   HAS_LOG_PROB_DEFINED=True, HAS_MASS=True, SCALE=True, BLOCK_V=config.block_v,
-                  ROUND_BF16_BY_BITS=False, **tb._options(config))
+                  ROUND_BF16_BY_BITS=False, **options(config))
     return _ptx(_triton_kernels.backward_grad_kernel, args, kwargs)
 
 

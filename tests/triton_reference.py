@@ -12,8 +12,28 @@ built on it, used by tests/test_triton_backend.py (CPU under the interpreter, an
 
 import torch
 
-from ppo_ops import _triton_backend as tb
-from ppo_ops._row_stats import ENT_SUM, KEPT_SUMEXP, MAX, SUMEXP, TARGET_Z
+from ppo_ops.core.contracts import BackwardStats, RowInputs, ShardOptions, UpstreamGrads
+from ppo_ops.core.row_stats import ENT_SUM, KEPT_SUMEXP, MAX, SUMEXP, TARGET_Z
+from ppo_ops.logits import triton_backend as tb
+
+def forward_partials(logits, row_mask, tokens, keep_mask, inv_t, n_valid, seg_len, with_entropy, chunk_rows=None,
+                     vocab_start=0, **overrides):
+    """tb.forward_partials on plain tensors and numbers (the tests' cases are written that way): the contract's
+    dataclasses are built here."""
+    return tb.forward_partials(RowInputs(logits, tokens, keep_mask, row_mask),
+                               ShardOptions(inv_t, n_valid, seg_len, vocab_start, chunk_rows), with_entropy,
+                               **overrides)
+
+
+def backward_grad(logits, row_mask, tokens, keep_mask, inv_t, n_valid, shift, log_sum, log_sum_kept, mean_shifted,
+                  g_lp, g_ent, out, chunk_rows=None, log_prob_defined=None, row_has_mass=None, vocab_start=0,
+                  **overrides):
+    """tb.backward_grad on plain tensors and numbers, as forward_partials above (the segment length does not apply)."""
+    shard = ShardOptions(inv_t, n_valid, max(1, logits.shape[1]), vocab_start, chunk_rows)
+    tb.backward_grad(RowInputs(logits, tokens, keep_mask, row_mask), shard,
+                     BackwardStats(shift, log_sum, log_sum_kept, mean_shifted, log_prob_defined, row_has_mass),
+                     UpstreamGrads(g_lp, g_ent), out, **overrides)
+
 
 NEG_INF = float("-inf")
 
@@ -182,17 +202,17 @@ def check_once(logits, row_mask, target_col, keep_mask, g_lp, g_ent, *, inv_t=1.
     g_ent = g_ent if with_entropy else None
     d_logits, d_rows, d_target, d_keep, d_glp, d_gent = on(device, logits, row_mask, target_col, keep_mask, g_lp,
                                                             g_ent)
-    got = tb.forward_partials(d_logits, d_rows, d_target, d_keep, inv_t, n_valid, seg_len, with_entropy, None,
+    got = forward_partials(d_logits, d_rows, d_target, d_keep, inv_t, n_valid, seg_len, with_entropy, None,
                               **overrides).cpu()
     assert_partials_close(got, reference_partials(logits, row_mask, target_col, keep_mask, inv_t, n_valid, seg_len,
                                                   with_entropy))
     stats = reference_stats(logits, row_mask, target_col, keep_mask, inv_t, n_valid)
     out = torch.full_like(d_logits, 7.0)  # every entry must be written
-    tb.backward_grad(d_logits, d_rows, d_target, d_keep, inv_t, n_valid, *on(device, *(s.float() for s in stats)),
+    backward_grad(d_logits, d_rows, d_target, d_keep, inv_t, n_valid, *on(device, *(s.float() for s in stats)),
                      d_glp, d_gent, out, None, **overrides)
     out = out.cpu()
-    assert_kernel_grad_close(out, reference_grad(logits, row_mask, target_col, keep_mask, inv_t, n_valid, stats, g_lp, g_ent),
-                      row_scale=upstream_scale(g_lp, g_ent, inv_t))
+    assert_kernel_grad_close(out, reference_grad(logits, row_mask, target_col, keep_mask, inv_t, n_valid, stats, g_lp,
+                                                 g_ent), row_scale=upstream_scale(g_lp, g_ent, inv_t))
     assert bool((out[_dropped(row_mask, logits.shape[0])] == 0).all()), "a dropped row's gradient is not exactly 0"
     return got, out
 
@@ -213,10 +233,10 @@ def results_per_tp(logits, row_mask, tokens, keep_mask, stats, g_lp, g_ent, voca
             local = tokens - rank * v_local
             target_col = torch.where((local >= 0) & (local < v_local), local, -1)
             n_valid = max(0, min(v_local, vocab_size - rank * v_local))
-            partials.append(tb.forward_partials(shard, row_mask, target_col, keep, 1.0, n_valid, seg_len, True, None,
+            partials.append(forward_partials(shard, row_mask, target_col, keep, 1.0, n_valid, seg_len, True, None,
                                                 **overrides))
             grad = torch.empty_like(shard)
-            tb.backward_grad(shard, row_mask, target_col, keep, 1.0, n_valid, *stats, g_lp, g_ent, grad, None)
+            backward_grad(shard, row_mask, target_col, keep, 1.0, n_valid, *stats, g_lp, g_ent, grad, None)
             grads.append(grad)
         results[tp] = (torch.cat(partials), torch.cat(grads, dim=1))
     return results

@@ -124,7 +124,9 @@ def _print_table(header, rows):
 
 
 def _tune_dtype(name, n_rows, vocab, keep, check_rows):
-    from ppo_ops import _row_stats, _triton_backend as tb
+    from ppo_ops.core import row_stats as _row_stats
+    from ppo_ops.core.contracts import BackwardStats, RowInputs, ShardOptions, UpstreamGrads
+    from ppo_ops.logits import triton_backend as tb
 
     dtype = DTYPES[name]
     dev = torch.device("cuda")
@@ -141,7 +143,7 @@ def _tune_dtype(name, n_rows, vocab, keep, check_rows):
     dst = torch.empty_like(logits)
     copy_ms = _bench(functools.partial(dst.copy_, logits))
     copy_gbs = 2 * nbytes / copy_ms[1] / 1e6
-    del dst
+    dst = None  # frees the copy's buffer
     print(f"== {name}: T={n_rows} V={vocab} keep={keep}: logits {nbytes / 1e9:.2f} GB; device copy "
           f"{copy_ms[1]:.3f} ms = {copy_gbs:.0f} GB/s (read + write)", flush=True)
 
@@ -150,9 +152,11 @@ def _tune_dtype(name, n_rows, vocab, keep, check_rows):
     ref_partials8 = _reference_partials(logits[rows], target_col[rows], keep_rows, seg8)
     ref_partials1 = _reference_partials(logits[rows], target_col[rows], keep_rows, vocab)
 
-    partials = tb.forward_partials(logits, None, target_col, keep_mask, 1.0, vocab, seg8, True, None)
+    partials = tb.forward_partials(RowInputs(logits, target_col, keep_mask, None), ShardOptions(1.0, vocab, seg8, 0),
+                                   True)
     stats = _row_stats.merge_partials(partials, keep)
     row_stats = (stats.shift, stats.log_sum, stats.log_sum_kept if keep else stats.log_sum, stats.mean_shifted)
+    inputs = RowInputs(logits, target_col, keep_mask, None)
     ref_grad = _reference_grad(logits[rows], target_col[rows], keep_rows, [s[rows] for s in row_stats], g_lp[rows],
                                g_ent[rows])
     grad_tol = GRAD_ATOL + HALF_ULP[dtype] * ref_grad.abs()
@@ -172,16 +176,16 @@ def _tune_dtype(name, n_rows, vocab, keep, check_rows):
         try:
             if pass_name == "forward":
                 segs = vocab // seg_len
-                fn = functools.partial(tb.forward_partials, logits, None, target_col, keep_mask, 1.0, vocab, seg_len,
-                                       True, None, **overrides)
+                shard = ShardOptions(1.0, vocab, seg_len, 0)
+                fn = functools.partial(tb.forward_partials, inputs, shard, True, **overrides)
                 got = fn()[:, :, rows]
                 excess = _partials_error(got, ref_partials8 if segs == 8 else ref_partials1)
                 moved = nbytes + keep_bytes
             else:
                 segs = ""
                 out = torch.empty_like(logits)
-                fn = functools.partial(tb.backward_grad, logits, None, target_col, keep_mask, 1.0, vocab, *row_stats,
-                                       g_lp, g_ent, out, None, **overrides)
+                fn = functools.partial(tb.backward_grad, inputs, ShardOptions(1.0, vocab, vocab, 0),
+                                       BackwardStats(*row_stats), UpstreamGrads(g_lp, g_ent), out, **overrides)
                 fn()
                 excess = ((out[rows].double() - ref_grad).abs() - grad_tol).max().item()
                 moved = 2 * nbytes + keep_bytes
@@ -213,7 +217,7 @@ def main(argv):
         raise app.UsageError("needs a CUDA GPU")
     if _VOCAB.value % 8:
         raise app.UsageError("--vocab must be divisible by 8 (the fixed-segment layout)")
-    from ppo_ops import _triton_backend as tb
+    from ppo_ops.logits import triton_backend as tb
 
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {__import__('triton').__version__}", flush=True)

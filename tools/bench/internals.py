@@ -8,47 +8,53 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
-from ppo_ops import _linear_chunked, _linear_shell
-from ppo_ops._linear_backend import LinearShard
+from ppo_ops.core import shell
+from ppo_ops.core.contracts import BackwardStats, ShardOptions, UpstreamGrads
+from ppo_ops.lm_head import chunked
 
 # The chunked path's row-block shape (rows, dw_rows, loss_rows, loss_dw_rows).
-DEFAULT_CHUNK_SHAPE = _linear_chunked.CUDA_SHAPE
+DEFAULT_CHUNK_SHAPE = chunked.CUDA_SHAPE
 
 
 @contextlib.contextmanager
 def half_precision_path(path: str):
     """The fused head's half-precision path while the block runs: "chunked" (cuBLAS GEMMs on fixed-shape chunks, the
     default) or "triton-gemm" (its Triton GEMM kernels)."""
-    before = _linear_shell.HALF_PRECISION_PATH
-    _linear_shell.HALF_PRECISION_PATH = path
+    before = shell.HALF_PRECISION_PATH
+    shell.HALF_PRECISION_PATH = path
     try:
         yield
     finally:
-        _linear_shell.HALF_PRECISION_PATH = before
+        shell.HALF_PRECISION_PATH = before
 
 
 @contextlib.contextmanager
 def chunk_shape(**fields):
     """The chunked path's row-block shape with `fields` replaced while the block runs."""
-    before = _linear_chunked.CUDA_SHAPE
-    _linear_chunked.CUDA_SHAPE = dataclasses.replace(before, **fields)
+    before = chunked.CUDA_SHAPE
+    chunked.CUDA_SHAPE = dataclasses.replace(before, **fields)
     try:
         yield
     finally:
-        _linear_chunked.CUDA_SHAPE = before
+        chunked.CUDA_SHAPE = before
 
 
 def triton_passes():
     """The logits op's Triton passes as the chunked path calls them (partials, dlogits)."""
-    return _linear_chunked.backend("triton").passes
+    return chunked.backend("triton").passes
 
 
-def shard(vocab: int, seg_len: int) -> LinearShard:
+def dlogits_inputs(vec, g):
+    """(BackwardStats, UpstreamGrads) of the dlogits pass: every row statistic `vec`, both upstream gradients `g`."""
+    return BackwardStats(shift=vec, log_sum=vec, log_sum_kept=None, mean_shifted=vec), UpstreamGrads(g, g)
+
+
+def shard(vocab: int, seg_len: int) -> ShardOptions:
     """A whole-vocabulary shard (TP = 1) cut into segments of seg_len columns, temperature 1."""
-    return LinearShard(inv_temperature=1.0, n_valid=vocab, seg_len=seg_len, vocab_start=0)
+    return ShardOptions(inv_temperature=1.0, n_valid=vocab, seg_len=seg_len, vocab_start=0)
 
 
 # The chunked path's GEMMs: out = a @ b in fp32; acc += a @ b in fp32; out = a @ b rounded to out's dtype.
-mm_fp32 = _linear_chunked._mm_fp32
-addmm_fp32 = _linear_chunked._addmm_fp32
-mm_rounded = _linear_chunked._mm_rounded
+mm_fp32 = chunked.mm_fp32
+addmm_fp32 = chunked.addmm_fp32
+mm_rounded = chunked.mm_rounded

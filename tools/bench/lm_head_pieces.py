@@ -111,9 +111,10 @@ def _row_blocks(p: _Pieces) -> None:
 
 
 def _dlogits_pass(p: _Pieces, rows: int, chunk, vec, g, dl) -> None:
+    stats, upstream = p.internals.dlogits_inputs(vec, g)
     for _ in range(p.T // rows):
         for s in range(SEGMENTS):
-            p.passes.dlogits(chunk, rows, p.inp.tokens[:rows], p.shard.segment(s * p.seg_len), vec, vec, vec, g, g,
+            p.passes.dlogits(chunk, rows, p.inp.tokens[:rows], p.shard.segment(s * p.seg_len), stats, upstream,
                              dl[:rows])
 
 

@@ -4,8 +4,8 @@ Works on any device; the CPU path and the fallback where Triton is absent. Rows 
 `chunk_rows` rows, each held as two fp32 [rows, V_local] working buffers, so peak memory is bounded by the chunk,
 never by T (backward recomputes the softmax per chunk from the logits and O(T) row statistics instead of keeping it).
 
-The module-level functions are the launch layer (positional tensors, for direct use and tests); `TorchBackend` at the
-end adapts them to the typed contract of ppo_ops/_backend.py.
+The module-level functions implement the typed contract of core/contracts.py on its dataclasses; `TorchBackend` at
+the end names them as the backend.
 
 Row mask: the contract passes it as a [T] bool mask with [T]-sized per-row tensors. This backend turns it into the
 index list of the kept rows (`nonzero`, a host sync on CUDA: acceptable for the fallback) and works on those rows
@@ -32,10 +32,10 @@ from typing import Optional
 
 import torch
 
-from ppo_ops import _row_stats
-from ppo_ops._backend import BackwardStats, RowInputs, RowStats, ShardOptions, UpstreamGrads
-from ppo_ops._layout import target_columns
-from ppo_ops._row_stats import ENT_SUM, KEPT_SUMEXP, MAX, NUM_PARTIALS, SUMEXP, TARGET_Z, empty_partials
+from ppo_ops.core import row_stats
+from ppo_ops.core.contracts import BackwardStats, RowInputs, ShardOptions, UpstreamGrads
+from ppo_ops.core.layout import target_columns
+from ppo_ops.core.row_stats import ENT_SUM, KEPT_SUMEXP, MAX, NUM_PARTIALS, SUMEXP, TARGET_Z, empty_partials
 
 # Rows per chunk when the caller sets no bound: each of the two fp32 working buffers stays under this size.
 AUTO_CHUNK_BYTES = 64 * 1024 * 1024
@@ -67,8 +67,9 @@ def _row_slices(n: int):
         yield i, min(n, i + step)
 
 
-def _load_z(logits, rows, start, end, inv_temperature, n_valid) -> torch.Tensor:
+def _load_z(logits, rows, start, end, shard: ShardOptions) -> torch.Tensor:
     """fp32 copy of the chunk's logits times inv_temperature, padding columns at -inf."""
+    inv_temperature, n_valid = shard.inv_temperature, shard.n_valid
     n = end - start
     z = torch.empty((n, logits.shape[1]), dtype=torch.float32, device=logits.device)
     if rows is None:
@@ -104,41 +105,30 @@ def _kept_rows(row_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if row_mask is None else torch.nonzero(row_mask).squeeze(1)
 
 
-def forward_partials(
-    logits: torch.Tensor,
-    row_mask: Optional[torch.Tensor],
-    tokens: torch.Tensor,
-    keep_mask: Optional[torch.Tensor],
-    inv_temperature: float,
-    n_valid: int,
-    seg_len: int,
-    with_entropy: bool,
-    chunk_rows: Optional[int],
-    vocab_start: int = 0,
-) -> torch.Tensor:
-    target_col = target_columns(tokens, vocab_start, logits.shape[1])
-    rows = _kept_rows(row_mask)
+def forward_partials(inputs: RowInputs, shard: ShardOptions, with_entropy: bool) -> torch.Tensor:
+    """[V_local // seg_len, 5, T] fp32 segment partials, neutral for dropped rows (the contract's forward_partials)."""
+    logits = inputs.logits
+    target_col = target_columns(inputs.tokens, shard.vocab_start, logits.shape[1])
+    rows = _kept_rows(inputs.row_mask)
     if rows is None:
-        return _partials_of_rows(logits, None, target_col, keep_mask, inv_temperature, n_valid, seg_len,
-                                 with_entropy, chunk_rows)
-    kept = _partials_of_rows(logits, rows, target_col.index_select(0, rows), keep_mask, inv_temperature, n_valid,
-                             seg_len, with_entropy, chunk_rows)
+        return _partials_of_rows(inputs, None, target_col, shard, with_entropy)
+    kept = _partials_of_rows(inputs, rows, target_col.index_select(0, rows), shard, with_entropy)
     out = empty_partials(kept.shape[0], logits.shape[0], logits.device)  # dropped rows: neutral under the merge
     out[:, :, rows] = kept
     return out
 
 
-def _partials_of_rows(logits, rows, target_col, keep_mask, inv_temperature, n_valid, seg_len, with_entropy,
-                      chunk_rows) -> torch.Tensor:
+def _partials_of_rows(inputs: RowInputs, rows, target_col, shard: ShardOptions, with_entropy: bool) -> torch.Tensor:
     """[nseg, 5, R] partials of the rows `rows` (all T rows when None); target_col is [R]."""
+    logits, keep_mask, seg_len = inputs.logits, inputs.keep_mask, shard.seg_len
     n_rows = logits.shape[0] if rows is None else rows.numel()
     v_local = logits.shape[1]
     n_seg = v_local // seg_len
     out = torch.zeros((n_seg, NUM_PARTIALS, n_rows), dtype=torch.float32, device=logits.device)
-    for start, end in _chunks(n_rows, v_local, chunk_rows):
+    for start, end in _chunks(n_rows, v_local, shard.chunk_rows):
         n = end - start
         tcol = target_col[start:end]
-        z = _load_z(logits, rows, start, end, inv_temperature, n_valid)
+        z = _load_z(logits, rows, start, end, shard)
 
         # Target logit: -inf everywhere except in the segment holding it.
         zt = torch.full((n, n_seg), NEG_INF, dtype=torch.float32, device=logits.device)
@@ -164,31 +154,20 @@ def _partials_of_rows(logits, rows, target_col, keep_mask, inv_temperature, n_va
     return out
 
 
-def backward_grad(
-    logits: torch.Tensor,
-    row_mask: Optional[torch.Tensor],
-    tokens: torch.Tensor,
-    keep_mask: Optional[torch.Tensor],
-    inv_temperature: float,
-    n_valid: int,
-    shift: torch.Tensor,
-    log_sum: torch.Tensor,
-    log_sum_kept: Optional[torch.Tensor],
-    mean_shifted: Optional[torch.Tensor],
-    grad_log_prob: Optional[torch.Tensor],
-    grad_entropy: Optional[torch.Tensor],
-    out: torch.Tensor,
-    chunk_rows: Optional[int],
-    log_prob_defined: Optional[torch.Tensor] = None,
-    row_has_mass: Optional[torch.Tensor] = None,
-    vocab_start: int = 0,
-) -> None:
-    target_col = target_columns(tokens, vocab_start, logits.shape[1])
+def backward_grad(inputs: RowInputs, shard: ShardOptions, stats: BackwardStats, upstream: UpstreamGrads,
+                  out: torch.Tensor) -> None:
+    """Writes d(loss)/d(logits) into `out` (may be the logits), zero rows where the row mask is False (the contract's
+    backward_grad)."""
+    logits, row_mask, keep_mask = inputs.logits, inputs.row_mask, inputs.keep_mask
+    inv_temperature, n_valid = shard.inv_temperature, shard.n_valid
+    shift, log_sum, log_sum_kept, mean_shifted = stats.shift, stats.log_sum, stats.log_sum_kept, stats.mean_shifted
+    grad_log_prob, grad_entropy = upstream.grad_log_prob, upstream.grad_entropy
+    target_col = target_columns(inputs.tokens, shard.vocab_start, logits.shape[1])
     # Upstream gradients count only where their quantity has one (elsewhere 0, whatever they hold).
-    if grad_log_prob is not None and log_prob_defined is not None:
-        grad_log_prob = torch.where(log_prob_defined, grad_log_prob, torch.zeros_like(grad_log_prob))
-    if grad_entropy is not None and row_has_mass is not None:
-        grad_entropy = torch.where(row_has_mass, grad_entropy, torch.zeros_like(grad_entropy))
+    if grad_log_prob is not None and stats.log_prob_defined is not None:
+        grad_log_prob = torch.where(stats.log_prob_defined, grad_log_prob, torch.zeros_like(grad_log_prob))
+    if grad_entropy is not None and stats.row_has_mass is not None:
+        grad_entropy = torch.where(stats.row_has_mass, grad_entropy, torch.zeros_like(grad_entropy))
     rows = _kept_rows(row_mask)
     n_rows = logits.shape[0] if rows is None else rows.numel()
     v_local = logits.shape[1]
@@ -200,10 +179,10 @@ def backward_grad(
             None if t is None else t.index_select(0, rows)
             for t in (target_col, shift, log_sum, log_sum_kept, mean_shifted, grad_log_prob, grad_entropy)
         )
-    for start, end in _chunks(n_rows, v_local, chunk_rows):
+    for start, end in _chunks(n_rows, v_local, shard.chunk_rows):
         n = end - start
         tcol = target_col[start:end]
-        z = _load_z(logits, rows, start, end, inv_temperature, n_valid)
+        z = _load_z(logits, rows, start, end, shard)
         d = z.sub_(shift[start:end].unsqueeze(1))
         p = torch.sub(d, log_sum[start:end].unsqueeze(1)).exp_()
         if grad_entropy is not None:
@@ -238,26 +217,13 @@ def backward_grad(
 
 
 class TorchBackend:
-    """The Backend protocol (ppo_ops/_backend.py) over this module's functions and _row_stats' merge."""
+    """The Backend protocol (core/contracts.py): this module's functions and core/row_stats.py's merge."""
 
     name = "torch"
     needs_unit_column_stride = False
-
-    def forward_partials(self, inputs: RowInputs, shard: ShardOptions, with_entropy: bool) -> torch.Tensor:
-        return forward_partials(inputs.logits, inputs.row_mask, inputs.tokens, inputs.keep_mask, shard.inv_temperature,
-                                shard.n_valid, shard.seg_len, with_entropy, shard.chunk_rows,
-                                vocab_start=shard.vocab_start)
-
-    def merge_partials(self, partials: torch.Tensor, has_keep_mask: bool) -> RowStats:
-        return _row_stats.merge_partials(partials, has_keep_mask)
-
-    def backward_grad(self, inputs: RowInputs, shard: ShardOptions, stats: BackwardStats, upstream: UpstreamGrads,
-                      out: torch.Tensor) -> None:
-        backward_grad(inputs.logits, inputs.row_mask, inputs.tokens, inputs.keep_mask, shard.inv_temperature,
-                      shard.n_valid, stats.shift, stats.log_sum, stats.log_sum_kept, stats.mean_shifted,
-                      upstream.grad_log_prob, upstream.grad_entropy, out, shard.chunk_rows,
-                      log_prob_defined=stats.log_prob_defined, row_has_mass=stats.row_has_mass,
-                      vocab_start=shard.vocab_start)
+    forward_partials = staticmethod(forward_partials)
+    merge_partials = staticmethod(row_stats.merge_partials)
+    backward_grad = staticmethod(backward_grad)
 
 
 BACKEND = TorchBackend()

@@ -1,12 +1,12 @@
 """Row statistics: merging per-segment partials into log-probs, entropies and what backward needs.
 
 A backend's forward produces, for each vocabulary segment j it holds and each row, five fp32 partials relative to the
-segment's own maximum m_j (see the backend contract in _backend.py):
+segment's own maximum m_j (see the backend contract in core/contracts.py):
 
     MAX m_j, SUMEXP s_j = Σ e^(z-m_j), KEPT_SUMEXP over keep ∪ {target}, ENT_SUM w_j = Σ e^(z-m_j)(z-m_j), TARGET_Z.
 
 Across tensor-parallel ranks the [segments, 5, T] tensors are all-gathered (one collective of O(T) bytes, in
-_function.py) and every rank merges all segments in global order, sequentially, so every rank and every TP size
+logits/function.py) and every rank merges all segments in global order, sequentially, so every rank and every TP size
 computes the same bits:
 
     M = max_j m_j,  a_j = e^(m_j - M),  S = Σ_j a_j s_j,  W = Σ_j a_j (w_j + (m_j - M) s_j)
@@ -14,10 +14,10 @@ computes the same bits:
 
 W <= 0, so the entropy is a sum of two non-negative terms (no cancellation). Backward gets the statistics relative to
 the row maximum M (log S, log S_kept, W / S): it then forms log p = (z - M) - log S, where z - M is small exactly for
-the entries whose probability is large, so fp32 rounding there stays far below ulp(|z|). Segments and rows without any finite logit
-(m = -inf) contribute nothing and never produce exp(-inf - -inf); a segment whose shift m_j - M overflows to -inf
-(finite maxima near -fp32 max and +fp32 max) has a_j = 0 and adds exactly 0 to W (merge_partials clamps the shift
-where e^shift is 0 in fp32 anyway).
+the entries whose probability is large, so fp32 rounding there stays far below ulp(|z|). Segments and rows without
+any finite logit (m = -inf) contribute nothing and never produce exp(-inf - -inf); a segment whose shift m_j - M
+overflows to -inf (finite maxima near -fp32 max and +fp32 max) has a_j = 0 and adds exactly 0 to W (merge_partials
+clamps the shift where e^shift is 0 in fp32 anyway).
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import torch
 
-from ppo_ops._backend import RowStats
+from ppo_ops.core.contracts import RowStats
 
 MAX, SUMEXP, KEPT_SUMEXP, ENT_SUM, TARGET_Z = range(5)
 NUM_PARTIALS = 5
 
 NEG_INF = float("-inf")
+FLT_MAX = 3.4028234663852886e38  # largest finite fp32: the bound of every "finite" check and sentinel
 SHIFT_FLOOR = -128.0  # e^-128 ~ 3e-56 is 0 in fp32 (its smallest subnormal is e^-103.3)
 
 

@@ -6,7 +6,7 @@ eight equal segments when V_global is divisible by 8 and the TP size divides 8, 
 segment is reduced by exactly the same code on whichever rank holds it, and segments are merged in global order, so
 the result is bitwise identical at TP = 1, 2, 4 and 8 (and otherwise at least deterministic).
 
-Resolving the layout issues no collective: `get_world_size` and `get_rank` (in _validate.check_tp_group) are local
+Resolving the layout issues no collective: `get_world_size` and `get_rank` (in checks.check_tp_group) are local
 queries.
 """
 
@@ -57,7 +57,7 @@ def segment_length(v_local: int, world_size: int) -> int:
 
 
 def make_layout(group, world_size: int, rank: int, v_local: int, vocab_size: Optional[int]) -> VocabLayout:
-    """The layout of a call on (group, world_size, rank) as _validate.check_tp_group resolved them."""
+    """The layout of a call on (group, world_size, rank) as checks.check_tp_group resolved them."""
     v_global = v_local * world_size
     return VocabLayout(
         group=group,

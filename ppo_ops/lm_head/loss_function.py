@@ -1,7 +1,7 @@
 """linear_token_loss as one autograd Function: the loss's gradient formed inside the forward, logits formed once.
 
 Forward (under no_grad for autograd; the caller's loss runs under enable_grad on small per-row tensors), per row
-block of the chunked backend (ppo_ops/_linear_chunked.py, `loss_forward`): the block's fp32 logits over this rank's
+block of the chunked backend (lm_head/chunked.py, `loss_forward`): the block's fp32 logits over this rank's
 segments -> per-segment partials -> (TP > 1) all-gather -> fixed-order merge -> the caller's token_loss on the block's
 global log-probs and entropies -> torch.autograd.grad of its values w.r.t. those two -> dlogits (input dtype) -> dX
 rows of the block (fp32 accumulation over the segments; with reduce_dx at TP > 1 all-reduced in fp32; one rounding)
@@ -30,15 +30,15 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from ppo_ops import _validate
-from ppo_ops._function import refuse_double_backward
-from ppo_ops._linear_backend import BlockGrads, LossHooks
-from ppo_ops._linear_shell import NAMING, LinearPlan, kept, kept_row_indices, merge_across_ranks, scatter_rows
+from ppo_ops.core import agreement, checks, shell
+from ppo_ops.core.contracts import BlockGrads, LossHooks
+from ppo_ops.core.shell import Plan, refuse_double_backward
+from ppo_ops.lm_head.function import kept, kept_row_indices, scatter_rows
 
 
 class LinearTokenLossFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, row_mask, plan: LinearPlan, token_loss):
+    def forward(ctx, hidden, weight, tokens, row_mask, plan: Plan, token_loss):
         layout = plan.layout
         device = hidden.device
         n_rows, width = hidden.shape
@@ -62,7 +62,7 @@ class LinearTokenLossFunction(torch.autograd.Function):
         headers_done = [layout.group is None or not plan.validate]
 
         def merge(partials):
-            stats = merge_across_ranks(plan, partials, tokens, row_mask, hidden.dtype, validate=not headers_done[0])
+            stats = shell.merge_row_stats(plan, partials, tokens, row_mask, validate=not headers_done[0])
             headers_done[0] = True
             return stats
 
@@ -102,11 +102,8 @@ class LinearTokenLossFunction(torch.autograd.Function):
                                        LossHooks(merge=merge, block_grads=block_grads, finish_dx=finish_dx),
                                        need_dx=need_dx, need_dw=need_dw)
         if not headers_done[0]:  # no kept row on this rank: it still takes part in the header exchange
-            _validate.check_across_ranks(
-                plan.fn_name, layout.group, layout.world_size, tokens, row_mask,
-                torch.zeros((layout.segments_local, 5, 0), dtype=torch.float32, device=device), naming=NAMING,
-                v_local=layout.v_local, vocab_size=layout.vocab_size, temperature=plan.temperature,
-                entropy_mode=plan.entropy_mode, has_keep_mask=False, dtype=hidden.dtype)
+            shell.check_across_ranks(plan, tokens, row_mask,
+                                     torch.zeros((layout.segments_local, 5, 0), dtype=torch.float32, device=device))
         if plan.validate:
             _check_end(plan, tokens, row_mask, flags)
 
@@ -122,7 +119,7 @@ class LinearTokenLossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_log_prob=None, grad_entropy=None):
-        plan: LinearPlan = ctx.plan
+        plan: Plan = ctx.plan
         refuse_double_backward(plan.fn_name)
         if ctx.consumed:
             raise RuntimeError(
@@ -150,20 +147,18 @@ def _call_loss(fn_name, token_loss, log_prob, entropy, rows, *, need_grad, entro
     with torch.enable_grad() if need_grad else contextlib.nullcontext():
         value = token_loss(lp_in, ent_in, rows)
     n = log_prob.shape[0]
+    def fail(exc_type, detail):
+        raise checks.argument_error(exc_type, fn_name, "token_loss", f"token_loss must return {detail}")
+
     if not isinstance(value, torch.Tensor):
-        raise _validate.argument_error(TypeError, fn_name, "token_loss",
-                                       f"token_loss must return a torch.Tensor, got {type(value).__name__}")
+        fail(TypeError, f"a torch.Tensor, got {type(value).__name__}")
     if value.dtype != torch.float32:
-        raise _validate.argument_error(TypeError, fn_name, "token_loss",
-                                       f"token_loss must return float32 values, got {value.dtype}")
+        fail(TypeError, f"float32 values, got {value.dtype}")
     if tuple(value.shape) != (n,):
-        raise _validate.argument_error(
-            ValueError, fn_name, "token_loss",
-            f"token_loss must return one value per row, shape ({n},) for this block of {n} rows, got "
-            f"{tuple(value.shape)} (the loss must be row-separable: a sum over rows of per-row terms)")
+        fail(ValueError, f"one value per row, shape ({n},) for this block of {n} rows, got {tuple(value.shape)} (the "
+                         "loss must be row-separable: a sum over rows of per-row terms)")
     if value.device != log_prob.device:
-        raise _validate.argument_error(ValueError, fn_name, "token_loss",
-                                       f"token_loss must return values on {log_prob.device}, got {value.device}")
+        fail(ValueError, f"values on {log_prob.device}, got {value.device}")
     if not need_grad:
         return value.detach(), None, None
     inputs = [lp_in] + ([ent_in] if ent_in is not None and ent_in.requires_grad else [])
@@ -175,22 +170,21 @@ def _call_loss(fn_name, token_loss, log_prob, entropy, rows, *, need_grad, entro
     return value.detach(), g_lp, g_ent
 
 
-def _check_end(plan: LinearPlan, tokens, row_mask, flags) -> None:
+def _check_end(plan: Plan, tokens, row_mask, flags) -> None:
     """The end-of-forward host read of the value checks (see the module docstring)."""
     fn = plan.fn_name
     if plan.layout.group is None:
         # The logits op's TP = 1 read (token range, NaN / +inf logits), this op's loss flag in the same read.
-        (bad_loss,) = _validate.check_single_rank_values(fn, flags[:1], tokens, row_mask, plan.layout.vocab_size,
-                                                         naming=NAMING, extra_flags=flags[1:])
+        (bad_loss,) = shell.check_single_rank(plan, flags[:1], tokens, row_mask, extra_flags=flags[1:])
         bad_logits, where = False, ""
     else:
-        bad_logits, bad_loss = _validate.read_to_host(flags.to(torch.int64))
+        bad_logits, bad_loss = agreement.read_to_host(flags.to(torch.int64))
         where = f" (merged over the {plan.layout.world_size} tensor-parallel ranks)"
     if bad_logits:
-        raise _validate.argument_error(ValueError, fn, NAMING.bad_logits_argument,
-                                       NAMING.bad_logits.format(where=where))
+        raise checks.argument_error(ValueError, fn, plan.naming.bad_logits_argument,
+                                    plan.naming.bad_logits.format(where=where))
     if bad_loss:
-        raise _validate.argument_error(
+        raise checks.argument_error(
             ValueError, fn, "token_loss",
             "token_loss returned a non-finite value or gradient (NaN or inf) on some row; check the loss's inputs "
             "(e.g. ratios exp(log_prob - old_log_prob) overflowing) or pass validate=False to skip this check")

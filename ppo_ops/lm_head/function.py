@@ -1,8 +1,8 @@
 """The fused LM head as one autograd Function: GEMM-tile partials -> TP all-gather -> fixed-order merge; backward
 recomputes logit tiles and returns dX and dW. No [T, V] tensor is ever held.
 
-The backend contract is a type: `LinearBackend` in ppo_ops/_linear_backend.py, implemented by _linear_torch,
-_linear_triton and _linear_chunked; the call is prepared by the shell both LM-head ops share (ppo_ops/_linear_shell.py).
+The backend contract is a type: `LinearBackend` in core/contracts.py, implemented by lm_head/torch_backend.py,
+lm_head/triton_backend.py and lm_head/chunked.py; the call is prepared by the shell both ops share (core/shell.py).
 
 No grad (torch.no_grad, or neither hidden nor weight requires grad): the forward keeps nothing for a backward (no
 saved tensors, no row statistics beyond the outputs), so an old-policy or reference pass costs the forward alone.
@@ -11,7 +11,7 @@ Rows: a row_mask is applied before any GEMM: the kept rows' hidden states are ga
 (O(R * H) bytes; the index list is a host sync on CUDA), every kernel runs on those R rows only, and dropped rows get
 log-prob 0, entropy 0 and zero dX rows. Without a row mask `hidden` is used as is (no copy).
 
-Validation (validate=True) is the logits op's, in ppo_ops/_validate.py: at TP > 1 the ranks' fixed-size headers (over
+Validation (validate=True) is the logits op's, in core/agreement.py: at TP > 1 the ranks' fixed-size headers (over
 the call's T rows and row mask; the NaN / +inf flag from this rank's partials) are all-gathered before the partials
 and read once; at TP = 1 the token bounds and that flag are read once after the merge.
 
@@ -25,21 +25,19 @@ does, see linear_log_probs_and_entropy's docstring).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
-from ppo_ops import _validate
-from ppo_ops._backend import UpstreamGrads
-from ppo_ops._function import forward_outputs, refuse_double_backward
-from ppo_ops._linear_backend import LinearSaved
-from ppo_ops._linear_shell import NAMING, LinearPlan, kept, kept_row_indices, row_stats, scatter_rows
-
-__all__ = ["LinearLogProbEntropyFunction", "LinearPlan", "NAMING"]
+from ppo_ops.core import shell
+from ppo_ops.core.contracts import LinearSaved, UpstreamGrads
+from ppo_ops.core.shell import Plan, forward_outputs, refuse_double_backward
 
 
 class LinearLogProbEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, row_mask, plan: LinearPlan):
+    def forward(ctx, hidden, weight, tokens, row_mask, plan: Plan):
         layout = plan.layout
         n_rows = hidden.shape[0]
         rows = kept_row_indices(row_mask)
@@ -49,11 +47,10 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         # TP > 1, validate: before the all-gather of the partials, whose size depends on the call, ranks that
         # disagree, or whose tokens or logits are bad, all raise together (the call's one host read). The header
         # covers the call's T rows and row mask; the partials (kept rows) give the NaN / +inf flag.
-        stats = row_stats(plan, partials, tokens, row_mask, hidden.dtype)
+        stats = shell.merge_row_stats(plan, partials, tokens, row_mask)
         if plan.validate and layout.group is None:
             # TP = 1: last, so every launch of the forward is queued before the host waits (the one value read).
-            _validate.check_single_rank_values(plan.fn_name, stats.bad_input, tokens, row_mask,
-                                               layout.vocab_size, naming=NAMING)
+            shell.check_single_rank(plan, stats.bad_input, tokens, row_mask)
 
         log_prob = scatter_rows(stats.log_prob, rows, n_rows)
         entropy = scatter_rows(stats.entropy, rows, n_rows)
@@ -70,14 +67,14 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         return forward_outputs(ctx, plan.entropy_mode, log_prob, entropy)
 
     @staticmethod
-    def backward(ctx, grad_logprob, grad_entropy=None):
-        plan: LinearPlan = ctx.plan
+    def backward(ctx, grad_log_prob, grad_entropy=None):
+        plan: Plan = ctx.plan
         refuse_double_backward(plan.fn_name)
         if not plan.needs_grad:
             raise RuntimeError(f"ppo_ops.{plan.fn_name}: the forward ran without grad mode and kept nothing")
-        h, weight, t, rows, shift, log_sum, mean_shifted, logprob_ok, has_mass = ctx.saved_tensors
+        h, weight, t, rows, shift, log_sum, mean_shifted, log_prob_defined, has_mass = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        g_lp = _upstream(grad_logprob, rows, logprob_ok)
+        g_lp = _upstream(grad_log_prob, rows, log_prob_defined)
         g_ent = _upstream(grad_entropy, rows, has_mass) if plan.entropy_mode == "grad" else None
         if g_lp is None and g_ent is None:
             return None, None, None, None, None
@@ -96,3 +93,22 @@ def _upstream(grad, rows, ok):
         return None
     g = kept(grad.to(torch.float32), rows)
     return torch.where(ok, g, torch.zeros_like(g)).contiguous()
+
+
+# ---- rows ----
+
+def kept_row_indices(row_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """[R] int64 indices of the kept rows (a host sync on CUDA: their count sizes every GEMM), or None for all."""
+    return None if row_mask is None else torch.nonzero(row_mask).squeeze(1)
+
+
+def kept(x: Optional[torch.Tensor], rows: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return x if (x is None or rows is None) else x.index_select(0, rows)
+
+
+def scatter_rows(values: torch.Tensor, rows: Optional[torch.Tensor], n_rows: int) -> torch.Tensor:
+    """[R, ...] values of the kept rows -> [T, ...] with zeros for dropped rows."""
+    if rows is None:
+        return values
+    out = torch.zeros((n_rows,) + tuple(values.shape[1:]), dtype=values.dtype, device=values.device)
+    return out.index_copy_(0, rows, values)

@@ -1,15 +1,15 @@
 """The fused op as one autograd Function: forward partials -> TP all-gather -> fixed-order merge; backward one pass.
 
-The backend contract is a type: `Backend` in ppo_ops/_backend.py (forward partials, merge, backward), implemented by
-_torch_backend.TorchBackend and _triton_backend.TritonBackend; RowInputs, ShardOptions, RowStats and UpstreamGrads
-are what crosses it.
+The backend contract is a type: `Backend` in core/contracts.py (forward partials, merge, backward), implemented by
+logits.torch_backend.TorchBackend and logits.triton_backend.TritonBackend; RowInputs, ShardOptions, RowStats and
+UpstreamGrads are what crosses it.
 Host time: with validate=True the forward has one host sync (at TP = 1 at its end, at TP > 1 after the header
 exchange), after which the host's work up to the next launch is on the GPU's critical path; at small shapes the whole
 call is host-bound. So the core launches as few torch ops as it can (targets and gradient masks are formed inside
 the kernels).
 
 Communication: at TP > 1 forward issues one all-gather of [segments, 5, T] fp32 (plus, with validate=True and before
-it, one all-gather of a fixed-size int64 header per rank: ppo_ops/_validate.py). Backward issues none: given the
+it, one all-gather of a fixed-size int64 header per rank: core/agreement.py). Backward issues none: given the
 global row stats the gradient is element-wise. At TP = 1 it is the same code with the collectives skipped.
 
 What is kept for backward: a reference to the logits (no copy), the keep mask and the row mask the caller passed, and
@@ -24,87 +24,29 @@ in-place write to the version counter (Triton's kernels too, whose raw-pointer s
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
-from ppo_ops import _validate
-from ppo_ops._backend import Backend, BackwardStats, RowInputs, ShardOptions, UpstreamGrads
-from ppo_ops._layout import VocabLayout
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """Everything about one call that is not a tensor."""
-
-    fn_name: str
-    layout: VocabLayout
-    backend: Backend
-    shard: ShardOptions
-    temperature: float  # as the caller gave it (the ranks compare it)
-    entropy_mode: str  # "none" | "value" | "grad"
-    inplace_grad: bool
-    validate: bool
-
-
-def all_gather_partials(partials: torch.Tensor, layout: VocabLayout) -> torch.Tensor:
-    """[segments_local, 5, T] on each rank -> [segments_global, 5, T], in global segment order."""
-    if layout.group is None:
-        return partials
-    # Into one tensor: rank-major along dim 0 is the global segment order, with no list and no cat (host time).
-    out = torch.empty((layout.world_size * partials.shape[0],) + tuple(partials.shape[1:]), dtype=partials.dtype,
-                      device=partials.device)
-    # torch >= 2.13 names it all_gather_single and deprecates all_gather_into_tensor, the only name torch 2.11 has.
-    gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather_single(out, partials.contiguous(), group=layout.group)
-    return out
-
-
-def merge_row_stats(fn_name: str, layout: VocabLayout, validate: bool, partials: torch.Tensor, merge, tokens,
-                    row_mask, *, naming=None, **header_fields):
-    """This rank's [local segments, 5, T] partials -> global RowStats, the way every op of ppo_ops does it: at TP > 1
-    with validate=True the ranks' fixed-size headers first (the value checks' one host read; `header_fields` as
-    _validate.rank_header takes them), then the all-gather of the partials, then `merge` (the backend's fixed-order
-    merge). The logits op and both LM-head ops (ppo_ops/_linear_shell.py) call this."""
-    if layout.group is not None:
-        if validate:
-            # Before the all-gather of the partials, whose size depends on the call: ranks that disagree, or whose
-            # tokens or logits are bad, all raise here together.
-            _validate.check_across_ranks(fn_name, layout.group, layout.world_size, tokens, row_mask, partials,
-                                         naming=naming, v_local=layout.v_local, vocab_size=layout.vocab_size,
-                                         **header_fields)
-        # Every rank takes part, T = 0 included: [segments, 5, T] has the same shape on every rank.
-        partials = all_gather_partials(partials, layout)
-    return merge(partials)
-
-
-def compute_row_stats(plan: Plan, inputs: RowInputs):
-    """Forward partials on this rank, (validate=True, TP > 1) the header exchange and its one host read, the
-    all-gather of the partials, the merge. Returns RowStats over all T rows (neutral, i.e. without mass, for rows
-    the row mask drops)."""
-    partials = plan.backend.forward_partials(inputs, plan.shard, plan.entropy_mode != "none")
-    has_keep = inputs.keep_mask is not None
-    return merge_row_stats(plan.fn_name, plan.layout, plan.validate, partials,
-                           lambda p: plan.backend.merge_partials(p, has_keep), inputs.tokens, inputs.row_mask,
-                           temperature=plan.temperature, entropy_mode=plan.entropy_mode, has_keep_mask=has_keep,
-                           dtype=inputs.logits.dtype)
+from ppo_ops.core import shell
+from ppo_ops.core.contracts import BackwardStats, RowInputs, UpstreamGrads
+from ppo_ops.core.shell import Plan, forward_outputs, refuse_double_backward
 
 
 class LogProbEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, tokens, keep_mask, row_mask, plan: Plan):
         # A dropped row's token may be junk (-100 for prompt rows): its column is -1 or unused, never read.
-        stats = compute_row_stats(plan, RowInputs(logits, tokens, keep_mask, row_mask))
+        inputs = RowInputs(logits, tokens, keep_mask, row_mask)
+        partials = plan.backend.forward_partials(inputs, plan.shard, plan.entropy_mode != "none")
+        stats = shell.merge_row_stats(plan, partials, tokens, row_mask)
 
         log_prob, entropy = stats.log_prob, stats.entropy  # a dropped row's entropy is 0 already (no mass)
         if row_mask is not None:
             log_prob = torch.where(row_mask, log_prob, torch.zeros_like(log_prob))  # no mass would give -inf
         if plan.validate and plan.layout.group is None:
             # TP = 1: last, so every launch of the forward is queued before the host waits (the one host sync).
-            _validate.check_single_rank_values(plan.fn_name, stats.bad_input, tokens, row_mask,
-                                               plan.layout.vocab_size)
+            shell.check_single_rank(plan, stats.bad_input, tokens, row_mask)
 
         ctx.plan = plan
         ctx.consumed = False
@@ -148,18 +90,3 @@ class LogProbEntropyFunction(torch.autograd.Function):
 
 def _as_fp32(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if grad is None else grad.to(torch.float32).contiguous()
-
-
-def forward_outputs(ctx, entropy_mode, log_prob, entropy):
-    """What an op's forward returns: the log-prob alone (entropy="none"), or with the entropy, which is a constant
-    for entropy="value"."""
-    if entropy_mode == "none":
-        return log_prob
-    if entropy_mode == "value":
-        ctx.mark_non_differentiable(entropy)
-    return log_prob, entropy
-
-
-def refuse_double_backward(fn_name):
-    if torch.is_grad_enabled():
-        raise RuntimeError(f"ppo_ops.{fn_name}: double backward (create_graph=True through this op) is not supported")

@@ -1,37 +1,39 @@
-"""Triton backend: the launchers of the kernels of `_triton_kernels.py`, and `TritonBackend`, the backend contract
-(ppo_ops/_backend.py) over them.
+"""Triton backend: the launchers of the kernels of `triton_kernels.py`, and `TritonBackend`, the backend contract
+(core/contracts.py) over them.
 
 `forward_partials` reads each kept row's logits once, in their own dtype, and returns the [nseg, 5, T] fp32 segment
 partials (MAX, SUMEXP, KEPT_SUMEXP, ENT_SUM, TARGET_Z); `backward_grad` reads the logits once more and writes the full
 gradient (in place when `out` is the logits). The row mask goes to the kernels as bytes: a dropped row's programs read
 none of its logits and write neutral partials or a zero gradient row, with no host sync and no index list.
-`merge_partials` merges the partials of every rank into row stats in one launch. The core (ppo_ops/_function.py)
+`merge_partials` merges the partials of every rank into row stats in one launch. The core (logits/function.py)
 does everything around them: validation, the TP all-gather of the partials, autograd. No fp32 [T, V] copy is ever
 made, so `chunk_rows` (a bound on fp32 working rows for the torch backend) is accepted and ignored.
 
-Forward kernel: one, `forward_partials_kernel` (lanes of LANE_WIDTH contiguous columns, see _triton_kernels.py);
+Forward kernel: one, `forward_partials_kernel` (lanes of LANE_WIDTH contiguous columns, see triton_kernels.py);
 the lane width is a launch option like the tile size. Different lane widths give partials within the same
 tolerances, not the same bits, so every rank must use the same config (they do: it depends only on the dtype and
 segment length). Merge: `merge_partials` launches `merge_partials_kernel` once per forward.
 Tile sizes: on CUDA they come from `_GPU_CONFIG` (per pass and dtype; docs/performance.md); under the interpreter
 (TRITON_INTERPRET=1, CPU tensors) each loop iteration costs about a millisecond, so tiles cover a whole segment or row
-up to a cap. The forward tile depends only on the segment length and dtype, never on V_local: that keeps a segment's bits
-independent of the TP size. ppo_ops/api.py imports this module only when the backend is selected, so `import ppo_ops`
-works without triton and TRITON_INTERPRET is read then (Triton reads it when the kernels are decorated).
+up to a cap. The forward tile depends only on the segment length and dtype, never on V_local: that keeps a segment's
+bits independent of the TP size. core/shell.py imports this module only when the backend is selected, so
+`import ppo_ops` works without triton and TRITON_INTERPRET is read then (Triton reads it when the kernels are
+decorated).
 """
 
-import os
 from typing import NamedTuple, Optional
 
 import torch
 import triton  # noqa: F401  an ImportError here is how backend="auto" (ppo_ops/api.py) learns triton is absent
 
-from ppo_ops import _triton_kernels
-from ppo_ops._backend import BackwardStats, RowInputs, RowStats, ShardOptions, UpstreamGrads
-from ppo_ops._row_stats import NUM_PARTIALS
-from ppo_ops._validate import argument_error
+from ppo_ops.core.checks import argument_error
+from ppo_ops.core.contracts import BackwardStats, RowInputs, RowStats, ShardOptions, UpstreamGrads
+from ppo_ops.core.row_stats import NUM_PARTIALS
+from ppo_ops.core.shell import interpret_requested
+from ppo_ops.core.triton_common import cdiv, interpreting, options, round_bf16_by_bits
+from ppo_ops.logits import triton_kernels
 
-_WHERE = "_triton_backend"  # the message prefix of this module's internal checks (ppo_ops._triton_backend: ...)
+_WHERE = "logits.triton_backend"  # message prefix of this module's own checks: "ppo_ops.logits.triton_backend: ..."
 
 # (BLOCK_V, num_warps, num_stages[, lane width]) per pass and logits element size in bytes: the fastest correct
 # variants measured on H200s (docs/performance.md says how and what they gave).
@@ -46,16 +48,11 @@ _INTERPRET_LANE_WIDTH = 8  # the interpreter runs the lane width CUDA runs for b
 _INTERPRET_MAX_BLOCK = 1 << 16
 
 
-def interpreting():
-    """True when the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 was set before this module loaded)."""
-    return type(_triton_kernels.forward_partials_kernel).__name__ == "InterpretedFunction"
-
-
 def _check_device(name, tensor):
     if tensor.is_cuda:
         return
     if not interpreting():
-        if os.environ.get("TRITON_INTERPRET") == "1":
+        if interpret_requested():
             hint = "TRITON_INTERPRET=1 was set after the kernels were first loaded; set it before importing ppo_ops"
         else:
             hint = "set TRITON_INTERPRET=1 before importing ppo_ops to run on CPU"
@@ -135,14 +132,6 @@ def launch_config(pass_name, dtype, n_cols, interpreted, block_v=None, num_warps
     return config._replace(lane_width=min(config.lane_width, config.block_v))
 
 
-def _options(config):
-    """Compiler options of a launch (none under the interpreter, which ignores them)."""
-    if config.num_warps is None:
-        return {}
-    # fp fusion explicit: Triton 3.9 warns that its default changes in 3.10; fused multiply-adds are the faster choice.
-    return {"num_warps": config.num_warps, "num_stages": config.num_stages, "enable_fp_fusion": True}
-
-
 def _segment_align(seg_len, tensor, block):
     """Alignment (elements) the forward kernel may assume for a tensor's segment starts: the largest power of two up to
     16 bytes that divides seg_len and the block, so it is the same at every TP size; 1 if this tensor's row stride or
@@ -159,15 +148,12 @@ def _next_pow2(n):
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def forward_partials(
-    logits, row_mask, tokens, keep_mask, inv_temperature, n_valid, seg_len, with_entropy, chunk_rows, vocab_start=0,
-    **overrides
-):
-    """[V_local // seg_len, 5, T] fp32 segment partials, neutral for dropped rows (backend contract; `overrides` are
-    LaunchConfig fields)."""
-    del chunk_rows  # no fp32 working copy to bound
+def forward_partials(inputs: RowInputs, shard: ShardOptions, with_entropy: bool, **overrides) -> torch.Tensor:
+    """[V_local // seg_len, 5, T] fp32 segment partials, neutral for dropped rows (the contract's forward_partials;
+    `overrides` are LaunchConfig fields). No fp32 working copy is made, so shard.chunk_rows does not apply."""
+    logits, seg_len, n_valid = inputs.logits, shard.seg_len, shard.n_valid
     _check_logits(logits)
-    _check_row_vector("tokens", tokens, logits)
+    _check_row_vector("tokens", inputs.tokens, logits)
     num_rows, v_local = logits.shape
     if seg_len <= 0 or v_local % seg_len != 0:
         raise argument_error(ValueError, _WHERE, "seg_len",
@@ -178,46 +164,44 @@ def forward_partials(
     if out.numel() == 0:
         return out
     config = launch_config("forward", logits.dtype, seg_len, interpreting(), **overrides)
-    grid, kwargs = forward_launch_args(
-        logits, row_mask, tokens, keep_mask, inv_temperature, n_valid, seg_len, with_entropy, out, config, vocab_start
-    )
-    _triton_kernels.forward_partials_kernel[grid](**kwargs)
+    grid, kwargs = forward_launch_args(inputs, shard, with_entropy, out, config)
+    triton_kernels.forward_partials_kernel[grid](**kwargs)
     return out
 
 
-def forward_launch_args(logits, row_mask, tokens, keep_mask, inv_temperature, n_valid, seg_len, with_entropy,
-                        out, config, vocab_start=0):
-    """(grid, kwargs) of one forward launch, every kernel argument by name (launch: kernel[grid](**kwargs)): one
-    program per (row, segment), dropped rows included (they store neutral partials)."""
+def forward_launch_args(inputs: RowInputs, shard: ShardOptions, with_entropy: bool, out: torch.Tensor,
+                        config: LaunchConfig):
+    """(grid, kwargs) of one forward launch into `out` [segments, 5, T], every kernel argument by name (launch:
+    kernel[grid](**kwargs)): one program per (row, segment), dropped rows included (they store neutral partials)."""
+    logits, seg_len = inputs.logits, shard.seg_len
     num_rows, v_local = out.shape[2], logits.shape[1]
-    keep = None if keep_mask is None else _keep_bytes(keep_mask, logits)
-    row_bytes = None if row_mask is None else _row_bytes("row_mask", row_mask, logits)
-    tokens = _vector(tokens, torch.int64)
+    keep = None if inputs.keep_mask is None else _keep_bytes(inputs.keep_mask, logits)
+    row_bytes = None if inputs.row_mask is None else _row_bytes("row_mask", inputs.row_mask, logits)
+    tokens = _vector(inputs.tokens, torch.int64)
     kwargs = dict(
         # An unused pointer gets any tensor: the constexprs switch its loads off.
         logits_ptr=logits, row_mask_ptr=tokens if row_bytes is None else row_bytes, tokens_ptr=tokens,
         keep_ptr=logits if keep is None else keep, out_ptr=out,
-        num_rows=num_rows, n_valid=n_valid, seg_len=seg_len, v_local=v_local, vocab_start=int(vocab_start),
+        num_rows=num_rows, n_valid=shard.n_valid, seg_len=seg_len, v_local=v_local, vocab_start=int(shard.vocab_start),
         logits_row_stride=logits.stride(0), keep_row_stride=0 if keep is None else keep.stride(0),
-        inv_temperature=float(inv_temperature),
+        inv_temperature=float(shard.inv_temperature),
         HAS_ROW_MASK=row_bytes is not None, HAS_KEEP=keep is not None, WITH_ENTROPY=bool(with_entropy),
-        SCALE=float(inv_temperature) != 1.0, BLOCK_V=config.block_v,
+        SCALE=float(shard.inv_temperature) != 1.0, BLOCK_V=config.block_v,
         LOGITS_ALIGN=_segment_align(seg_len, logits, config.block_v),
         KEEP_ALIGN=1 if keep is None else _segment_align(seg_len, keep, config.block_v),
         LANE_WIDTH=config.lane_width,
-        **_options(config),
+        **options(config),
     )
     return (num_rows, v_local // seg_len), kwargs
 
 
-def backward_grad(
-    logits, row_mask, tokens, keep_mask, inv_temperature, n_valid, shift, log_sum, log_sum_kept, mean_shifted,
-    grad_log_prob, grad_entropy, out, chunk_rows, log_prob_defined=None, row_has_mass=None, vocab_start=0, **overrides
-):
-    """Writes d(loss)/d(logits) into `out`, zero rows where row_mask is False (backend contract; `out` may be
-    `logits`; `overrides`: LaunchConfig). The kernel applies log_prob_defined / row_has_mass to the upstream gradients
-    itself: no torch ops between autograd and the launch (with validate=True the host is on the critical path)."""
-    del chunk_rows
+def backward_grad(inputs: RowInputs, shard: ShardOptions, stats: BackwardStats, upstream: UpstreamGrads,
+                  out: torch.Tensor, **overrides) -> None:
+    """Writes d(loss)/d(logits) into `out`, zero rows where the row mask is False (the contract's backward_grad; `out`
+    may be the logits; `overrides`: LaunchConfig fields). The kernel applies stats.log_prob_defined / row_has_mass to
+    the upstream gradients itself: no torch ops between autograd and the launch (with validate=True the host is on
+    the critical path)."""
+    logits = inputs.logits
     _check_logits(logits)
     if out.shape != logits.shape or out.dtype != logits.dtype or out.stride(-1) != 1:
         raise argument_error(
@@ -225,44 +209,53 @@ def backward_grad(
             f"out must match logits ({logits.dtype} {tuple(logits.shape)}, stride(-1) == 1), got {out.dtype} "
             f"{tuple(out.shape)} strides {out.stride()}"
         )
-    if grad_entropy is not None and mean_shifted is None:
+    if upstream.grad_entropy is not None and stats.mean_shifted is None:
         raise argument_error(ValueError, _WHERE, "mean_shifted", "mean_shifted is required when grad_entropy is given")
-    has_keep = keep_mask is not None and grad_log_prob is not None  # the keep mask only shapes q
-    if has_keep and log_sum_kept is None:
+    if inputs.keep_mask is not None and upstream.grad_log_prob is not None and stats.log_sum_kept is None:
         raise argument_error(ValueError, _WHERE, "log_sum_kept",
                              "log_sum_kept is required when keep_mask and grad_log_prob are given")
-    for name, t in (("tokens", tokens), ("shift", shift), ("log_sum", log_sum),
-                    ("log_sum_kept", log_sum_kept), ("mean_shifted", mean_shifted), ("grad_log_prob", grad_log_prob),
-                    ("grad_entropy", grad_entropy)):
+    for name, t in (("tokens", inputs.tokens), ("shift", stats.shift), ("log_sum", stats.log_sum),
+                    ("log_sum_kept", stats.log_sum_kept), ("mean_shifted", stats.mean_shifted),
+                    ("grad_log_prob", upstream.grad_log_prob), ("grad_entropy", upstream.grad_entropy)):
         _check_row_vector(name, t, logits)
     num_rows, v_local = logits.shape
     if num_rows == 0 or v_local == 0:
         return
-    row_bytes = None if row_mask is None else _row_bytes("row_mask", row_mask, logits)
-    keep = _keep_bytes(keep_mask, logits) if has_keep else None
     config = launch_config("backward", logits.dtype, v_local, interpreting(), **overrides)
-    shift = _vector(shift, torch.float32)
+    triton_kernels.backward_grad_kernel[(num_rows, cdiv(v_local, config.block_v))](
+        **backward_launch_args(inputs, shard, stats, upstream, out, config))
+
+
+def backward_launch_args(inputs: RowInputs, shard: ShardOptions, stats: BackwardStats, upstream: UpstreamGrads,
+                         out: torch.Tensor, config: LaunchConfig) -> dict:
+    """Every argument of a backward launch by name; the grid is (rows, cdiv(V_local, config.block_v))."""
+    logits, grad_log_prob = inputs.logits, upstream.grad_log_prob
+    has_keep = inputs.keep_mask is not None and grad_log_prob is not None  # the keep mask only shapes q
+    row_bytes = None if inputs.row_mask is None else _row_bytes("row_mask", inputs.row_mask, logits)
+    keep = _keep_bytes(inputs.keep_mask, logits) if has_keep else None
+    shift = _vector(stats.shift, torch.float32)
     unused = shift  # stands in for pointers the constexprs switch off
-    _triton_kernels.backward_grad_kernel[(num_rows, _cdiv(v_local, config.block_v))](
+    return dict(
         logits_ptr=logits, out_ptr=out, row_mask_ptr=unused if row_bytes is None else row_bytes,
-        tokens_ptr=_vector(tokens, torch.int64), keep_ptr=logits if keep is None else keep,
-        shift_ptr=shift, log_sum_ptr=_vector(log_sum, torch.float32),
-        log_sum_kept_ptr=_vector(log_sum_kept, torch.float32, unused),
-        mean_shifted_ptr=_vector(mean_shifted, torch.float32, unused),
+        tokens_ptr=_vector(inputs.tokens, torch.int64), keep_ptr=logits if keep is None else keep,
+        shift_ptr=shift, log_sum_ptr=_vector(stats.log_sum, torch.float32),
+        log_sum_kept_ptr=_vector(stats.log_sum_kept, torch.float32, unused),
+        mean_shifted_ptr=_vector(stats.mean_shifted, torch.float32, unused),
         grad_log_prob_ptr=_vector(grad_log_prob, torch.float32, unused),
-        grad_entropy_ptr=_vector(grad_entropy, torch.float32, unused),
-        log_prob_defined_ptr=(unused if log_prob_defined is None
-                              else _row_bytes("log_prob_defined", log_prob_defined, logits)),
-        mass_ptr=unused if row_has_mass is None else _row_bytes("row_has_mass", row_has_mass, logits),
-        v_local=v_local, n_valid=n_valid, vocab_start=int(vocab_start),
+        grad_entropy_ptr=_vector(upstream.grad_entropy, torch.float32, unused),
+        log_prob_defined_ptr=(unused if stats.log_prob_defined is None
+                              else _row_bytes("log_prob_defined", stats.log_prob_defined, logits)),
+        row_has_mass_ptr=(unused if stats.row_has_mass is None
+                          else _row_bytes("row_has_mass", stats.row_has_mass, logits)),
+        v_local=logits.shape[1], n_valid=shard.n_valid, vocab_start=int(shard.vocab_start),
         logits_row_stride=logits.stride(0), out_row_stride=out.stride(0),
         keep_row_stride=0 if keep is None else keep.stride(0),
-        inv_temperature=float(inv_temperature),
+        inv_temperature=float(shard.inv_temperature),
         HAS_ROW_MASK=row_bytes is not None, HAS_KEEP=has_keep, HAS_GRAD_LOG_PROB=grad_log_prob is not None,
-        HAS_GRAD_ENTROPY=grad_entropy is not None, HAS_LOG_PROB_DEFINED=log_prob_defined is not None,
-        HAS_MASS=row_has_mass is not None,
-        SCALE=float(inv_temperature) != 1.0, BLOCK_V=config.block_v,
-        ROUND_BF16_BY_BITS=out.dtype == torch.bfloat16 and interpreting(), **_options(config),
+        HAS_GRAD_ENTROPY=upstream.grad_entropy is not None, HAS_LOG_PROB_DEFINED=stats.log_prob_defined is not None,
+        HAS_MASS=stats.row_has_mass is not None,
+        SCALE=float(shard.inv_temperature) != 1.0, BLOCK_V=config.block_v,
+        ROUND_BF16_BY_BITS=round_bf16_by_bits(out.dtype), **options(config),
     )
 
 
@@ -273,22 +266,18 @@ def _vector(t, dtype, default=None):
     return t.to(dtype).contiguous()
 
 
-def _cdiv(a, b):
-    return -(-a // b)
-
-
 # Rows per merge program: enough to amortise the static segment loop; a power of two (tl.arange).
 _MERGE_BLOCK_R = 256
 
 
 def merge_partials(partials: torch.Tensor, has_keep_mask: bool) -> RowStats:
-    """[segments, 5, T] fp32 partials -> RowStats, the math of _row_stats.merge_partials in one launch."""
+    """[segments, 5, T] fp32 partials -> RowStats, the math of row_stats.merge_partials in one launch."""
     num_seg, _, num_rows = partials.shape
     partials = partials.contiguous()
-    k = _triton_kernels
+    k = triton_kernels
     out = torch.empty((k.MERGED_FIELDS, num_rows), dtype=torch.float32, device=partials.device)
     if num_rows:
-        k.merge_partials_kernel[(_cdiv(num_rows, _MERGE_BLOCK_R),)](
+        k.merge_partials_kernel[(cdiv(num_rows, _MERGE_BLOCK_R),)](
             partials_ptr=partials, out_ptr=out, num_rows=num_rows, NUM_SEG=num_seg, HAS_KEEP=has_keep_mask,
             BLOCK_R=_MERGE_BLOCK_R,
         )
@@ -307,25 +296,13 @@ def merge_partials(partials: torch.Tensor, has_keep_mask: bool) -> RowStats:
 
 
 class TritonBackend:
-    """The Backend protocol (ppo_ops/_backend.py) over this module's launchers."""
+    """The Backend protocol (core/contracts.py): this module's launchers."""
 
     name = "triton"
     needs_unit_column_stride = True
-
-    def forward_partials(self, inputs: RowInputs, shard: ShardOptions, with_entropy: bool) -> torch.Tensor:
-        return forward_partials(inputs.logits, inputs.row_mask, inputs.tokens, inputs.keep_mask, shard.inv_temperature,
-                                shard.n_valid, shard.seg_len, with_entropy, None, vocab_start=shard.vocab_start)
-
-    def merge_partials(self, partials: torch.Tensor, has_keep_mask: bool) -> RowStats:
-        return merge_partials(partials, has_keep_mask)
-
-    def backward_grad(self, inputs: RowInputs, shard: ShardOptions, stats: BackwardStats, upstream: UpstreamGrads,
-                      out: torch.Tensor) -> None:
-        backward_grad(inputs.logits, inputs.row_mask, inputs.tokens, inputs.keep_mask, shard.inv_temperature,
-                      shard.n_valid, stats.shift, stats.log_sum, stats.log_sum_kept, stats.mean_shifted,
-                      upstream.grad_log_prob, upstream.grad_entropy, out, None,
-                      log_prob_defined=stats.log_prob_defined, row_has_mass=stats.row_has_mass,
-                      vocab_start=shard.vocab_start)
+    forward_partials = staticmethod(forward_partials)
+    merge_partials = staticmethod(merge_partials)
+    backward_grad = staticmethod(backward_grad)
 
 
 BACKEND = TritonBackend()

@@ -1,14 +1,14 @@
 """Triton backend of the fused LM head (linear_log_probs_and_entropy): GEMM tiles on tensor cores, no [T, V] logits.
 
-Implements the LinearBackend contract of ppo_ops/_linear_backend.py for fp32 inputs (half precision takes
-ppo_ops/_linear_chunked.py; _linear_shell.HALF_PRECISION_PATH routes it here for before/after measurements) with three kernels:
+Implements the LinearBackend contract of core/contracts.py for fp32 inputs (half precision takes lm_head/chunked.py;
+core/shell.HALF_PRECISION_PATH routes it here for before/after measurements) with three kernels:
 
 Forward, `forward_partials_kernel`, grid (local segment, row block): one program sweeps its segment's vocabulary in
 tiles of BLOCK_N columns starting at the segment start; per tile it forms the [BLOCK_M, BLOCK_N] logit tile with a K
 loop over H in steps of BLOCK_K (`tl.dot` on the input dtype's tiles: wgmma on Hopper for bf16/fp16, fp32
 accumulators; fp32 inputs use IEEE fp32 dots), scales it by 1/temperature (rounded once, as the logits op's kernel
 does) and folds it into per-row online statistics (max m, Σ e^(z-m), Σ e^(z-m)(z-m), the target's logit). At the end
-it stores the five partials of its (segment, rows): the same channels as the logits op (_row_stats.py), so the
+it stores the five partials of its (segment, rows): the same channels as the logits op (row_stats.py), so the
 core's all-gather and fixed-order merge apply unchanged. The segment axis is the grid's fast axis: programs running
 together share a few weight tiles (one per segment) and a few hidden-row blocks, which stay in L2.
 Backward, per vocabulary chunk of at most DL_CHUNK_BYTES of dlogits (chunks start at segment starts, so tiles do):
@@ -40,11 +40,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ppo_ops import _row_stats
-from ppo_ops._triton_backend import merge_partials  # the merge the logits op's Triton backend uses
-# The partials' channel order, as the logits op's kernels hold it (constexprs: jit code may read only those).
-from ppo_ops._triton_kernels import _ENT_SUM, _KEPT_SUMEXP, _MAX, _NUM_PARTIALS, _SUMEXP, _TARGET_Z, _scaled
-_FLT_MAX = tl.constexpr(3.4028234663852886e38)  # an empty row's running max: finite, so never -inf - -inf
+from ppo_ops.core import row_stats
+from ppo_ops.core.checks import argument_error
+from ppo_ops.core.contracts import LinearSaved, ShardOptions, UpstreamGrads
+from ppo_ops.core.triton_common import (CH_ENT_SUM, CH_KEPT_SUMEXP, CH_MAX, CH_SUMEXP, CH_TARGET_Z, FLT_MAX,
+                                        NUM_PARTIALS, cdiv, interpreting, options, round_bf16_by_bits, scaled,
+                                        store_rounded)
+from ppo_ops.logits.triton_backend import merge_partials  # the logits op's fused merge: the partials are the same
 
 # Integers that differ between ranks / TP sizes: not specialised on (divisibility by 16 would change the code).
 _TP_VARYING = ["n_valid", "v_local", "vocab_start", "col_lo", "col_hi"]
@@ -63,11 +65,8 @@ class TileConfig(NamedTuple):
 
 # Per element size of the inputs. Half precision: 128x128 tiles of 64-deep K steps, two warpgroups of wgmma, three
 # pipeline stages (the classic Hopper GEMM tile that fits its fp32 accumulator plus the epilogue in registers).
+# The backward's gemm_kernel runs the same tiles (measured as fast; one table).
 _GPU_CONFIG = {
-    2: TileConfig(128, 128, 64, 8, 3),
-    4: TileConfig(64, 64, 32, 4, 3),
-}
-_GEMM_GPU_CONFIG = {
     2: TileConfig(128, 128, 64, 8, 3),
     4: TileConfig(64, 64, 32, 4, 3),
 }
@@ -75,20 +74,11 @@ _GEMM_GPU_CONFIG = {
 _INTERPRET_CONFIG = TileConfig(16, 32, 16, None, None)
 
 
-def interpreting():
-    return type(forward_partials_kernel).__name__ == "InterpretedFunction"
-
-
-def tile_config(dtype, gemm=False):
+def tile_config(dtype):
+    """The tiles of every kernel of this module for inputs of `dtype`."""
     if interpreting():
         return _INTERPRET_CONFIG
-    return (_GEMM_GPU_CONFIG if gemm else _GPU_CONFIG)[dtype.itemsize]
-
-
-def _options(config):
-    if config.num_warps is None:
-        return {}
-    return {"num_warps": config.num_warps, "num_stages": config.num_stages, "enable_fp_fusion": True}
+    return _GPU_CONFIG[dtype.itemsize]
 
 
 @triton.jit
@@ -123,18 +113,6 @@ def _logit_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_x, stride_w,
     return acc
 
 
-@triton.jit
-def _store_rounded(ptr, value, mask, ROUND_BF16_BY_BITS: tl.constexpr):
-    """Stores fp32 `value` in ptr's dtype, rounding to nearest even. Triton 3.9's interpreter truncates fp32 -> bf16
-    casts (compiled code rounds to nearest even): there, round on the bits (values are finite)."""
-    if ROUND_BF16_BY_BITS:
-        bits = value.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        tl.store(ptr, bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
-    else:
-        tl.store(ptr, value.to(ptr.dtype.element_ty), mask=mask)
-
-
 @triton.jit(do_not_specialize=_TP_VARYING)
 def forward_partials_kernel(
     # data ptrs
@@ -161,7 +139,7 @@ def forward_partials_kernel(
     target = tl.load(tokens_ptr + rows, mask=row_ok, other=-1).to(tl.int64) - vocab_start
     target = tl.where((target >= 0) & (target < v_local), target, -1)
 
-    m = tl.full([BLOCK_M], -_FLT_MAX, tl.float32)
+    m = tl.full([BLOCK_M], -FLT_MAX, tl.float32)
     s = tl.zeros([BLOCK_M], tl.float32)
     w = tl.zeros([BLOCK_M], tl.float32)
     zt = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -171,7 +149,7 @@ def forward_partials_kernel(
         z = _logit_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K,
                         IEEE, UPCAST)
         if SCALE:
-            z = _scaled(z, inv_temperature)
+            z = scaled(z, inv_temperature)
         z = tl.where(col_ok[None, :], z, float("-inf"))
         zt = tl.maximum(zt, tl.max(tl.where(cols[None, :] == target[:, None], z, float("-inf")), axis=1))
         m_new = tl.maximum(m, tl.max(z, axis=1))
@@ -180,18 +158,18 @@ def forward_partials_kernel(
         d = z - m_new[:, None]
         e = tl.exp(d)  # 0 for padding (-inf)
         if WITH_ENTROPY:
-            w = alpha * (w + shift * s) + tl.sum(e * tl.maximum(d, -_FLT_MAX), axis=1)  # -inf: adds 0, not 0 * inf
+            w = alpha * (w + shift * s) + tl.sum(e * tl.maximum(d, -FLT_MAX), axis=1)  # -inf: adds 0, not 0 * inf
         s = alpha * s + tl.sum(e, axis=1)
         m = m_new
 
     m_out = tl.where(s != 0.0, m, float("-inf"))  # no finite logit: the neutral partials
     m_out = tl.where(s != s, float("nan"), m_out)  # NaN / +inf logits: reported through MAX, as the logits op does
-    out = out_ptr + seg.to(tl.int64) * (_NUM_PARTIALS * num_rows) + rows
-    tl.store(out + _MAX * num_rows, m_out, mask=row_ok)
-    tl.store(out + _SUMEXP * num_rows, s, mask=row_ok)
-    tl.store(out + _KEPT_SUMEXP * num_rows, s, mask=row_ok)
-    tl.store(out + _ENT_SUM * num_rows, w, mask=row_ok)
-    tl.store(out + _TARGET_Z * num_rows, zt, mask=row_ok)
+    out = out_ptr + seg.to(tl.int64) * (NUM_PARTIALS * num_rows) + rows
+    tl.store(out + CH_MAX * num_rows, m_out, mask=row_ok)
+    tl.store(out + CH_SUMEXP * num_rows, s, mask=row_ok)
+    tl.store(out + CH_KEPT_SUMEXP * num_rows, s, mask=row_ok)
+    tl.store(out + CH_ENT_SUM * num_rows, w, mask=row_ok)
+    tl.store(out + CH_TARGET_Z * num_rows, zt, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=_TP_VARYING)
@@ -200,8 +178,9 @@ def dlogits_kernel(
     x_ptr,  # [R, H] hidden rows, READ-ONLY
     w_ptr,  # [V_local, H] weight slice, READ-ONLY
     tokens_ptr,  # [R] int64 global token ids
-    shift_ptr, log_sum_ptr, mean_ptr,  # [R] fp32 merged row stats (mean read only when HAS_GENT)
-    glp_ptr, gent_ptr,  # [R] fp32 upstream gradients, already 0 where undefined (read when HAS_GLP / HAS_GENT)
+    shift_ptr, log_sum_ptr, mean_shifted_ptr,  # [R] fp32 merged row stats (mean_shifted read when HAS_GRAD_ENTROPY)
+    # [R] fp32 upstream gradients, already 0 where undefined (read when HAS_GRAD_LOG_PROB / HAS_GRAD_ENTROPY)
+    grad_log_prob_ptr, grad_entropy_ptr,
     out_ptr,  # [R, >= col_hi - col_lo] dlogits in the input dtype (or fp32 logits when LOGITS_ONLY), WRITTEN
     # shapes
     num_rows, H,
@@ -211,7 +190,8 @@ def dlogits_kernel(
     stride_x, stride_w, stride_out,
     # constants
     inv_temperature,
-    HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_GRAD_LOG_PROB: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
+    SCALE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     LOGITS_ONLY: tl.constexpr,  # store the raw fp32 logit tile (tile_logits), no gradient
     ROUND_BF16_BY_BITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -237,23 +217,23 @@ def dlogits_kernel(
         tl.store(out, z, mask=store_ok)
     else:
         if SCALE:
-            z = _scaled(z, inv_temperature)
+            z = scaled(z, inv_temperature)
         d = z - tl.load(shift_ptr + rows, mask=row_ok, other=0.0)[:, None]
         p = tl.exp(d - tl.load(log_sum_ptr + rows, mask=row_ok, other=0.0)[:, None])
         grad = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        if HAS_GLP:
-            g_lp = tl.load(glp_ptr + rows, mask=row_ok, other=0.0)
+        if HAS_GRAD_LOG_PROB:
+            g_lp = tl.load(grad_log_prob_ptr + rows, mask=row_ok, other=0.0)
             target = tl.load(tokens_ptr + rows, mask=row_ok, other=-1).to(tl.int64) - vocab_start
             onehot = tl.where(cols[None, :] == target[:, None], 1.0, 0.0)
             grad = g_lp[:, None] * (onehot - p)
-        if HAS_GENT:
-            g_ent = tl.load(gent_ptr + rows, mask=row_ok, other=0.0)
-            mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
-            grad += g_ent[:, None] * (p * tl.where(p == 0.0, 0.0, mean[:, None] - d))
+        if HAS_GRAD_ENTROPY:
+            g_ent = tl.load(grad_entropy_ptr + rows, mask=row_ok, other=0.0)
+            mean_shifted = tl.load(mean_shifted_ptr + rows, mask=row_ok, other=0.0)
+            grad += g_ent[:, None] * (p * tl.where(p == 0.0, 0.0, mean_shifted[:, None] - d))
         if SCALE:
             grad = grad * inv_temperature
         grad = tl.where(row_ok[:, None] & (cols < n_valid)[None, :], grad, 0.0)
-        _store_rounded(out, grad, store_ok, ROUND_BF16_BY_BITS)
+        store_rounded(out, grad, store_ok, ROUND_BF16_BY_BITS)
 
 
 @triton.jit
@@ -290,69 +270,73 @@ def gemm_kernel(
         b = tl.load(b_ptr + k[:, None] * stride_bk + cols64[None, :] * stride_bn, mask=k_ok[:, None] & col_ok[None, :],
                     other=0.0)
         acc = _dot(a, b, acc, IEEE, UPCAST)
-    _store_rounded(out_ptr + rows64[:, None] * stride_om + cols64[None, :] * stride_on, acc, tile_ok,
+    store_rounded(out_ptr + rows64[:, None] * stride_om + cols64[None, :] * stride_on, acc, tile_ok,
                    ROUND_BF16_BY_BITS)
 
 
 # ---- launchers (the launch layer under BACKEND, at the end) ----
 
+_WHERE = "lm_head.triton_backend"  # message prefix of this module's own checks: "ppo_ops.lm_head.triton_backend: ..."
+
+
 def _check(hidden, weight):
     for name, t in (("hidden", hidden), ("weight", weight)):
         if not (t.is_cuda or interpreting()):
-            raise ValueError(f"triton backend needs CUDA tensors or TRITON_INTERPRET=1: `{name}` is on {t.device}")
+            raise argument_error(ValueError, _WHERE, name,
+                                 f"triton backend needs CUDA tensors or TRITON_INTERPRET=1: {name} is on {t.device}")
         if t.dim() != 2 or t.stride(1) != 1:
-            raise ValueError(f"`{name}` must be 2-D with unit column stride, got {tuple(t.shape)} {t.stride()}")
+            raise argument_error(ValueError, _WHERE, name,
+                                 f"{name} must be 2-D with unit column stride, got {tuple(t.shape)} {t.stride()}")
 
 
-def _round_by_bits(dtype):
-    return dtype == torch.bfloat16 and interpreting()
-
-
-def _cdiv(a, b):
-    return -(-a // b)
-
-
-def forward_partials(hidden, weight, tokens, inv_temperature, n_valid, seg_len, with_entropy, vocab_start=0):
-    """[V_local // seg_len, 5, R] fp32 segment partials (the launch layer under BACKEND)."""
+def forward_partials(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, shard: ShardOptions,
+                     with_entropy: bool) -> torch.Tensor:
+    """[V_local // seg_len, 5, R] fp32 segment partials (the contract's forward_partials)."""
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     _check(hidden, weight)
     n_rows, width = hidden.shape
-    v_local = weight.shape[0]
-    out = torch.empty((v_local // seg_len, _row_stats.NUM_PARTIALS, n_rows), dtype=torch.float32,
+    v_local, seg_len = weight.shape[0], shard.seg_len
+    out = torch.empty((v_local // seg_len, row_stats.NUM_PARTIALS, n_rows), dtype=torch.float32,
                       device=hidden.device)
     if out.numel() == 0:
         return out
     cfg = tile_config(hidden.dtype)
-    forward_partials_kernel[(v_local // seg_len, _cdiv(n_rows, cfg.block_m))](
+    forward_partials_kernel[(v_local // seg_len, cdiv(n_rows, cfg.block_m))](
         x_ptr=hidden, w_ptr=weight, tokens_ptr=tokens.to(torch.int64).contiguous(), out_ptr=out,
-        num_rows=n_rows, H=width, seg_len=seg_len, n_valid=n_valid, v_local=v_local, vocab_start=int(vocab_start),
+        num_rows=n_rows, H=width, seg_len=seg_len, n_valid=shard.n_valid, v_local=v_local,
+        vocab_start=int(shard.vocab_start),
         stride_x=hidden.stride(0), stride_w=weight.stride(0),
-        inv_temperature=float(inv_temperature),
-        WITH_ENTROPY=bool(with_entropy), SCALE=float(inv_temperature) != 1.0, IEEE=hidden.dtype == torch.float32,
-        UPCAST=interpreting(),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **_options(cfg),
+        inv_temperature=float(shard.inv_temperature),
+        WITH_ENTROPY=bool(with_entropy), SCALE=float(shard.inv_temperature) != 1.0,
+        IEEE=hidden.dtype == torch.float32, UPCAST=interpreting(),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **options(cfg),
     )
     return out
 
 
-def _launch_dlogits(hidden, weight, tokens, out, col_lo, col_hi, n_valid, vocab_start, inv_temperature,
-                    shift=None, log_sum=None, mean_shifted=None, g_lp=None, g_ent=None, logits_only=False):
+def _launch_dlogits(hidden, weight, tokens, out, col_lo, col_hi, shard: ShardOptions, saved=None, upstream=None):
+    """dlogits of the local columns [col_lo, col_hi) into `out`; without `saved` and `upstream`, the raw fp32 logits
+    (LOGITS_ONLY)."""
     cfg = tile_config(hidden.dtype)
     n_rows, width = hidden.shape
-    dummy = out
-    dlogits_kernel[(_cdiv(col_hi - col_lo, cfg.block_n) * _cdiv(n_rows, cfg.block_m),)](
-        x_ptr=hidden, w_ptr=weight, tokens_ptr=tokens,
-        shift_ptr=dummy if shift is None else shift, log_sum_ptr=dummy if log_sum is None else log_sum,
-        mean_ptr=dummy if mean_shifted is None else mean_shifted, glp_ptr=dummy if g_lp is None else g_lp,
-        gent_ptr=dummy if g_ent is None else g_ent, out_ptr=out,
-        num_rows=n_rows, H=width, col_lo=col_lo, col_hi=col_hi, n_valid=n_valid, v_local=weight.shape[0],
-        vocab_start=int(vocab_start),
+    unused = out  # stands in for the pointers the constexprs switch off
+    logits_only = saved is None
+    saved = saved or LinearSaved(unused, unused, None)
+    upstream = upstream or UpstreamGrads(None, None)
+    dlogits_kernel[(cdiv(col_hi - col_lo, cfg.block_n) * cdiv(n_rows, cfg.block_m),)](
+        x_ptr=hidden, w_ptr=weight, tokens_ptr=tokens, shift_ptr=saved.shift, log_sum_ptr=saved.log_sum,
+        mean_shifted_ptr=unused if saved.mean_shifted is None else saved.mean_shifted,
+        grad_log_prob_ptr=unused if upstream.grad_log_prob is None else upstream.grad_log_prob,
+        grad_entropy_ptr=unused if upstream.grad_entropy is None else upstream.grad_entropy, out_ptr=out,
+        num_rows=n_rows, H=width, col_lo=col_lo, col_hi=col_hi, n_valid=shard.n_valid, v_local=weight.shape[0],
+        vocab_start=int(shard.vocab_start),
         stride_x=hidden.stride(0), stride_w=weight.stride(0), stride_out=out.stride(0),
-        inv_temperature=float(inv_temperature),
-        HAS_GLP=g_lp is not None, HAS_GENT=g_ent is not None, SCALE=float(inv_temperature) != 1.0,
+        inv_temperature=float(shard.inv_temperature),
+        HAS_GRAD_LOG_PROB=upstream.grad_log_prob is not None, HAS_GRAD_ENTROPY=upstream.grad_entropy is not None,
+        SCALE=float(shard.inv_temperature) != 1.0,
         IEEE=hidden.dtype == torch.float32, UPCAST=interpreting(), LOGITS_ONLY=logits_only,
-        ROUND_BF16_BY_BITS=_round_by_bits(out.dtype),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=_DLOGITS_GROUP_M, **_options(cfg),
+        ROUND_BF16_BY_BITS=round_bf16_by_bits(out.dtype),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=_DLOGITS_GROUP_M, **options(cfg),
     )
 
 
@@ -368,20 +352,21 @@ def _gemm(a, b, out, accumulate):
             torch.mm(a, b, out=out)
         return
     (m, k), n = a.shape, b.shape[1]
-    cfg = tile_config(a.dtype, gemm=True)
-    gemm_kernel[(_cdiv(m, cfg.block_m), _cdiv(n, cfg.block_n))](
+    cfg = tile_config(a.dtype)
+    gemm_kernel[(cdiv(m, cfg.block_m), cdiv(n, cfg.block_n))](
         a_ptr=a, b_ptr=b, c_ptr=out, out_ptr=out,  # c is out: read only when accumulating
         M=m, N=n, K=k,
         stride_am=a.stride(0), stride_ak=a.stride(1), stride_bk=b.stride(0), stride_bn=b.stride(1),
         stride_cm=out.stride(0), stride_cn=out.stride(1), stride_om=out.stride(0), stride_on=out.stride(1),
         ACCUMULATE=accumulate, IEEE=a.dtype == torch.float32, UPCAST=interpreting(),
-        ROUND_BF16_BY_BITS=_round_by_bits(out.dtype),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **_options(cfg),
+        ROUND_BF16_BY_BITS=round_bf16_by_bits(out.dtype),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **options(cfg),
     )
 
 
 def tile_logits(hidden, weight, seg_len):
-    """[R, V_local] fp32 logits from exactly the forward's tiles (tests and comparisons only: the op never holds them)."""
+    """[R, V_local] fp32 logits from exactly the forward's tiles (tests and comparisons only: the op never holds
+    them)."""
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     _check(hidden, weight)
     n_rows, v_local = hidden.shape[0], weight.shape[0]
@@ -389,8 +374,8 @@ def tile_logits(hidden, weight, seg_len):
     tokens = torch.zeros(max(n_rows, 1), dtype=torch.int64, device=hidden.device)
     for seg_lo in range(0, v_local, seg_len):
         if n_rows:
-            _launch_dlogits(hidden, weight, tokens, out[:, seg_lo:], seg_lo, seg_lo + seg_len, v_local, 0, 1.0,
-                            logits_only=True)
+            _launch_dlogits(hidden, weight, tokens, out[:, seg_lo:], seg_lo, seg_lo + seg_len,
+                            ShardOptions(inv_temperature=1.0, n_valid=v_local, seg_len=seg_len, vocab_start=0))
     return out
 
 
@@ -400,28 +385,30 @@ def _chunk_columns(n_rows, itemsize, block_n):
     return max(block_n, DL_CHUNK_BYTES // max(1, n_rows * itemsize) // block_n * block_n)
 
 
-def backward(hidden, weight, tokens, inv_temperature, n_valid, seg_len, shift, log_sum, mean_shifted,
-             grad_logprob, grad_entropy, need_dx=True, need_dw=True, vocab_start=0):
-    """(dX fp32 [R, H] this rank's contribution, dW [V_local, H] in weight's dtype) (the launch layer under BACKEND)."""
+def backward(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, shard: ShardOptions,
+             saved: LinearSaved, upstream: UpstreamGrads, need_dx: bool = True, need_dw: bool = True) -> tuple:
+    """(dX fp32 [R, H] this rank's contribution, dW [V_local, H] in weight's dtype) (the contract's backward)."""
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     _check(hidden, weight)
     n_rows, width = hidden.shape
-    v_local = weight.shape[0]
+    v_local, seg_len = weight.shape[0], shard.seg_len
     dx = torch.zeros((n_rows, width), dtype=torch.float32, device=hidden.device) if need_dx else None
     dw = torch.zeros_like(weight) if need_dw else None  # padding columns keep their zeros
     if n_rows == 0:
         return dx, dw
     tokens = tokens.to(torch.int64).contiguous()
-    vectors = [None if t is None else t.to(torch.float32).contiguous()
-               for t in (shift, log_sum, mean_shifted, grad_logprob, grad_entropy)]
+    shift, log_sum, mean_shifted, grad_log_prob, grad_entropy = (
+        None if t is None else t.to(torch.float32).contiguous()
+        for t in (saved.shift, saved.log_sum, saved.mean_shifted, upstream.grad_log_prob, upstream.grad_entropy))
+    saved, upstream = LinearSaved(shift, log_sum, mean_shifted), UpstreamGrads(grad_log_prob, grad_entropy)
     cfg = tile_config(hidden.dtype)
     chunk = _chunk_columns(n_rows, hidden.element_size(), cfg.block_n)
     dl = torch.empty((n_rows, chunk), dtype=hidden.dtype, device=hidden.device)
     for seg_lo in range(0, v_local, seg_len):
-        seg_valid_end = min(seg_lo + seg_len, n_valid)
+        seg_valid_end = min(seg_lo + seg_len, shard.n_valid)
         for lo in range(seg_lo, seg_valid_end, chunk):
             hi = min(lo + chunk, seg_valid_end)
-            _launch_dlogits(hidden, weight, tokens, dl, lo, hi, n_valid, vocab_start, inv_temperature, *vectors)
+            _launch_dlogits(hidden, weight, tokens, dl, lo, hi, shard, saved, upstream)
             part = dl[:, : hi - lo]
             if need_dx:
                 _gemm(part, weight[lo:hi], dx, accumulate=True)
@@ -431,21 +418,12 @@ def backward(hidden, weight, tokens, inv_temperature, n_valid, seg_len, shift, l
 
 
 class TritonLinearBackend:
-    """The LinearBackend protocol (ppo_ops/_linear_backend.py) over this module's launchers."""
+    """The LinearBackend protocol (core/contracts.py): this module's launchers and the logits op's fused merge."""
 
     name = "triton"
-
-    def forward_partials(self, hidden, weight, tokens, shard, with_entropy):
-        return forward_partials(hidden, weight, tokens, shard.inv_temperature, shard.n_valid, shard.seg_len,
-                                with_entropy, vocab_start=shard.vocab_start)
-
-    def merge_partials(self, partials):
-        return merge_partials(partials, False)
-
-    def backward(self, hidden, weight, tokens, shard, saved, upstream, need_dx, need_dw):
-        return backward(hidden, weight, tokens, shard.inv_temperature, shard.n_valid, shard.seg_len, saved.shift,
-                        saved.log_sum, saved.mean_shifted, upstream.grad_log_prob, upstream.grad_entropy,
-                        need_dx=need_dx, need_dw=need_dw, vocab_start=shard.vocab_start)
+    forward_partials = staticmethod(forward_partials)
+    merge_partials = staticmethod(merge_partials)
+    backward = staticmethod(backward)
 
 
 BACKEND = TritonLinearBackend()

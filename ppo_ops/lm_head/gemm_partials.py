@@ -1,7 +1,7 @@
 """The LM head's forward as one GEMM: a Triton tensor-core GEMM whose epilogue reduces each logit tile to softmax
 partials, so no logit reaches memory.
 
-Used by the chunked backend (ppo_ops/_linear_chunked.py) for the forward of linear_log_probs_and_entropy on
+Used by the chunked backend (ppo_ops/lm_head/chunked.py) for the forward of linear_log_probs_and_entropy on
 half-precision inputs whose rows are 16-byte aligned (the TMA loads need it); other inputs keep the chunk GEMM and
 the logits op's partials pass. The forward is then one GEMM's work plus O(R * V / BLOCK_N) bytes of tile partials,
 where the chunk path writes and reads R * V fp32 logits: under torch.no_grad (the old-policy and reference passes)
@@ -16,7 +16,7 @@ Kernels:
         Σ e^(z-m)(z-m) and the target's logit (-inf when the target is not in the tile). Columns past the segment's
         valid width (the next segment, vocabulary padding) are masked out.
     merge_tiles_kernel  grid: (local segment, row block): per row, merges the segment's tiles in column order with
-        the online form of _row_stats' formulas into the five partials of the segment (the backend contract's
+        the online form of core/row_stats.py's formulas into the five partials of the segment (the backend contract's
         [segments, 5, R]); the core's all-gather and fixed-order merge then apply unchanged.
 
 Bits. Column tiles start at segment starts, a tile's logits depend on its row, its column and the fixed K loop, the
@@ -34,10 +34,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ppo_ops import _row_stats
-from ppo_ops._triton_kernels import _ENT_SUM, _KEPT_SUMEXP, _MAX, _NUM_PARTIALS, _SUMEXP, _TARGET_Z, _scaled
+from ppo_ops.core import row_stats
+from ppo_ops.core.contracts import ShardOptions
+from ppo_ops.core.triton_common import (CH_ENT_SUM, CH_KEPT_SUMEXP, CH_MAX, CH_SUMEXP, CH_TARGET_Z, FLT_MAX,
+                                        NUM_PARTIALS, interpreting, options, scaled)
 
-_FLT_MAX = tl.constexpr(3.4028234663852886e38)  # an empty tile's max: finite, so never -inf - -inf
 _TILE_PARTIALS = tl.constexpr(4)  # m, Σ e^(z-m), Σ e^(z-m)(z-m), target logit
 _MERGE_ROWS = 1024  # rows per merge program
 
@@ -63,16 +64,12 @@ _GPU_CONFIG = GemmConfig(128, 256, 64, 16, 8, 3)
 _INTERPRET_CONFIG = GemmConfig(16, 32, 16, 2, None, None)
 
 
-def _interpreting() -> bool:
-    return type(gemm_partials_kernel).__name__ == "InterpretedFunction"
-
-
 def applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether these operands take the one-GEMM forward: half precision, Triton compiled on CUDA or interpreted on
     CPU, rows contiguous and 16-byte aligned (TMA descriptors)."""
     if hidden.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != hidden.dtype:
         return False
-    if hidden.is_cuda != weight.is_cuda or (not hidden.is_cuda and not _interpreting()):
+    if hidden.is_cuda != weight.is_cuda or (not hidden.is_cuda and not interpreting()):
         return False
     for t in (hidden, weight):
         if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
@@ -136,9 +133,9 @@ def gemm_partials_kernel(
     valid = ((tile * BLOCK_N + tl.arange(0, BLOCK_N)) < seg_len) & (cols < n_valid)
     z = acc
     if SCALE:
-        z = _scaled(z, inv_temperature)
+        z = scaled(z, inv_temperature)
     z = tl.where(valid[None, :], z, float("-inf"))
-    m = tl.maximum(tl.max(z, axis=1), -_FLT_MAX)  # finite unless +inf; tl.max may drop NaN (the sums keep it)
+    m = tl.maximum(tl.max(z, axis=1), -FLT_MAX)  # finite unless +inf; tl.max may drop NaN (the sums keep it)
     d = z - m[:, None]  # -inf where masked
     p = tl.exp(d)  # 0 where masked
     s = tl.sum(p, axis=1)
@@ -170,14 +167,14 @@ def merge_tiles_kernel(
     seg = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < num_rows
-    m = tl.full([BLOCK_R], -_FLT_MAX, tl.float32)
+    m = tl.full([BLOCK_R], -FLT_MAX, tl.float32)
     s = tl.zeros([BLOCK_R], tl.float32)
     w = tl.zeros([BLOCK_R], tl.float32)
     zt = tl.full([BLOCK_R], float("-inf"), tl.float32)
     base = tiles_ptr + seg.to(tl.int64) * tiles_per_seg * (_TILE_PARTIALS * num_rows) + rows
     for tile in range(0, tiles_per_seg):  # column order: fixes the bits
         t = base + tile * (_TILE_PARTIALS * num_rows)
-        m_t = tl.load(t, mask=ok, other=-_FLT_MAX)
+        m_t = tl.load(t, mask=ok, other=-FLT_MAX)
         s_t = tl.load(t + num_rows, mask=ok, other=0.0)
         w_t = tl.load(t + 2 * num_rows, mask=ok, other=0.0)
         zt = tl.maximum(zt, tl.load(t + 3 * num_rows, mask=ok, other=float("-inf")))
@@ -190,39 +187,39 @@ def merge_tiles_kernel(
     present = s != 0.0  # a NaN s stays present
     m = tl.where(present, m, float("-inf"))  # no finite logit: neutral under the merge
     m = tl.where(s != s, float("nan"), m)  # NaN or +inf logits: reported through MAX, where the core looks
-    out = out_ptr + seg.to(tl.int64) * (_NUM_PARTIALS * num_rows) + rows
-    tl.store(out + _MAX * num_rows, m, mask=ok)
-    tl.store(out + _SUMEXP * num_rows, s, mask=ok)
-    tl.store(out + _KEPT_SUMEXP * num_rows, s, mask=ok)
-    tl.store(out + _ENT_SUM * num_rows, w, mask=ok)
-    tl.store(out + _TARGET_Z * num_rows, zt, mask=ok)
+    out = out_ptr + seg.to(tl.int64) * (NUM_PARTIALS * num_rows) + rows
+    tl.store(out + CH_MAX * num_rows, m, mask=ok)
+    tl.store(out + CH_SUMEXP * num_rows, s, mask=ok)
+    tl.store(out + CH_KEPT_SUMEXP * num_rows, s, mask=ok)
+    tl.store(out + CH_ENT_SUM * num_rows, w, mask=ok)
+    tl.store(out + CH_TARGET_Z * num_rows, zt, mask=ok)
 
 
-def forward_partials(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, seg_len: int, n_valid: int,
-                     vocab_start: int, inv_temperature: float, with_entropy: bool) -> torch.Tensor:
+def forward_partials(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, shard: ShardOptions,
+                     with_entropy: bool) -> torch.Tensor:
     """[V_local / seg_len, 5, R] fp32 segment partials of logits hidden @ weight^T (the backend contract's forward);
-    `applies(hidden, weight)` must hold. Segments past n_valid come out neutral."""
+    `applies(hidden, weight)` must hold. Segments past shard.n_valid come out neutral."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    seg_len, inv_temperature = shard.seg_len, shard.inv_temperature
     n_rows, width = hidden.shape
     v_local = weight.shape[0]
     n_seg = v_local // seg_len
-    interpreting = _interpreting()
-    cfg = _INTERPRET_CONFIG if interpreting else _GPU_CONFIG
+    interpreted = interpreting()
+    cfg = _INTERPRET_CONFIG if interpreted else _GPU_CONFIG
     tiles_per_seg = triton.cdiv(seg_len, cfg.block_n)
-    out = torch.empty((n_seg, _row_stats.NUM_PARTIALS, n_rows), dtype=torch.float32, device=hidden.device)
+    out = torch.empty((n_seg, row_stats.NUM_PARTIALS, n_rows), dtype=torch.float32, device=hidden.device)
     if n_rows == 0:
         return out
     tiles = torch.empty((n_seg, tiles_per_seg, 4, n_rows), dtype=torch.float32, device=hidden.device)
     x_desc = TensorDescriptor.from_tensor(hidden, [cfg.block_m, cfg.block_k])
     w_desc = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
-    options = {} if interpreting else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     grid = (triton.cdiv(n_rows, cfg.block_m) * n_seg * tiles_per_seg,)
     gemm_partials_kernel[grid](
-        x_desc, w_desc, tokens.to(torch.int64).contiguous(), tiles, n_rows, width, seg_len, n_seg, n_valid,
-        vocab_start, tiles_per_seg, float(inv_temperature),
+        x_desc, w_desc, tokens.to(torch.int64).contiguous(), tiles, n_rows, width, seg_len, n_seg, shard.n_valid,
+        shard.vocab_start, tiles_per_seg, float(inv_temperature),
         SCALE=float(inv_temperature) != 1.0, WITH_ENTROPY=with_entropy, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages or 1, UPCAST=interpreting, **options)
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages or 1, UPCAST=interpreted, **options(cfg))
     merge_tiles_kernel[(n_seg, triton.cdiv(n_rows, _MERGE_ROWS))](tiles, out, n_rows, tiles_per_seg,
                                                                 BLOCK_R=_MERGE_ROWS)
     return out

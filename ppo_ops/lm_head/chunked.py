@@ -1,14 +1,14 @@
 """The chunked backend of the fused LM head: library GEMMs on fixed-shape chunks, the logits op's passes in between.
 
 The half-precision CUDA path of linear_log_probs_and_entropy, and the only path of linear_token_loss. It implements
-`FusedLossBackend` (ppo_ops/_linear_backend.py). The GEMM work runs at the GEMM library's rate because it IS the
+`FusedLossBackend` (core/contracts.py). The GEMM work runs at the GEMM library's rate because it IS the
 library's GEMM (cuBLAS through torch.mm / torch.addmm with out_dtype=float32 on CUDA; an fp32 torch.mm on upcast
 operands elsewhere, whose products are exact and whose sums accumulate in fp32, so the CPU suite runs the same
 orchestration); everything between the GEMMs is a memory-bound pass of the logits op over a bounded fp32 chunk:
 its own forward-partials and gradient kernels (Triton; `passes="torch"`: its PyTorch code).
 
 Chunks. Row blocks of `rows` rows (the kept rows, in order; the last block zero-padded to the full shape) times the
-fixed vocabulary segments of _layout.py (V_global / 8 columns, whichever rank holds them):
+fixed vocabulary segments of core/layout.py (V_global / 8 columns, whichever rank holds them):
 
     logits chunk  z[B, seg_len] = X[block] @ W[segment]^T    one GEMM shape for every block, segment, rank, TP size
                                                               and row count: so one cuBLAS algorithm, one set of bits
@@ -59,9 +59,9 @@ from typing import Optional
 
 import torch
 
-from ppo_ops import _row_stats
-from ppo_ops._backend import RowStats, UpstreamGrads
-from ppo_ops._linear_backend import LinearSaved, LinearShard, LossHooks
+from ppo_ops.core import row_stats
+from ppo_ops.core.contracts import (BackwardStats, LinearSaved, LossHooks, RowInputs, RowStats, ShardOptions,
+                                    UpstreamGrads)
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -94,13 +94,9 @@ def chunk_shape(device: torch.device) -> ChunkShape:
     return CUDA_SHAPE if device.type == "cuda" else HOST_SHAPE
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 # ---- GEMMs: the library's, fp32 accumulation ----
 
-def _mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+def mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     """out (fp32) = a @ b. Half precision on CUDA: cuBLAS with fp32 accumulation and fp32 output (mm's out_dtype);
     elsewhere an fp32 matmul of the upcast operands (bf16 / fp16 products are exact in fp32)."""
     if a.is_cuda and a.dtype in _HALF:
@@ -109,7 +105,7 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         torch.mm(a.float(), b.float(), out=out)
 
 
-def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc (fp32) += a @ b, accumulating into the fp32 buffer (addmm's out_dtype on CUDA)."""
     if a.is_cuda and a.dtype in _HALF:
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
@@ -117,7 +113,7 @@ def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.addmm_(a.float(), b.float())
 
 
-def _mm_rounded(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+def mm_rounded(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     """out (a's dtype) = a @ b, fp32 accumulation inside the GEMM, one rounding."""
     if a.is_cuda:
         torch.mm(a, b, out=out)
@@ -148,42 +144,31 @@ class _TritonPasses:
 
     def __init__(self):
         # imported when selected: triton may be absent
-        from ppo_ops import _linear_gemm_partials, _triton_backend, _triton_kernels
+        from ppo_ops.core import triton_common
+        from ppo_ops.lm_head import gemm_partials
+        from ppo_ops.logits import triton_backend, triton_kernels
 
-        self._tb, self._tk = _triton_backend, _triton_kernels
-        self.gemm_partials = _linear_gemm_partials
+        self._tb, self._tk, self._tc = triton_backend, triton_kernels, triton_common
+        self.gemm_partials = gemm_partials
 
-    def merge(self, partials: torch.Tensor) -> RowStats:
-        return self._tb.merge_partials(partials, False)
+    def merge(self, partials: torch.Tensor, has_keep_mask: bool) -> RowStats:
+        return self._tb.merge_partials(partials, has_keep_mask)
 
     def partials(self, chunk, n, tokens, seg, with_entropy, out) -> None:
         """out [5, B] fp32 (rows >= n untouched): the segment partials of the chunk's first n rows."""
         tb = self._tb
-        config = tb.launch_config("forward", chunk.dtype, seg.seg_len, tb.interpreting())
-        _, kwargs = tb.forward_launch_args(chunk, None, tokens, None, seg.inv_temperature, seg.n_valid, seg.seg_len,
-                                           with_entropy, out.unsqueeze(0), config, seg.vocab_start)
+        config = tb.launch_config("forward", chunk.dtype, seg.seg_len, self._tc.interpreting())
+        _, kwargs = tb.forward_launch_args(RowInputs(chunk, tokens, None, None), seg, with_entropy, out.unsqueeze(0),
+                                           config)
         self._tk.forward_partials_kernel[(n, 1)](**kwargs)  # programs for the real rows only
 
-    def dlogits(self, chunk, n, tokens, seg, shift, log_sum, mean_shifted, g_lp, g_ent, out) -> None:
+    def dlogits(self, chunk, n, tokens, seg, stats: BackwardStats, upstream: UpstreamGrads, out) -> None:
         """out [>= n, seg_len] in its dtype: the logits op's gradient of the chunk's first n rows (fp32 math, one
         rounding to out's dtype)."""
         tb = self._tb
-        config = tb.launch_config("backward", chunk.dtype, seg.seg_len, tb.interpreting())
-        unused = shift  # stands in for the pointers the constexprs switch off
-        self._tk.backward_grad_kernel[(n, _cdiv(seg.seg_len, config.block_v))](
-            logits_ptr=chunk, out_ptr=out, row_mask_ptr=unused, tokens_ptr=tokens, keep_ptr=chunk,
-            shift_ptr=shift, log_sum_ptr=log_sum, log_sum_kept_ptr=unused,
-            mean_shifted_ptr=unused if mean_shifted is None else mean_shifted,
-            grad_log_prob_ptr=unused if g_lp is None else g_lp, grad_entropy_ptr=unused if g_ent is None else g_ent,
-            log_prob_defined_ptr=unused, mass_ptr=unused,
-            v_local=seg.seg_len, n_valid=seg.n_valid, vocab_start=int(seg.vocab_start),
-            logits_row_stride=chunk.stride(0), out_row_stride=out.stride(0), keep_row_stride=0,
-            inv_temperature=float(seg.inv_temperature),
-            HAS_ROW_MASK=False, HAS_KEEP=False, HAS_GRAD_LOG_PROB=g_lp is not None,
-            HAS_GRAD_ENTROPY=g_ent is not None, HAS_LOG_PROB_DEFINED=False, HAS_MASS=False,
-            SCALE=float(seg.inv_temperature) != 1.0, BLOCK_V=config.block_v,
-            ROUND_BF16_BY_BITS=out.dtype == torch.bfloat16 and tb.interpreting(), **tb._options(config),
-        )
+        config = tb.launch_config("backward", chunk.dtype, seg.seg_len, self._tc.interpreting())
+        self._tk.backward_grad_kernel[(n, self._tc.cdiv(seg.seg_len, config.block_v))](
+            **tb.backward_launch_args(RowInputs(chunk, tokens, None, None), seg, stats, upstream, out, config))
 
 
 class _TorchPasses:
@@ -192,23 +177,26 @@ class _TorchPasses:
     name = "torch"
 
     def __init__(self):
-        from ppo_ops import _torch_backend
+        from ppo_ops.logits import torch_backend
 
-        self._tb = _torch_backend
+        self._tb = torch_backend
 
-    def merge(self, partials: torch.Tensor) -> RowStats:
-        return _row_stats.merge_partials(partials, False)
+    def merge(self, partials: torch.Tensor, has_keep_mask: bool) -> RowStats:
+        return row_stats.merge_partials(partials, has_keep_mask)
 
     def partials(self, chunk, n, tokens, seg, with_entropy, out) -> None:
-        p = self._tb.forward_partials(chunk[:n], None, tokens[:n], None, seg.inv_temperature, seg.n_valid,
-                                      seg.seg_len, with_entropy, None, vocab_start=seg.vocab_start)
+        p = self._tb.forward_partials(RowInputs(chunk[:n], tokens[:n], None, None), seg, with_entropy)
         out[:, :n].copy_(p[0])
 
-    def dlogits(self, chunk, n, tokens, seg, shift, log_sum, mean_shifted, g_lp, g_ent, out) -> None:
-        self._tb.backward_grad(chunk[:n], None, tokens[:n], None, seg.inv_temperature, seg.n_valid, shift[:n],
-                               log_sum[:n], None, None if mean_shifted is None else mean_shifted[:n],
-                               None if g_lp is None else g_lp[:n], None if g_ent is None else g_ent[:n], out[:n],
-                               None, vocab_start=seg.vocab_start)
+    def dlogits(self, chunk, n, tokens, seg, stats: BackwardStats, upstream: UpstreamGrads, out) -> None:
+        self._tb.backward_grad(RowInputs(chunk[:n], tokens[:n], None, None), seg,
+                               BackwardStats(stats.shift[:n], stats.log_sum[:n], None, _first(stats.mean_shifted, n)),
+                               UpstreamGrads(_first(upstream.grad_log_prob, n), _first(upstream.grad_entropy, n)),
+                               out[:n])
+
+
+def _first(t: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
+    return None if t is None else t[:n]
 
 
 # ---- row blocks ----
@@ -222,7 +210,7 @@ class _RowBlocks:
         n_rows, width = hidden.shape
         self.aligned = (hidden.stride(0) * hidden.element_size()) % 16 == 0 and hidden.data_ptr() % 16 == 0
         self._pad = None
-        self.count = _cdiv(n_rows, rows)
+        self.count = -(-n_rows // rows)
 
     def block(self, b: int):
         """(first row, real rows n, [rows, H] block) of block b."""
@@ -239,14 +227,18 @@ class _RowBlocks:
         return r0, n, self._pad
 
 
+def _first_rows(t: Optional[torch.Tensor], rows: slice) -> Optional[torch.Tensor]:
+    return None if t is None else t[rows]
+
+
 def _neutral(out: torch.Tensor) -> None:
     """Partials of a segment with no real column (vocabulary padding): neutral under the merge."""
     out.zero_()
-    out[..., _row_stats.MAX, :] = float("-inf")
-    out[..., _row_stats.TARGET_Z, :] = float("-inf")
+    out[..., row_stats.MAX, :] = float("-inf")
+    out[..., row_stats.TARGET_Z, :] = float("-inf")
 
 
-def _segments(shard: LinearShard, v_local: int):
+def _segments(shard: ShardOptions, v_local: int):
     """(segment index, first local column, the segment's ShardOptions) of this shard, in order."""
     for s, seg_lo in enumerate(range(0, v_local, shard.seg_len)):
         yield s, seg_lo, shard.segment(seg_lo)
@@ -261,25 +253,24 @@ class ChunkedBackend:
 
     # -- the general op --
 
-    def merge_partials(self, partials: torch.Tensor) -> RowStats:
-        return self.passes.merge(partials)
+    def merge_partials(self, partials: torch.Tensor, has_keep_mask: bool) -> RowStats:
+        return self.passes.merge(partials, has_keep_mask)
 
-    def forward_partials(self, hidden, weight, tokens, shard: LinearShard, with_entropy: bool) -> torch.Tensor:
+    def forward_partials(self, hidden, weight, tokens, shard: ShardOptions, with_entropy: bool) -> torch.Tensor:
         if self.passes.name == "triton" and self.passes.gemm_partials.applies(hidden, weight):
             # one GEMM whose epilogue forms the partials: no logits written or read
-            return self.passes.gemm_partials.forward_partials(hidden, weight, tokens, shard.seg_len, shard.n_valid,
-                                                          shard.vocab_start, shard.inv_temperature, with_entropy)
+            return self.passes.gemm_partials.forward_partials(hidden, weight, tokens, shard, with_entropy)
         n_rows, v_local = hidden.shape[0], weight.shape[0]
         n_seg = v_local // shard.seg_len
         shape = chunk_shape(hidden.device)
         blocks = _RowBlocks(hidden, shape.rows)
-        buf = torch.empty((blocks.count, n_seg, _row_stats.NUM_PARTIALS, shape.rows), dtype=torch.float32,
+        buf = torch.empty((blocks.count, n_seg, row_stats.NUM_PARTIALS, shape.rows), dtype=torch.float32,
                           device=hidden.device)
         if n_rows == 0:
-            return buf.new_empty((n_seg, _row_stats.NUM_PARTIALS, 0))
+            return buf.new_empty((n_seg, row_stats.NUM_PARTIALS, 0))
         tokens = tokens.to(torch.int64).contiguous()
         chunk = torch.empty((shape.rows, shard.seg_len), dtype=torch.float32, device=hidden.device)
-        for s, seg_lo, seg in _segments(shard, v_local):
+        for s, _seg_lo, seg in _segments(shard, v_local):
             if seg.n_valid == 0:
                 _neutral(buf[:, s])
         for b in range(blocks.count):
@@ -287,12 +278,12 @@ class ChunkedBackend:
             for s, seg_lo, seg in _segments(shard, v_local):
                 if seg.n_valid == 0:
                     continue
-                _mm_fp32(x, weight[seg_lo:seg_lo + shard.seg_len].T, chunk)
+                mm_fp32(x, weight[seg_lo:seg_lo + shard.seg_len].T, chunk)
                 self.passes.partials(chunk, n, tokens[r0:r0 + n], seg, with_entropy, buf[b, s])
         # [blocks, segments, 5, rows] -> [segments, 5, R] (O(R) bytes)
-        return buf.permute(1, 2, 0, 3).reshape(n_seg, _row_stats.NUM_PARTIALS, -1)[:, :, :n_rows]
+        return buf.permute(1, 2, 0, 3).reshape(n_seg, row_stats.NUM_PARTIALS, -1)[:, :, :n_rows]
 
-    def backward(self, hidden, weight, tokens, shard: LinearShard, saved: LinearSaved, upstream: UpstreamGrads,
+    def backward(self, hidden, weight, tokens, shard: ShardOptions, saved: LinearSaved, upstream: UpstreamGrads,
                  need_dx: bool, need_dw: bool):
         n_rows, width = hidden.shape
         v_local = weight.shape[0]
@@ -315,7 +306,7 @@ class ChunkedBackend:
         if need_dw and not one_group:
             dw_acc = torch.empty((seg_len, width), dtype=torch.float32, device=hidden.device)
         blocks_per_group = shape.dw_rows // shape.rows
-        for s, seg_lo, seg in _segments(shard, v_local):
+        for _s, seg_lo, seg in _segments(shard, v_local):
             w_s = weight[seg_lo:seg_lo + seg_len]
             if seg.n_valid == 0:  # padding only: no gradient, no dX contribution
                 if need_dw:
@@ -325,31 +316,31 @@ class ChunkedBackend:
                 g0 = g0_block * shape.rows
                 for b in range(g0_block, min(g0_block + blocks_per_group, blocks.count)):
                     r0, n, x = blocks.block(b)
-                    _mm_fp32(x, w_s.T, chunk)  # the forward's GEMM: the same logits, bit for bit
+                    mm_fp32(x, w_s.T, chunk)  # the forward's GEMM: the same logits, bit for bit
                     rs = slice(r0, r0 + n)
-                    self.passes.dlogits(chunk, n, tokens[rs], seg, saved.shift[rs], saved.log_sum[rs],
-                                        None if (g_ent is None or saved.mean_shifted is None)
-                                        else saved.mean_shifted[rs],
-                                        None if g_lp is None else g_lp[rs], None if g_ent is None else g_ent[rs],
+                    mean_shifted = None if (g_ent is None or saved.mean_shifted is None) else saved.mean_shifted[rs]
+                    self.passes.dlogits(chunk, n, tokens[rs], seg,
+                                        BackwardStats(saved.shift[rs], saved.log_sum[rs], None, mean_shifted),
+                                        UpstreamGrads(_first_rows(g_lp, rs), _first_rows(g_ent, rs)),
                                         dl[r0 - g0:r0 - g0 + n])
                 m = min(group_rows, n_rows - g0)
                 part = dl[:m]
                 if need_dx:
-                    _addmm_fp32(dx[g0:g0 + m], part, w_s)
+                    addmm_fp32(dx[g0:g0 + m], part, w_s)
                 if need_dw:
                     if one_group:
-                        _mm_rounded(part.T, hidden[g0:g0 + m], dw[seg_lo:seg_lo + seg_len])
+                        mm_rounded(part.T, hidden[g0:g0 + m], dw[seg_lo:seg_lo + seg_len])
                     elif g0 == 0:
-                        _mm_fp32(part.T, hidden[g0:g0 + m], dw_acc)
+                        mm_fp32(part.T, hidden[g0:g0 + m], dw_acc)
                     else:
-                        _addmm_fp32(dw_acc, part.T, hidden[g0:g0 + m])
+                        addmm_fp32(dw_acc, part.T, hidden[g0:g0 + m])
             if dw_acc is not None:
                 dw[seg_lo:seg_lo + seg_len].copy_(dw_acc)
         return dx, dw
 
     # -- the token loss --
 
-    def loss_forward(self, hidden, weight, tokens, shard: LinearShard, with_entropy: bool, hooks: LossHooks,
+    def loss_forward(self, hidden, weight, tokens, shard: ShardOptions, with_entropy: bool, hooks: LossHooks,
                      need_dx: bool, need_dw: bool) -> Optional[torch.Tensor]:
         n_rows, width = hidden.shape
         v_local, seg_len = weight.shape[0], shard.seg_len
@@ -363,7 +354,7 @@ class ChunkedBackend:
             tokens = tokens.to(torch.int64).contiguous()
             blocks = _RowBlocks(hidden, shape.loss_rows)
             logits = torch.empty((n_seg, shape.loss_rows, seg_len), dtype=torch.float32, device=device)
-            parts = torch.empty((n_seg, _row_stats.NUM_PARTIALS, shape.loss_rows), dtype=torch.float32, device=device)
+            parts = torch.empty((n_seg, row_stats.NUM_PARTIALS, shape.loss_rows), dtype=torch.float32, device=device)
             group_rows = min(shape.loss_dw_rows, blocks.count * shape.loss_rows)
             dl = (torch.empty((n_seg, group_rows, seg_len), dtype=hidden.dtype, device=device) if need_grad
                   else None)
@@ -380,7 +371,7 @@ class ChunkedBackend:
                 rs = slice(r0, r0 + n)
                 for s, seg_lo, seg in segments:
                     if seg.n_valid:
-                        _mm_fp32(x, weight[seg_lo:seg_lo + seg_len].T, logits[s])
+                        mm_fp32(x, weight[seg_lo:seg_lo + seg_len].T, logits[s])
                         self.passes.partials(logits[s], n, tokens[rs], seg, with_entropy, parts[s])
                 stats = hooks.merge(parts[:, :, :n])
                 grads = hooks.block_grads(stats, r0, r0 + n)
@@ -397,14 +388,16 @@ class ChunkedBackend:
                     if seg.n_valid == 0 or (g_lp is None and g_ent is None):
                         continue
                     dl_s = dl[s, offset:offset + n]
-                    self.passes.dlogits(logits[s], n, tokens[rs], seg, stats.shift, stats.log_sum,
-                                        stats.mean_shifted if g_ent is not None else None, g_lp, g_ent, dl_s)
+                    self.passes.dlogits(logits[s], n, tokens[rs], seg,
+                                        BackwardStats(stats.shift, stats.log_sum, None,
+                                                      stats.mean_shifted if g_ent is not None else None),
+                                        UpstreamGrads(g_lp, g_ent), dl_s)
                     if need_dx:
                         w_s = weight[seg_lo:seg_lo + seg_len]
                         if contributed:
-                            _addmm_fp32(dx_block[:n], dl_s, w_s)
+                            addmm_fp32(dx_block[:n], dl_s, w_s)
                         else:
-                            _mm_fp32(dl_s, w_s, dx_block[:n])
+                            mm_fp32(dl_s, w_s, dx_block[:n])
                     contributed = True
                 if need_dx:
                     if not contributed:
@@ -415,9 +408,9 @@ class ChunkedBackend:
                     m = r0 + n - g0
                     for s, seg_lo, seg in segments:
                         if seg.n_valid and started[s]:
-                            _addmm_fp32(dw_acc[seg_lo:seg_lo + seg_len], dl[s, :m].T, hidden[g0:g0 + m])
+                            addmm_fp32(dw_acc[seg_lo:seg_lo + seg_len], dl[s, :m].T, hidden[g0:g0 + m])
                         elif seg.n_valid:
-                            _mm_fp32(dl[s, :m].T, hidden[g0:g0 + m], dw_acc[seg_lo:seg_lo + seg_len])
+                            mm_fp32(dl[s, :m].T, hidden[g0:g0 + m], dw_acc[seg_lo:seg_lo + seg_len])
                             started[s] = True
         if dw_acc is None:
             return None
@@ -436,7 +429,7 @@ def tile_logits(hidden: torch.Tensor, weight: torch.Tensor, seg_len: int) -> tor
     for b in range(blocks.count):
         r0, n, x = blocks.block(b)
         for seg_lo in range(0, v_local, seg_len):
-            _mm_fp32(x, weight[seg_lo:seg_lo + seg_len].T, chunk)
+            mm_fp32(x, weight[seg_lo:seg_lo + seg_len].T, chunk)
             out[r0:r0 + shape.rows, seg_lo:seg_lo + seg_len] = chunk
     return out[:n_rows]
 

@@ -1,11 +1,11 @@
 """PyTorch backend of the fused LM head (linear_log_probs_and_entropy): logits in fixed fp32 GEMM tiles, never [T, V].
 
 Works on any device: the CPU path, and the fallback on CUDA where Triton is absent. It implements the linear backend
-contract of ppo_ops/_linear_backend.py (`BACKEND` at the end).
+contract of core/contracts.py (`BACKEND` at the end).
 
 Tiles. Logits are formed by torch.matmul in fp32 on tiles of a FIXED shape: ROW_TILE rows of the (row-compacted)
 hidden states, zero-padded, times VOCAB_TILE rows of the weight, zero-padded at the end of a segment. Vocabulary tiles
-start at the segment starts of ppo_ops/_layout.py (segments are fixed in GLOBAL columns), so a column always sits at
+start at the segment starts of core/layout.py (segments are fixed in GLOBAL columns), so a column always sits at
 the same position of a tile of the same shape whichever rank, TP size or V_local computes it, and the K loop over H is
 the GEMM library's own for that one shape. Rows sit at position (row index mod ROW_TILE) of a tile, also fixed.
 Inputs in bf16/fp16 are upcast before the matmul: each product is exact in fp32 and the sum accumulates in fp32.
@@ -13,10 +13,11 @@ Inputs in bf16/fp16 are upcast before the matmul: each product is exact in fp32 
 
 Forward, per ROW_TILE rows and per segment: the segment's logits are assembled in a [ROW_TILE, seg_len] fp32 slab
 (the bounded tile of logits this backend holds) and handed to the logits op's own PyTorch code,
-`_torch_backend.BACKEND.forward_partials`, on that slab. So the five partials (and after the merge the log-probs and entropies)
-are bitwise those of `log_probs_and_entropy(logits, ..., backend="torch")` on the logits the same tiles produce.
+`logits/torch_backend.forward_partials`, on that slab. So the five partials (and after the merge the log-probs and
+entropies) are bitwise those of `log_probs_and_entropy(logits, ..., backend="torch")` on the logits the same tiles
+produce.
 Backward, per vocabulary tile (outer) and ROW_TILE rows (inner): recompute the logit tile (the same bits as forward),
-form the fp32 dlogits tile with `_torch_backend.backward_grad` (the logits op's gradient formula), then
+form the fp32 dlogits tile with `logits/torch_backend.backward_grad` (the logits op's gradient formula), then
 dX[rows] += dlogits @ W_tile (fp32 accumulator [R, H], vocabulary tiles added in order) and
 dW_tile += dlogits^T @ X[rows] (fp32 [VOCAB_TILE, H], row tiles added in order; written once in the weight's dtype).
 Every order is fixed, so results are bitwise deterministic; no dlogits tile is rounded below fp32.
@@ -28,9 +29,9 @@ from typing import Optional
 
 import torch
 
-from ppo_ops import _torch_backend
-from ppo_ops._backend import RowInputs, ShardOptions
-from ppo_ops._row_stats import merge_partials  # the merge the logits op's torch backend uses
+from ppo_ops.logits import torch_backend as logits_torch
+from ppo_ops.core import row_stats
+from ppo_ops.core.contracts import BackwardStats, LinearSaved, RowInputs, ShardOptions, UpstreamGrads
 
 ROW_TILE = 128  # rows per GEMM tile (hidden rows zero-padded to a multiple)
 VOCAB_TILE = 256  # weight rows (vocabulary columns) per GEMM tile; tiles restart at every segment start
@@ -85,8 +86,10 @@ def tile_logits(hidden: torch.Tensor, weight: torch.Tensor, seg_len: int) -> tor
     return out[:n_rows]
 
 
-def forward_partials(hidden, weight, tokens, inv_temperature, n_valid, seg_len, with_entropy, vocab_start=0):
-    """[V_local // seg_len, 5, R] fp32 segment partials of the R rows of `hidden` (the launch layer under BACKEND)."""
+def forward_partials(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, shard: ShardOptions,
+                     with_entropy: bool) -> torch.Tensor:
+    """[V_local // seg_len, 5, R] fp32 segment partials of the R rows of `hidden` (the contract's forward_partials)."""
+    seg_len = shard.seg_len
     n_rows, v_local = hidden.shape[0], weight.shape[0]
     n_seg = v_local // seg_len
     out = torch.empty((n_seg, 5, n_rows), dtype=torch.float32, device=hidden.device)
@@ -99,25 +102,22 @@ def forward_partials(hidden, weight, tokens, inv_temperature, n_valid, seg_len, 
         x_tile = x[r0 : r0 + ROW_TILE]
         for seg in range(n_seg):
             seg_lo = seg * seg_len
-            seg_valid = max(0, min(seg_len, n_valid - seg_lo))
+            seg_shard = shard.segment(seg_lo)
+            seg_valid = seg_shard.n_valid
             for lo, hi in _vocab_tiles(seg_len, seg_len):
                 if lo >= seg_valid:
                     break  # padding only: forward_partials sets these columns to -inf without reading them
                 z = _logit_tile(x_tile, _weight_tile(weight, seg_lo + lo, seg_lo + hi))
                 slab[:, lo:hi] = z[:, : hi - lo]
-            out[seg : seg + 1, :, r0 : r0 + n] = _torch_backend.BACKEND.forward_partials(
-                RowInputs(slab[:n], tokens[r0 : r0 + n], keep_mask=None, row_mask=None),
-                ShardOptions(inv_temperature=inv_temperature, n_valid=seg_valid, seg_len=seg_len,
-                             vocab_start=vocab_start + seg_lo, chunk_rows=None),
-                with_entropy,
-            )
+            out[seg : seg + 1, :, r0 : r0 + n] = logits_torch.forward_partials(
+                RowInputs(slab[:n], tokens[r0 : r0 + n], keep_mask=None, row_mask=None), seg_shard, with_entropy)
     return out
 
 
-def backward(hidden, weight, tokens, inv_temperature, n_valid, seg_len, shift, log_sum, mean_shifted,
-             grad_logprob, grad_entropy, need_dx=True, need_dw=True, vocab_start=0):
+def backward(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, shard: ShardOptions,
+             saved: LinearSaved, upstream: UpstreamGrads, need_dx: bool = True, need_dw: bool = True) -> tuple:
     """(dX fp32 [R, H], this rank's contribution summed over its vocabulary; dW [V_local, H] in weight's dtype) of
-    the loss sum(grad_logprob * log_prob + grad_entropy * entropy) (the launch layer under BACKEND). Either is None when
+    the loss sum(grad_log_prob * log_prob + grad_entropy * entropy) (the contract's backward). Either is None when
     not needed."""
     n_rows, width = hidden.shape
     v_local = weight.shape[0]
@@ -125,18 +125,18 @@ def backward(hidden, weight, tokens, inv_temperature, n_valid, seg_len, shift, l
     n_pad = x.shape[0]
     # Padding rows: no target (-1), zero upstream gradients, so their dlogits are exactly 0.
     tokens_p = _padded_vector(tokens, n_pad, -1, torch.int64)
-    shift_p = _padded_vector(shift, n_pad, 0.0, torch.float32)
-    log_sum_p = _padded_vector(log_sum, n_pad, 0.0, torch.float32)
-    mean_p = _padded_vector(mean_shifted, n_pad, 0.0, torch.float32)
-    g_lp = _padded_vector(grad_logprob, n_pad, 0.0, torch.float32)
-    g_ent = _padded_vector(grad_entropy, n_pad, 0.0, torch.float32)
+    shift_p = _padded_vector(saved.shift, n_pad, 0.0, torch.float32)
+    log_sum_p = _padded_vector(saved.log_sum, n_pad, 0.0, torch.float32)
+    mean_p = _padded_vector(saved.mean_shifted, n_pad, 0.0, torch.float32)
+    g_lp = _padded_vector(upstream.grad_log_prob, n_pad, 0.0, torch.float32)
+    g_ent = _padded_vector(upstream.grad_entropy, n_pad, 0.0, torch.float32)
 
     dx = torch.zeros((n_pad, width), dtype=torch.float32, device=hidden.device) if need_dx else None
     dw = torch.empty_like(weight) if need_dw else None
     dl = torch.empty((ROW_TILE, VOCAB_TILE), dtype=torch.float32, device=hidden.device)
     dw_tile = torch.empty((VOCAB_TILE, width), dtype=torch.float32, device=hidden.device)
-    for lo, hi in _vocab_tiles(v_local, seg_len):
-        tile_valid = max(0, min(hi - lo, n_valid - lo))
+    for lo, hi in _vocab_tiles(v_local, shard.seg_len):
+        tile_valid = max(0, min(hi - lo, shard.n_valid - lo))
         if tile_valid == 0 or n_rows == 0:  # padding columns (or no rows): zero gradient, no contribution to dX
             if need_dw:
                 dw[lo:hi] = 0
@@ -147,13 +147,14 @@ def backward(hidden, weight, tokens, inv_temperature, n_valid, seg_len, shift, l
             r1 = r0 + ROW_TILE
             x_tile = x[r0:r1]
             z = _logit_tile(x_tile, w)
-            # The launch layer, not the typed contract: the upstream gradients arrive already zeroed where their
-            # quantity has none (BackwardStats' two flags would be per-tile work for nothing).
-            _torch_backend.backward_grad(
-                z, None, tokens_p[r0:r1], None, inv_temperature, tile_valid, shift_p[r0:r1], log_sum_p[r0:r1],
-                None, None if mean_p is None else mean_p[r0:r1], None if g_lp is None else g_lp[r0:r1],
-                None if g_ent is None else g_ent[r0:r1], dl, None, vocab_start=vocab_start + lo,
-            )
+            # No gradient flags: the upstream gradients arrive already zeroed where their quantity has none (the
+            # flags would be per-tile work for nothing).
+            logits_torch.backward_grad(
+                RowInputs(z, tokens_p[r0:r1], keep_mask=None, row_mask=None),
+                ShardOptions(inv_temperature=shard.inv_temperature, n_valid=tile_valid, seg_len=VOCAB_TILE,
+                             vocab_start=shard.vocab_start + lo),
+                BackwardStats(shift_p[r0:r1], log_sum_p[r0:r1], None, _rows(mean_p, r0, r1)),
+                UpstreamGrads(_rows(g_lp, r0, r1), _rows(g_ent, r0, r1)), dl)
             if need_dx:
                 dx[r0:r1] += torch.matmul(dl, w)
             if need_dw:
@@ -163,22 +164,17 @@ def backward(hidden, weight, tokens, inv_temperature, n_valid, seg_len, shift, l
     return (None if dx is None else dx[:n_rows]), dw
 
 
+def _rows(t: Optional[torch.Tensor], r0: int, r1: int) -> Optional[torch.Tensor]:
+    return None if t is None else t[r0:r1]
+
+
 class TorchLinearBackend:
-    """The LinearBackend protocol (ppo_ops/_linear_backend.py) over this module's functions."""
+    """The LinearBackend protocol (core/contracts.py): this module's functions and the logits op's torch merge."""
 
     name = "torch"
-
-    def forward_partials(self, hidden, weight, tokens, shard, with_entropy):
-        return forward_partials(hidden, weight, tokens, shard.inv_temperature, shard.n_valid, shard.seg_len,
-                                with_entropy, vocab_start=shard.vocab_start)
-
-    def merge_partials(self, partials):
-        return merge_partials(partials, False)
-
-    def backward(self, hidden, weight, tokens, shard, saved, upstream, need_dx, need_dw):
-        return backward(hidden, weight, tokens, shard.inv_temperature, shard.n_valid, shard.seg_len, saved.shift,
-                        saved.log_sum, saved.mean_shifted, upstream.grad_log_prob, upstream.grad_entropy,
-                        need_dx=need_dx, need_dw=need_dw, vocab_start=shard.vocab_start)
+    forward_partials = staticmethod(forward_partials)
+    merge_partials = staticmethod(row_stats.merge_partials)
+    backward = staticmethod(backward)
 
 
 BACKEND = TorchLinearBackend()

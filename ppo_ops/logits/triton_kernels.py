@@ -2,7 +2,7 @@
 
 Forward, `forward_partials_kernel`, grid (row, vocabulary segment): reads the segment's logits once, in their own
 dtype, and writes only that (row, segment)'s five fp32 partials of the [nseg, 5, T] output (channels in
-_row_stats.py): max m, sum-exp s, kept sum-exp sk (over keep ∪ {target}), entropy sum w = Σ e^(z-m)(z-m), and the
+row_stats.py): max m, sum-exp s, kept sum-exp sk (over keep ∪ {target}), entropy sum w = Σ e^(z-m)(z-m), and the
 target's logit (one scalar load).
     Lanes: a tile of BLOCK_V columns is viewed as LANES = BLOCK_V / LANE_WIDTH lanes of LANE_WIDTH contiguous columns
     (one 16-byte vector of bf16 for LANE_WIDTH = 8, so a lane's columns sit in one thread). Each lane keeps its own
@@ -10,7 +10,7 @@ target's logit (one scalar load).
     its columns (in-thread), rescales its sums once by alpha = exp(m_old - m_new), w by alpha * (w + (m_old - m_new) *
     s), then adds its columns with one exp per element: about 8 instructions per element and one rescale per LANE_WIDTH
     elements, no cross-thread reduction and no barrier inside the tile loop. At the end the lanes are merged with the
-    formulas of _row_stats.py (M = max m, a = exp(m - M), S = Σ a s, W = Σ a (w + (m - M) s)).
+    formulas of row_stats.py (M = max m, a = exp(m - M), S = Σ a s, W = Σ a (w + (m - M) s)).
     LANE_WIDTH spans the design space: 1 is a per-column online state, BLOCK_V a block-wide online softmax
     (cross-warp reductions with barriers per tile); the launcher's choice in between is a measurement
     (docs/performance.md).
@@ -41,8 +41,8 @@ Backward, `backward_grad_kernel`, grid (row, column tile):
     get zeros: their logits and keep-mask loads are masked off (their per-row scalars, in bounds, are read and
     selected away). -inf guards: p == 0 entries get no entropy term (no 0 * inf).
 Padding columns (>= n_valid) are loaded when their vector is and then selected away. Row offsets are int64.
-Merge, `merge_partials_kernel`, grid (block of rows): the fixed-order merge of _row_stats.merge_partials (the same
-math, see _row_stats.py) for BLOCK_R rows per program, segments merged in global order by a compile-time loop, so the
+Merge, `merge_partials_kernel`, grid (block of rows): the fixed-order merge of row_stats.merge_partials (the same
+math, see row_stats.py) for BLOCK_R rows per program, segments merged in global order by a compile-time loop, so the
 bits do not depend on which rank or TP size produced the partials; one launch where the torch-op merge costs about ten
 small kernels per segment.
 """
@@ -50,16 +50,9 @@ small kernels per segment.
 import triton
 import triton.language as tl
 
-from ppo_ops import _row_stats
-
-# Channel order of the partials, from the core's single definition.
-_MAX = tl.constexpr(_row_stats.MAX)
-_SUMEXP = tl.constexpr(_row_stats.SUMEXP)
-_KEPT_SUMEXP = tl.constexpr(_row_stats.KEPT_SUMEXP)
-_ENT_SUM = tl.constexpr(_row_stats.ENT_SUM)
-_TARGET_Z = tl.constexpr(_row_stats.TARGET_Z)
-_NUM_PARTIALS = tl.constexpr(_row_stats.NUM_PARTIALS)
-
+from ppo_ops.core import row_stats
+from ppo_ops.core.triton_common import (CH_ENT_SUM, CH_KEPT_SUMEXP, CH_MAX, CH_SUMEXP, CH_TARGET_Z, COMPILED, FLT_MAX,
+                                        NUM_PARTIALS, scaled)
 
 # The row stride (V_local) and n_valid differ between TP sizes: they must not change the compiled code (vector width,
 # hence register layout, hence the order of the tile sums). Their alignment comes from the ALIGN constexprs instead,
@@ -70,7 +63,7 @@ FORWARD_UNALIGNED_ARGS = ["n_valid", "v_local", "vocab_start", "logits_row_strid
 @triton.jit
 def _target_column(tokens_ptr, row, vocab_start, v_local):
     """The row's target column in this shard, -1 where another rank owns it (or the id is out of range): the same as
-    _layout.target_columns, computed here so the core launches no torch ops for it."""
+    layout.target_columns, computed here so the core launches no torch ops for it."""
     col = tl.load(tokens_ptr + row).to(tl.int64) - vocab_start
     return tl.where((col >= 0) & (col < v_local), col, -1)
 
@@ -90,10 +83,7 @@ def _row_extent(row_mask_ptr, tokens_ptr, row, seg_start, seg_len, n_valid, voca
     return seg_end, target
 
 
-_FLT_MAX = tl.constexpr(3.4028234663852886e38)  # largest finite fp32: an empty lane's max
 _LOG2E = tl.constexpr(1.4426950408889634)
-# Compiled (not interpreted) kernels: Triton decorates every kernel of this module in the same mode.
-_COMPILED = tl.constexpr(type(_row_extent).__name__ != "InterpretedFunction")
 
 
 @triton.jit
@@ -101,7 +91,7 @@ def _exp_nonpositive(x):
     """exp(x) for x <= 0 (or NaN). Compiled: one MUFU.EX2 with flush-to-zero (results below 2^-126 become 0, nothing
     next to a lane max of 1), where tl.exp's ex2.approx.f32 adds a denormal fix-up of three instructions. Under the
     interpreter, which cannot run PTX: tl.exp."""
-    if _COMPILED:
+    if COMPILED:
         return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * _LOG2E], dtype=tl.float32,
                                          is_pure=True, pack=1)
     else:
@@ -109,23 +99,10 @@ def _exp_nonpositive(x):
 
 
 @triton.jit
-def _scaled(z, inv_temperature):
-    """z * inv_temperature rounded to fp32 once. Compiled: mul.rn, which the compiler never contracts with a following
-    subtraction into an FMA; a contracted fma(x, inv_t, -m) forms d = z - m from the unrounded product while MAX
-    holds the rounded z, which puts the entropy partial measurably off (docs/performance.md). Under the interpreter
-    (numpy rounds every multiply): a plain multiply."""
-    if _COMPILED:
-        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [z, tl.zeros_like(z) + inv_temperature],
-                                         dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        return z * inv_temperature
-
-
-@triton.jit
 def _merge_lanes_and_store(m, s, sk, w, row_ptr, target, seg_start, seg_end, seg, row, num_rows, out_ptr,
                            inv_temperature, HAS_KEEP: tl.constexpr, WITH_ENTROPY: tl.constexpr, SCALE: tl.constexpr):
     """Merges per-lane online states (m, s, sk, w: vectors, each sum relative to its lane's max m) into the segment's
-    partials with the formulas of _row_stats.merge_partials, adds the target's logit and stores the five channels.
+    partials with the formulas of row_stats.merge_partials, adds the target's logit and stores the five channels.
     Lanes without a finite value have s == 0 and drop out."""
     neg_inf = float("-inf")
     present = s != 0.0  # a NaN s stays present, so it reaches the sums
@@ -150,18 +127,19 @@ def _merge_lanes_and_store(m, s, sk, w, row_ptr, target, seg_start, seg_end, seg
     # NaN or +inf logits make s NaN (tl.max may drop NaN): report it through MAX, where the core looks.
     m_top = tl.where(s_seg != s_seg, float("nan"), m_top)
 
-    out = out_ptr + seg.to(tl.int64) * (_NUM_PARTIALS * num_rows) + row
-    tl.store(out + _MAX * num_rows, m_top)
-    tl.store(out + _SUMEXP * num_rows, s_seg)
-    tl.store(out + _KEPT_SUMEXP * num_rows, sk_seg)
-    tl.store(out + _ENT_SUM * num_rows, w_seg)
-    tl.store(out + _TARGET_Z * num_rows, zt)
+    out = out_ptr + seg.to(tl.int64) * (NUM_PARTIALS * num_rows) + row
+    tl.store(out + CH_MAX * num_rows, m_top)
+    tl.store(out + CH_SUMEXP * num_rows, s_seg)
+    tl.store(out + CH_KEPT_SUMEXP * num_rows, sk_seg)
+    tl.store(out + CH_ENT_SUM * num_rows, w_seg)
+    tl.store(out + CH_TARGET_Z * num_rows, zt)
 
 
 @triton.jit
 def _lanes_update(z, keep, is_target, m, s, sk, w, HAS_KEEP: tl.constexpr, WITH_ENTROPY: tl.constexpr):
     """One tile's update of the per-lane online state by z [LANES, LANE_WIDTH] (-inf for padding): each lane first takes
-    the max of its LANE_WIDTH columns (in-thread), rescales its sums once, then adds its columns with one exp per element."""
+    the max of its LANE_WIDTH columns (in-thread), rescales its sums once, then adds its columns with one exp per
+    element."""
     m_new = tl.maximum(m, tl.max(z, axis=1))  # finite (sentinel -FLT_MAX) unless +inf; tl.max may drop NaN
     shift = m - m_new  # <= 0; -inf only when m_new is +inf (bad input, reported through s)
     alpha = _exp_nonpositive(shift)  # rescales the old sums: 1 while the lane stays empty
@@ -170,7 +148,7 @@ def _lanes_update(z, keep, is_target, m, s, sk, w, HAS_KEEP: tl.constexpr, WITH_
     if WITH_ENTROPY:
         # old terms shift by (m - m_new), dropped where alpha == 0: an empty lane's sentinel minus a new max near
         # fp32's limit overflows to -inf (and -inf * 0 is NaN); a -inf logit adds 0 (d clamped), not 0 * -inf
-        w = tl.where(alpha > 0.0, alpha * (w + shift * s), 0.0) + tl.sum(e * tl.maximum(d, -_FLT_MAX), axis=1)
+        w = tl.where(alpha > 0.0, alpha * (w + shift * s), 0.0) + tl.sum(e * tl.maximum(d, -FLT_MAX), axis=1)
     if HAS_KEEP:
         sk = alpha * sk + tl.sum(tl.where((keep != 0) | is_target, e, 0.0), axis=1)
     s = alpha * s + tl.sum(e, axis=1)
@@ -215,7 +193,7 @@ def forward_partials_kernel(
     keep_row_ptr = keep_ptr + tl.multiple_of(row * keep_row_stride, KEEP_ALIGN)
 
     LANES: tl.constexpr = BLOCK_V // LANE_WIDTH
-    m = tl.full([LANES], -_FLT_MAX, tl.float32)
+    m = tl.full([LANES], -FLT_MAX, tl.float32)
     s = tl.zeros([LANES], tl.float32)
     sk = tl.zeros([LANES], tl.float32)
     w = tl.zeros([LANES], tl.float32)
@@ -240,7 +218,7 @@ def forward_partials_kernel(
             k_next = tl.load(keep_row_ptr + ahead + offs)
         z = x.to(tl.float32)
         if SCALE:
-            z = _scaled(z, inv_temperature)
+            z = scaled(z, inv_temperature)
         m, s, sk, w = _lanes_update(z, k, offs == target - (seg_start + tile * BLOCK_V), m, s, sk, w, HAS_KEEP,
                                      WITH_ENTROPY)
     tail = seg_start + n_full * BLOCK_V
@@ -248,7 +226,7 @@ def forward_partials_kernel(
         in_mem = offs < mem_end - tail
         z = tl.load(row_ptr + tail + offs, mask=in_mem, other=float("-inf")).to(tl.float32)
         if SCALE:
-            z = _scaled(z, inv_temperature)
+            z = scaled(z, inv_temperature)
         z = tl.where(offs < seg_end - tail, z, float("-inf"))
         if HAS_KEEP:
             k = tl.load(keep_row_ptr + tail + offs, mask=in_mem, other=0)
@@ -277,7 +255,7 @@ def backward_grad_kernel(
     grad_log_prob_ptr,  # [T] fp32 upstream gradient of log_prob (read only when HAS_GRAD_LOG_PROB)
     grad_entropy_ptr,  # [T] fp32 upstream gradient of entropy (read only when HAS_GRAD_ENTROPY)
     log_prob_defined_ptr,  # [T] uint8: 0 where the log-prob is -inf (no kept mass): no gradient (HAS_LOG_PROB_DEFINED)
-    mass_ptr,  # [T] uint8: 0 where the row has no mass (no entropy gradient), read when HAS_MASS
+    row_has_mass_ptr,  # [T] uint8: 0 where the row has no mass (no entropy gradient), read when HAS_MASS
     # shapes
     v_local,
     n_valid,
@@ -311,7 +289,7 @@ def backward_grad_kernel(
 
     z = tl.load(logits_ptr + row * logits_row_stride + cols, mask=load, other=float("-inf")).to(tl.float32)
     if SCALE:
-        z = _scaled(z, inv_temperature)
+        z = scaled(z, inv_temperature)
     d = z - tl.load(shift_ptr + row)
     p = tl.exp(d - tl.load(log_sum_ptr + row))  # 0 for -inf logits
 
@@ -330,15 +308,15 @@ def backward_grad_kernel(
     if HAS_GRAD_ENTROPY:
         g_ent = tl.load(grad_entropy_ptr + row)
         if HAS_MASS:
-            g_ent = tl.where(tl.load(mass_ptr + row) != 0, g_ent, 0.0)
+            g_ent = tl.where(tl.load(row_has_mass_ptr + row) != 0, g_ent, 0.0)
         mean_shifted = tl.load(mean_shifted_ptr + row)
         grad += g_ent * (p * tl.where(p == 0.0, 0.0, mean_shifted - d))  # p == 0 (d = -inf): no 0 * inf
     if SCALE:
         grad = grad * inv_temperature
     grad = tl.where(valid, grad, 0.0)  # padding and dropped rows: 0, whatever they hold (NaN included)
     if ROUND_BF16_BY_BITS:
-        # Triton 3.9's interpreter truncates fp32 -> bf16 casts (compiled code rounds to nearest even, as torch does):
-        # there, round to nearest even on the bits. Gradients are finite, so no NaN payload to protect.
+        # As core/triton_common.store_rounded (the interpreter truncates fp32 -> bf16 casts), inline: through that
+        # call the compiler schedules this kernel's store differently.
         bits = grad.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         grad_out = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
@@ -348,7 +326,7 @@ def backward_grad_kernel(
 
 
 # ---- merge: segment partials -> row statistics, in one launch ----
-# Rows of the merge's [MERGED_FIELDS, T] fp32 output: the RowStats fields (ppo_ops/_backend.py), flags as 0/1.
+# Rows of the merge's [MERGED_FIELDS, T] fp32 output: the RowStats fields (core/contracts.py), flags as 0/1.
 (LOG_PROB, ENTROPY, SHIFT, LOG_SUM, LOG_SUM_KEPT, MEAN_SHIFTED, LOG_PROB_DEFINED, HAS_MASS, BAD_INPUT) = range(9)
 MERGED_FIELDS = 9
 _LOG_PROB = tl.constexpr(LOG_PROB)
@@ -360,7 +338,7 @@ _MEAN_SHIFTED = tl.constexpr(MEAN_SHIFTED)
 _LOG_PROB_DEFINED = tl.constexpr(LOG_PROB_DEFINED)
 _HAS_MASS = tl.constexpr(HAS_MASS)
 _BAD_INPUT = tl.constexpr(BAD_INPUT)
-_SHIFT_FLOOR = tl.constexpr(_row_stats.SHIFT_FLOOR)
+_SHIFT_FLOOR = tl.constexpr(row_stats.SHIFT_FLOOR)
 
 
 @triton.jit
@@ -381,10 +359,10 @@ def merge_partials_kernel(
     z_t = tl.full([BLOCK_R], neg_inf, tl.float32)
     any_nan = tl.zeros([BLOCK_R], tl.int1)
     for j in tl.static_range(NUM_SEG):
-        m_j = tl.load(partials_ptr + (j * _NUM_PARTIALS + _MAX) * num_rows + rows, mask=in_rows, other=neg_inf)
+        m_j = tl.load(partials_ptr + (j * NUM_PARTIALS + CH_MAX) * num_rows + rows, mask=in_rows, other=neg_inf)
         any_nan = any_nan | (m_j != m_j)  # tl.maximum may drop a NaN
         big_m = tl.maximum(big_m, m_j)
-        zt_j = tl.load(partials_ptr + (j * _NUM_PARTIALS + _TARGET_Z) * num_rows + rows, mask=in_rows, other=neg_inf)
+        zt_j = tl.load(partials_ptr + (j * NUM_PARTIALS + CH_TARGET_Z) * num_rows + rows, mask=in_rows, other=neg_inf)
         z_t = tl.maximum(z_t, zt_j)
     m_safe = tl.where((big_m == neg_inf) | (big_m == float("inf")) | any_nan, 0.0, big_m)
 
@@ -393,18 +371,18 @@ def merge_partials_kernel(
     sk = tl.zeros([BLOCK_R], tl.float32)
     w = tl.zeros([BLOCK_R], tl.float32)
     for j in tl.static_range(NUM_SEG):
-        base = partials_ptr + j * _NUM_PARTIALS * num_rows + rows
-        m_j = tl.load(base + _MAX * num_rows, mask=in_rows, other=neg_inf)
-        s_j = tl.load(base + _SUMEXP * num_rows, mask=in_rows, other=0.0)
-        # As _row_stats.merge_partials: the shift clamped at _SHIFT_FLOOR (e^shift is 0 in fp32 there), so an empty
+        base = partials_ptr + j * NUM_PARTIALS * num_rows + rows
+        m_j = tl.load(base + CH_MAX * num_rows, mask=in_rows, other=neg_inf)
+        s_j = tl.load(base + CH_SUMEXP * num_rows, mask=in_rows, other=0.0)
+        # As row_stats.merge_partials: the shift clamped at _SHIFT_FLOOR (e^shift is 0 in fp32 there), so an empty
         # segment (m_j = -inf) or a shift that overflows to -inf adds exactly 0, never 0 * -inf; NaN stays NaN.
         shift = m_j - m_safe  # <= 0
         shift = tl.where(shift < _SHIFT_FLOOR, _SHIFT_FLOOR, shift)
         a = tl.exp(shift)
         s += a * s_j
         if HAS_KEEP:
-            sk += a * tl.load(base + _KEPT_SUMEXP * num_rows, mask=in_rows, other=0.0)
-        w += a * (tl.load(base + _ENT_SUM * num_rows, mask=in_rows, other=0.0) + shift * s_j)
+            sk += a * tl.load(base + CH_KEPT_SUMEXP * num_rows, mask=in_rows, other=0.0)
+        w += a * (tl.load(base + CH_ENT_SUM * num_rows, mask=in_rows, other=0.0) + shift * s_j)
     if not HAS_KEEP:
         sk = s
 

@@ -1,0 +1,233 @@
+"""Local argument checks: types, shapes, devices and option values, read from no tensor value and issuing no
+collective, for both ops.
+
+They always run. At one rank (or with validate=False) their errors raise at once; at TP > 1 with validate=True the
+call shell (core/shell.py) hands an error to the cross-rank agreement (core/agreement.py), so every rank raises it.
+Errors name the argument (kept on the exception as `ppo_ops_argument`, which the agreement's header carries) and what
+was expected: TypeError for a wrong dtype or type, ValueError for a wrong shape or value.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ppo_ops.core.row_stats import FLT_MAX
+
+ENTROPY_MODES = ("none", "value", "grad")
+BACKENDS = ("auto", "torch", "triton")
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Smallest temperature accepted: 1 / temperature, rounded to fp32 (the kernels multiply by it), must be finite.
+MIN_TEMPERATURE = 1.0 / FLT_MAX
+
+
+def error_prefix(fn_name: str) -> str:
+    return f"ppo_ops.{fn_name}: "
+
+
+def argument_error(exc_type, fn_name: str, argument: str, detail: str) -> Exception:
+    """An exception whose message starts with the function and names `argument`; `argument` is kept on it so that
+    the cross-rank header can say which argument a rank rejected."""
+    exc = exc_type(f"{error_prefix(fn_name)}{detail}")
+    exc.ppo_ops_argument = argument
+    return exc
+
+
+# ---- local checks (no tensor values read) ----
+
+def _scalar(fn_name: str, name: str, value, integral: bool):
+    """A Python/NumPy number or a one-element tensor as a Python int (integral) or float."""
+    kind = "an int" if integral else "a real number"
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise argument_error(ValueError, fn_name, name,
+                                 f"{name} must be a scalar, got a tensor of shape {tuple(value.shape)}")
+        if value.is_meta:
+            raise argument_error(ValueError, fn_name, name,
+                                 f"{name} must have a value, got a tensor on the meta device")
+        if value.dtype == torch.bool or value.dtype.is_complex or (integral and value.dtype.is_floating_point):
+            raise argument_error(TypeError, fn_name, name, f"{name} must be {kind}, got a {value.dtype} tensor")
+        value = value.item()  # a host read of its own when the tensor is on a GPU
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral if integral else numbers.Real):
+        raise argument_error(TypeError, fn_name, name, f"{name} must be {kind}, got {type(value).__name__}")
+    return int(value) if integral else float(value)
+
+
+def check_options(
+    fn_name: str,
+    *,
+    entropy,
+    backend,
+    temperature,
+    chunk_size,
+    vocab_size,
+    inplace_grad,
+    validate,
+) -> tuple:
+    """Checks the non-tensor options; returns (temperature, 1 / temperature in fp32, chunk_size, vocab_size) as Python
+    numbers (chunk_size and vocab_size may be None)."""
+    if not isinstance(entropy, str) or entropy not in ENTROPY_MODES:
+        raise argument_error(ValueError, fn_name, "entropy", f"entropy must be one of {ENTROPY_MODES}, got {entropy!r}")
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise argument_error(ValueError, fn_name, "backend", f"backend must be one of {BACKENDS}, got {backend!r}")
+    temperature = _scalar(fn_name, "temperature", temperature, integral=False)
+    if not math.isfinite(temperature) or temperature <= 0.0:
+        raise argument_error(ValueError, fn_name, "temperature",
+                             f"temperature must be finite and > 0, got {temperature}")
+    inv_temperature = float(torch.tensor(1.0 / temperature if temperature >= MIN_TEMPERATURE / 2 else math.inf,
+                                         dtype=torch.float32).item())  # a CPU tensor: no device sync
+    if not math.isfinite(inv_temperature):
+        raise argument_error(
+            ValueError, fn_name, "temperature",
+            f"temperature must be >= {MIN_TEMPERATURE:.4g} (1 / temperature must fit in float32), got {temperature:g}")
+    if chunk_size is not None:
+        chunk_size = _scalar(fn_name, "chunk_size", chunk_size, integral=True)
+        if chunk_size == 0 or chunk_size < -1:
+            raise argument_error(ValueError, fn_name, "chunk_size",
+                                 f"chunk_size must be -1 (no chunking) or >= 1, got {chunk_size}")
+    if vocab_size is not None:
+        vocab_size = _scalar(fn_name, "vocab_size", vocab_size, integral=True)
+        if vocab_size < 1:
+            raise argument_error(ValueError, fn_name, "vocab_size", f"vocab_size must be >= 1, got {vocab_size}")
+    for name, flag in (("inplace_grad", inplace_grad), ("validate", validate)):
+        if not isinstance(flag, bool):
+            raise argument_error(TypeError, fn_name, name, f"{name} must be a bool, got {type(flag).__name__}")
+    return temperature, inv_temperature, chunk_size, vocab_size
+
+
+def check_tp_group(fn_name: str, tp_group) -> tuple:
+    """(group or None, world size, rank). None means one rank, always (also inside an initialised job); TP over the
+    default group is `tp_group=torch.distributed.group.WORLD`, given explicitly. A group of one rank is one rank.
+    Raised on this rank alone: without a valid group there is no one to tell."""
+    if tp_group is None:
+        return None, 1, 0
+    if not (dist.is_available() and isinstance(tp_group, dist.ProcessGroup)):
+        raise argument_error(
+            TypeError, fn_name, "tp_group",
+            f"tp_group must be a torch.distributed.ProcessGroup (e.g. torch.distributed.group.WORLD) or None for one "
+            f"rank, got {type(tp_group).__name__}")
+    world_size = dist.get_world_size(tp_group)
+    rank = dist.get_rank(tp_group)
+    if rank < 0:
+        raise argument_error(ValueError, fn_name, "tp_group", "tp_group does not contain this process")
+    if world_size == 1:
+        return None, 1, 0
+    return tp_group, world_size, rank
+
+
+def _check_float_input(fn_name: str, name: str, t) -> None:
+    """The op's main input (`name`: logits, hidden) is a float32/bfloat16/float16 tensor with values."""
+    if not isinstance(t, torch.Tensor):
+        raise argument_error(TypeError, fn_name, name, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise argument_error(TypeError, fn_name, name, f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+    if t.is_meta:
+        raise argument_error(ValueError, fn_name, name,
+                             f"{name} must be on a device with values (CPU or CUDA), got meta: the op reads them")
+
+
+def check_tensors(
+    fn_name: str,
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    keep_mask: Optional[torch.Tensor],
+    row_mask: Optional[torch.Tensor],
+) -> None:
+    def fail(exc_type, name, detail):
+        raise argument_error(exc_type, fn_name, name, detail)
+
+    _check_float_input(fn_name, "logits", logits)
+    if logits.dim() < 2:
+        fail(ValueError, "logits",
+             f"logits must have shape [..., V_local] with at least 2 dims, got {tuple(logits.shape)}")
+    if logits.shape[-1] < 1:
+        fail(ValueError, "logits", f"logits must have a non-empty vocabulary dimension, got {tuple(logits.shape)}")
+    lead = tuple(logits.shape[:-1])
+    check_row_tensors(fn_name, "logits", logits.device, lead, tokens,
+                      (("keep_mask", keep_mask, tuple(logits.shape)), ("row_mask", row_mask, lead)))
+
+
+def check_lm_head_tensors(fn_name: str, hidden, weight, tokens, row_mask) -> None:
+    """The LM head's tensors: hidden [..., H], weight [V_local, H] of its dtype and device, and the per-row ones."""
+    def fail(exc_type, name, detail):
+        raise argument_error(exc_type, fn_name, name, detail)
+
+    _check_float_input(fn_name, "hidden", hidden)
+    if hidden.dim() < 2 or hidden.shape[-1] < 1:
+        fail(ValueError, "hidden",
+             f"hidden must have shape [..., H] with at least 2 dims and H >= 1, got {tuple(hidden.shape)}")
+    if not isinstance(weight, torch.Tensor):
+        fail(TypeError, "weight", f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dtype != hidden.dtype:
+        fail(TypeError, "weight", f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
+    if weight.dim() != 2 or weight.shape[0] < 1 or weight.shape[1] != hidden.shape[-1]:
+        fail(ValueError, "weight", f"weight must have shape [V_local, H] = [>= 1, {hidden.shape[-1]}] "
+                                   f"(H = hidden.shape[-1]), got {tuple(weight.shape)}")
+    if weight.device != hidden.device:
+        fail(ValueError, "weight", f"weight must be on {hidden.device} like hidden, got {weight.device}")
+    lead = tuple(hidden.shape[:-1])
+    check_row_tensors(fn_name, "hidden", hidden.device, lead, tokens, (("row_mask", row_mask, lead),))
+
+
+def check_row_tensors(fn_name: str, source: str, device, lead: tuple, tokens, masks) -> None:
+    """The per-row arguments of an op whose rows come from `source` (logits or hidden, of leading shape `lead`, on
+    `device`): integer tokens of shape `lead`, and each (name, mask or None, shape) a bool tensor of that shape."""
+    def fail(exc_type, name, detail):
+        raise argument_error(exc_type, fn_name, name, detail)
+
+    if not isinstance(tokens, torch.Tensor):
+        fail(TypeError, "tokens", f"tokens must be a torch.Tensor of integer ids, got {type(tokens).__name__}")
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        fail(TypeError, "tokens", f"tokens must hold integer token ids, got dtype {tokens.dtype}")
+    if tuple(tokens.shape) != lead:
+        fail(ValueError, "tokens", f"tokens must have shape {lead} ({source}.shape[:-1]), got {tuple(tokens.shape)}: "
+                                   f"token/{source} length mismatch")
+    if tokens.device != device:
+        fail(ValueError, "tokens", f"tokens must be on {device} like {source}, got {tokens.device}")
+    for name, mask, shape in masks:
+        if mask is None:
+            continue
+        if not isinstance(mask, torch.Tensor):
+            fail(TypeError, name, f"{name} must be a bool torch.Tensor or None, got {type(mask).__name__}")
+        if mask.dtype != torch.bool:
+            fail(TypeError, name, f"{name} must have dtype torch.bool, got {mask.dtype}")
+        if tuple(mask.shape) != shape:
+            fail(ValueError, name, f"{name} must have shape {shape}, got {tuple(mask.shape)}")
+        if mask.device != device:
+            fail(ValueError, name, f"{name} must be on {device} like {source}, got {mask.device}")
+
+
+def check_vocab(fn_name: str, vocab_size: Optional[int], v_global: int) -> None:
+    if vocab_size is not None and vocab_size > v_global:
+        raise argument_error(
+            ValueError, fn_name, "vocab_size",
+            f"vocab_size must be <= the global vocabulary V_local * tp_size = {v_global}, got {vocab_size}")
+
+
+def overlaps(t: torch.Tensor) -> bool:
+    """True when two indices of `t` address the same element (a stride-0 / expanded or otherwise overlapping view)."""
+    dims = sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size > 1)
+    extent = 1
+    for stride, size in dims:
+        if stride < extent:
+            return True
+        extent = stride * size
+    return False
+
+
+def check_inplace_target(fn_name: str, flat: torch.Tensor, needs_unit_stride: bool) -> None:
+    """inplace_grad=True: every logit must own its storage element, or backward's rows would write one element
+    several times (a stride-0 / expanded view, an overlapping as_strided view)."""
+    if overlaps(flat):
+        raise argument_error(
+            ValueError, fn_name, "inplace_grad",
+            f"inplace_grad=True needs logits whose elements do not overlap in memory, got shape {tuple(flat.shape)} "
+            f"with strides {flat.stride()} (an expanded or overlapping view): pass a contiguous tensor or "
+            "inplace_grad=False")
+    if needs_unit_stride and flat.shape[1] > 1 and flat.stride(1) != 1:
+        raise argument_error(ValueError, fn_name, "inplace_grad",
+                             "inplace_grad=True with this backend needs logits.stride(-1) == 1")

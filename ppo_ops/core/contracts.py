@@ -1,0 +1,192 @@
+"""The backend contract: what the autograd Function (logits/function.py) asks of a backend, as types.
+
+Two backends implement `Backend`: `logits.torch_backend.TorchBackend` (any device; the CPU path) and
+`logits.triton_backend.TritonBackend` (CUDA, or CPU under TRITON_INTERPRET=1). Per call the Function asks for
+
+    forward_partials(inputs, shard, with_entropy) -> [V_local // seg_len, 5, T] fp32 partials per segment
+        (channels in core/row_stats.py), for every row: a dropped row (row_mask False) gets the neutral partials of
+        row_stats.empty_partials, its logits never read. A row's target column is tokens - vocab_start when in
+        [0, V_local), else another rank holds it (layout.target_columns; the Triton kernels form it in-kernel).
+    merge_partials(partials [segments, 5, T] in global segment order, has_keep_mask) -> RowStats over all T rows,
+        merged in segment order (the order fixes the bits); the Triton backend does it in one launch.
+    backward_grad(inputs, shard, stats: BackwardStats, upstream, out) -> None: writes every row of `out` (dropped
+        rows get 0, their logits never read); `out` may be the logits themselves (inplace_grad). The upstream
+        log-prob gradient counts as 0 where stats.log_prob_defined is False (the log-prob is -inf: its kept set has
+        no mass), the entropy's where stats.row_has_mass is False, whatever they hold (None flags: already 0 there).
+
+With d = z - shift: log p = d - log_sum, q = 1[keep ∪ target] e^(d - log_sum_kept) (q = p without a keep mask),
+grad = inv_temperature * (g_lp * (onehot - q) + g_ent * p * (mean_shifted - d)); padding columns and entries with
+p == 0 get no entropy term (never 0 * inf). All statistics are global (merged over the TP ranks).
+
+A dropped row's token and per-row values are unspecified (its token may be junk such as -100); backends ignore them.
+The row mask crosses as a mask, not an index list: building one (nonzero) is a host sync on CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RowInputs:
+    """The tensors a backend reads, flattened to rows."""
+
+    logits: torch.Tensor  # [T, V_local] fp32/bf16/fp16, READ-ONLY (written only as `out` with inplace_grad)
+    tokens: torch.Tensor  # [T] integer global token ids
+    keep_mask: Optional[torch.Tensor]  # [T, V_local] bool, or None
+    row_mask: Optional[torch.Tensor]  # [T] bool, or None (every row kept)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ShardOptions:
+    """Everything but tensors that a backend needs about this rank's shard and the call."""
+
+    inv_temperature: float  # 1 / temperature rounded to fp32 once: every backend multiplies by the same constant
+    n_valid: int  # columns of this shard that are real vocabulary; the rest is padding
+    seg_len: int  # columns per segment; V_local % seg_len == 0
+    vocab_start: int  # global id of this shard's first column
+    chunk_rows: Optional[int] = None  # rows per working chunk of the torch backend (None: automatic); ignored by Triton
+
+    def segment(self, seg_lo: int) -> "ShardOptions":
+        """The options of a chunk holding the local columns [seg_lo, seg_lo + seg_len) of this shard (the LM head runs
+        the logits op's passes on such chunks)."""
+        return ShardOptions(inv_temperature=self.inv_temperature,
+                            n_valid=max(0, min(self.seg_len, self.n_valid - seg_lo)), seg_len=self.seg_len,
+                            vocab_start=self.vocab_start + seg_lo)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RowStats:
+    """Per-row statistics over all T rows; a row the row mask drops has neutral partials, so it merges to a row
+    without mass (log_prob -inf, everything else 0, both flags False)."""
+
+    log_prob: torch.Tensor  # [T] fp32
+    entropy: torch.Tensor  # [T] fp32 (zeros when not asked for)
+    shift: torch.Tensor  # [T] M, the row max of z (0 where the row has no finite logit)
+    log_sum: torch.Tensor  # [T] log Σ_valid e^(z - M) (0 where the row has no finite logit)
+    log_sum_kept: Optional[torch.Tensor]  # [T] log Σ_{kept ∪ target} e^(z - M), or None without a keep mask
+    mean_shifted: torch.Tensor  # [T] E_p[z] - M
+    bad_input: torch.Tensor  # [T] bool: NaN or +inf logits reached the row (a kernel's max may skip NaN; the sum not)
+    log_prob_defined: torch.Tensor  # [T] bool: the kept set has mass (else log_prob = -inf and its gradient is 0)
+    row_has_mass: torch.Tensor  # [T] bool: some valid logit is finite (else entropy 0 and gradient 0)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BackwardStats:
+    """The part of RowStats that backward reads (saved by the forward, O(T))."""
+
+    shift: torch.Tensor
+    log_sum: torch.Tensor
+    log_sum_kept: Optional[torch.Tensor]  # None without a keep mask
+    mean_shifted: Optional[torch.Tensor]  # None unless entropy="grad"
+    # [T] bool flags; None where the upstream gradients are already 0 where their quantity has none (the LM head's)
+    log_prob_defined: Optional[torch.Tensor] = None
+    row_has_mass: Optional[torch.Tensor] = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class UpstreamGrads:
+    """The gradients autograd brings back, fp32 [T] and contiguous, or None where an output gets none."""
+
+    grad_log_prob: Optional[torch.Tensor]
+    grad_entropy: Optional[torch.Tensor]  # None unless entropy="grad"
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str  # "torch" | "triton"
+    needs_unit_column_stride: bool  # its kernels index columns contiguously (logits.stride(-1) == 1)
+
+    def forward_partials(self, inputs: RowInputs, shard: ShardOptions, with_entropy: bool) -> torch.Tensor: ...
+
+    def merge_partials(self, partials: torch.Tensor, has_keep_mask: bool) -> RowStats: ...
+
+    def backward_grad(self, inputs: RowInputs, shard: ShardOptions, stats: BackwardStats, upstream: UpstreamGrads,
+                      out: torch.Tensor) -> None: ...
+
+
+# ---- the LM head's backends ----
+# The LM head's backend contract, as types: what the two autograd Functions of the fused LM head
+# (lm_head/function.py: log-probs and entropy; lm_head/loss_function.py: a token loss with its gradient
+# formed in the forward) ask of a backend. The logits op meets its backends the same way (above).
+#
+# Three backends implement `LinearBackend`:
+#   lm_head/torch_backend.py  fixed fp32 tiles through torch.matmul and the logits op's PyTorch code (any device);
+#   lm_head/triton_backend.py Triton GEMM-tile kernels with the softmax statistics fused in (fp32 inputs on CUDA);
+#   lm_head/chunked.py        library GEMMs (cuBLAS on CUDA; an fp32 matmul elsewhere) on fixed-shape chunks, with
+#                             the logits op's own passes (Triton, or PyTorch) over a bounded fp32 logits chunk: the
+#                             half-precision CUDA path, and the only one that also implements `FusedLossBackend`.
+#
+# Per call the Functions ask for (rows are the kept rows, compacted; weight is this rank's [V_local, H] slice):
+#
+#     forward_partials(hidden [R, H], weight, tokens [R], shard, with_entropy) -> [V_local // seg_len, 5, R] fp32:
+#         the logits op's five per-segment partials (channels in core/row_stats.py) of z = (hidden @ weight.T) * inv_t,
+#         fp32 accumulation, columns >= n_valid padding. A segment's partials may not depend on V_local, the rank or
+#         the row count R (that is what makes the results TP- and row-count invariant).
+#     merge_partials(partials in global segment order, has_keep_mask=False) -> RowStats: the logits op's merge.
+#     backward(hidden, weight, tokens, shard, saved, upstream, need_dx, need_dw) -> (dX fp32 [R, H] or None: this
+#         rank's contribution; dW [V_local, H] in weight's dtype or None). dlogits = inv_t * (g_lp * (onehot - p)
+#         + g_ent * p * (mean_shifted - d)), d = z - shift, p = exp(d - log_sum); the upstream gradients arrive zeroed
+#         where their quantity has none.
+#
+# `FusedLossBackend` adds, for ppo_ops.linear_token_loss:
+#
+#     loss_forward(hidden, weight, tokens, shard, with_entropy, hooks, need_dx, need_dw) -> dW or None: per row block,
+#         the block's logits over every local segment, their partials, `hooks.merge` (TP all-gather + merge: global
+#         RowStats of the block), `hooks.block_grads` (the caller's loss on those stats: upstream gradients of the
+#         block), dlogits, `hooks.finish_dx` (the block's fp32 dX rows, to be reduced and rounded by the caller) and
+#         dW accumulated in fp32 over the blocks, rounded once. The logits are formed once per row.
+#
+# No backend issues a collective or reads a device value on the host: communication, validation and autograd stay in
+# the Functions.
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LinearSaved:
+    """The row statistics the backward reads (saved by the forward, O(R) fp32, sanitised: 0 where no mass)."""
+
+    shift: torch.Tensor  # [R] row max M of z
+    log_sum: torch.Tensor  # [R] log Σ e^(z - M)
+    mean_shifted: Optional[torch.Tensor]  # [R] E_p[z] - M; None unless the entropy has a gradient
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockGrads:
+    """What the caller's loss gives back for one row block: fp32 [n] upstream gradients of its log-probs and
+    entropies (None: no gradient), already zero where the quantity has none."""
+
+    grad_log_prob: Optional[torch.Tensor]
+    grad_entropy: Optional[torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LossHooks:
+    """The Function's side of loss_forward: communication, the caller's loss and the dX epilogue, per row block
+    (rows r0 .. r1 of the kept rows)."""
+
+    merge: Callable[[torch.Tensor], RowStats]  # [local segments, 5, n] partials -> global RowStats of the block
+    block_grads: Callable[[RowStats, int, int], BlockGrads]  # (stats, r0, r1) -> upstream gradients
+    finish_dx: Callable[[torch.Tensor, int, int], None]  # (fp32 [n, H] dX rows of this rank, r0, r1)
+
+
+@runtime_checkable
+class LinearBackend(Protocol):
+    name: str  # "torch" | "triton" | "chunked-triton" | "chunked-torch"
+
+    def forward_partials(self, hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor,
+                         shard: ShardOptions, with_entropy: bool) -> torch.Tensor: ...
+
+    def merge_partials(self, partials: torch.Tensor, has_keep_mask: bool) -> RowStats: ...
+
+    def backward(self, hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, shard: ShardOptions,
+                 saved: LinearSaved, upstream: UpstreamGrads, need_dx: bool, need_dw: bool) -> tuple: ...
+
+
+@runtime_checkable
+class FusedLossBackend(LinearBackend, Protocol):
+    def loss_forward(self, hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, shard: ShardOptions,
+                     with_entropy: bool, hooks: LossHooks, need_dx: bool,
+                     need_dw: bool) -> Optional[torch.Tensor]: ...

@@ -1,0 +1,279 @@
+"""The call shell of both ops: one way of preparing a call, choosing its backend, and turning this rank's per-segment
+partials into global row statistics.
+
+Preparing (no tensor value read, no collective): `prepare_logits` / `prepare_lm_head` run the local checks
+(core/checks.py), resolve the vocabulary layout (core/layout.py) and the backend, flatten the leading dimensions and
+return a `Call` whose `Plan` is everything about the call that is not a tensor. Their errors name the argument; at
+TP > 1 with validate=True the other ranks learn of one from the header exchange and every rank raises it
+(core/agreement.py, `raise_collectively`).
+
+Backends (`select_backend`; the contracts are core/contracts.py), by kind (`backend_kind`, the same rules and errors
+for both ops):
+  logits op: "torch" -> logits/torch_backend.py; "triton" -> logits/triton_backend.py.
+  LM head, backend="torch" (or "auto" on CPU tensors): lm_head/torch_backend.py (fixed fp32 tiles) for the general op;
+      the chunked backend over the logits op's PyTorch passes for the token loss.
+  LM head, backend="triton" (or "auto" on CUDA tensors): half-precision inputs, and every token loss, take the chunked
+      backend over the logits op's Triton passes (cuBLAS GEMMs on CUDA; under TRITON_INTERPRET=1 on CPU an fp32 matmul
+      stands in for cuBLAS and the passes run in the interpreter); fp32 inputs of the general op take
+      lm_head/triton_backend.py's GEMM kernels (IEEE fp32 dots).
+  `HALF_PRECISION_PATH` switches half precision of the LM head's general op to "triton-gemm" (the Triton GEMM kernels):
+  for the bench's before/after rows only; results differ from the chunked path's within the documented tolerances.
+
+Row statistics (`merge_row_stats`): at TP > 1 with validate=True the ranks' fixed-size headers first (the value checks'
+one host read), then the all-gather of the partials (rank-major along dim 0 is the global segment order), then the
+backend's fixed-order merge. At TP = 1 the same code with the collectives skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Callable, NamedTuple, Optional, Union
+
+import torch
+
+from ppo_ops.core import agreement, checks
+from ppo_ops.core.contracts import Backend, LinearBackend, RowStats, ShardOptions
+from ppo_ops.core.layout import VocabLayout, make_layout
+
+HALF_PRECISION_PATH = "chunked"  # or "triton-gemm": see the module docstring
+_HALF = (torch.bfloat16, torch.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything about one call that is not a tensor."""
+
+    fn_name: str
+    layout: VocabLayout
+    backend: Union[Backend, LinearBackend]  # the logits op's or the LM head's, as the op asks
+    shard: ShardOptions
+    temperature: float  # as the caller gave it (the ranks compare it)
+    entropy_mode: str  # "none" | "value" | "grad"
+    validate: bool
+    naming: agreement.Naming  # how value errors name this op's arguments
+    dtype: torch.dtype  # of the logits or the hidden states (the ranks compare it)
+    has_keep_mask: bool = False
+    inplace_grad: bool = False  # logits op
+    reduce_dx: bool = True  # LM head
+    needs_grad: bool = True  # LM head: grad mode on and hidden or weight requires grad, else the forward keeps nothing
+
+
+class Call(NamedTuple):
+    """A call whose arguments passed the local checks: flattened tensors, the plan and the leading shape."""
+
+    rows: torch.Tensor  # [T, V_local] logits, or [T, H] hidden states
+    tokens: torch.Tensor  # [T]
+    keep_mask: Optional[torch.Tensor]  # [T, V_local] or None
+    row_mask: Optional[torch.Tensor]  # [T] or None
+    plan: Plan
+    lead: tuple
+
+
+# ---- preparing a call ----
+
+def _prepare(fn_name: str, tp_group, validate, like, local_checks: Callable[..., Call]) -> Call:
+    """Resolves tp_group, then `local_checks(group, world_size, rank)`; its error raises on every rank together
+    (TP > 1 with validate=True) or here. `like` is the tensor whose device the error header goes on."""
+    group, world_size, rank = checks.check_tp_group(fn_name, tp_group)
+    try:
+        return local_checks(group, world_size, rank)
+    except Exception as exc:
+        agreement.raise_collectively(fn_name, exc, group, world_size, validate, like)
+
+
+def _plan(fn_name, group, world_size, rank, rows: torch.Tensor, v_local: int, options: tuple, *, op: str,
+          entropy, backend, validate, fused_loss: bool = False, **fields) -> Plan:
+    """The layout and the backend of a call whose options (`options`: what checks.check_options returned) and tensors
+    passed their checks."""
+    temperature, inv_temperature, chunk_size, vocab_size = options
+    layout = make_layout(group, world_size, rank, v_local, vocab_size)
+    checks.check_vocab(fn_name, vocab_size, layout.v_global)
+    shard = ShardOptions(inv_temperature=inv_temperature, n_valid=layout.n_valid, seg_len=layout.seg_len,
+                         vocab_start=layout.vocab_start, chunk_rows=None if chunk_size in (None, -1) else chunk_size)
+    return Plan(fn_name=fn_name, layout=layout, backend=select_backend(fn_name, backend, rows, op, fused_loss),
+                shard=shard, temperature=temperature, entropy_mode=entropy, validate=validate,
+                naming=agreement.LOGITS_NAMING if op == "logits" else agreement.LM_HEAD_NAMING, dtype=rows.dtype,
+                **fields)
+
+
+def prepare_logits(fn_name, logits, tokens, *, tp_group, entropy, keep_mask, temperature, row_mask, vocab_size,
+                   chunk_size, inplace_grad, backend, validate) -> Call:
+    """The logits op's call: every local check, the layout, the backend, the flattened [T, V_local] logits."""
+    def local_checks(group, world_size, rank):
+        options = checks.check_options(fn_name, entropy=entropy, backend=backend, temperature=temperature,
+                                       chunk_size=chunk_size, vocab_size=vocab_size, inplace_grad=inplace_grad,
+                                       validate=validate)
+        checks.check_tensors(fn_name, logits, tokens, keep_mask, row_mask)
+        lead, v_local = tuple(logits.shape[:-1]), logits.shape[-1]
+        plan = _plan(fn_name, group, world_size, rank, logits, v_local, options, op="logits", entropy=entropy,
+                     backend=backend, validate=validate, inplace_grad=inplace_grad,
+                     has_keep_mask=keep_mask is not None)
+        n_rows = math.prod(lead)
+        flat = _flatten_logits(fn_name, logits, n_rows, v_local, inplace_grad,
+                               needs_unit_stride=plan.backend.needs_unit_column_stride)
+        return Call(flat, tokens.reshape(n_rows),
+                    None if keep_mask is None else keep_mask.reshape(n_rows, v_local),
+                    None if row_mask is None else row_mask.reshape(n_rows), plan, lead)
+
+    return _prepare(fn_name, tp_group, validate, logits, local_checks)
+
+
+def prepare_lm_head(fn_name, hidden, weight, tokens, *, tp_group, entropy, temperature, row_mask, vocab_size,
+                    reduce_dx, backend, validate, token_loss=None, fused_loss=False) -> Call:
+    """The LM head's call (fused_loss: linear_token_loss, whose `token_loss` must be callable): every local check, the
+    layout, the backend, the flattened [T, H] hidden states."""
+    def local_checks(group, world_size, rank):
+        if fused_loss and not callable(token_loss):
+            raise checks.argument_error(
+                TypeError, fn_name, "token_loss",
+                f"token_loss must be callable as token_loss(log_probs, entropy, rows) -> [R] float32, got "
+                f"{type(token_loss).__name__}")
+        options = checks.check_options(fn_name, entropy=entropy, backend=backend, temperature=temperature,
+                                       chunk_size=None, vocab_size=vocab_size, inplace_grad=False, validate=validate)
+        if not isinstance(reduce_dx, bool):
+            raise checks.argument_error(TypeError, fn_name, "reduce_dx",
+                                        f"reduce_dx must be a bool, got {type(reduce_dx).__name__}")
+        checks.check_lm_head_tensors(fn_name, hidden, weight, tokens, row_mask)
+        lead, width = tuple(hidden.shape[:-1]), hidden.shape[-1]
+        plan = _plan(fn_name, group, world_size, rank, hidden, weight.shape[0], options, op="lm_head",
+                     fused_loss=fused_loss, entropy=entropy, backend=backend, validate=validate, reduce_dx=reduce_dx,
+                     needs_grad=torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad))
+        n_rows = math.prod(lead)
+        return Call(hidden.reshape(n_rows, width), tokens.reshape(n_rows), None,
+                    None if row_mask is None else row_mask.reshape(n_rows), plan, lead)
+
+    return _prepare(fn_name, tp_group, validate, hidden, local_checks)
+
+
+def _flatten_logits(fn_name, logits, n_rows, v_local, inplace_grad, needs_unit_stride):
+    flat = _flatten_logits_view(fn_name, logits, n_rows, v_local, inplace_grad, needs_unit_stride)
+    if v_local == 1 and flat.stride(1) != 1:
+        # One column: its stride is meaningless; give it the unit stride kernels expect (same storage, a view).
+        flat = flat.as_strided((n_rows, 1), (flat.stride(0), 1))
+    return flat
+
+
+def _flatten_logits_view(fn_name, logits, n_rows, v_local, inplace_grad, needs_unit_stride):
+    if inplace_grad:
+        try:
+            flat = logits.view(n_rows, v_local)
+        except RuntimeError as err:
+            raise checks.argument_error(
+                ValueError, fn_name, "inplace_grad",
+                f"inplace_grad=True needs logits whose leading dims flatten without a copy (got shape "
+                f"{tuple(logits.shape)}, strides {logits.stride()})") from err
+        checks.check_inplace_target(fn_name, flat, needs_unit_stride)
+        return flat
+    flat = logits.reshape(n_rows, v_local)
+    if needs_unit_stride and v_local > 1 and flat.stride(1) != 1:
+        flat = flat.contiguous()
+    return flat
+
+
+# ---- the backend ----
+
+def interpret_requested() -> bool:
+    """Whether TRITON_INTERPRET asks for Triton's CPU interpreter (it takes effect only when set before triton is
+    imported; logits/triton_backend.py tells the two apart)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def backend_kind(fn_name: str, backend: str, tensor: torch.Tensor, name: str) -> str:
+    """"torch" or "triton" for backend="auto" | "torch" | "triton" on `tensor` (its argument `name`: logits, hidden).
+    auto: triton for CUDA tensors when triton imports, else torch; triton: CUDA tensors, or CPU ones under
+    TRITON_INTERPRET=1 (set before triton is imported), and triton importable, else an error naming `backend`."""
+    if backend == "torch":
+        return "torch"
+    if backend == "auto" and not tensor.is_cuda:
+        return "torch"
+    if backend == "triton" and not (tensor.is_cuda or interpret_requested()):
+        raise checks.argument_error(
+            ValueError, fn_name, "backend",
+            f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before triton is imported, to run its "
+            f"kernels on CPU), got {name} on {tensor.device}")
+    try:
+        import triton  # noqa: F401
+    except ImportError as err:
+        if backend == "auto":
+            return "torch"
+        raise checks.argument_error(
+            RuntimeError, fn_name, "backend",
+            f"backend='triton' is unavailable ({err}); install triton (pip install triton) or use backend='torch'"
+        ) from err
+    return "triton"
+
+
+def select_backend(fn_name: str, backend: str, rows: torch.Tensor, op: str, fused_loss: bool = False):
+    """The backend of `op` ("logits" or "lm_head") of the kind backend_kind picks (see the module docstring). Triton's
+    modules are imported only when selected, so `import ppo_ops` works without triton."""
+    kind = backend_kind(fn_name, backend, rows, "logits" if op == "logits" else "hidden")
+    if op == "logits":
+        if kind == "torch":
+            from ppo_ops.logits import torch_backend
+            return torch_backend.BACKEND
+        from ppo_ops.logits import triton_backend
+        return triton_backend.BACKEND
+    from ppo_ops.lm_head import chunked
+    if kind == "torch":
+        if fused_loss:
+            return chunked.backend("torch")
+        from ppo_ops.lm_head import torch_backend
+        return torch_backend.BACKEND
+    if fused_loss or (rows.dtype in _HALF and HALF_PRECISION_PATH == "chunked"):
+        return chunked.backend("triton")
+    from ppo_ops.lm_head import triton_backend
+    return triton_backend.BACKEND
+
+
+# ---- partials -> global row statistics ----
+
+def check_across_ranks(plan: Plan, tokens, row_mask, partials: torch.Tensor) -> None:
+    """TP > 1, validate=True: the header exchange of the call (its one host read), before the partials' all-gather,
+    whose size depends on the call: ranks that disagree, or whose tokens or logits are bad, all raise here together.
+    `tokens` and `row_mask` are the call's (all T rows); `partials` give this rank's NaN / +inf flag."""
+    layout = plan.layout
+    agreement.check_across_ranks(
+        plan.fn_name, layout.group, layout.world_size, tokens, row_mask, partials, naming=plan.naming,
+        v_local=layout.v_local, vocab_size=layout.vocab_size, temperature=plan.temperature,
+        entropy_mode=plan.entropy_mode, has_keep_mask=plan.has_keep_mask, dtype=plan.dtype)
+
+
+def check_single_rank(plan: Plan, bad_rows, tokens, row_mask, extra_flags=None) -> list:
+    """TP = 1, validate=True: the value checks' one host read (token range, NaN / +inf logits, `extra_flags`)."""
+    return agreement.check_single_rank_values(plan.fn_name, bad_rows, tokens, row_mask, plan.layout.vocab_size,
+                                              naming=plan.naming, extra_flags=extra_flags)
+
+
+def merge_row_stats(plan: Plan, partials: torch.Tensor, tokens, row_mask, *,
+                    validate: Optional[bool] = None) -> RowStats:
+    """This rank's [local segments, 5, R] partials -> global RowStats: at TP > 1 with `validate` (default: the
+    plan's) the header exchange first, then the all-gather of the partials, then the backend's fixed-order merge."""
+    layout = plan.layout
+    if layout.group is not None:
+        if plan.validate if validate is None else validate:
+            check_across_ranks(plan, tokens, row_mask, partials)
+        # Every rank takes part, R = 0 included: [segments, 5, R] has the same shape on every rank.
+        gathered = torch.empty((layout.world_size * partials.shape[0],) + tuple(partials.shape[1:]),
+                               dtype=partials.dtype, device=partials.device)
+        agreement.all_gather_into(gathered, partials, layout.group)
+        partials = gathered
+    return plan.backend.merge_partials(partials, plan.has_keep_mask)
+
+
+# ---- autograd, the same for every op ----
+
+def forward_outputs(ctx, entropy_mode, log_prob, entropy):
+    """What an op's forward returns: the log-prob alone (entropy="none"), or with the entropy, which is a constant
+    for entropy="value"."""
+    if entropy_mode == "none":
+        return log_prob
+    if entropy_mode == "value":
+        ctx.mark_non_differentiable(entropy)
+    return log_prob, entropy
+
+
+def refuse_double_backward(fn_name):
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"ppo_ops.{fn_name}: double backward (create_graph=True through this op) is not supported")

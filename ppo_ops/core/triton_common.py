@@ -1,0 +1,74 @@
+"""What the Triton kernels and launchers of both ops share: constants, jit helpers and launch helpers.
+
+Imported only where a Triton backend is selected (core/shell.py), so `import ppo_ops` works without triton.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ppo_ops.core import row_stats
+
+# Channel order of the partials, from core/row_stats.py (jit code may read only constexpr globals).
+CH_MAX = tl.constexpr(row_stats.MAX)
+CH_SUMEXP = tl.constexpr(row_stats.SUMEXP)
+CH_KEPT_SUMEXP = tl.constexpr(row_stats.KEPT_SUMEXP)
+CH_ENT_SUM = tl.constexpr(row_stats.ENT_SUM)
+CH_TARGET_Z = tl.constexpr(row_stats.TARGET_Z)
+NUM_PARTIALS = tl.constexpr(row_stats.NUM_PARTIALS)
+FLT_MAX = tl.constexpr(row_stats.FLT_MAX)  # an empty lane's or row's running max: finite, so never -inf - -inf
+
+
+@triton.jit
+def store_rounded(ptr, value, mask, ROUND_BF16_BY_BITS: tl.constexpr):
+    """Stores fp32 `value` in ptr's dtype, rounding to nearest even. Triton 3.9's interpreter truncates fp32 -> bf16
+    casts (compiled code rounds to nearest even, as torch does): there, round on the bits (values are finite, so no
+    NaN payload to protect). The logits op's backward kernel spells the same rounding out inline: through this call
+    its compiler schedules the store's address arithmetic differently."""
+    if ROUND_BF16_BY_BITS:
+        bits = value.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        tl.store(ptr, bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptr, value.to(ptr.dtype.element_ty), mask=mask)
+
+
+# Compiled (not interpreted) kernels: Triton decorates every kernel in the same mode.
+COMPILED = tl.constexpr(type(store_rounded).__name__ != "InterpretedFunction")
+
+
+@triton.jit
+def scaled(z, inv_temperature):
+    """z * inv_temperature rounded to fp32 once. Compiled: mul.rn, which the compiler never contracts with a following
+    subtraction into an FMA; a contracted fma(x, inv_t, -m) forms d = z - m from the unrounded product while MAX
+    holds the rounded z, which puts the entropy partial measurably off (docs/performance.md). Under the interpreter
+    (numpy rounds every multiply): a plain multiply."""
+    if COMPILED:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [z, tl.zeros_like(z) + inv_temperature],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return z * inv_temperature
+
+
+def interpreting() -> bool:
+    """True when the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 was set before triton loaded them)."""
+    return not COMPILED.value
+
+
+def round_bf16_by_bits(dtype: torch.dtype) -> bool:
+    """The ROUND_BF16_BY_BITS constexpr of a kernel storing `dtype` (see store_rounded)."""
+    return dtype == torch.bfloat16 and interpreting()
+
+
+def options(config) -> dict:
+    """Compiler options of a launch from its config's num_warps / num_stages (none under the interpreter, which
+    ignores them)."""
+    if config.num_warps is None:
+        return {}
+    # fp fusion set explicitly, not left to Triton's default (which Triton announces it will change), so the compiled
+    # code does not depend on the installed version's default; fused multiply-adds are the faster choice.
+    return {"num_warps": config.num_warps, "num_stages": config.num_stages, "enable_fp_fusion": True}
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
