@@ -136,7 +136,8 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{dropped} case(s) deselected: written for {other}; this run is on {here}")
     for dropped, declared, above in _deselected_for_ranks:
         where = (f"only cases needing more than {above} ranks run here" if above else
-                 "they run in this file's wider _gpuN targets (bazel test --config=gpu2 / gpu4 / gpu8) and on CPU over gloo")
+                 "they run in this file's wider _gpuN targets (bazel test --config=gpu2 / gpu4 / gpu8) "
+                 "and on CPU over gloo")
         terminalreporter.write_line(
             f"{dropped} case(s) deselected: this target declares {declared} GPU(s); {where}")
 

@@ -75,7 +75,7 @@ def global_inputs(case: ShardedCase, world_size: int):
 
 
 def has_fixed_segments(case: ShardedCase, world_size: int) -> bool:
-    """The layout whose bits do not depend on the TP size (ppo_ops/_layout.py): V_global % 8 == 0, TP divides 8."""
+    """The layout whose bits do not depend on the TP size (ppo_ops/core/layout.py): V_global % 8 == 0, TP divides 8."""
     return (case.v_local * world_size) % 8 == 0 and 8 % world_size == 0
 
 

@@ -98,7 +98,8 @@ def test_shards_split_the_tests_without_overlap(session):
     for index in range(2):
         os.environ.update(TEST_TOTAL_SHARDS="2", TEST_SHARD_INDEX=str(index))  # undone by the fixture's monkeypatch
         result = session.runpytest_subprocess("test_many.py", "-p", "no:cacheprovider", "-v")
-        ran.append({line.split("::")[1].split()[0] for line in result.outlines if "::test_" in line and "PASSED" in line})
+        ran.append({line.split("::")[1].split()[0] for line in result.outlines
+                    if "::test_" in line and "PASSED" in line})
     assert ran[0].isdisjoint(ran[1])
     assert ran[0] | ran[1] == {f"test_{i}" for i in range(SHARDED_TESTS)}
     assert {len(ran[0]), len(ran[1])} == {2, 3}

@@ -12,7 +12,8 @@ UNDECLARED_VAR = "PPO_OPS_UNDECLARED_TEST_FILES"
 
 
 @pytest.mark.skipif(UNDECLARED_VAR not in os.environ,
-                    reason="needs `bazel test //tests:test_build_declarations`: the list comes from Bazel's loading phase")
+                    reason="needs `bazel test //tests:test_build_declarations`: "
+                           "the list comes from Bazel's loading phase")
 def test_every_test_file_has_a_target():
     undeclared = os.environ[UNDECLARED_VAR].split()
     assert not undeclared, (f"test files without a target in tests/BUILD: {undeclared}; declare each with "

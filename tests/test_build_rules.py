@@ -164,7 +164,8 @@ def test_one_declaration_gives_a_cpu_and_gpu_targets():
     # The wider targets run only what the narrower one cannot hold: ranks in (2, 4], then (4, 8].
     for name, gpus, above in (("t_gpu4", 4, 2), ("t_gpu8", 8, 4)):
         assert f"gpus_{gpus}" in tests[name]["tags"]
-        assert (tests[name]["env"]["PPO_OPS_GPUS"], tests[name]["env"]["PPO_OPS_RANKS_ABOVE"]) == (str(gpus), str(above))
+        env = tests[name]["env"]
+        assert (env["PPO_OPS_GPUS"], env["PPO_OPS_RANKS_ABOVE"]) == (str(gpus), str(above))
 
 
 def test_sglang_tests_carry_the_recorded_sglang_interpreter():
@@ -196,14 +197,19 @@ def test_declared_targets_split_cleanly_into_cpu_and_gpu():
             assert attrs["env"]["TRITON_INTERPRET"] == "1", name
 
 
-# What --config=gpu2 must run on two GPUs (--config=gpu the one-GPU targets among them): every suite that makes sense there (the core suites, Triton, memory, errors,
-# TP invariance and the multi-rank core over NCCL, parity, the Qwen3 check).
+# What --config=gpu2 must run on two GPUs (--config=gpu the one-GPU targets among them): every suite that makes sense
+# there (the core suites, Triton, memory, errors, TP invariance and the multi-rank core over NCCL, parity, the Qwen3
+# check).
 GPU_SUITES = {
-    "test_core_values_gpu": 1, "test_core_invariants_gpu": 1, "test_core_errors_gpu": 1, "test_core_properties_gpu": 1, "test_core_reliability_gpu": 1,
-    "test_core_reliability_gpu2": 2,
+    "test_core_values_gpu": 1, "test_core_invariants_gpu": 1, "test_core_errors_gpu": 1, "test_core_properties_gpu": 1,
+    "test_core_reliability_gpu": 1, "test_core_reliability_gpu2": 2,
     "test_core_memory_gpu": 1, "test_core_parallel_gpu": 2, "test_triton_backend_gpu": 1,
-    "test_tp_invariance_gpu": 1, "test_tp_invariance_gpu2": 2, "test_tp_invariance_gpu4": 4, "test_tp_invariance_gpu8": 8,
-    "test_ppo_logprob_entropy_gpu": 1, "test_ppo_logprob_entropy_gpu2": 2, "test_linear_log_probs_gpu": 1, "test_linear_log_probs_gpu2": 2, "test_linear_token_loss_gpu": 1, "test_linear_token_loss_gpu2": 2, "test_qwen3_parallel_check_gpu": 1, "test_qwen3_parallel_check_gpu2": 2, "test_qwen3_0.6B_parallel_check": 2,
+    "test_tp_invariance_gpu": 1, "test_tp_invariance_gpu2": 2,
+    "test_tp_invariance_gpu4": 4, "test_tp_invariance_gpu8": 8,
+    "test_ppo_logprob_entropy_gpu": 1, "test_ppo_logprob_entropy_gpu2": 2,
+    "test_linear_log_probs_gpu": 1, "test_linear_log_probs_gpu2": 2,
+    "test_linear_token_loss_gpu": 1, "test_linear_token_loss_gpu2": 2,
+    "test_qwen3_parallel_check_gpu": 1, "test_qwen3_parallel_check_gpu2": 2, "test_qwen3_0.6B_parallel_check": 2,
 }
 
 

@@ -134,7 +134,7 @@ def test_row_mask_skips_dropped_rows(tmp_path):
                  f"gradient + two fp32 [{KEPT_ROWS}, V] buffers")
 
 
-# --- CUDA: the allocator's own peak ------------------------------------------------------------------------------------
+# --- CUDA: the allocator's own peak -----------------------------------------------------------------------------------
 
 def _cuda_peak_extra_bytes(fn) -> int:
     torch.cuda.synchronize()

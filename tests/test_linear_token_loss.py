@@ -28,6 +28,7 @@ from ppo_ops.lm_head import chunked as _linear_chunked
 from tests.core_support import backend_params, make_weights, triton_skip_reason
 from tests.linear_support import UNIT_ROUNDOFF, V_GLOBAL, assert_within, bounds, inputs
 from tests.ranks import DEVICE, results_by_tp, world_size_param
+from tests.reference import ENTROPY_TOL, LOG_PROB_TOL
 
 # The loss is a sum of per-row terms: its fp32 value errs by the terms' errors (each the term's gradient times the
 # log-prob / entropy error bound) plus the fp32 additions of the sum (a few ulps of sum |term| per add).
@@ -238,9 +239,13 @@ def test_log_probs_bitwise_as_the_logits_op_on_the_chunks_logits(backend):
         _, got = ppo_ops.linear_token_loss(h, w, t, _weighted(13, 95), entropy="grad", temperature=0.9,
                                            backend=backend)
     assert torch.equal(got.log_probs, want.log_probs) and torch.equal(got.entropy, want.entropy)
-    if backend == "triton":  # the general op's chunked path: the same chunks, passes and merge
+    if backend == "triton":
+        # The general op's half-precision forward is one GEMM whose epilogue reduces GEMM tiles (lm_head/
+        # gemm_partials.py): the same statistics in another fp32 order, so the logits op's own tolerances apply.
         general = ppo_ops.linear_log_probs_and_entropy(h, w, t, entropy="value", temperature=0.9, backend=backend)
-        assert torch.equal(got.log_probs, general.log_probs) and torch.equal(got.entropy, general.entropy)
+        lp_err = (general.log_probs - got.log_probs).abs()
+        assert bool((lp_err <= LOG_PROB_TOL * got.log_probs.abs().clamp(min=1)).all()), lp_err.max()
+        assert bool(((general.entropy - got.entropy).abs() <= ENTROPY_TOL).all())
 
 
 @pytest.mark.parametrize("backend", backend_params(DEVICE))

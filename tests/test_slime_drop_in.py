@@ -90,8 +90,8 @@ def _slime_calls_worker(rank, world_size, fn_name):
     fn, grad_dtype = _FUNCTIONS[fn_name]
     failures = CaseFailures(rank)
     for i, (with_entropy, with_entropy_grad, with_keep, chunk_size) in enumerate(SLIME_CALL_VALUES):
-        failures.run(f"call {i}", _check_call, fn, grad_dtype, rank, world_size, with_entropy, with_entropy_grad, with_keep,
-                     chunk_size, 10 * i)
+        failures.run(f"call {i}", _check_call, fn, grad_dtype, rank, world_size, with_entropy, with_entropy_grad,
+                     with_keep, chunk_size, 10 * i)
     failures.raise_if_any()
 
 

@@ -9,7 +9,7 @@ Prints one JSON object:
   for a vocabulary whose local width is a multiple of 16 at some TP sizes and not at others; 1 means every TP size
   runs the same code on a segment (bitwise TP invariance on the GPU, given the same inputs).
 - "ptx": {"<pass> <dtype> keep=<bool>": {"v4_load": bool, "v4_store": bool}} for Qwen3-sized launches, where <pass> is
-  "forward" or "backward", each with its GPU launch config (_triton_backend._GPU_CONFIG).
+  "forward" or "backward", each with its GPU launch config (ppo_ops/logits/triton_backend.py _GPU_CONFIG).
 - "forward_scaled_mul_rn": the forward with a temperature rounds the scaled logits with mul.rn (never contracted).
 """
 

@@ -1,4 +1,4 @@
-"""Float64 reference of the backend contract (ppo_ops/_triton_backend.py, ppo_ops/_torch_backend.py) and the checks
+"""Float64 reference of the backend contract (ppo_ops/logits/triton_backend.py, ppo_ops/logits/torch_backend.py) and the checks
 built on it, used by tests/test_triton_backend.py (CPU under the interpreter, and compiled on CUDA).
 
 - `reference_partials`: the [segments, 5, T] partials in float64, from the same fp32 z = fp32(logits) * inv_temperature

@@ -3,17 +3,17 @@
     python tools/triton_tune.py [--rows 8192] [--vocab 151936] [--dtypes bf16,fp32] [--keep]
 
 For each logits dtype it times, with triton.testing.do_bench (p20/p50/p80 over ~100 ms of repetitions):
-- forward partials (`_triton_backend.forward_partials`) per (BLOCK_V, num_warps, num_stages, chunk) variant, chunk
+- forward partials (`ppo_ops.logits.triton_backend.forward_partials`) per (BLOCK_V, num_warps, num_stages, chunk) variant, chunk
   being the columns per lane (1: per-column online state; BLOCK_V: one block-wide online softmax per tile), with the
   eight fixed segments and, for the default variant, one segment per row (the layout when V_global % 8 != 0);
-- backward gradient (`_triton_backend.backward_grad`) per variant, out of place;
+- backward gradient (`ppo_ops.logits.triton_backend.backward_grad`) per variant, out of place;
 - a device-to-device copy of the logits (bytes read + written): the bandwidth every case is set against.
 Bytes: forward reads the logits (and the keep mask, 1 byte per element, with --keep); backward reads them and writes
 the gradient (and reads the keep mask). Every variant's results on a few rows are checked against a float64 torch
 reference (partials; gradient from the same fp32 row stats); a variant that fails to compile, run or check is
 reported and the run goes on. The last table is the compact summary: the best variant of each pass (the forward's
 label names its chunk), their sum against the floor (3 x logits bytes at copy bandwidth) and the config in
-ppo_ops/_triton_backend.py::_GPU_CONFIG.
+ppo_ops/logits/triton_backend.py::_GPU_CONFIG.
 About 1 to 2 minutes on one H200 (compiles dominate).
 """
 
@@ -64,7 +64,7 @@ def _bench(fn):
 
 
 def _reference_partials(logits_rows, target_col, keep_rows, seg_len):
-    """float64 [nseg, 5, r] partials of a few rows (ppo_ops/_row_stats.py channel order)."""
+    """float64 [nseg, 5, r] partials of a few rows (ppo_ops/core/row_stats.py channel order)."""
     z = logits_rows.float().double()
     r, v = z.shape
     out = torch.zeros((v // seg_len, 5, r), dtype=torch.float64, device=z.device)

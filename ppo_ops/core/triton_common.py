@@ -38,6 +38,22 @@ COMPILED = tl.constexpr(type(store_rounded).__name__ != "InterpretedFunction")
 
 
 @triton.jit
+def store_row_partials(out_ptr, seg, rows, num_rows, m, s, w, zt, mask):
+    """Stores the five partials of segment `seg` for `rows` of an [n_seg, 5, num_rows] buffer from a row's max m,
+    Σ e^(z-m) s, Σ e^(z-m)(z-m) w and target logit zt, without a keep mask (KEPT_SUMEXP = SUMEXP). MAX becomes -inf
+    where no logit was finite (s == 0: neutral under the merge) and NaN where s is NaN (NaN or +inf logits: tl.max
+    may drop a NaN), which is where the core looks for bad input."""
+    m = tl.where(s != 0.0, m, float("-inf"))
+    m = tl.where(s != s, float("nan"), m)
+    out = out_ptr + seg.to(tl.int64) * (NUM_PARTIALS * num_rows) + rows
+    tl.store(out + CH_MAX * num_rows, m, mask=mask)
+    tl.store(out + CH_SUMEXP * num_rows, s, mask=mask)
+    tl.store(out + CH_KEPT_SUMEXP * num_rows, s, mask=mask)
+    tl.store(out + CH_ENT_SUM * num_rows, w, mask=mask)
+    tl.store(out + CH_TARGET_Z * num_rows, zt, mask=mask)
+
+
+@triton.jit
 def scaled(z, inv_temperature):
     """z * inv_temperature rounded to fp32 once. Compiled: mul.rn, which the compiler never contracts with a following
     subtraction into an FMA; a contracted fma(x, inv_t, -m) forms d = z - m from the unrounded product while MAX

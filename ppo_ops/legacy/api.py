@@ -3,11 +3,14 @@
 Same signature and return shapes as ``ppo_ops.calculate_log_probs_and_entropy`` so tests and the bench can swap one
 for the other:
 
-    log_prob  [T, 1] fp32 (shape (0,) when T == 0)   from legacy_log_probs (Megatron fused CE, keep mask the legacy way)
-    entropy   [T] fp32 or None                        from legacy_entropy (own vocab-parallel Function, full distribution)
+    log_prob  [T, 1] fp32 (shape (0,) when T == 0)
+              from legacy_log_probs (Megatron fused CE, keep mask the legacy way)
+    entropy   [T] fp32 or None
+              from legacy_entropy (own vocab-parallel Function, full distribution)
 
 chunk_size > 0 splits the rows into chunks of that many rows, runs both ops per chunk and concatenates (slime's
-semantics; any chunk_size <= 0 = all rows at once). Each chunk runs its own collectives: 2 for the log-prob, 3 for the entropy.
+semantics; any chunk_size <= 0 = all rows at once). Each chunk runs its own collectives: 2 for the log-prob, 3 for
+the entropy.
 with_entropy_grad=False computes the entropy under ``torch.no_grad()`` (nothing saved, ``requires_grad`` False).
 
 All argument checks run before the first collective, so a bad argument raises on every rank instead of hanging one.
@@ -30,11 +33,13 @@ _TOKEN_DTYPES = (torch.int64, torch.int32)
 def _validate_logits_and_group(logits: torch.Tensor, tp_group: Optional["dist.ProcessGroup"]) -> None:
     """Checks what resolving the group and sizing the vocabulary rely on."""
     if not isinstance(logits, torch.Tensor) or logits.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{_FN}: logits must be a float32/bfloat16/float16 tensor, got {getattr(logits, 'dtype', type(logits))}")
+        got = getattr(logits, 'dtype', type(logits))
+        raise TypeError(f"{_FN}: logits must be a float32/bfloat16/float16 tensor, got {got}")
     if logits.dim() != 2 or logits.shape[-1] == 0:
         raise ValueError(f"{_FN}: logits must have shape [T, V_local] with V_local > 0, got {tuple(logits.shape)}")
     if tp_group is not None and not isinstance(tp_group, dist.ProcessGroup):
-        raise TypeError(f"{_FN}: tp_group must be a torch.distributed.ProcessGroup or None, got {type(tp_group).__name__}")
+        raise TypeError(f"{_FN}: tp_group must be a torch.distributed.ProcessGroup or None, "
+                        f"got {type(tp_group).__name__}")
 
 
 def _validate_rest(
@@ -48,22 +53,22 @@ def _validate_rest(
     if not isinstance(tokens, torch.Tensor) or tokens.dtype not in _TOKEN_DTYPES:
         raise TypeError(f"{_FN}: tokens must be an int64/int32 tensor, got {getattr(tokens, 'dtype', type(tokens))}")
     if tokens.shape != logits.shape[:-1]:
-        raise ValueError(f"{_FN}: tokens must have shape {tuple(logits.shape[:-1])} (logits.shape[:-1]), got {tuple(tokens.shape)}")
+        raise ValueError(f"{_FN}: tokens must have shape {tuple(logits.shape[:-1])} (logits.shape[:-1]), "
+                         f"got {tuple(tokens.shape)}")
     if tokens.device != logits.device:
         raise ValueError(f"{_FN}: tokens must be on the logits' device {logits.device}, got {tokens.device}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
         raise TypeError(f"{_FN}: chunk_size must be an int (<= 0: all rows at once), got {chunk_size!r}")
     if log_prob_keep_mask is not None:
         if not isinstance(log_prob_keep_mask, torch.Tensor) or log_prob_keep_mask.dtype != torch.bool:
-            raise TypeError(
-                f"{_FN}: log_prob_keep_mask must be a bool tensor, got {getattr(log_prob_keep_mask, 'dtype', type(log_prob_keep_mask))}"
-            )
+            got = getattr(log_prob_keep_mask, 'dtype', type(log_prob_keep_mask))
+            raise TypeError(f"{_FN}: log_prob_keep_mask must be a bool tensor, got {got}")
         if log_prob_keep_mask.shape != logits.shape:
-            raise ValueError(
-                f"{_FN}: log_prob_keep_mask must have the logits' shape {tuple(logits.shape)}, got {tuple(log_prob_keep_mask.shape)}"
-            )
+            raise ValueError(f"{_FN}: log_prob_keep_mask must have the logits' shape {tuple(logits.shape)}, "
+                             f"got {tuple(log_prob_keep_mask.shape)}")
         if log_prob_keep_mask.device != logits.device:
-            raise ValueError(f"{_FN}: log_prob_keep_mask must be on the logits' device {logits.device}, got {log_prob_keep_mask.device}")
+            raise ValueError(f"{_FN}: log_prob_keep_mask must be on the logits' device {logits.device}, "
+                             f"got {log_prob_keep_mask.device}")
     if tokens.numel() > 0 and bool(((tokens < 0) | (tokens >= global_vocab)).any()):
         bad = tokens[(tokens < 0) | (tokens >= global_vocab)][0].item()
         raise ValueError(f"{_FN}: tokens must lie in [0, {global_vocab}) (V_local x TP), found {bad}")
@@ -106,7 +111,10 @@ def calculate_log_probs_and_entropy(
     rows = logits.shape[0] if chunk_size <= 0 else chunk_size
     logit_chunks = logits.split(rows, dim=0)
     token_chunks = tokens.split(rows, dim=0)
-    mask_chunks = log_prob_keep_mask.split(rows, dim=0) if log_prob_keep_mask is not None else [None] * len(logit_chunks)
+    if log_prob_keep_mask is not None:
+        mask_chunks = log_prob_keep_mask.split(rows, dim=0)
+    else:
+        mask_chunks = [None] * len(logit_chunks)
 
     log_prob = torch.cat(
         [legacy_log_probs(lc, tc, group, mc) for lc, tc, mc in zip(logit_chunks, token_chunks, mask_chunks)], dim=0

@@ -22,13 +22,14 @@ weight segments start at multiples of 16 bytes whenever H * itemsize is (rows of
 library also sees the same operand alignment; other H still give deterministic results. Partials and merge are
 the logits op's, which are TP-invariant by construction. Hence log-probs and entropies are bitwise identical across
 TP sizes and row counts (a row mask that moves rows between blocks included), and, where the forward is the chunk
-GEMM and the logits op's pass, equal bit for bit to log_probs_and_entropy(tile_logits(...)) with the same passes. dW's GEMM shapes are segment-relative
-([seg_len, K] @ [K, H], K the rows of a group), so dW is bitwise identical across TP sizes; dX sums a rank's
-segments and then ranks, deterministic but not TP-invariant (within fp32 rounding).
+GEMM and the logits op's pass, equal bit for bit to log_probs_and_entropy(tile_logits(...)) with the same passes.
+dW's GEMM shapes are segment-relative ([seg_len, K] @ [K, H], K the rows of a group), so dW is bitwise identical
+across TP sizes; dX sums a rank's segments and then ranks, deterministic but not TP-invariant (within fp32
+rounding).
 
 General op (ChunkedBackend.forward_partials / backward):
     forward    with the Triton passes on half precision (CUDA, or the interpreter), 16-byte aligned rows: one Triton
-               GEMM whose epilogue forms the partials (_linear_gemm_partials.py), no logits in memory; its reductions
+               GEMM whose epilogue forms the partials (gemm_partials.py), no logits in memory; its reductions
                run over GEMM tiles, so the values equal the logits op's within fp32 reduction order, not bit for
                bit (TP and row-count invariance hold as below). Otherwise per block, per segment: GEMM -> partials
                pass. Nothing else is held: under torch.no_grad this is one GEMM's work (the Function then keeps

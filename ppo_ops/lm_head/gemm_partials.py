@@ -36,8 +36,7 @@ import triton.language as tl
 
 from ppo_ops.core import row_stats
 from ppo_ops.core.contracts import ShardOptions
-from ppo_ops.core.triton_common import (CH_ENT_SUM, CH_KEPT_SUMEXP, CH_MAX, CH_SUMEXP, CH_TARGET_Z, FLT_MAX,
-                                        NUM_PARTIALS, interpreting, options, scaled)
+from ppo_ops.core.triton_common import FLT_MAX, interpreting, options, scaled, store_row_partials
 
 _TILE_PARTIALS = tl.constexpr(4)  # m, Σ e^(z-m), Σ e^(z-m)(z-m), target logit
 _MERGE_ROWS = 1024  # rows per merge program
@@ -184,15 +183,7 @@ def merge_tiles_kernel(
         w = a * (w + (m - m_new) * s) + b * (w_t + (m_t - m_new) * s_t)
         s = a * s + b * s_t
         m = m_new
-    present = s != 0.0  # a NaN s stays present
-    m = tl.where(present, m, float("-inf"))  # no finite logit: neutral under the merge
-    m = tl.where(s != s, float("nan"), m)  # NaN or +inf logits: reported through MAX, where the core looks
-    out = out_ptr + seg.to(tl.int64) * (NUM_PARTIALS * num_rows) + rows
-    tl.store(out + CH_MAX * num_rows, m, mask=ok)
-    tl.store(out + CH_SUMEXP * num_rows, s, mask=ok)
-    tl.store(out + CH_KEPT_SUMEXP * num_rows, s, mask=ok)
-    tl.store(out + CH_ENT_SUM * num_rows, w, mask=ok)
-    tl.store(out + CH_TARGET_Z * num_rows, zt, mask=ok)
+    store_row_partials(out_ptr, seg, rows, num_rows, m, s, w, zt, ok)
 
 
 def forward_partials(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, shard: ShardOptions,

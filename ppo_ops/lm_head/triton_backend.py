@@ -43,9 +43,8 @@ import triton.language as tl
 from ppo_ops.core import row_stats
 from ppo_ops.core.checks import argument_error
 from ppo_ops.core.contracts import LinearSaved, ShardOptions, UpstreamGrads
-from ppo_ops.core.triton_common import (CH_ENT_SUM, CH_KEPT_SUMEXP, CH_MAX, CH_SUMEXP, CH_TARGET_Z, FLT_MAX,
-                                        NUM_PARTIALS, cdiv, interpreting, options, round_bf16_by_bits, scaled,
-                                        store_rounded)
+from ppo_ops.core.triton_common import (FLT_MAX, cdiv, interpreting, options, round_bf16_by_bits, scaled,
+                                        store_rounded, store_row_partials)
 from ppo_ops.logits.triton_backend import merge_partials  # the logits op's fused merge: the partials are the same
 
 # Integers that differ between ranks / TP sizes: not specialised on (divisibility by 16 would change the code).
@@ -162,14 +161,7 @@ def forward_partials_kernel(
         s = alpha * s + tl.sum(e, axis=1)
         m = m_new
 
-    m_out = tl.where(s != 0.0, m, float("-inf"))  # no finite logit: the neutral partials
-    m_out = tl.where(s != s, float("nan"), m_out)  # NaN / +inf logits: reported through MAX, as the logits op does
-    out = out_ptr + seg.to(tl.int64) * (NUM_PARTIALS * num_rows) + rows
-    tl.store(out + CH_MAX * num_rows, m_out, mask=row_ok)
-    tl.store(out + CH_SUMEXP * num_rows, s, mask=row_ok)
-    tl.store(out + CH_KEPT_SUMEXP * num_rows, s, mask=row_ok)
-    tl.store(out + CH_ENT_SUM * num_rows, w, mask=row_ok)
-    tl.store(out + CH_TARGET_Z * num_rows, zt, mask=row_ok)
+    store_row_partials(out_ptr, seg, rows, num_rows, m, s, w, zt, row_ok)
 
 
 @triton.jit(do_not_specialize=_TP_VARYING)
