@@ -35,7 +35,7 @@ import dataclasses
 import itertools
 from typing import Callable, Iterable, Optional, Sequence
 
-QWEN3_VOCAB = 151936  # Qwen3's vocabulary (divisible by 8 x 128): the V of every headline case
+QWEN3_VOCAB = 151936  # Qwen3's vocabulary (2^7 x 1187: splits into the 8 fixed segments): every headline case's V
 TOKENS = (4096, 8192, 16384)
 HEADLINE_TOKENS = 8192
 DTYPES = ("bf16", "fp32")
