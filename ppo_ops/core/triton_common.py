@@ -38,6 +38,18 @@ COMPILED = tl.constexpr(type(store_rounded).__name__ != "InterpretedFunction")
 
 
 @triton.jit
+def grouped_tile(pid, n_row_blocks, n_col_tiles, GROUP_M: tl.constexpr):
+    """(row block, column tile) of program `pid` in a GEMM-shaped grid launched GROUP_M row blocks at a time, so the
+    programs running together share a few hidden and weight tiles in L2 (the order has no effect on values)."""
+    per_group = GROUP_M * n_col_tiles
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(n_row_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    return pid_m, pid_n
+
+
+@triton.jit
 def store_row_partials(out_ptr, seg, rows, num_rows, m, s, w, zt, mask):
     """Stores the five partials of segment `seg` for `rows` of an [n_seg, 5, num_rows] buffer from a row's max m,
     Σ e^(z-m) s, Σ e^(z-m)(z-m) w and target logit zt, without a keep mask (KEPT_SUMEXP = SUMEXP). MAX becomes -inf

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from ppo_ops.core import row_stats
 from ppo_ops.core.contracts import ShardOptions
-from ppo_ops.core.triton_common import FLT_MAX, interpreting, options, scaled, store_row_partials
+from ppo_ops.core.triton_common import FLT_MAX, grouped_tile, interpreting, options, scaled, store_row_partials
 
 _TILE_PARTIALS = tl.constexpr(4)  # m, Σ e^(z-m), Σ e^(z-m)(z-m), target logit
 _MERGE_ROWS = 1024  # rows per merge program
@@ -111,14 +111,7 @@ def gemm_partials_kernel(
     STAGES: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    n_row_blocks = tl.cdiv(num_rows, BLOCK_M)
-    n_col_tiles = n_seg * tiles_per_seg
-    per_group = GROUP_M * n_col_tiles
-    first_m = (pid // per_group) * GROUP_M
-    group_size = tl.minimum(n_row_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(num_rows, BLOCK_M), n_seg * tiles_per_seg, GROUP_M)
     seg = pid_n // tiles_per_seg
     tile = pid_n % tiles_per_seg
     col0 = seg * seg_len + tile * BLOCK_N  # local column of the tile's first column

@@ -44,7 +44,7 @@ from ppo_ops.core import row_stats
 from ppo_ops.core.checks import argument_error
 from ppo_ops.core.contracts import LinearSaved, ShardOptions, UpstreamGrads
 from ppo_ops.core.triton_common import (FLT_MAX, cdiv, interpreting, options, round_bf16_by_bits, scaled,
-                                        store_rounded, store_row_partials)
+                                        grouped_tile, store_rounded, store_row_partials)
 from ppo_ops.logits.triton_backend import merge_partials  # the logits op's fused merge: the partials are the same
 
 # Integers that differ between ranks / TP sizes: not specialised on (divisibility by 16 would change the code).
@@ -190,13 +190,8 @@ def dlogits_kernel(
 ):
     # Programs in launch order take GROUP_M row blocks times a run of column tiles, so the ones resident together
     # share a few hidden and weight tiles in L2 instead of each streaming its own weight tile from HBM.
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(num_rows, BLOCK_M)
-    per_group = GROUP_M * tl.cdiv(col_hi - col_lo, BLOCK_N)
-    first_m = (pid // per_group) * GROUP_M
-    group_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(num_rows, BLOCK_M), tl.cdiv(col_hi - col_lo, BLOCK_N),
+                                GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = col_lo + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < num_rows
