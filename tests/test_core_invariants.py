@@ -370,7 +370,7 @@ def test_calculate_api_matches(n_rows, with_entropy, with_entropy_grad, with_kee
 
 
 def test_backends_implement_the_contract():
-    """Both backends are instances of the typed contract (ppo_ops/core/contracts.py) that the autograd Function calls."""
+    """Both backends are instances of the typed contract (ppo_ops/core/contracts.py) that the Function calls."""
     from ppo_ops.core import contracts
     from ppo_ops.logits import torch_backend
 

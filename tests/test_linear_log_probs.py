@@ -101,9 +101,9 @@ def _check_matches_logits_op_once(backend, dtype, temperature, vocab_size, row_m
         assert torch.equal(got.log_probs, want.log_probs), "log_probs differ bitwise from the logits op"
         assert torch.equal(got.entropy, want.entropy), "entropy differs bitwise from the logits op"
     else:
-        # The Triton GEMM kernels (fp32 inputs: lm_head/triton_backend.py; half precision: the chunked backend's one-GEMM
-        # forward) reduce [rows x BLOCK_N] GEMM tiles, the logits op's kernel lanes of one row: reductions in another
-        # order, so the logits op's own fp32 tolerances apply, which bound any correct fp32 reduction order.
+        # The Triton GEMM kernels (fp32 inputs: lm_head/triton_backend.py; half precision: the chunked backend's
+        # one-GEMM forward) reduce [rows x BLOCK_N] GEMM tiles, the logits op's kernel lanes of one row: reductions in
+        # another order, so the logits op's own fp32 tolerances apply, which bound any correct fp32 reduction order.
         lp_err = (got.log_probs - want.log_probs).abs()
         assert bool((lp_err <= LOG_PROB_TOL * want.log_probs.abs().clamp(min=1)).all()), lp_err.max()
         assert bool(((got.entropy - want.entropy).abs() <= ENTROPY_TOL).all())

@@ -1,12 +1,12 @@
 """Bitwise tensor-parallel invariance at TP = 1, 2, 4 and 8, through the public API.
 
 The same GLOBAL logits (V_global = 8 * 40, so the vocabulary splits into the eight fixed segments of
-ppo_ops/core/layout.py) go through `ppo_ops.log_probs_and_entropy` at TP = 1 (no process group) and on 2, 4 and 8 spawned ranks, each rank
-holding its contiguous vocabulary shard: gloo on CPU (the CPU target), NCCL with one GPU per rank on CUDA (the `_gpu`
-targets: TP = 2 on two GPUs, TP = 4 and 8 in `_gpu4` / `_gpu8` on hosts with that many). For each backend ("torch" and
-"triton", the latter under TRITON_INTERPRET=1 on CPU, compiled on CUDA) and each case, the log-probs and entropy of
-every rank and the concatenated gradient shards must equal the TP=1 result bit for bit (`torch.equal`). The TP=1 result
-is also held to the float64 reference, so the bits compared are right ones.
+ppo_ops/core/layout.py) go through `ppo_ops.log_probs_and_entropy` at TP = 1 (no process group) and on 2, 4 and 8
+spawned ranks, each rank holding its contiguous vocabulary shard: gloo on CPU (the CPU target), NCCL with one GPU per
+rank on CUDA (the `_gpu` targets: TP = 2 on two GPUs, TP = 4 and 8 in `_gpu4` / `_gpu8` on hosts with that many). For
+each backend ("torch" and "triton", the latter under TRITON_INTERPRET=1 on CPU, compiled on CUDA) and each case, the
+log-probs and entropy of every rank and the concatenated gradient shards must equal the TP=1 result bit for bit
+(`torch.equal`). The TP=1 result is also held to the float64 reference, so the bits compared are right ones.
 
 Why it holds: each rank computes per-row partials of the fixed segments it holds, with code that does not depend on
 which rank holds them or how many ranks there are; one all-gather brings every segment to every rank, which merges them

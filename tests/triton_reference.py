@@ -1,5 +1,5 @@
-"""Float64 reference of the backend contract (ppo_ops/logits/triton_backend.py, ppo_ops/logits/torch_backend.py) and the checks
-built on it, used by tests/test_triton_backend.py (CPU under the interpreter, and compiled on CUDA).
+"""Float64 reference of the backend contract (ppo_ops/logits/triton_backend.py, ppo_ops/logits/torch_backend.py) and
+the checks built on it, used by tests/test_triton_backend.py (CPU under the interpreter, and compiled on CUDA).
 
 - `reference_partials`: the [segments, 5, T] partials in float64, from the same fp32 z = fp32(logits) * inv_temperature
   the contract defines, so MAX and TARGET_Z (selections, not sums) must match exactly; rows a row mask drops get the

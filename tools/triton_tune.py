@@ -3,9 +3,10 @@
     python tools/triton_tune.py [--rows 8192] [--vocab 151936] [--dtypes bf16,fp32] [--keep]
 
 For each logits dtype it times, with triton.testing.do_bench (p20/p50/p80 over ~100 ms of repetitions):
-- forward partials (`ppo_ops.logits.triton_backend.forward_partials`) per (BLOCK_V, num_warps, num_stages, chunk) variant, chunk
-  being the columns per lane (1: per-column online state; BLOCK_V: one block-wide online softmax per tile), with the
-  eight fixed segments and, for the default variant, one segment per row (the layout when V_global % 8 != 0);
+- forward partials (`ppo_ops.logits.triton_backend.forward_partials`) per (BLOCK_V, num_warps, num_stages, chunk)
+  variant, chunk being the columns per lane (1: per-column online state; BLOCK_V: one block-wide online softmax per
+  tile), with the eight fixed segments and, for the default variant, one segment per row (the layout when V_global % 8
+  != 0);
 - backward gradient (`ppo_ops.logits.triton_backend.backward_grad`) per variant, out of place;
 - a device-to-device copy of the logits (bytes read + written): the bandwidth every case is set against.
 Bytes: forward reads the logits (and the keep mask, 1 byte per element, with --keep); backward reads them and writes
