@@ -507,14 +507,19 @@ def test_relative_paths_are_the_callers_under_bazel_run(default_run, cache_dir, 
 
 
 
+SIGINT_ROLLOUT_COPIES = 8  # the replayed samples 8 times over: ~14 s of rank work after the ranks start, not ~2 s
+
+
 def test_sigint_exits_130_with_one_line_and_no_rank_left(default_run, cache_dir, tmp_path):
-    _, first_dir = default_run
+    # A longer rollout, so that the ranks are still working when the signal comes even on a loaded machine (with the
+    # default one they can finish before a starved test process sends it). Interrupted, it costs no more time.
+    rollout = _rollout_with(default_run, tmp_path,
+                            lambda r: r.__setitem__("samples", r["samples"] * SIGINT_ROLLOUT_COPIES))
     report_dir = tmp_path / "report"
     env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen([sys.executable, "-m", "sglang_checks.qwen3_parallel_check", f"--cache_dir={cache_dir}",
-                             f"--report_dir={report_dir}", f"--rollout_data={os.path.join(first_dir, 'rollout.json')}",
-                             "--trainer_layouts=tp1,tp2"], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                             f"--report_dir={report_dir}", f"--rollout_data={rollout}", "--trainer_layouts=tp1,tp2"],
+                            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # The check's progress log says when the trainer ranks are being started.
     processes.assert_interrupt_stops_ranks(proc, "qwen3_parallel_check", stream=proc.stderr,
                                            ready_text="trainer layouts")
