@@ -200,10 +200,11 @@ def forward_partials(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.T
     w_desc = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
     grid = (triton.cdiv(n_rows, cfg.block_m) * n_seg * tiles_per_seg,)
     gemm_partials_kernel[grid](
-        x_desc, w_desc, tokens.to(torch.int64).contiguous(), tiles, n_rows, width, seg_len, n_seg, shard.n_valid,
-        shard.vocab_start, tiles_per_seg, float(inv_temperature),
+        x_desc=x_desc, w_desc=w_desc, tokens_ptr=tokens.to(torch.int64).contiguous(), tiles_ptr=tiles,
+        num_rows=n_rows, hidden_size=width, seg_len=seg_len, n_seg=n_seg, n_valid=shard.n_valid,
+        vocab_start=shard.vocab_start, tiles_per_seg=tiles_per_seg, inv_temperature=float(inv_temperature),
         SCALE=float(inv_temperature) != 1.0, WITH_ENTROPY=with_entropy, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages or 1, UPCAST=interpreted, **options(cfg))
-    merge_tiles_kernel[(n_seg, triton.cdiv(n_rows, _MERGE_ROWS))](tiles, out, n_rows, tiles_per_seg,
-                                                                BLOCK_R=_MERGE_ROWS)
+    merge_tiles_kernel[(n_seg, triton.cdiv(n_rows, _MERGE_ROWS))](
+        tiles_ptr=tiles, out_ptr=out, num_rows=n_rows, tiles_per_seg=tiles_per_seg, BLOCK_R=_MERGE_ROWS)
     return out
