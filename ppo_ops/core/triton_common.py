@@ -50,6 +50,17 @@ def grouped_tile(pid, n_row_blocks, n_col_tiles, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def empty_row_state(BLOCK: tl.constexpr):
+    """The online softmax state of BLOCK rows before any column: (max m, Σ e^(z-m), Σ e^(z-m)(z-m), target logit),
+    m at the finite sentinel -FLT_MAX so that no e^(-inf - -inf) is ever formed."""
+    m = tl.full([BLOCK], -FLT_MAX, tl.float32)
+    s = tl.zeros([BLOCK], tl.float32)
+    w = tl.zeros([BLOCK], tl.float32)
+    zt = tl.full([BLOCK], float("-inf"), tl.float32)
+    return m, s, w, zt
+
+
+@triton.jit
 def store_row_partials(out_ptr, seg, rows, num_rows, m, s, w, zt, mask):
     """Stores the five partials of segment `seg` for `rows` of an [n_seg, 5, num_rows] buffer from a row's max m,
     Σ e^(z-m) s, Σ e^(z-m)(z-m) w and target logit zt, without a keep mask (KEPT_SUMEXP = SUMEXP). MAX becomes -inf

@@ -36,7 +36,8 @@ import triton.language as tl
 
 from ppo_ops.core import row_stats
 from ppo_ops.core.contracts import ShardOptions
-from ppo_ops.core.triton_common import FLT_MAX, grouped_tile, interpreting, options, scaled, store_row_partials
+from ppo_ops.core.triton_common import (FLT_MAX, empty_row_state, grouped_tile, interpreting, options, scaled,
+                                        store_row_partials)
 
 _TILE_PARTIALS = tl.constexpr(4)  # m, Σ e^(z-m), Σ e^(z-m)(z-m), target logit
 _MERGE_ROWS = 1024  # rows per merge program
@@ -159,10 +160,7 @@ def merge_tiles_kernel(
     seg = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < num_rows
-    m = tl.full([BLOCK_R], -FLT_MAX, tl.float32)
-    s = tl.zeros([BLOCK_R], tl.float32)
-    w = tl.zeros([BLOCK_R], tl.float32)
-    zt = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    m, s, w, zt = empty_row_state(BLOCK_R)
     base = tiles_ptr + seg.to(tl.int64) * tiles_per_seg * (_TILE_PARTIALS * num_rows) + rows
     for tile in range(0, tiles_per_seg):  # column order: fixes the bits
         t = base + tile * (_TILE_PARTIALS * num_rows)

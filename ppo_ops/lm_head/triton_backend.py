@@ -44,7 +44,7 @@ from ppo_ops.core import row_stats
 from ppo_ops.core.checks import argument_error
 from ppo_ops.core.contracts import LinearSaved, ShardOptions, UpstreamGrads
 from ppo_ops.core.triton_common import (FLT_MAX, cdiv, interpreting, options, round_bf16_by_bits, scaled,
-                                        grouped_tile, store_rounded, store_row_partials)
+                                        empty_row_state, grouped_tile, store_rounded, store_row_partials)
 from ppo_ops.logits.triton_backend import merge_partials  # the logits op's fused merge: the partials are the same
 
 # Integers that differ between ranks / TP sizes: not specialised on (divisibility by 16 would change the code).
@@ -138,10 +138,7 @@ def forward_partials_kernel(
     target = tl.load(tokens_ptr + rows, mask=row_ok, other=-1).to(tl.int64) - vocab_start
     target = tl.where((target >= 0) & (target < v_local), target, -1)
 
-    m = tl.full([BLOCK_M], -FLT_MAX, tl.float32)
-    s = tl.zeros([BLOCK_M], tl.float32)
-    w = tl.zeros([BLOCK_M], tl.float32)
-    zt = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    m, s, w, zt = empty_row_state(BLOCK_M)
     for n0 in range(seg_lo, seg_end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < seg_end
