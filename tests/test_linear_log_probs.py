@@ -315,6 +315,17 @@ def test_nan_hidden_raises():
         ppo_ops.linear_log_probs_and_entropy(h.to(DEVICE), w.to(DEVICE), t.to(DEVICE), backend="torch")
 
 
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_half_precision_logits_raise(backend, bad):
+    """bf16 takes the chunked backend's one-GEMM forward on "triton": a NaN or +inf logit must still reach the core's
+    check through the segment partials (its tl.max may drop a NaN; the sums keep it)."""
+    h, w, t = _inputs((6,), torch.bfloat16, seed=64)
+    w[int(t[4])] = bad  # one whole weight row: the target column of row 4 is non-finite in every row's logits
+    with pytest.raises(ValueError, match="NaN or \\+inf logits"):
+        ppo_ops.linear_log_probs_and_entropy(h.to(DEVICE), w.to(DEVICE), t.to(DEVICE), backend=backend)
+
+
 def test_numpy_scalars_are_numbers():
     h, w, t = _inputs((4,), torch.float32, seed=63)
     t = t.clamp(max=249)
