@@ -77,15 +77,12 @@ class ChunkShape:
     loss_dw_rows: int  # token loss: dlogits rows per dW GEMM (its K), a multiple of loss_rows
 
 
-# CUDA, from the two numbers of each GEMM and the H200 measurements in docs/performance.md: a [1024, 4096] x
-# [4096, 18992] logits GEMM is 159 GFLOP (0.23 ms at 680 TFLOP/s) and fills the chip (600 tiles of 128 x 256); its
-# fp32 chunk (78 MB) is written once and read once by the partials pass (512 and 2048 rows measured within 5%). The
-# general op's dW GEMM at K = 8192 reads + writes its fp32 accumulator (622 MB, 0.15 ms) once per 1.27 TFLOP (1.9 ms).
-# The token loss's dW GEMM accumulates into its 2.3 GiB fp32 accumulator: at K = 1024 the 622 MB of C traffic per
-# 159 GFLOP made 64 such GEMMs 23.9 ms where bf16 output took 16.2 (K = 2048: 18.1). A larger K needs K x V_local x 2
-# bytes of dlogits: 1024 rows of logits with 2048 of dlogits measured 58.6 ms at T = 8192 (vs 61.2) but a 3.59 GiB
-# peak, over the 3.5 GiB allowance; 512 rows of logits with 2048 of dlogits, the same memory, measured 64.7 ms: per
-# block the host issues ~100 launches (closure, autograd, merge, passes), and 512-row blocks made it host-bound.
+# CUDA: a [1024, 4096] x [4096, 18992] logits GEMM is 159 GFLOP and fills the chip (600 tiles of 128 x 256); its
+# fp32 chunk (78 MB) is written once and read once by the partials pass. The general op's dW GEMM at K = 8192 reads
+# and writes its fp32 accumulator (622 MB) once per 1.27 TFLOP. The token loss's dW GEMM at K = 1024 moves the same
+# 622 MB of accumulator per 159 GFLOP, its largest overhead; a larger K needs K x V_local x 2 bytes of dlogits, over
+# the memory allowance with 1024-row logits blocks, and host-bound with 512-row ones (~100 launches per block). The
+# timings behind these choices: docs/performance.md, "The fused LM head".
 CUDA_SHAPE = ChunkShape(rows=1024, dw_rows=8192, loss_rows=1024, loss_dw_rows=1024)
 # Elsewhere (the CPU suite, Triton's interpreter): small, so tiny test shapes cross block and group boundaries.
 HOST_SHAPE = ChunkShape(rows=16, dw_rows=32, loss_rows=8, loss_dw_rows=16)
@@ -150,7 +147,7 @@ class _TritonPasses:
         from ppo_ops.logits import triton_backend, triton_kernels
 
         self._tb, self._tk, self._tc = triton_backend, triton_kernels, triton_common
-        self.gemm_partials = gemm_partials
+        self.one_gemm_forward = gemm_partials  # the general op's forward where gemm_partials.applies()
 
     def merge(self, partials: torch.Tensor, has_keep_mask: bool) -> RowStats:
         return self._tb.merge_partials(partials, has_keep_mask)
@@ -176,6 +173,7 @@ class _TorchPasses:
     """The logits op's PyTorch code on one fp32 chunk (any device)."""
 
     name = "torch"
+    one_gemm_forward = None  # the chunk GEMMs and this code's partials pass, always
 
     def __init__(self):
         from ppo_ops.logits import torch_backend
@@ -191,13 +189,11 @@ class _TorchPasses:
 
     def dlogits(self, chunk, n, tokens, seg, stats: BackwardStats, upstream: UpstreamGrads, out) -> None:
         self._tb.backward_grad(RowInputs(chunk[:n], tokens[:n], None, None), seg,
-                               BackwardStats(stats.shift[:n], stats.log_sum[:n], None, _first(stats.mean_shifted, n)),
-                               UpstreamGrads(_first(upstream.grad_log_prob, n), _first(upstream.grad_entropy, n)),
+                               BackwardStats(stats.shift[:n], stats.log_sum[:n], None,
+                                             _rows_of(stats.mean_shifted, slice(0, n))),
+                               UpstreamGrads(_rows_of(upstream.grad_log_prob, slice(0, n)),
+                                             _rows_of(upstream.grad_entropy, slice(0, n))),
                                out[:n])
-
-
-def _first(t: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
-    return None if t is None else t[:n]
 
 
 # ---- row blocks ----
@@ -228,7 +224,7 @@ class _RowBlocks:
         return r0, n, self._pad
 
 
-def _first_rows(t: Optional[torch.Tensor], rows: slice) -> Optional[torch.Tensor]:
+def _rows_of(t: Optional[torch.Tensor], rows: slice) -> Optional[torch.Tensor]:
     return None if t is None else t[rows]
 
 
@@ -258,9 +254,10 @@ class ChunkedBackend:
         return self.passes.merge(partials, has_keep_mask)
 
     def forward_partials(self, hidden, weight, tokens, shard: ShardOptions, with_entropy: bool) -> torch.Tensor:
-        if self.passes.name == "triton" and self.passes.gemm_partials.applies(hidden, weight):
+        one_gemm = self.passes.one_gemm_forward
+        if one_gemm is not None and one_gemm.applies(hidden, weight):
             # one GEMM whose epilogue forms the partials: no logits written or read
-            return self.passes.gemm_partials.forward_partials(hidden, weight, tokens, shard, with_entropy)
+            return one_gemm.forward_partials(hidden, weight, tokens, shard, with_entropy)
         n_rows, v_local = hidden.shape[0], weight.shape[0]
         n_seg = v_local // shard.seg_len
         shape = chunk_shape(hidden.device)
@@ -322,7 +319,7 @@ class ChunkedBackend:
                     mean_shifted = None if (g_ent is None or saved.mean_shifted is None) else saved.mean_shifted[rs]
                     self.passes.dlogits(chunk, n, tokens[rs], seg,
                                         BackwardStats(saved.shift[rs], saved.log_sum[rs], None, mean_shifted),
-                                        UpstreamGrads(_first_rows(g_lp, rs), _first_rows(g_ent, rs)),
+                                        UpstreamGrads(_rows_of(g_lp, rs), _rows_of(g_ent, rs)),
                                         dl[r0 - g0:r0 - g0 + n])
                 m = min(group_rows, n_rows - g0)
                 part = dl[:m]

@@ -33,13 +33,15 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ppo_ops.core import row_stats
 from ppo_ops.core.contracts import ShardOptions
 from ppo_ops.core.triton_common import (FLT_MAX, empty_row_state, grouped_tile, interpreting, options, scaled,
                                         store_row_partials)
 
-_TILE_PARTIALS = tl.constexpr(4)  # m, Σ e^(z-m), Σ e^(z-m)(z-m), target logit
+TILE_PARTIALS = 4  # per row and tile: m, Σ e^(z-m), Σ e^(z-m)(z-m), target logit
+_TILE_PARTIALS = tl.constexpr(TILE_PARTIALS)
 _MERGE_ROWS = 1024  # rows per merge program
 
 # Integers that differ between ranks and TP sizes: never specialised on, so every rank runs the same code.
@@ -55,10 +57,9 @@ class GemmConfig(NamedTuple):
     num_stages: Optional[int]
 
 
-# One H200, R = 8192, H = 4096, V = 151936 (bf16), against one cuBLAS GEMM of 14.6 ms: 128 x 256 tiles, 8 warps,
-# 3 stages, groups of 16 row blocks: GEMM + epilogue + tile merge 15.8 ms (groups of 8: 16.1; 4 stages: 15.8;
-# 256 x 128: 16.2; 128 x 128: 16.9-17.4). The epilogue keeps few [BLOCK_M, BLOCK_N] values live: selecting d and p
-# separately (two more live tiles) made it 17.1 ms.
+# The fastest of the tile shapes, stage counts and group sizes timed on one H200 at Qwen3's shape (docs/gpu_runs.md,
+# docs/performance.md). The epilogue keeps few [BLOCK_M, BLOCK_N] tiles live: masking d and p separately (two more
+# live tiles) measured slower there.
 _GPU_CONFIG = GemmConfig(128, 256, 64, 16, 8, 3)
 # Interpreter: the smallest tiles tl.dot takes (every program runs in Python).
 _INTERPRET_CONFIG = GemmConfig(16, 32, 16, 2, None, None)
@@ -181,8 +182,6 @@ def forward_partials(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.T
                      with_entropy: bool) -> torch.Tensor:
     """[V_local / seg_len, 5, R] fp32 segment partials of logits hidden @ weight^T (the backend contract's forward);
     `applies(hidden, weight)` must hold. Segments past shard.n_valid come out neutral."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     seg_len, inv_temperature = shard.seg_len, shard.inv_temperature
     n_rows, width = hidden.shape
     v_local = weight.shape[0]
@@ -193,7 +192,7 @@ def forward_partials(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.T
     out = torch.empty((n_seg, row_stats.NUM_PARTIALS, n_rows), dtype=torch.float32, device=hidden.device)
     if n_rows == 0:
         return out
-    tiles = torch.empty((n_seg, tiles_per_seg, 4, n_rows), dtype=torch.float32, device=hidden.device)
+    tiles = torch.empty((n_seg, tiles_per_seg, TILE_PARTIALS, n_rows), dtype=torch.float32, device=hidden.device)
     x_desc = TensorDescriptor.from_tensor(hidden, [cfg.block_m, cfg.block_k])
     w_desc = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
     grid = (triton.cdiv(n_rows, cfg.block_m) * n_seg * tiles_per_seg,)
