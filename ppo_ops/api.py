@@ -42,6 +42,7 @@ def log_probs_and_entropy(
     inplace_grad: bool = False,
     backend: str = "auto",
     validate: bool = True,
+    reduction_order: str = "fused",
 ) -> LogProbsEntropy:
     """Log-probability of each target token and the entropy of each row's distribution, vocab-parallel.
 
@@ -76,6 +77,12 @@ def log_probs_and_entropy(
         False: no host sync, and what core/agreement.py lists is no longer guaranteed (out-of-range tokens, NaN
         logits and ranks that disagree give wrong results, or an error or wait until the process group's timeout;
         an argument error raises on its own rank only). Must be the same on every rank.
+      reduction_order: "fused" (one pass, fixed vocabulary segments) or "sglang": the log-probs are bit for bit those
+        of SGLang's batch-invariant log_softmax of logits.float() (its deterministic and true-on-policy inference),
+        at any TP size, with the Triton backend on a GPU (logits/sglang_order.py: the order, and what it costs:
+        two reads of the logits and up to three small collectives). keep_mask must be None; at TP > 1 each rank
+        needs at least 1024 columns. The torch backend adds in the same order (bitwise TP-invariant) with torch's
+        exp and log.
 
     Returns:
       LogProbsEntropy(log_probs, entropy), float32, shaped like tokens. Bitwise deterministic run to run.
@@ -89,7 +96,7 @@ def log_probs_and_entropy(
     call = shell.prepare_logits(
         "log_probs_and_entropy", logits, tokens, tp_group=tp_group, entropy=entropy, keep_mask=keep_mask,
         temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, chunk_size=chunk_size,
-        inplace_grad=inplace_grad, backend=backend, validate=validate,
+        inplace_grad=inplace_grad, backend=backend, validate=validate, reduction_order=reduction_order,
     )
     return _outputs(LogProbEntropyFunction.apply(call.rows, call.tokens, call.keep_mask, call.row_mask, call.plan),
                     call)

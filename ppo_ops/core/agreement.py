@@ -6,10 +6,11 @@ the same error, naming the rank(s) at fault and the argument.
 
 The header (int64, one entry per field of HEADER) holds what each rank can say about its call: its local error, T,
 V_local, the vocabulary size, the temperature (float64 bits), the entropy mode, the keep mask's presence, the logits'
-dtype, checksums of the row mask and of the kept rows' tokens, the kept rows' token min/max and a flag for NaN / +inf
-logits taken from the rank's own forward partials. The last five are computed on the device, so building the header
-costs no host sync; `read_to_host` of the gathered table is the call's only one. At TP = 1 no header is exchanged: the
-token bounds and the bad-logits flag are read together after the forward, again by `read_to_host`, once.
+dtype, the reduction order, checksums of the row mask and of the kept rows' tokens, the kept rows' token min/max and a
+flag for NaN / +inf logits taken from the rank's own forward partials. The last five are computed on the device, so
+building the header costs no host sync; `read_to_host` of the gathered table is the call's only one. At TP = 1 no
+header is exchanged: the token bounds and the bad-logits flag are read together after the forward, again by
+`read_to_host`, once.
 
 With `validate=False` none of the value checks run and no header is exchanged: no host sync at all. Then a token out of
 range gives a wrong result (its log-prob is that of a target no rank holds, -inf) instead of an error, NaN / +inf
@@ -30,7 +31,7 @@ from typing import Callable, Mapping, NoReturn, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ppo_ops.core.checks import ENTROPY_MODES, FLOAT_DTYPES, argument_error, error_prefix
+from ppo_ops.core.checks import ENTROPY_MODES, FLOAT_DTYPES, REDUCTION_ORDERS, argument_error, error_prefix
 from ppo_ops.core.row_stats import MAX, SUMEXP  # the partials' channels (the bad-logits flag reads them)
 
 
@@ -101,6 +102,10 @@ def _entropy_name(value: int):
     return ENTROPY_MODES[value] if 0 <= value < len(ENTROPY_MODES) else value
 
 
+def _order_name(value: int):
+    return REDUCTION_ORDERS[value] if 0 <= value < len(REDUCTION_ORDERS) else value
+
+
 def _dtype_name(value: int):
     return str(_DTYPES[value]).replace("torch.", "") if 0 < value < len(_DTYPES) else value
 
@@ -127,20 +132,21 @@ HEADER = (
     HeaderField("entropy mode", "entropy", _entropy_name),
     HeaderField("keep_mask presence", "keep_mask", bool),
     HeaderField("logits dtype", "logits", _dtype_name),
+    HeaderField("reduction order", "reduction_order", _order_name),
     HeaderField("row_mask", "row_mask", checksum=True),
     HeaderField("tokens", "tokens", checksum=True),  # of the kept rows' tokens
     HeaderField("token min"),
     HeaderField("token max"),
     HeaderField("bad logits"),  # NaN / +inf in this rank's partials
 )
-(ERR_ARG, ERR_TYPE, ROWS, V_LOCAL, VOCAB, TEMPERATURE, ENTROPY, KEEP, DTYPE, ROW_SUM, TOKEN_SUM, TOKEN_MIN, TOKEN_MAX,
- BAD) = range(len(HEADER))
+(ERR_ARG, ERR_TYPE, ROWS, V_LOCAL, VOCAB, TEMPERATURE, ENTROPY, KEEP, DTYPE, ORDER, ROW_SUM, TOKEN_SUM, TOKEN_MIN,
+ TOKEN_MAX, BAD) = range(len(HEADER))
 HEADER_FIELDS = tuple(field.description for field in HEADER)
 AGREED_FIELDS = tuple(i for i, field in enumerate(HEADER) if field.argument is not None)
 # Arguments an error can name in the header, and the exception types it can carry (index + 1; 0 = no error).
 ARGUMENTS = ("logits", "tokens", "tp_group", "entropy", "keep_mask", "temperature", "row_mask", "vocab_size",
              "chunk_size", "inplace_grad", "backend", "validate", "arguments", "hidden", "weight", "reduce_dx",
-             "token_loss")
+             "token_loss", "reduction_order")
 ERROR_TYPES = (TypeError, ValueError, RuntimeError)
 
 
@@ -207,7 +213,7 @@ def error_header(exc: BaseException, device) -> torch.Tensor:
 
 def rank_header(tokens: torch.Tensor, row_mask: Optional[torch.Tensor], partials: torch.Tensor, *, v_local: int,
                 vocab_size: int, temperature: float, entropy_mode: str, has_keep_mask: bool,
-                dtype: torch.dtype) -> torch.Tensor:
+                dtype: torch.dtype, reduction_order: str = "fused") -> torch.Tensor:
     """The header of a rank whose arguments passed the local checks, its value fields computed on the device from
     its tokens, row mask and forward partials ([segments, 5, T]), with no host sync."""
     device = partials.device
@@ -222,7 +228,7 @@ def rank_header(tokens: torch.Tensor, row_mask: Optional[torch.Tensor], partials
     bad = (torch.isnan(maxima) | (maxima == math.inf) | torch.isnan(partials[:, SUMEXP])).any()
     fixed = _host_ints(
         [0, 0, flat_tokens.numel(), v_local, vocab_size, _float_bits(temperature), ENTROPY_MODES.index(entropy_mode),
-         int(has_keep_mask), _DTYPES.index(dtype)], device)
+         int(has_keep_mask), _DTYPES.index(dtype), REDUCTION_ORDERS.index(reduction_order)], device)
     return torch.cat([fixed, row_sum.reshape(1), _fold_checksum(flat_tokens).reshape(1),
                       token_bounds(flat_tokens, None), bad.reshape(1).to(torch.int64)])
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ppo_ops.core.row_stats import FLT_MAX
 
 ENTROPY_MODES = ("none", "value", "grad")
+REDUCTION_ORDERS = ("fused", "sglang")
 BACKENDS = ("auto", "torch", "triton")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Smallest temperature accepted: 1 / temperature, rounded to fp32 (the kernels multiply by it), must be finite.
@@ -55,6 +56,16 @@ def _scalar(fn_name: str, name: str, value, integral: bool):
     if isinstance(value, bool) or not isinstance(value, numbers.Integral if integral else numbers.Real):
         raise argument_error(TypeError, fn_name, name, f"{name} must be {kind}, got {type(value).__name__}")
     return int(value) if integral else float(value)
+
+
+def check_reduction_order(fn_name: str, reduction_order, keep_mask) -> None:
+    if not isinstance(reduction_order, str) or reduction_order not in REDUCTION_ORDERS:
+        raise argument_error(ValueError, fn_name, "reduction_order",
+                             f"reduction_order must be one of {REDUCTION_ORDERS}, got {reduction_order!r}")
+    if reduction_order == "sglang" and keep_mask is not None:
+        raise argument_error(ValueError, fn_name, "keep_mask",
+                             "keep_mask must be None with reduction_order='sglang' (SGLang's log_softmax normalises "
+                             "over the full vocabulary)")
 
 
 def check_options(

@@ -58,6 +58,7 @@ class Plan:
     inplace_grad: bool = False  # logits op
     reduce_dx: bool = True  # LM head
     needs_grad: bool = True  # LM head: grad mode on and hidden or weight requires grad, else the forward keeps nothing
+    reduction_order: str = "fused"  # logits op: "fused" or "sglang" (logits/sglang_order.py)
 
 
 class Call(NamedTuple):
@@ -99,17 +100,23 @@ def _plan(fn_name, group, world_size, rank, rows: torch.Tensor, v_local: int, op
 
 
 def prepare_logits(fn_name, logits, tokens, *, tp_group, entropy, keep_mask, temperature, row_mask, vocab_size,
-                   chunk_size, inplace_grad, backend, validate) -> Call:
+                   chunk_size, inplace_grad, backend, validate, reduction_order="fused") -> Call:
     """The logits op's call: every local check, the layout, the backend, the flattened [T, V_local] logits."""
     def local_checks(group, world_size, rank):
         options = checks.check_options(fn_name, entropy=entropy, backend=backend, temperature=temperature,
                                        chunk_size=chunk_size, vocab_size=vocab_size, inplace_grad=inplace_grad,
                                        validate=validate)
+        checks.check_reduction_order(fn_name, reduction_order, keep_mask)
         checks.check_tensors(fn_name, logits, tokens, keep_mask, row_mask)
         lead, v_local = tuple(logits.shape[:-1]), logits.shape[-1]
         plan = _plan(fn_name, group, world_size, rank, logits, v_local, options, op="logits", entropy=entropy,
                      backend=backend, validate=validate, inplace_grad=inplace_grad,
-                     has_keep_mask=keep_mask is not None)
+                     has_keep_mask=keep_mask is not None, reduction_order=reduction_order)
+        if reduction_order == "sglang":
+            from ppo_ops.logits import sglang_order
+            refusal = sglang_order.check_shard(plan.layout)
+            if refusal:
+                raise checks.argument_error(ValueError, fn_name, "logits", refusal)
         n_rows = math.prod(lead)
         flat = _flatten_logits(fn_name, logits, n_rows, v_local, inplace_grad,
                                needs_unit_stride=plan.backend.needs_unit_column_stride)
@@ -237,7 +244,8 @@ def check_across_ranks(plan: Plan, tokens, row_mask, partials: torch.Tensor) -> 
     agreement.check_across_ranks(
         plan.fn_name, layout.group, layout.world_size, tokens, row_mask, partials, naming=plan.naming,
         v_local=layout.v_local, vocab_size=layout.vocab_size, temperature=plan.temperature,
-        entropy_mode=plan.entropy_mode, has_keep_mask=plan.has_keep_mask, dtype=plan.dtype)
+        entropy_mode=plan.entropy_mode, has_keep_mask=plan.has_keep_mask, dtype=plan.dtype,
+        reduction_order=plan.reduction_order)
 
 
 def check_single_rank(plan: Plan, bad_rows, tokens, row_mask, extra_flags=None) -> list:

@@ -31,6 +31,7 @@ import torch
 from ppo_ops.core import shell
 from ppo_ops.core.contracts import BackwardStats, RowInputs, UpstreamGrads
 from ppo_ops.core.shell import Plan, forward_outputs, refuse_double_backward
+from ppo_ops.logits import sglang_order
 
 
 class LogProbEntropyFunction(torch.autograd.Function):
@@ -38,8 +39,11 @@ class LogProbEntropyFunction(torch.autograd.Function):
     def forward(ctx, logits, tokens, keep_mask, row_mask, plan: Plan):
         # A dropped row's token may be junk (-100 for prompt rows): its column is -1 or unused, never read.
         inputs = RowInputs(logits, tokens, keep_mask, row_mask)
-        partials = plan.backend.forward_partials(inputs, plan.shard, plan.entropy_mode != "none")
-        stats = shell.merge_row_stats(plan, partials, tokens, row_mask)
+        if plan.reduction_order == "sglang":  # SGLang's log_softmax order; backward is the same
+            stats = sglang_order.row_stats(plan, inputs)
+        else:
+            partials = plan.backend.forward_partials(inputs, plan.shard, plan.entropy_mode != "none")
+            stats = shell.merge_row_stats(plan, partials, tokens, row_mask)
 
         log_prob, entropy = stats.log_prob, stats.entropy  # a dropped row's entropy is 0 already (no mass)
         if row_mask is not None:
