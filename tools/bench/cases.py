@@ -10,6 +10,8 @@ stops on its time budget (bench --time_budget_s) has measured the headline befor
   options   T=8192 bf16: entropy value, keep mask, 10% row mask, each against every provider that supports it.
   grid      the rest of the cross product for the ppo_ops providers (cheap for triton).
   tp2       the TP=2 cases (run with --tp=2): headline shape and sweep, options for ppo_ops and legacy.
+  sglang_order  reduction_order="sglang" beside the fused op, SGLang's own log_softmax and naive torch, TP = 1 and 2
+            (--suite=sglang_order --providers=triton,triton_sglang,sglang,naive; SGLang importable for its row).
   smoke     a tiny CPU shape covering every provider and option (few for triton), for tests/test_bench_smoke.py.
   whole_step  one RL step through a random Qwen3-0.6B (T=8192, bf16, forward + backward through the model, ppo_ops
             for log-prob + entropy), validate on and off: what the host sync costs in a whole step
@@ -43,8 +45,10 @@ ENTROPY_MODES = ("none", "value", "grad")
 ROW_FRACTION = 0.1  # the row-mask cases keep 10% of the rows
 
 # Providers whose options include validate / inplace_grad (the ppo_ops API); others have no such switch.
-PPO_OPS_PROVIDERS = ("triton", "torch")
-ALL_PROVIDERS = ("triton", "torch", "legacy", "naive", "liger")
+PPO_OPS_PROVIDERS = ("triton", "torch", "triton_sglang")
+ALL_PROVIDERS = ("triton", "torch", "legacy", "naive", "liger", "triton_sglang", "sglang")
+# SGLang's log_softmax order beside ppo_ops' own and SGLang's kernel (the sglang_order suite; pass --providers)
+SGLANG_ORDER_PROVIDERS = ("triton", "triton_sglang", "sglang", "naive")
 # A whole training step through a model that calls ppo_ops (tools/bench/whole_step.py): only in its own suites.
 WHOLE_STEP_PROVIDERS = ("qwen3_step", "qwen3_step_ckpt", "qwen3_step_head", "qwen3_step_loss")
 HEAD_STEP_PROVIDERS = WHOLE_STEP_PROVIDERS[1:]  # with checkpointing; the logits path, the fused head, the loss
@@ -194,6 +198,15 @@ def _tp2() -> list[Case]:
     return cases
 
 
+def _sglang_order() -> list[Case]:
+    cases = []
+    for tp, entropy in itertools.product((1, 2), ("none", "grad")):
+        s = dict(T=HEADLINE_TOKENS, V=QWEN3_VOCAB, dtype="bf16", entropy=entropy, tp=tp)
+        cases += [Case(p, **s) for p in SGLANG_ORDER_PROVIDERS]
+        cases += [Case(p, validate=False, **s) for p in ("triton", "triton_sglang")]
+    return cases
+
+
 def _smoke() -> list[Case]:
     # Tiny: 8 rows (so a 10% row mask keeps one row), 256 columns (a power of two for the Triton interpreter).
     s = dict(T=8, V=256)
@@ -266,6 +279,7 @@ SUITES = {
     "options": Suite("logits", _options),
     "grid": Suite("logits", _grid),
     "tp2": Suite("logits", _tp2),
+    "sglang_order": Suite("logits", _sglang_order),
     "smoke": Suite("logits", _smoke),
     "whole_step": Suite("logits", _whole_step),
     "whole_step_smoke": Suite("logits", _whole_step_smoke),

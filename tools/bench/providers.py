@@ -9,6 +9,9 @@ One `build_*` function per provider turns (case, inputs) into a `Closure`:
 Providers:
   triton  ppo_ops.log_probs_and_entropy(backend="triton"), with the case's validate / inplace_grad
   torch   ppo_ops.log_probs_and_entropy(backend="torch")
+  triton_sglang  the triton provider with reduction_order="sglang" (SGLang's log_softmax order, bit for bit)
+  sglang  SGLang's batch-invariant log_softmax (sglang.srt.batch_invariant_ops) of logits.float() + gather: what its
+          deterministic / on-policy inference scores with (TP=1, log-prob only; backward is torch's)
   legacy  ppo_ops.legacy.calculate_log_probs_and_entropy (Megatron fused vocab-parallel CE + separate entropy)
   naive   log_softmax + gather + softmax entropy in fp32 (TP=1)
   qwen3_step  one RL step through a random Qwen3-0.6B with ppo_ops (tools/bench/whole_step.py; its own suites);
@@ -38,6 +41,7 @@ TRITON_MODULES = ("triton", "ppo_ops")
 TORCH_MODULES = ("ppo_ops",)
 LEGACY_MODULES = ("megatron.core", "ppo_ops.legacy")
 LIGER_MODULES = ("liger_kernel.transformers.functional",)
+SGLANG_MODULES = ("sglang.srt.batch_invariant_ops",)
 
 
 def _grad(outputs: list, grads: list, logits: torch.Tensor):
@@ -60,10 +64,11 @@ def _fp32_1d(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 # --- ppo_ops (triton and torch backends) ----------------------------------------------------------------------------
 
 
-def _build_ppo_ops(backend: str, case: Case, inp: Inputs) -> Closure:
+def _build_ppo_ops(backend: str, case: Case, inp: Inputs, **order) -> Closure:
     import ppo_ops
 
     kwargs = dict(
+        **order,
         tp_group=inp.group,
         entropy=case.entropy,
         keep_mask=inp.keep_mask,
@@ -107,6 +112,10 @@ def build_torch(case: Case, inp: Inputs) -> Closure:
     return _build_ppo_ops("torch", case, inp)
 
 
+def build_triton_sglang(case: Case, inp: Inputs) -> Closure:
+    return _build_ppo_ops("triton", case, inp, reduction_order="sglang")
+
+
 def _unsupported_triton(case: Case, device: torch.device) -> Optional[str]:
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return "the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)"
@@ -115,6 +124,44 @@ def _unsupported_triton(case: Case, device: torch.device) -> Optional[str]:
 
 def _unsupported_torch(case: Case, device: torch.device) -> Optional[str]:
     return first_import_problem(TORCH_MODULES)
+
+
+def _unsupported_triton_sglang(case: Case, device: torch.device) -> Optional[str]:
+    if case.keep_mask:
+        return "reduction_order='sglang' has no keep mask"
+    return _unsupported_triton(case, device)
+
+
+# --- SGLang's batch-invariant log_softmax ----------------------------------------------------------------------------
+
+
+def build_sglang(case: Case, inp: Inputs) -> Closure:
+    from sglang.srt.batch_invariant_ops import log_softmax
+
+    index = inp.tokens if inp.row_mask is None else torch.where(inp.row_mask, inp.tokens, 0)
+
+    def log_prob_of(logits):
+        log_prob = log_softmax(logits.float(), dim=-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
+        return log_prob if inp.row_mask is None else log_prob * inp.row_mask
+
+    def step(logits):
+        return torch.autograd.grad([log_prob_of(logits)], logits, [inp.grad_log_prob])[0]
+
+    def forward():
+        with torch.no_grad():
+            return log_prob_of(inp.logits), None
+
+    return Closure(prepare=lambda: inp.logits, step=step, forward=forward)
+
+
+def _unsupported_sglang(case: Case, device: torch.device) -> Optional[str]:
+    if case.tp > 1:
+        return "SGLang's log_softmax is single-rank (its engine all-gathers the logits first)"
+    if case.entropy != "none" or case.keep_mask:
+        return "SGLang's scoring gives the log-prob only, over the full vocabulary"
+    if device.type != "cuda":
+        return "SGLang's batch-invariant kernels need a GPU"
+    return first_import_problem(SGLANG_MODULES)
 
 
 # --- legacy reference ----------------------------------------------------------------------------------------------
@@ -238,6 +285,8 @@ def _unsupported_liger(case: Case, device: torch.device) -> Optional[str]:
 PROVIDERS = registry(
     Provider("triton", build_triton, _unsupported_triton, modules=TRITON_MODULES),
     Provider("torch", build_torch, _unsupported_torch, modules=TORCH_MODULES),
+    Provider("triton_sglang", build_triton_sglang, _unsupported_triton_sglang, modules=TRITON_MODULES),
+    Provider("sglang", build_sglang, _unsupported_sglang, modules=SGLANG_MODULES),
     Provider("legacy", build_legacy, _unsupported_legacy, modules=LEGACY_MODULES),
     Provider("naive", build_naive, _unsupported_naive),
     Provider("liger", build_liger, _unsupported_liger, modules=LIGER_MODULES),
