@@ -1,13 +1,18 @@
 """layer_diff.py on synthetic dumps laid out as SGLang's tensor dumper writes them: equal tensors say so, a perturbed
 one is named first, a dtype change is named, and the scoring pass's rows are aligned to the samples (requests in
-another order, a cached prefix, identical samples) while sampling passes are left out. CPU, well under a second."""
+another order, a cached prefix, identical samples) while sampling passes are left out. Then layer_diff_main end to
+end on a report folder whose "engine" dump is the on-policy forward's own record (torch stand-ins on `tiny`). CPU,
+a few seconds."""
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from sglang_checks import layer_diff
+from sglang_checks import layer_diff, models, on_policy, report, rollout as rollout_lib
 
 pytestmark = pytest.mark.device("cpu")
 
@@ -54,12 +59,13 @@ def _engine_pass(record, sequences, requests):
     return out
 
 
-def _write(tmp_path, passes):
-    folder = tmp_path / "engine_dump" / "TP0_PP0_Rank0_pid42"
+def _write(tmp_path, passes, dump_dir="engine_dump"):
+    """The passes as one scheduler process's files under tmp_path/dump_dir; returns that folder."""
+    folder = tmp_path / dump_dir / "TP0_PP0_Rank0_pid42"
     folder.mkdir(parents=True)
     for n, tensors in enumerate(passes):
         torch.save(tensors, folder / f"Pass{n:05d}.pt")
-    return str(tmp_path / "engine_dump")
+    return str(tmp_path / dump_dir)
 
 
 SEQUENCES = [[5, 6, 7, 8, 9], [1, 2, 3, 4, 10, 11, 12], [5, 6, 7, 8, 9]]  # the third repeats the first
@@ -156,3 +162,66 @@ def test_segments_refuse_unknown_tokens_and_broken_positions():
     assert layer_diff.segments(tensors, [[1, 2, 4]]) is None  # no sample has these tokens
     tensors[layer_diff.POSITIONS] = torch.tensor([0, 2, 3])
     assert layer_diff.segments(tensors, [[1, 2, 3, 4]]) is None  # positions do not run 0 .. seq_len - 1
+
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _report_folder(tmp_path, perturb=None):
+    """A check's report folder for `tiny` (bf16, as the check loads it for the on-policy trainer): rollout.json,
+    report.json's settings, and an engine dump whose scoring pass is the stand-in forward's record, after a cached
+    prefix."""
+    cache = str(tmp_path / "cache")
+    info = models.resolve_model("tiny", cache_dir=cache, seed=0, log=lambda m: None)
+    samples = [rollout_lib.Sample(prompt_index=b, sample_index=0, prompt_ids=s[:n], completion_ids=s[n:],
+                                  engine_logprobs=[-1.0] * (len(s) - n))
+               for b, (s, n) in enumerate(zip(SEQUENCES, PROMPT_LENS))]
+    rollout = rollout_lib.Rollout(model_name="tiny", model_fingerprint=info.fingerprint, engine="sglang",
+                                  engine_layout="tp1", logprob_kind="temperature", temperature=1.0, top_p=1.0,
+                                  max_new_tokens=4, seed=0, samples=samples)
+    folder = tmp_path / "report"
+    folder.mkdir()
+    rollout_lib.save(rollout, str(folder / report.ROLLOUT_NAME))
+    (folder / report.JSON_NAME).write_text(json.dumps({"settings": {"model": "tiny", "cache_dir": cache, "seed": 0}}))
+    model = models.load_hf_model(info, dtype=torch.bfloat16, device=torch.device("cpu"))
+    packed = rollout_lib.pack(rollout, rollout.longest)
+    record = {}
+    on_policy.model_outputs(model, packed.input_ids, [len(s) for s in SEQUENCES], record=record)
+    scoring = _engine_pass(record, SEQUENCES, [(b, n - 1, len(SEQUENCES[b])) for b, n in enumerate(PROMPT_LENS)])
+    if perturb:
+        perturb(scoring)
+    _write(folder, [scoring], dump_dir=os.path.join("engine_dump", "tp1"))
+    return folder
+
+
+def _run_main(folder):
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "sglang_checks.layer_diff_main", f"--report_dir={folder}",
+                           "--kernels=torch"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_layer_diff_main_reruns_the_trainer_and_finds_no_difference(tmp_path):
+    folder = _report_folder(tmp_path)
+    proc = _run_main(folder)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "layer_diff_main: no difference" in proc.stdout
+    result = json.loads((folder / "layer_diff_tp1.json").read_text())
+    assert result["first_difference"] is None
+    assert len(result["tensors"]) == 1 + 13 + 14 + 2  # embed, 2 layers (tuple outputs split), final norm
+
+
+def test_layer_diff_main_names_the_first_difference(tmp_path):
+    name = "model.layers.1.mlp.act_fn"
+
+    def perturb(tensors):
+        tensors[name][0, 0] += 1
+
+    proc = _run_main(_report_folder(tmp_path, perturb))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"layer_diff_main: first difference at {name}" in proc.stdout
+    assert proc.stdout.splitlines()[-2].startswith("model.norm[1]")  # listed up to 3 tensors past the first
+
+
+def test_layer_diff_main_without_a_dump_is_bad_input(tmp_path):
+    proc = _run_main(tmp_path)
+    assert proc.returncode == 2 and "no PassNNNNN.pt under" in proc.stderr
