@@ -6,6 +6,12 @@ lock, layout names, rank budgets, divisibility, the sglang install, the port, a 
 `run` returns the exit code: 0 when every comparison is within its tolerance, 1 otherwise, 3 when a trainer rank
 crashed or timed out (one line on stderr naming the layout and rank; the report holds what finished); bad input
 raises CheckError (the binary turns it into exit code 2).
+
+The trainer's numerics (--trainer_numerics): `hf`, transformers' forward; or `sglang_on_policy`, SGLang's
+--rl-on-policy-target forward op by op with its own kernels (on_policy.py, validated up front against the engine
+flags it mirrors), so teacher-forced scores can be held to exact equality. With --sglang_dump_tensors every server
+dumps its passes into <report_dir>/engine_dump/<layout>/, and after scoring layer_diff.py names the first tensor
+where the trainer's on-policy forward and the engine part (report.json's layer_diff).
 """
 
 from __future__ import annotations

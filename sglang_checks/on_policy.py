@@ -243,7 +243,9 @@ class SGLangKernels:
 
         self._bio = batch_invariant_ops
         self._extend = extend_attention
-        # As RotaryEmbedding.__init__ wraps it under rl_on_policy_target (disable=_is_npu, False on CUDA).
+        # As RotaryEmbedding.__init__ wraps it under rl_on_policy_target (disable=_is_npu, False on CUDA). The
+        # server inherits the check's environment, so TORCHDYNAMO_DISABLE=1 (as tests/conftest.py sets) makes both
+        # run it eagerly, and both compile it otherwise.
         self.apply_rotary = torch.compile(dynamic=True, disable=False)(apply_rotary_emb)
 
     @contextlib.contextmanager
