@@ -6,6 +6,12 @@ lock, layout names, rank budgets, divisibility, the sglang install, the port, a 
 `run` returns the exit code: 0 when every comparison is within its tolerance, 1 otherwise, 3 when a trainer rank
 crashed or timed out (one line on stderr naming the layout and rank; the report holds what finished); bad input
 raises CheckError (the binary turns it into exit code 2).
+
+The trainer's numerics (--trainer_numerics): `hf`, transformers' forward; or `sglang_on_policy`, SGLang's
+--rl-on-policy-target forward op by op with its own kernels (on_policy.py, validated up front against the engine
+flags it mirrors), so teacher-forced scores can be held to exact equality. With --sglang_dump_tensors every server
+dumps its passes into <report_dir>/engine_dump/<layout>/, and after scoring layer_diff.py names the first tensor
+where the trainer's on-policy forward and the engine part (report.json's layer_diff).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -23,7 +30,8 @@ import torch
 
 from sglang_checks import controls
 from sglang_checks import layouts as layouts_lib
-from sglang_checks import logprob_kinds, metrics, models, prompts, report, rollout as rollout_lib, tolerances, trainer
+from sglang_checks import layer_diff, logprob_kinds, metrics, models, prompts, report, rollout as rollout_lib
+from sglang_checks import tolerances, trainer
 from sglang_checks.engines import SamplingSettings, hf_engine, sglang_engine
 from sglang_checks.errors import CheckError
 
@@ -31,6 +39,7 @@ from sglang_checks.errors import CheckError
 EXIT_FAIL = 1  # a comparison out of tolerance
 EXIT_BAD_INPUT = 2  # CheckError: a flag, a path, a rollout file, prompts
 EXIT_TRAINER_FAILED = 3  # a trainer rank crashed or timed out (the report holds what finished)
+ENGINE_DUMP_NAME = "engine_dump"  # --sglang_dump_tensors: <report_dir>/engine_dump/<engine layout>/
 
 
 @dataclasses.dataclass
@@ -65,6 +74,8 @@ class Settings:
     tolerances: Dict[str, Optional[float]]
     expect_bitwise: bool
     negative_control: str
+    trainer_numerics: str
+    sglang_dump_tensors: bool
     sglang: sglang_engine.ServerOptions
 
 
@@ -151,6 +162,7 @@ class Plan:
     replay: Optional[rollout_lib.Rollout]  # the rollout file's contents (--rollout_data), validated
     prompt_ids: Optional[List[List[int]]]  # the prompts to sample (None when replaying)
     info: Optional[models.ModelInfo] = None  # a local checkpoint already fingerprinted for the replay check
+    sglang_site: Optional[str] = None  # where the on-policy trainer imports sglang from (--trainer_numerics)
 
 
 def check_writable(flag: str, path: str) -> None:
@@ -169,10 +181,15 @@ def validate_inputs(s: Settings) -> Plan:
     check_writable("--report_dir", s.report_dir)
     check_writable("--cache_dir", s.cache_dir)
     _check_values(s)
+    _check_numerics(s)
     device = _device(s)
+    if s.trainer_numerics == trainer.SGLANG_ON_POLICY and device.type != "cuda":
+        raise CheckError(f"--trainer_numerics={s.trainer_numerics}: runs SGLang's CUDA kernels; expected "
+                         f"--device=cuda (or auto with a GPU visible), got {device.type}")
     backend = "nccl" if device.type == "cuda" else "gloo"
     trainer_layouts = _parse_trainer_layouts(s, backend)
     engine_layouts = _parse_engine_layouts(s)
+    site = sglang_engine.site_dir(s.sglang.python) if s.trainer_numerics == trainer.SGLANG_ON_POLICY else None
     _check_control(s, trainer_layouts, engine_layouts)
     replay, prompt_ids = _rollout_source(s)
     num_sequences = len(replay.samples) if replay else len(prompt_ids) * s.samples_per_prompt
@@ -181,7 +198,28 @@ def validate_inputs(s: Settings) -> Plan:
         layouts_lib.check_trainer_layout(layout, flag="--trainer_layouts", vocab_size=vocab_size,
                                          num_sequences=num_sequences)
     info = _check_replay_fits(replay, s) if replay else None
-    return Plan(device, backend, trainer_layouts, engine_layouts, replay, prompt_ids, info)
+    return Plan(device, backend, trainer_layouts, engine_layouts, replay, prompt_ids, info, site)
+
+
+# What --trainer_numerics=sglang_on_policy mirrors: SGLang's Qwen3 under --rl-on-policy-target fsdp with the triton
+# backend's deterministic extend kernel, bf16 activations and weights (its on-policy path casts activations to bf16
+# before every GEMM, so the weights must be bf16 too). Each entry: (flag, the value it needs, the setting's value).
+def _on_policy_needs(s: Settings):
+    return (("--engine", "sglang", s.engine),
+            ("--sglang_rl_on_policy_target", "fsdp", s.sglang.rl_on_policy_target),
+            ("--sglang_attention_backend", "triton", s.sglang.attention_backend),
+            ("--dtype", "bfloat16", s.dtype))
+
+
+def _check_numerics(s: Settings) -> None:
+    if s.trainer_numerics == trainer.SGLANG_ON_POLICY:
+        for flag, needed, value in _on_policy_needs(s):
+            if value != needed:
+                raise CheckError(f"--trainer_numerics={s.trainer_numerics}: mirrors SGLang's on-policy forward with "
+                                 f"its triton kernels in bf16; expected {flag}={needed}, got {flag}={value}")
+    if s.sglang_dump_tensors and s.engine != "sglang":
+        raise CheckError(f"--sglang_dump_tensors: dumps an SGLang server's tensors; expected --engine=sglang, got "
+                         f"--engine={s.engine}")
 
 
 def _parse_trainer_layouts(s: Settings, backend: str) -> List[layouts_lib.Layout]:
@@ -282,6 +320,7 @@ def _clear_outputs(s: Settings) -> None:
     rollout.json that is this run's input stays)."""
     names = [report.JSON_NAME, report.MD_NAME, report.PNG_NAME, report.ROLLOUT_NAME]
     names += [n for n in os.listdir(s.report_dir) if n.startswith("sglang_") and n.endswith(".log")]
+    shutil.rmtree(os.path.join(s.report_dir, ENGINE_DUMP_NAME), ignore_errors=True)
     for name in names:
         path = os.path.join(s.report_dir, name)
         if s.rollout_data and os.path.exists(path) and os.path.samefile(path, s.rollout_data):
@@ -311,6 +350,7 @@ def _run(s: Settings) -> int:
     scores = _pack_and_view(s, plan, m.trainer_model, rollout)
     info = m.info
     del m  # the ranks get what they need through their inputs; free the models first
+    diffs = _layer_diffs(s, plan, rollout, scores) if s.sglang_dump_tensors else None
     _run_trainer_layouts(s, plan, scores)
     timings["trainer_s"] = time.monotonic() - t0
 
@@ -322,6 +362,8 @@ def _run(s: Settings) -> int:
     timings["total_s"] = time.monotonic() - start
     summary = _summary(s, plan, info=info, rollout=rollout, engine_infos=engine_infos, scores=scores, tol=tol,
                        timings=timings)
+    if diffs is not None:
+        summary["layer_diff"] = diffs
     paths = report.write_all(s.report_dir, summary, comparisons, mismatch_hist, layout_hist)
     return _verdict(comparisons, paths, scores.error)
 
@@ -333,6 +375,7 @@ class _TrainerScores:
     seq_len: int
     packed: rollout_lib.Packed
     view: TrainerView
+    record: Optional[dict] = None  # the on-policy forward's tensors by dumper name (--sglang_dump_tensors)
     results: List[trainer.LayoutResult] = dataclasses.field(default_factory=list)  # the layouts that finished
     error: Optional[trainer.TrainerRankError] = None  # the rank that crashed or timed out
 
@@ -343,22 +386,50 @@ def _pack_and_view(s: Settings, plan: Plan, model, rollout: rollout_lib.Rollout)
     if seq_len < rollout.longest:
         raise CheckError(f"--seq_len={s.seq_len}: shorter than the longest rollout sequence ({rollout.longest})")
     packed = rollout_lib.pack(rollout, seq_len)
-    view = trainer_view(model, packed, rollout, trainer_temperature(s, rollout), trainer_top_p(s, rollout))
-    return _TrainerScores(seq_len, packed, view)
+    kernels = record = None
+    if s.trainer_numerics == trainer.SGLANG_ON_POLICY:
+        from sglang_checks import on_policy
+
+        kernels = on_policy.sglang_kernels(plan.sglang_site)
+        record = {} if s.sglang_dump_tensors else None
+    view = trainer_view(model, packed, rollout, trainer_temperature(s, rollout), trainer_top_p(s, rollout),
+                        numerics=s.trainer_numerics, kernels=kernels, record=record)
+    return _TrainerScores(seq_len, packed, view, record)
 
 
-def trainer_inputs(view: TrainerView, packed: rollout_lib.Packed, entropy_coef: float) -> trainer.TrainerInputs:
+def _layer_diffs(s: Settings, plan: Plan, rollout: rollout_lib.Rollout, scores: _TrainerScores) -> dict:
+    """Per engine layout: layer_diff of its dump against the trainer's record (or why it was skipped). The record
+    is freed after."""
+    sequences = [sample.prompt_ids + sample.completion_ids for sample in rollout.samples]
+    out = {}
+    for layout in plan.engine_layouts:
+        folder = os.path.join(s.report_dir, ENGINE_DUMP_NAME, layout.name)
+        if scores.record is None:
+            out[layout.name] = {"engine_dump": folder, "summary": f"skipped: the trainer records SGLang's tensor "
+                                f"names only with --trainer_numerics={trainer.SGLANG_ON_POLICY}"}
+        elif layout.tp > 1:
+            out[layout.name] = {"engine_dump": folder, "summary": "skipped: a tensor-parallel dump holds each "
+                                "rank's shards; compare an engine layout with tp1"}
+        else:
+            out[layout.name] = layer_diff.diff(folder, scores.record, sequences)
+        _log(f"layer diff, engine {layout.name}: {out[layout.name]['summary']}")
+    scores.record = None
+    return out
+
+
+def trainer_inputs(view: TrainerView, packed: rollout_lib.Packed, entropy_coef: float,
+                   sglang_site: Optional[str] = None) -> trainer.TrainerInputs:
     """What every trainer rank is given: the view's hidden states and LM head on the CPU, the packed targets."""
     return trainer.TrainerInputs(
         hidden=view.hidden.cpu(), lm_head=view.lm_head.cpu(), targets=packed.targets, row_mask=packed.row_mask,
         keep_mask=None if view.keep is None else view.keep.cpu(), advantages=packed.advantages,
-        temperature=view.temperature, entropy_coef=entropy_coef)
+        temperature=view.temperature, entropy_coef=entropy_coef, numerics=view.numerics, sglang_site=sglang_site)
 
 
 def _run_trainer_layouts(s: Settings, plan: Plan, scores: _TrainerScores) -> None:
     """Every trainer layout on one group of ranks; fills `scores.results`, and `scores.error` when a rank crashed or
     timed out (the results are then those of the layouts that finished)."""
-    inputs = trainer_inputs(scores.view, scores.packed, s.entropy_coef)
+    inputs = trainer_inputs(scores.view, scores.packed, s.entropy_coef, plan.sglang_site)
     world = max(layout.world_size for layout in plan.trainer_layouts)
     _log(f"trainer layouts {','.join(layout.name for layout in plan.trainer_layouts)} on {world} {plan.backend} "
          f"ranks")
@@ -387,7 +458,8 @@ def _summary(s: Settings, plan: Plan, *, info: models.ModelInfo, rollout: rollou
                     "sequences": len(rollout.samples), "completion_tokens": rollout.num_completion_tokens,
                     "longest": rollout.longest, "seq_len": scores.seq_len},
         "trainer": {"temperature": scores.view.temperature, "top_p": scores.view.top_p, "backend": plan.backend,
-                    "entropy_coef": s.entropy_coef, "logprob_kind": rollout.logprob_kind},
+                    "entropy_coef": s.entropy_coef, "logprob_kind": rollout.logprob_kind,
+                    "numerics": scores.view.numerics, "sglang_site": plan.sglang_site},
         "engine_layouts": [layout.name for layout in plan.engine_layouts],
         "engines": engine_infos,
         "negative_control": s.negative_control,
@@ -442,13 +514,19 @@ class TrainerView:
     top_p: float
     top_p_set: Optional[torch.Tensor]  # [B, S, V] bool, the top-p set at the trainer's temperature (None: top_p 1)
     keep: Optional[torch.Tensor]  # the keep mask for the rollout's log-prob kind
+    numerics: str = trainer.HF  # --trainer_numerics: which forward made it, and ppo_ops' reduction order
 
 
-def trainer_view(model, packed, rollout, temperature: float, top_p: float) -> TrainerView:
-    hidden, head, logits = trainer.model_outputs(model, packed.input_ids)
+def trainer_view(model, packed, rollout, temperature: float, top_p: float, *, numerics: str = trainer.HF,
+                 kernels=None, record=None) -> TrainerView:
+    """The trainer's model outputs on the packed rollout; under sglang_on_policy from on_policy.py with `kernels`,
+    every step's tensor recorded into `record` (a dict, or None)."""
+    lengths = [len(sample.prompt_ids) + len(sample.completion_ids) for sample in rollout.samples]
+    hidden, head, logits = trainer.model_outputs(model, packed.input_ids, numerics=numerics, lengths=lengths,
+                                                 kernels=kernels, record=record)
     top_p_set = logprob_kinds.top_p_keep_mask(logits.float() / temperature, top_p)
     _, keep = logprob_kinds.trainer_arguments(rollout.logprob_kind, temperature, top_p_set)
-    return TrainerView(hidden, head, logits, temperature, top_p, top_p_set, keep)
+    return TrainerView(hidden, head, logits, temperature, top_p, top_p_set, keep, numerics)
 
 
 def _rollout_source(s: Settings):
@@ -522,8 +600,9 @@ def compare(rollout, packed, results, engine_scores, view: TrainerView, tol, *, 
                                                              mask, tol, bitwise)
     mismatch_hist = {}
     engine_lp = packed.engine_logprobs.numpy()
-    sampled_lp = trainer_logprobs(view.logits, packed, rollout.logprob_kind, view.temperature, view.top_p_set)
-    raw_lp = trainer_logprobs(view.logits, packed, logprob_kinds.RAW, view.temperature, None)
+    sampled_lp = trainer_logprobs(view.logits, packed, rollout.logprob_kind, view.temperature, view.top_p_set,
+                                  view.numerics)
+    raw_lp = trainer_logprobs(view.logits, packed, logprob_kinds.RAW, view.temperature, None, view.numerics)
     if shifted:
         sampled_lp, raw_lp = controls.shift_by_one(sampled_lp, mask), controls.shift_by_one(raw_lp, mask)
     subject = f"{rollout.engine} {rollout.engine_layout} sampled ({rollout.logprob_kind})"
@@ -542,6 +621,13 @@ def open_engine(s: Settings, layout, model, device, info):
     if s.engine == "hf":
         return hf_engine.HFEngine(model, layout, device, progress=_progress)
     options = dataclasses.replace(s.sglang, dtype=s.dtype, seed=s.seed, log_dir=s.report_dir)
+    if s.sglang_dump_tensors:
+        options = dataclasses.replace(options, tensor_dump_dir=os.path.join(s.report_dir, ENGINE_DUMP_NAME,
+                                                                            layout.name))
+    if s.trainer_numerics == trainer.SGLANG_ON_POLICY:  # the server picks the trainer's batch-invariant matmul
+        from sglang_checks import on_policy
+
+        options = dataclasses.replace(options, extra_env=options.extra_env + tuple(on_policy.SGLANG_ENV.items()))
     return sglang_engine.SGLangEngine(info.path, layout, options)
 
 
@@ -574,13 +660,13 @@ def to_rows(scores: List[List[float]], rollout, seq_len: int) -> np.ndarray:
     return rows
 
 
-def trainer_logprobs(logits, packed, kind: str, trainer_temperature: float, top_p_set) -> np.ndarray:
+def trainer_logprobs(logits, packed, kind: str, trainer_temperature: float, top_p_set,
+                     numerics: str = trainer.HF) -> np.ndarray:
     """The trainer's log-probs of `kind` at TP=1 (in this process, no process group), [B, S] fp32."""
-    import ppo_ops
-
     temperature, keep = logprob_kinds.trainer_arguments(kind, trainer_temperature, top_p_set)
     device = logits.device
     with torch.no_grad():
-        out = ppo_ops.log_probs_and_entropy(logits, packed.targets.to(device), temperature=temperature,
-                                            keep_mask=keep, row_mask=packed.row_mask.to(device))
+        out = trainer.log_probs_and_entropy(logits, packed.targets.to(device), numerics=numerics,
+                                            temperature=temperature, keep_mask=keep,
+                                            row_mask=packed.row_mask.to(device))
     return out.log_probs.float().cpu().numpy()

@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 
 from absl import flags
 
-from sglang_checks import check, controls, logprob_kinds, models, tolerances
+from sglang_checks import check, controls, logprob_kinds, models, tolerances, trainer
 from sglang_checks.engines import sglang_engine
 from sglang_checks.errors import CheckError
 from tools import cli_contract
@@ -100,6 +100,18 @@ _NEGATIVE_CONTROL = flags.DEFINE_enum(
     + "; ".join(f"{name}: {what}" for name, (what, _) in controls.CONTROLS.items()) + ".")
 _SGLANG_MEM_FRACTION = flags.DEFINE_float("sglang_mem_fraction", None, "SGLang --mem-fraction-static.")
 _SGLANG_EXTRA_ARGS = flags.DEFINE_string("sglang_extra_args", "", "More server arguments, shell-quoted.")
+_TRAINER_NUMERICS = flags.DEFINE_enum(
+    "trainer_numerics", trainer.HF, list(trainer.NUMERICS),
+    "The trainer's forward: hf (transformers' Qwen3ForCausalLM, eager attention, in --dtype) or sglang_on_policy "
+    "(SGLang's --rl-on-policy-target forward op by op, with its batch-invariant kernels and log_softmax order, "
+    "sglang_checks/on_policy.py; needs --engine=sglang --sglang_rl_on_policy_target=fsdp "
+    "--sglang_attention_backend=triton --dtype=bfloat16 on CUDA, and imports sglang from --sglang_python's site "
+    "folder).")
+_SGLANG_DUMP_TENSORS = flags.DEFINE_bool(
+    "sglang_dump_tensors", False, "Launch SGLang with --debug-tensor-dump-output-folder <report_dir>/engine_dump/"
+    "<engine layout> (every forward pass's module outputs; SGLang then runs without CUDA graphs and warmup) and, "
+    "with --trainer_numerics=sglang_on_policy, name the first tensor where trainer and engine part "
+    "(sglang_checks/layer_diff.py; report.json's layer_diff).")
 _SGLANG_LOGPROB_KIND = flags.DEFINE_enum(
     "sglang_logprob_kind", logprob_kinds.TEMPERATURE, [logprob_kinds.TEMPERATURE, logprob_kinds.RAW],
     "What SGLang's sampled log-probs are: temperature (0.5.17 default: log softmax(logits / T)) or raw (also sets "
@@ -149,6 +161,7 @@ def settings(**overrides) -> check.Settings:
         entropy_coef=_value(_ENTROPY_COEF), max_ranks=_value(_MAX_RANKS), trainer_timeout_s=_value(_TRAINER_TIMEOUT),
         tolerances={name: _value(holder) for name, holder in _TOLERANCES.items()},
         expect_bitwise=_value(_EXPECT_BITWISE), negative_control=_value(_NEGATIVE_CONTROL),
+        trainer_numerics=_value(_TRAINER_NUMERICS), sglang_dump_tensors=_value(_SGLANG_DUMP_TENSORS),
         sglang=sglang_engine.ServerOptions(
             python=_executable(_value(_SGLANG_PYTHON)), port=_value(_SGLANG_PORT),
             start_timeout_s=_value(_SGLANG_START_TIMEOUT),

@@ -3,7 +3,9 @@
 report.json keys: passed, settings (every flag), versions, model, rollout, engine_layouts, engines (per engine layout:
 engine, version, launch command, start-up time), negative_control, expect_bitwise, calibration (where the tolerances
 come from), trainer_layouts, comparisons (section, subject, metric, value, tolerance, tolerance_name, passed,
-details), tolerances (each with its reason), timings_s.
+details), tolerances (each with its reason), timings_s; with --sglang_dump_tensors also layer_diff (per engine
+layout, layer_diff.py's result: the scoring passes, per tensor name the shapes, dtypes, max |diff| and differing
+elements, and the first tensor that differs), summarised in a section of report.md.
 The PNG has one panel of per-token (trainer - engine) log-prob differences per engine log-prob series, one of
 (layout - tp1) trainer log-prob differences, over the completion tokens, and one of every comparison's value against
 its tolerance (value / tolerance; a bar past 1 is a FAIL).
@@ -110,8 +112,9 @@ def write_markdown(path: str, report: dict, comparisons: List[Comparison], note:
         f"- engine: `{s['engine']}`, engine layouts `{s['engine_layouts']}`; rollout sampled by "
         f"`{r['engine']} {r['engine_layout']}` at temperature {r['temperature']}, top-p {r['top_p']}, "
         f"engine log-prob kind `{r['logprob_kind']}`",
-        f"- trainer: temperature {report['trainer']['temperature']}, layouts "
-        f"`{','.join(report['trainer_layouts'])}`, backend `{report['trainer']['backend']}`",
+        f"- trainer: numerics `{report['trainer'].get('numerics', 'hf')}`, temperature "
+        f"{report['trainer']['temperature']}, layouts `{','.join(report['trainer_layouts'])}`, backend "
+        f"`{report['trainer']['backend']}`",
         f"- rollout: {r['sequences']} sequences, {r['completion_tokens']} completion tokens, trainer sequence length "
         f"{r['seq_len']}{' (replayed from ' + r['path'] + ')' if r.get('replayed') else ''}",
         f"- tolerances: {report.get('calibration', 'defaults')}{bitwise}",
@@ -130,12 +133,32 @@ def write_markdown(path: str, report: dict, comparisons: List[Comparison], note:
     for c in comparisons:
         cells = [c.section, c.subject, c.metric, _fmt(c.value), _fmt(c.tolerance), "pass" if c.passed else "**FAIL**"]
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    lines += _layer_diff_lines(report.get("layer_diff"))
     lines += ["", "Tolerances:", ""]
     lines += [f"- `{name}` = {_fmt(t['value'])}: {t['reason']}" for name, t in report["tolerances"].items()]
     lines += ["", f"Histogram of per-token differences: `{PNG_NAME}`. Everything else: `{JSON_NAME}`.", ""]
     if note:
         lines += [note, ""]
     write_atomic(path, "\n".join(lines))
+
+
+def _layer_diff_lines(diffs) -> List[str]:
+    """report.md's layer-diff section: per engine layout its one-line summary, the first differing tensor's row and
+    the dtype mismatches (the full table is report.json's layer_diff)."""
+    if not diffs:
+        return []
+    lines = ["", "## Layer diff (engine tensor dump vs trainer, teacher-forced scoring)", ""]
+    for layout, result in diffs.items():
+        lines.append(f"- engine `{layout}`: {result['summary']}")
+        first = result.get("first_difference")
+        if first:
+            row = next(t for t in result["tensors"] if t["name"] == first["name"])
+            lines.append(f"  - `{first['name']}`: engine {row['engine_shape']} {row['engine_dtype']}, trainer "
+                         f"{row['trainer_shape']} {row['trainer_dtype']}")
+        mismatched = [t["name"] for t in result.get("tensors", []) if t["dtype_mismatch"]]
+        if mismatched:
+            lines.append(f"  - dtypes differ at {len(mismatched)} tensors, first `{mismatched[0]}`")
+    return lines
 
 
 def write_histogram(path: str, mismatch: Dict[str, np.ndarray], layouts: Dict[str, np.ndarray],

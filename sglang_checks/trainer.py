@@ -19,6 +19,13 @@ norm of the gradient w.r.t. the logits (every element has one owner: squared nor
 the norm of the LM-head gradient (W_t's gradients all-reduced over the data group, then squared norms over the TP
 group). Log-probs and entropy come back from the t = 0 ranks and are reassembled to [B, S].
 
+Trainer numerics (--trainer_numerics): `hf` is the above, in the model's dtype. `sglang_on_policy` mirrors SGLang's
+--rl-on-policy-target path (on_policy.py): h is the fp32 output of its final norm, W the bf16 head, and each rank
+enables SGLang's batch-invariant mode (the Triton matmul its model runner installs) and forms its logits shard as
+SGLang's LM head does, torch.matmul(h.bfloat16(), W_t.T.bfloat16()): that matmul's reduction runs over the hidden
+dimension only, so a shard is the full logits' columns bit for bit. ppo_ops then reproduces SGLang's batch-invariant
+log_softmax (reduction_order="sglang", passed by `log_probs_and_entropy` below, the one place that knows it).
+
 Processes: one group of max(world sizes) ranks is spawned once (gloo on CPU, NCCL with one GPU per rank) and runs
 every layout in turn, creating each layout's subgroups (every rank takes part in new_group, as torch requires). Inputs
 go through one torch.save file the ranks memory-map (shared memory may be small in containers). A rank that fails
@@ -45,6 +52,9 @@ from sglang_checks.layouts import Layout
 from tools import rank_exit
 
 VARIANTS = ("token_mean", "seq_mean")
+HF = "hf"  # transformers' forward in the model's dtype; ppo_ops' own reduction order
+SGLANG_ON_POLICY = "sglang_on_policy"  # SGLang's on-policy forward and kernels (on_policy.py); its log_softmax order
+NUMERICS = (HF, SGLANG_ON_POLICY)
 
 
 @dataclasses.dataclass
@@ -59,6 +69,8 @@ class TrainerInputs:
     advantages: torch.Tensor  # [B] fp32
     temperature: float
     entropy_coef: float
+    numerics: str = HF  # one of NUMERICS
+    sglang_site: Optional[str] = None  # where sglang is imported from under SGLANG_ON_POLICY (None: sys.path as is)
 
 
 @dataclasses.dataclass
@@ -80,12 +92,38 @@ class TrainerRankError(RuntimeError):
         self.finished = finished or []
 
 
-def model_outputs(model, input_ids: torch.Tensor):
-    """(hidden [B, S, H], lm_head weight [V, H], logits [B, S, V]) of the model, exactly its own forward's."""
+def model_outputs(model, input_ids: torch.Tensor, *, numerics: str = HF, lengths: Optional[List[int]] = None,
+                  kernels=None, record=None):
+    """(hidden [B, S, H], lm_head weight [V, H], logits [B, S, V]). HF: exactly the model's own forward's.
+    SGLANG_ON_POLICY: on_policy.py's forward over the first lengths[b] tokens of each row with `kernels`, each step
+    recorded into `record` (a dict, or None)."""
+    if numerics == SGLANG_ON_POLICY:
+        from sglang_checks import on_policy
+
+        return on_policy.model_outputs(model, input_ids, lengths, kernels=kernels, record=record)
     with torch.no_grad():
         hidden = model.model(input_ids=input_ids.to(model.device)).last_hidden_state
         logits = model.lm_head(hidden)
     return hidden, model.lm_head.weight.detach(), logits
+
+
+def log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, *, numerics: str = HF, **kwargs):
+    """ppo_ops.log_probs_and_entropy in the trainer numerics' reduction order: SGLang's batch-invariant log_softmax
+    (reduction_order="sglang") under SGLANG_ON_POLICY, ppo_ops' default otherwise. Every trainer log-prob of the
+    check goes through here."""
+    import ppo_ops
+
+    if numerics == SGLANG_ON_POLICY:
+        kwargs["reduction_order"] = "sglang"
+    return ppo_ops.log_probs_and_entropy(logits, targets, **kwargs)
+
+
+def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, numerics: str = HF) -> torch.Tensor:
+    """h @ W^T as the numerics' LM head forms it (SGLANG_ON_POLICY: logits_processor.py's on-policy matmul, run by
+    the batch-invariant matmul in a rank that enabled it)."""
+    if numerics == SGLANG_ON_POLICY:
+        return torch.matmul(hidden.bfloat16(), weight.T.bfloat16())
+    return torch.matmul(hidden, weight.t())
 
 
 def free_loopback_port() -> int:
@@ -280,8 +318,11 @@ def _sum(value: torch.Tensor, group, size: int) -> torch.Tensor:
 
 def _run_rank(layout: Layout, rank: int, groups: _Groups, inputs: dict, device: torch.device,
               vocab_offset_fault: bool = False) -> dict:
-    import ppo_ops
+    numerics = inputs.get("numerics", HF)
+    if numerics == SGLANG_ON_POLICY:  # as SGLang's model runner does, for the rest of this rank's life
+        from sglang_checks import on_policy
 
+        on_policy.enable_batch_invariant_mode(inputs.get("sglang_site"))
     d, c, t = layout.coords(rank)
     batch, seq = inputs["targets"].shape
     vocab = inputs["lm_head"].shape[0]
@@ -309,11 +350,11 @@ def _run_rank(layout: Layout, rank: int, groups: _Groups, inputs: dict, device: 
     out = {"losses": {}}
     for variant in VARIANTS:
         leaf = weight.clone().requires_grad_(True)
-        logits = torch.matmul(hidden, leaf.t())
+        logits = lm_head_logits(hidden, leaf, numerics)
         logits.retain_grad()
-        log_probs, entropy = ppo_ops.log_probs_and_entropy(
-            logits, targets, tp_group=groups.tp, entropy="grad" if coef else "value", keep_mask=keep,
-            temperature=float(inputs["temperature"]), row_mask=row_mask)
+        log_probs, entropy = log_probs_and_entropy(
+            logits, targets, numerics=numerics, tp_group=groups.tp, entropy="grad" if coef else "value",
+            keep_mask=keep, temperature=float(inputs["temperature"]), row_mask=row_mask)
         ratio = torch.exp(log_probs - log_probs.detach())
         per_token = (-(ratio * advantages[:, None]) - coef * entropy) * row_mask
         if variant == "token_mean":

@@ -9,7 +9,9 @@ run) the test skips and says why.
 Server flags: those of an SGLang install without FA3 / FlashInfer sampling kernels (triton attention, pytorch
 sampling, NCCL all-reduce, CPU feature transport), with CUDA graphs and warm-up off for a faster start. Expected
 wall time on two H200s: the layouts test 247 s measured (three server starts); the negative controls through the
-calibration program (two server starts, each serving every control) a few minutes more.
+calibration program (two server starts, each serving every control) a few minutes more. The true on-policy test (one
+server with --rl-on-policy-target fsdp and a tensor dump, the trainer's on-policy forward) needs ppo_ops'
+reduction_order="sglang"; not yet run on a GPU.
 """
 
 import json
@@ -71,6 +73,35 @@ def test_qwen3_0_6b_sglang_engine_and_trainer_layouts(tmp_path, monkeypatch):
     assert list(report["trainer_layouts"]) == TRAINER_LAYOUTS and report["trainer"]["backend"] == "nccl"
     assert [c["subject"] for c in report["comparisons"] if c["section"] == "engine layouts"] == [
         "engine tp2 vs tp1 (teacher-forced, raw)", "engine dp2 vs tp1 (teacher-forced, raw)"]
+    assert code == 0, [c for c in report["comparisons"] if not c["passed"]]
+
+
+def test_qwen3_0_6b_true_on_policy_trainer_is_bitwise_and_its_layer_diff_finds_no_difference(tmp_path, monkeypatch):
+    """--trainer_numerics=sglang_on_policy against SGLang under --rl-on-policy-target fsdp (triton attention): the
+    teacher-forced trainer log-probs equal the engine's exactly (--expect_bitwise), at trainer tp1 and tp2, and the
+    layer diff of the engine's tensor dump against the trainer's forward names no tensor."""
+    _require_sglang_and_two_gpus()
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    settings = cli.settings(
+        report_dir=str(tmp_path / "report"), cache_dir=os.environ.get("PPO_OPS_MODEL_CACHE") or str(tmp_path / "m"),
+        model=os.environ.get("QWEN3_0_6B_PATH", "qwen3-0.6b-random"), device="cuda", dtype="bfloat16",
+        engine="sglang", engine_layouts="tp1", trainer_layouts="tp1,tp2", num_prompts=4, samples_per_prompt=2,
+        max_new_tokens=32, top_p=1.0, expect_bitwise=True, trainer_numerics="sglang_on_policy",
+        sglang_dump_tensors=True,
+        sglang=sglang_engine.ServerOptions(
+            python=SGLANG_PYTHON, mem_fraction_static=MEM_FRACTION, start_timeout_s=START_TIMEOUT_S,
+            deterministic=True, rl_on_policy_target="fsdp", attention_backend="triton", sampling_backend="pytorch",
+            disable_custom_all_reduce=True, mm_feature_transport="cpu", disable_cuda_graph=True,
+            skip_server_warmup=True))
+    code = check.run(settings)
+    with open(os.path.join(settings.report_dir, "report.json")) as f:
+        report = json.load(f)
+    diff = report["layer_diff"]["tp1"]
+    print(json.dumps({"layer_diff": diff["summary"], "first": diff.get("first_difference"),
+                      "values": {c["subject"] + " / " + c["metric"]: c["value"] for c in report["comparisons"]}},
+                     indent=1))
+    assert report["trainer"]["numerics"] == "sglang_on_policy"
+    assert diff["passes"] and diff["first_difference"] is None, diff["summary"]
     assert code == 0, [c for c in report["comparisons"] if not c["passed"]]
 
 

@@ -10,6 +10,9 @@ Version facts (SGLang 0.5.17, the release the check is written against; 0.5.11-0
     sampler log-probs from log_softmax of bf16 logits / T, sampling from them; it implies deterministic inference).
   - `GET /server_info` (0.5.17; `/get_server_info` is its deprecated alias) reports `version`; it is recorded with
     the launch command and the start-up time in the report.
+  - `--debug-tensor-dump-output-folder DIR` (--sglang_dump_tensors) saves every forward pass's module outputs under
+    DIR/TP{tp}_PP{pp}_Rank{rank}_pid{pid}/PassNNNNN.pt (debug_utils/tensor_dump_forward_hook.py) and turns CUDA
+    graphs and server warmup off (server_args.py); layer_diff.py reads it.
   - `POST /update_weights_from_disk {"model_path": ...}` reloads weights in a running server (the RL weight sync);
     the negative control `engine_layout_weights` uses it to give one engine layout other weights.
   - An SGLang install without FA3 kernels and FlashInfer sampling kernels (such as SGLang 0.5.17 with sglang-kernel
@@ -94,6 +97,8 @@ class ServerOptions:
     request_timeout_s: float = 600.0
     log_dir: str = "."
     logprob_kind: str = logprob_kinds.TEMPERATURE
+    tensor_dump_dir: Optional[str] = None  # --debug-tensor-dump-output-folder (None: no dump)
+    extra_env: Tuple[Tuple[str, str], ...] = ()  # more environment variables for the server
 
 
 def launch_command(model_path: str, layout: Layout, port: int, options: ServerOptions) -> List[str]:
@@ -127,6 +132,8 @@ def launch_command(model_path: str, layout: Layout, port: int, options: ServerOp
         command += ["--mm-feature-transport", options.mm_feature_transport]
     if options.mem_fraction_static is not None:
         command += ["--mem-fraction-static", str(options.mem_fraction_static)]
+    if options.tensor_dump_dir:
+        command += ["--debug-tensor-dump-output-folder", options.tensor_dump_dir]
     return command + list(options.extra_args)
 
 
@@ -164,6 +171,22 @@ def scripts_dir(python: str) -> str:
     if proc.returncode != 0 or not proc.stdout.strip():
         raise CheckError(f"--sglang_python={python}: cannot ask it for its scripts folder: {proc.stderr.strip()}")
     return proc.stdout.strip()
+
+
+def site_dir(python: str) -> str:
+    """The folder the interpreter imports sglang from (its site-packages, or a bundle on its PYTHONPATH): the
+    trainer appends it to sys.path to call SGLang's kernels in-process (on_policy.py)."""
+    probe = ("import importlib.util as u, os\n"
+             "print(os.path.dirname(os.path.dirname(os.path.abspath(u.find_spec('sglang').origin))))")
+    try:
+        proc = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise CheckError(f"--sglang_python={python}: cannot run it ({exc})") from exc
+    if proc.returncode != 0 or not proc.stdout.strip():
+        tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
+        raise CheckError(f"--sglang_python={python}: cannot find the sglang package's folder ({tail[0]}). "
+                         f"{INSTALL_HINT}")
+    return proc.stdout.strip().splitlines()[-1]
 
 
 def free_port(host: str) -> int:
@@ -391,6 +414,7 @@ class SGLangEngine:
         env["PATH"] = os.pathsep.join(p for p in (scripts_dir(options.python), env.get("PATH", "")) if p)
         if options.logprob_kind == logprob_kinds.RAW:
             env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
+        env.update(dict(options.extra_env))
         self.server = Server(launch_command(model_path, layout, port, options), host=options.host, port=port,
                              log_path=log_path, start_timeout_s=options.start_timeout_s,
                              request_timeout_s=options.request_timeout_s, env=env)
