@@ -109,16 +109,31 @@ def _config(layout_name: str, key: tuple) -> str:
 def measure(s: check.Settings, seeds: List[int], prompt_sets: List[str]) -> Tuple[List[Row], List[dict]]:
     """Every healthy configuration and every control; returns the rows and the engines' info."""
     plan = check.validate_inputs(s)
+    view = _trainer_view_of(s, plan)
     m = _load_both_models(s, plan)
     sets = {name: prompt_set(name, s.num_prompts, m.info, seed=1000 + n) for n, name in enumerate(prompt_sets)}
     keys = [(seed, name) for seed in seeds for name in prompt_sets]
     runs = _sample_and_score_on_every_engine_layout(s, plan, m, sets, keys)
     tol = tolerances.resolve_all({}, s.dtype)
-    rows, packed, views = _healthy_engine_rows(s, plan, m.model, runs, keys, tol)
-    rows += _control_rows(s, m, runs, packed[keys[0]], views[keys[0]], keys[0], tol)
+    rows, packed, views = _healthy_engine_rows(s, plan, m.model, runs, keys, tol, view)
+    rows += _control_rows(s, m, runs, packed[keys[0]], views[keys[0]], keys[0], tol, view)
     del m  # the trainer ranks need the memory the models hold
     rows += _trainer_rows(s, plan, packed, views, keys, tol)
     return rows, runs.infos
+
+
+def _trainer_view_of(s: check.Settings, plan: check.Plan):
+    """check.trainer_view in the run's trainer numerics (--trainer_numerics: on-policy views run SGLang's kernels)."""
+    kernels = None
+    if s.trainer_numerics == trainer.SGLANG_ON_POLICY:
+        from sglang_checks import on_policy
+
+        kernels = on_policy.sglang_kernels(plan.sglang_site)
+
+    def view(model, packed, rollout, temperature, top_p):
+        return check.trainer_view(model, packed, rollout, temperature, top_p, numerics=s.trainer_numerics,
+                                  kernels=kernels)
+    return view
 
 
 def _load_both_models(s: check.Settings, plan: check.Plan) -> check.Models:
@@ -181,7 +196,8 @@ def _score_with_other_weights(s: check.Settings, engine, layout, plan: check.Pla
         return other_engine.score(samples)
 
 
-def _healthy_engine_rows(s: check.Settings, plan: check.Plan, model, runs: _EngineRuns, keys: List[tuple], tol):
+def _healthy_engine_rows(s: check.Settings, plan: check.Plan, model, runs: _EngineRuns, keys: List[tuple], tol,
+                         view):
     """Per key: the first layout's rollout against the trainer at TP = 1 and against every layout's scores, and every
     other layout's own rollout against the trainer. Returns the rows and, per key, the first layout's packed rollout
     and trainer view (the controls and the trainer layouts start from them)."""
@@ -190,7 +206,7 @@ def _healthy_engine_rows(s: check.Settings, plan: check.Plan, model, runs: _Engi
     for key in keys:
         r = runs.canonical[key]
         packed[key] = rollout_lib.pack(r, layouts_lib.auto_seq_len(r.longest, plan.trainer_layouts))
-        views[key] = check.trainer_view(model, packed[key], r, r.temperature, r.top_p)
+        views[key] = view(model, packed[key], r, r.temperature, r.top_p)
         engine_scores = {name: runs.scores[name][key] for name in runs.scores}
         comparisons, _, _ = check.compare(r, packed[key], [], engine_scores, views[key], tol, engine=s.engine,
                                           first_layout=runs.first)
@@ -200,13 +216,14 @@ def _healthy_engine_rows(s: check.Settings, plan: check.Plan, model, runs: _Engi
                 continue
             o = by_key[key]
             p = rollout_lib.pack(o, layouts_lib.auto_seq_len(o.longest, plan.trainer_layouts))
-            comparisons, _, _ = check.compare(o, p, [], {}, check.trainer_view(model, p, o, o.temperature, o.top_p),
+            comparisons, _, _ = check.compare(o, p, [], {}, view(model, p, o, o.temperature, o.top_p),
                                               tol, engine=s.engine, first_layout=runs.first)
             rows += _rows("healthy", controls.NONE, s.engine, _config(name, key), comparisons)
     return rows, packed, views
 
 
-def _control_rows(s: check.Settings, m: check.Models, runs: _EngineRuns, p0, v0, key0: tuple, tol) -> List[Row]:
+def _control_rows(s: check.Settings, m: check.Models, runs: _EngineRuns, p0, v0, key0: tuple, tol,
+                  view) -> List[Row]:
     """Every negative control but vocab_offset (a trainer layout: _trainer_rows), on the first key's rollout."""
     r0 = runs.canonical[key0]
     all_scores0 = {name: runs.scores[name][key0] for name in runs.scores}
@@ -216,12 +233,13 @@ def _control_rows(s: check.Settings, m: check.Models, runs: _EngineRuns, p0, v0,
                                           first_layout=runs.first, **kw)
         return _rows("control", name, s.engine, _config(runs.first, key0), comparisons)
 
-    rows = control(controls.TRAINER_TEMPERATURE, check.trainer_view(
+    rows = control(controls.TRAINER_TEMPERATURE, view(
         m.model, p0, r0, r0.temperature * controls.TEMPERATURE_FACTOR, r0.top_p), {})
-    rows += control(controls.TRAINER_TOP_P, check.trainer_view(m.model, p0, r0, r0.temperature,
-                                                               controls.CONTROL_TOP_P), {})
-    rows += control(controls.TRAINER_WEIGHTS, check.trainer_view(m.other_model, p0, r0, r0.temperature, r0.top_p),
-                    all_scores0)
+    rows += control(controls.TRAINER_TOP_P, view(m.model, p0, r0, r0.temperature, controls.CONTROL_TOP_P), {})
+    rows += control(controls.TRAINER_WEIGHTS, view(m.other_model, p0, r0, r0.temperature, r0.top_p), all_scores0)
+    if s.expect_bitwise:  # a fault only exact equality can see
+        rows += control(controls.TRAINER_WEIGHT_ULP, view(controls.one_ulp_off(m.model), p0, r0, r0.temperature,
+                                                           r0.top_p), all_scores0)
     rows += control(controls.SHIFTED_LOGPROBS, v0, all_scores0, shifted=True)
     if runs.other_scores is not None:
         rows += control(controls.ENGINE_LAYOUT_WEIGHTS, v0,
@@ -237,10 +255,14 @@ def _trainer_rows(s: check.Settings, plan: check.Plan, packed, views, keys: List
     for key in keys:
         layouts = list(plan.trainer_layouts)
         faulty = ()
-        if key == key0:
+        if key == key0 and _ranks_available(plan) >= 2:
             layouts.append(layouts_lib.Layout(VOCAB_OFFSET_LAYOUT, tp=2))
             faulty = (VOCAB_OFFSET_LAYOUT,)
-        jobs.append(trainer.Job(check.trainer_inputs(views[key], packed[key], s.entropy_coef), layouts, faulty))
+        elif key == key0:
+            _log(f"{controls.VOCAB_OFFSET}: not run (its tp2 trainer layout needs two ranks; NCCL puts one on each "
+                 f"GPU and {_ranks_available(plan)} is visible)")
+        jobs.append(trainer.Job(check.trainer_inputs(views[key], packed[key], s.entropy_coef,
+                                                     sglang_site=plan.sglang_site), layouts, faulty))
     views.clear()
     t0 = time.monotonic()
     results = trainer.run_jobs(jobs, backend=plan.backend, threads=s.cpu_threads, timeout_s=s.trainer_timeout_s)
@@ -261,6 +283,14 @@ def _trainer_rows(s: check.Settings, plan: check.Plan, packed, views, keys: List
     return rows
 
 
+def _ranks_available(plan: check.Plan) -> int:
+    if plan.backend != "nccl":
+        return 2
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def derive(rows: List[dict]) -> List[dict]:
     """One entry per tolerance: healthy max, broken min, threshold, margin (see the module docstring)."""
     out = []
@@ -268,7 +298,8 @@ def derive(rows: List[dict]) -> List[dict]:
         healthy = [r for r in rows if r["kind"] == "healthy" and r["tolerance_name"] == name]
         by_control = {}
         for r in rows:
-            if r["kind"] == "control" and r["tolerance_name"] == name and name in controls.CONTROLS[r["control"]][1]:
+            if (r["kind"] == "control" and r["tolerance_name"] == name and r["control"] in controls.CONTROLS
+                    and name in controls.CONTROLS[r["control"]][1]):
                 if r["control"] not in by_control or r["value"] > by_control[r["control"]]["value"]:
                     by_control[r["control"]] = r
         entry = {"name": name, "healthy_n": len(healthy), "controls": sorted(by_control)}
@@ -312,6 +343,41 @@ def violations(rows: List[dict], dtype: str) -> List[str]:
             elif max(values) <= limit:
                 found.append(f"control {control}: largest {name} value {max(values):.3g} <= {limit:.3g}: it would pass")
     return found
+
+
+# The comparisons exact equality is demanded of (--expect_bitwise): trainer vs engine teacher-forced, engine layouts,
+# trainer layouts. Sampled log-probs come from the engine's decode kernels, another reduction order.
+BITWISE_TOLERANCES = ("mismatch_tol", "kl_tol", "engine_layout_tol", "trainer_logprob_atol", "trainer_rtol")
+
+
+def _exact_subject(r: dict) -> bool:
+    return r["tolerance_name"] in BITWISE_TOLERANCES and "sampled" not in r["subject"]
+
+
+def bitwise_table(rows: List[dict]) -> List[dict]:
+    """Under --expect_bitwise: per healthy configuration the largest exact-equality value (must be 0), per control
+    the largest value of the metrics that catch it (must not be 0; a bitwise control: of the exact-equality ones)."""
+    out = []
+    for config in sorted({r["config"] for r in rows if r["kind"] == "healthy"}):
+        values = [r["value"] for r in rows if r["kind"] == "healthy" and r["config"] == config and _exact_subject(r)]
+        if values:
+            out.append({"kind": "healthy", "what": config, "max": max(values), "ok": max(values) == 0.0})
+    for control in sorted({r["control"] for r in rows if r["kind"] == "control"}):
+        caught_by = controls.CONTROLS.get(control, (None, ()))[1]
+        values = [r["value"] for r in rows if r["kind"] == "control" and r["control"] == control
+                  and (r["tolerance_name"] in caught_by if caught_by else _exact_subject(r))]
+        if values:
+            out.append({"kind": "control", "what": control, "max": max(values), "ok": max(values) > 0.0})
+    return out
+
+
+def bitwise_markdown(table: List[dict]) -> str:
+    lines = ["", "#### Exact equality (--expect_bitwise)", "",
+             "Healthy: the largest trainer-engine (teacher-forced), engine-layout and trainer-layout difference, "
+             "which must be 0. Controls: the largest value of the metrics that catch each, which must not be.", "",
+             "| | configuration or control | largest value | verdict |", "|---|---|---|---|"]
+    lines += [f"| {e['kind']} | {e['what']} | {e['max']:.3g} | {'ok' if e['ok'] else 'VIOLATED'} |" for e in table]
+    return "\n".join(lines) + "\n"
 
 
 def _fmt(v) -> str:
@@ -366,6 +432,14 @@ def _calibrate(s: check.Settings, out: str, seeds: List[int]) -> int:
     all_rows = [row for r in runs for row in r["rows"]]
     table = derive(all_rows)
     calibration = _write_tables(out, s.dtype, runs, table)
+    exact = bitwise_table(all_rows) if s.expect_bitwise else []
+    if exact:
+        with open(os.path.join(out, "calibration.md"), "a") as f:
+            f.write(bitwise_markdown(exact))
+        print(bitwise_markdown(exact))
+        if not all(e["ok"] for e in exact):
+            print("calibrate: exact equality VIOLATED (calibration.md)")
+            return 1
     if _INSTALL.value:
         _install(calibration, s.dtype)
     bad = [e["name"] for e in table if e["status"] not in ("ok", "weak")]

@@ -303,6 +303,8 @@ def load_models(s: Settings, plan: Plan) -> Models:
             out.other_model = models.load_hf_model(out.other, dtype=dtype, device=plan.device)
         if s.negative_control == controls.TRAINER_WEIGHTS:
             out.trainer_model = out.other_model
+    if s.negative_control == controls.TRAINER_WEIGHT_ULP:
+        out.trainer_model = controls.one_ulp_off(model)
     return out
 
 

@@ -97,7 +97,9 @@ _EXPECT_BITWISE = flags.DEFINE_bool(
 _NEGATIVE_CONTROL = flags.DEFINE_enum(
     "negative_control", controls.NONE, list(controls.NAMES),
     "Testing aid: inject a known fault the check must FAIL on (sglang_checks/controls.py): "
-    + "; ".join(f"{name}: {what}" for name, (what, _) in controls.CONTROLS.items()) + ".")
+    + "; ".join([f"{name}: {what}" for name, (what, _) in controls.CONTROLS.items()]
+                + [f"{name}: {what} (caught only with --expect_bitwise)"
+                   for name, what in controls.BITWISE_CONTROLS.items()]) + ".")
 _SGLANG_MEM_FRACTION = flags.DEFINE_float("sglang_mem_fraction", None, "SGLang --mem-fraction-static.")
 _SGLANG_EXTRA_ARGS = flags.DEFINE_string("sglang_extra_args", "", "More server arguments, shell-quoted.")
 _TRAINER_NUMERICS = flags.DEFINE_enum(

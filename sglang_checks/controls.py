@@ -13,6 +13,10 @@ RL stacks have shipped:
   vocab_offset           the last TP rank of every tensor-parallel trainer layout takes its LM-head rows from an
                          offset VOCAB_OFFSET rows too far (a vocabulary-partition offset computed wrongly)
   engine_layout_weights  the last engine layout serves other weights (seed + 1: a replica that missed a weight sync)
+  trainer_weight_ulp     one trainer weight element (the first of the final norm's weight, which every token's
+                         hidden state is scaled by) one ulp of its dtype off: a weight sync that lost one bit. Only
+                         exact equality (--expect_bitwise, true on-policy) can catch a fault this small, so it is in
+                         BITWISE_CONTROLS and caught by no tolerance.
 
 Each control is caught by the comparisons held to the tolerances in CAUGHT_BY (tolerances.py names); calibrate.py
 takes the largest such value in a control's run as that control's "broken" value for those tolerances.
@@ -31,6 +35,7 @@ TRAINER_WEIGHTS = "trainer_weights"
 SHIFTED_LOGPROBS = "shifted_logprobs"
 VOCAB_OFFSET = "vocab_offset"
 ENGINE_LAYOUT_WEIGHTS = "engine_layout_weights"
+TRAINER_WEIGHT_ULP = "trainer_weight_ulp"
 
 # control -> (what it breaks, tolerance names whose comparisons must fail)
 CONTROLS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
@@ -41,7 +46,9 @@ CONTROLS: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     VOCAB_OFFSET: ("a trainer TP shard with the wrong vocabulary offset", ("trainer_logprob_atol", "trainer_rtol")),
     ENGINE_LAYOUT_WEIGHTS: ("an engine layout with other weights (seed + 1)", ("engine_layout_tol",)),
 }
-NAMES = (NONE,) + tuple(CONTROLS)
+# Controls that only exact equality catches (what the trainer-engine comparisons must show under --expect_bitwise).
+BITWISE_CONTROLS = {TRAINER_WEIGHT_ULP: "trainer weights one ulp off in one element"}
+NAMES = (NONE,) + tuple(CONTROLS) + tuple(BITWISE_CONTROLS)
 
 # 0.8 -> 1.0 with the default rollout temperature: the measured two-H200 case (KL 0.12 in bf16).
 TEMPERATURE_FACTOR = 1.25
@@ -51,6 +58,25 @@ CONTROL_TOP_P = 0.5
 WEIGHTS_SEED_OFFSET = 1
 # One row: the smallest partition-offset error (e.g. an unpadded vs a padded vocabulary size).
 VOCAB_OFFSET_ROWS = 1
+
+
+ULP_WEIGHT = "model.norm.weight"  # one element scales one channel of every token's final hidden state
+
+
+def one_ulp_off(model):
+    """A copy of `model` with the first element of ULP_WEIGHT moved one ulp of its dtype away from zero."""
+    import copy
+
+    import torch
+
+    other = copy.deepcopy(model)
+    weight = dict(other.named_parameters())[ULP_WEIGHT]
+    with torch.no_grad():
+        flat = weight.view(-1)
+        value = flat[:1]
+        flat[:1] = torch.nextafter(value, torch.where(value >= 0, torch.full_like(value, float("inf")),
+                                                      torch.full_like(value, float("-inf"))))
+    return other
 
 
 def shift_by_one(rows: np.ndarray, mask: np.ndarray) -> np.ndarray:

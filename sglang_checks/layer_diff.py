@@ -6,8 +6,10 @@ The engine side is what SGLang 0.5.17 writes under `--debug-tensor-dump-output-f
 under "model." (a tuple output is a list, None dropped; rows are the pass's flattened tokens) and
 `model.forward_batch_info.{input_ids, seq_lens, positions}`. Two quirks of the dumper: the top-level `model` and
 `logits_processor` outputs are stored after the pass's file is written, so they land in the next pass's file (not
-compared here: `model.norm` holds the same final hidden states); and a prefill with a cached prefix (the radix
-cache) holds only the tokens after it, at their absolute positions.
+compared here: `model.norm` holds the same final hidden states); a module that all layers share (the rotary
+embedding, SHARED_MODULES) is recorded under every layer's name with the last layer's output, so only the last
+layer's entry is compared (the others are listed as shared); and a prefill with a cached prefix (the radix cache)
+holds only the tokens after it, at their absolute positions.
 
 The trainer side is on_policy.py's record: the same names, for the flattened tokens of `sequences` (each from
 position 0, one after another).
@@ -36,6 +38,10 @@ INPUT_IDS = "model.forward_batch_info.input_ids"
 SEQ_LENS = "model.forward_batch_info.seq_lens"
 POSITIONS = "model.forward_batch_info.positions"
 NEXT_PASS_NAMES = ("model", "logits_processor")  # stored in the following pass's file (module docstring)
+# Modules one instance of which every layer shares (SGLang 0.5.17's get_rope caches one RotaryEmbedding per
+# configuration): the dumper hooks the instance once per layer name and each call runs every hook, so every layer's
+# entry holds the last layer's call. Only the last layer's entry is compared.
+SHARED_MODULES = ("self_attn.rotary_emb",)
 
 # (engine row start, rows, sequence index, first position) of one request of a pass.
 Segment = Tuple[int, int, int, int]
@@ -155,7 +161,8 @@ def diff(dump_dir: str, record: Dict[str, object], sequences: Sequence[Sequence[
         for suffix, tensor in _flat(value):
             entries[name + suffix] = _Entry(name + suffix, tensor)
             trainer_rows[name + suffix] = _rows(tensor, trainer_tokens)
-    passes, tokens, engine_names = [], 0, set()
+    last_layer = max((int(n.split(".")[2]) for n in record if n.startswith("model.layers.")), default=None)
+    passes, tokens, engine_names, shared = [], 0, set(), set()
     for path in pass_files(dump_dir):
         tensors = torch.load(path, map_location="cpu", weights_only=True)
         found = scoring_segments(tensors, sequences)
@@ -166,6 +173,9 @@ def diff(dump_dir: str, record: Dict[str, object], sequences: Sequence[Sequence[
         tokens += sum(n for _, n, _, _ in found)
         for name, value in tensors.items():
             if name.startswith("model.forward_batch_info.") or name in NEXT_PASS_NAMES:
+                continue
+            if name.endswith(SHARED_MODULES) and not name.startswith(f"model.layers.{last_layer}."):
+                shared.update(name + suffix for suffix, _ in _flat(value))
                 continue
             for suffix, tensor in _flat(value):
                 engine_names.add(name + suffix)
@@ -184,10 +194,11 @@ def diff(dump_dir: str, record: Dict[str, object], sequences: Sequence[Sequence[
                 for row, n, b, first in found:
                     start = offsets[b] + first
                     entry.add(engine[row:row + n], trainer[start:start + n], b, first)
-    return _result(dump_dir, passes, tokens, entries, engine_names)
+    return _result(dump_dir, passes, tokens, {n: e for n, e in entries.items() if n not in shared}, engine_names,
+                   sorted(shared))
 
 
-def _result(dump_dir, passes, tokens, entries: Dict[str, _Entry], engine_names) -> dict:
+def _result(dump_dir, passes, tokens, entries: Dict[str, _Entry], engine_names, shared=()) -> dict:
     compared = [e for e in entries.values() if e.engine_shape is not None]
     first = next(((e.name, e.reason()) for e in entries.values() if e.reason() is not None), None)
     if not passes:
@@ -207,4 +218,5 @@ def _result(dump_dir, passes, tokens, entries: Dict[str, _Entry], engine_names) 
         "tensors": [e.as_dict() for e in compared],
         "trainer_only": [e.name for e in entries.values() if e.engine_shape is None],
         "engine_only": sorted(engine_names - set(entries)),
+        "shared": list(shared),  # entries of a shared module that hold another layer's call (SHARED_MODULES)
     }

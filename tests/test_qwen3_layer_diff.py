@@ -116,6 +116,35 @@ def test_a_perturbed_tensor_is_named_first(tmp_path):
     assert result["summary"].startswith(f"first difference at {NAMES[3]}")
 
 
+def test_a_shared_module_is_compared_at_its_last_call_only(tmp_path):
+    """SGLang's layers share one rotary embedding: its dumped entry under every layer's name is the last layer's
+    output, so only the last layer's entry is compared, and the others are listed as shared, not as differences."""
+    rope = "self_attn.rotary_emb"
+    record = _record(SEQUENCES)
+    tokens = sum(len(s) for s in SEQUENCES)
+    gen = torch.Generator().manual_seed(1)
+    for layer in (0, 1):
+        record[f"model.layers.{layer}.{rope}"] = [torch.randn(tokens, 8, generator=gen) for _ in range(2)]
+
+    def as_the_dumper_records(tensors):  # every layer's entry holds layer 1's (the last) output
+        tensors[f"model.layers.0.{rope}"] = [t.clone() for t in tensors[f"model.layers.1.{rope}"]]
+
+    result = layer_diff.diff(_write(tmp_path, _rollout_passes(record, perturb=as_the_dumper_records)), record,
+                             SEQUENCES)
+    assert result["first_difference"] is None, result["summary"]
+    assert result["shared"] == [f"model.layers.0.{rope}[0]", f"model.layers.0.{rope}[1]"]
+    compared = {t["name"]: t for t in result["tensors"]}
+    assert compared[f"model.layers.1.{rope}[0]"]["elements"] > 0 and f"model.layers.0.{rope}[0]" not in compared
+
+    def wrong_last_layer(tensors):
+        as_the_dumper_records(tensors)
+        tensors[f"model.layers.1.{rope}"][0][0, 0] += 1
+
+    result = layer_diff.diff(_write(tmp_path / "b", _rollout_passes(record, perturb=wrong_last_layer)), record,
+                             SEQUENCES)
+    assert result["first_difference"]["name"] == f"model.layers.1.{rope}[0]"
+
+
 def test_a_dtype_change_with_equal_values_is_named(tmp_path):
     record = _record(SEQUENCES)
 
@@ -207,7 +236,10 @@ def test_layer_diff_main_reruns_the_trainer_and_finds_no_difference(tmp_path):
     assert "layer_diff_main: no difference" in proc.stdout
     result = json.loads((folder / "layer_diff_tp1.json").read_text())
     assert result["first_difference"] is None
-    assert len(result["tensors"]) == 1 + 13 + 14 + 2  # embed, 2 layers (tuple outputs split), final norm
+    # embed, 2 layers (tuple outputs split), final norm; layer 0's rotary embedding (q, k) is the shared module's
+    # entry, compared at the last layer only
+    assert len(result["tensors"]) == 1 + 13 + 14 + 2 - 2
+    assert result["shared"] == ["model.layers.0.self_attn.rotary_emb[0]", "model.layers.0.self_attn.rotary_emb[1]"]
 
 
 def test_layer_diff_main_names_the_first_difference(tmp_path):

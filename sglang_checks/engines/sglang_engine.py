@@ -403,6 +403,7 @@ class SGLangEngine:
         self.layout = layout
         self.options = options
         self.sampled_logprob_kind = options.logprob_kind
+        self.costs: Dict[str, float] = {}  # _add_cost
         port = options.port or free_port(options.host)
         if options.port:
             check_port_free(options.host, port)
@@ -439,7 +440,7 @@ class SGLangEngine:
             except (RuntimeError, ValueError, AttributeError):  # no such endpoint, not JSON, not an object
                 continue
         return {"engine": "sglang", "layout": self.layout.name, "version": version,
-                "command": " ".join(self.server.command[1:]), "startup_s": self.server.startup_s}
+                "command": " ".join(self.server.command[1:]), "startup_s": self.server.startup_s, **self.costs}
 
     def load_weights(self, model_path: str) -> None:
         """Replaces the served weights (the RL weight sync); the cache of computed prefixes is flushed with them."""
@@ -450,7 +451,21 @@ class SGLangEngine:
     def generate(self, prompts, samples_per_prompt, settings: SamplingSettings) -> List[Sample]:
         seeded = self.options.deterministic or bool(self.options.rl_on_policy_target)
         request = generation_request(prompts, samples_per_prompt, settings, seeded)
-        return parse_generation_response(self.server.post("/generate", request), prompts, samples_per_prompt)
+        started = time.monotonic()
+        samples = parse_generation_response(self.server.post("/generate", request), prompts, samples_per_prompt)
+        self._add_cost("generate", time.monotonic() - started, sum(len(s.completion_ids) for s in samples))
+        return samples
 
     def score(self, samples: List[Sample]) -> List[List[float]]:
-        return parse_scoring_response(self.server.post("/generate", scoring_request(samples)), samples)
+        started = time.monotonic()
+        scores = parse_scoring_response(self.server.post("/generate", scoring_request(samples)), samples)
+        self._add_cost("score", time.monotonic() - started, sum(len(s.prompt_ids) + len(s.completion_ids)
+                                                               for s in samples))
+        return scores
+
+    def _add_cost(self, what: str, seconds: float, tokens: int) -> None:
+        """What the report records of the engine's cost: wall time and tokens of its requests, and tokens / s
+        (generate: completion tokens; score: prompt + completion tokens)."""
+        self.costs[f"{what}_s"] = self.costs.get(f"{what}_s", 0.0) + seconds
+        self.costs[f"{what}_tokens"] = self.costs.get(f"{what}_tokens", 0) + tokens
+        self.costs[f"{what}_tokens_per_s"] = self.costs[f"{what}_tokens"] / max(self.costs[f"{what}_s"], 1e-9)
