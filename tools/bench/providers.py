@@ -11,7 +11,8 @@ Providers:
   torch   ppo_ops.log_probs_and_entropy(backend="torch")
   triton_sglang  the triton provider with reduction_order="sglang" (SGLang's log_softmax order, bit for bit)
   sglang  SGLang's batch-invariant log_softmax (sglang.srt.batch_invariant_ops) of logits.float() + gather: what its
-          deterministic / on-policy inference scores with (TP=1, log-prob only; backward is torch's)
+          deterministic / on-policy inference scores with (TP=1, log-prob only). FORWARD ONLY: its kernel has no
+          backward, so its step is the forward (its bytes and GB/s columns still count a backward: read its ms)
   legacy  ppo_ops.legacy.calculate_log_probs_and_entropy (Megatron fused vocab-parallel CE + separate entropy)
   naive   log_softmax + gather + softmax entropy in fp32 (TP=1)
   qwen3_step  one RL step through a random Qwen3-0.6B with ppo_ops (tools/bench/whole_step.py; its own suites);
@@ -144,8 +145,9 @@ def build_sglang(case: Case, inp: Inputs) -> Closure:
         log_prob = log_softmax(logits.float(), dim=-1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
         return log_prob if inp.row_mask is None else log_prob * inp.row_mask
 
-    def step(logits):
-        return torch.autograd.grad([log_prob_of(logits)], logits, [inp.grad_log_prob])[0]
+    def step(logits):  # the forward alone: SGLang's kernel defines no gradient
+        with torch.no_grad():
+            return log_prob_of(logits)
 
     def forward():
         with torch.no_grad():
