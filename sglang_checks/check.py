@@ -189,7 +189,12 @@ def validate_inputs(s: Settings) -> Plan:
     backend = "nccl" if device.type == "cuda" else "gloo"
     trainer_layouts = _parse_trainer_layouts(s, backend)
     engine_layouts = _parse_engine_layouts(s)
-    site = sglang_engine.site_dir(s.sglang.python) if s.trainer_numerics == trainer.SGLANG_ON_POLICY else None
+    site = None
+    if s.trainer_numerics == trainer.SGLANG_ON_POLICY:
+        from sglang_checks import on_policy
+
+        site = sglang_engine.site_dir(s.sglang.python)
+        on_policy.import_sglang(site)  # before any model or server: an interpreter that cannot is bad input
     _check_control(s, trainer_layouts, engine_layouts)
     replay, prompt_ids = _rollout_source(s)
     num_sequences = len(replay.samples) if replay else len(prompt_ids) * s.samples_per_prompt

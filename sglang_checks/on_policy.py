@@ -57,6 +57,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from sglang_checks.errors import CheckError
+
 # The server and the trainer must pick the same batch-invariant matmul: SGLang's Triton one (DeepGEMM, its default
 # where installed, is another kernel). Read by batch_invariant_ops at import, so set before sglang is imported.
 SGLANG_ENV = {"SGLANG_BATCH_INVARIANT_OPS_ENABLE_MM_DEEPGEMM": "0"}
@@ -214,12 +216,26 @@ TORCH_KERNELS = TorchKernels()
 
 
 def import_sglang(site_dir: Optional[str]) -> None:
-    """Makes sglang importable: its site folder appended to sys.path (this interpreter's torch and transformers win
-    over the ones SGLang's bundle carries), and SGLANG_ENV set before SGLang reads it."""
+    """Makes SGLang's kernels importable here: its site folder appended to sys.path (where this interpreter does not
+    already import sglang), SGLANG_ENV set before SGLang reads it, and its batch-invariant ops imported. SGLang 0.5.17
+    registers its own transformers configs on import and needs the transformers it was installed with (with another
+    one, e.g. 5.17 beside a 5.12 bundle, the registration raises): then a CheckError says to run the check with
+    SGLang's interpreter."""
     for key, value in SGLANG_ENV.items():
         os.environ[key] = value
     if site_dir and site_dir not in sys.path:
         sys.path.append(site_dir)
+    try:
+        import sglang.srt.batch_invariant_ops  # noqa: F401  what the trainer runs; also SGLang's config registration
+    except Exception as exc:  # noqa: BLE001 - whatever the import raises, the remedy is the same
+        import transformers
+
+        raise CheckError(
+            "--trainer_numerics=sglang_on_policy: SGLang's kernels do not import into this interpreter "
+            f"({sys.executable}, transformers {transformers.__version__}"
+            f"{', sglang from ' + site_dir if site_dir else ''}): {type(exc).__name__}: {exc}. Run the check with "
+            "SGLang's own interpreter (the --sglang_python one, e.g. `<sglang_python> -m "
+            "sglang_checks.qwen3_parallel_check ...`), whose packages SGLang was installed with") from exc
 
 
 def enable_batch_invariant_mode(site_dir: Optional[str]) -> None:

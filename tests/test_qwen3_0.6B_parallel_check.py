@@ -81,6 +81,12 @@ def test_qwen3_0_6b_true_on_policy_trainer_is_bitwise_and_its_layer_diff_finds_n
     teacher-forced trainer log-probs equal the engine's exactly (--expect_bitwise), at trainer tp1 and tp2, and the
     layer diff of the engine's tensor dump against the trainer's forward names no tensor."""
     _require_sglang_and_two_gpus()
+    from sglang_checks import on_policy
+
+    try:  # the trainer imports SGLang's kernels: only into an interpreter with the packages SGLang was installed with
+        on_policy.import_sglang(sglang_engine.site_dir(SGLANG_PYTHON))
+    except CheckError as exc:
+        pytest.skip(f"run this test with SGLang's interpreter: {exc}")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     settings = cli.settings(
         report_dir=str(tmp_path / "report"), cache_dir=os.environ.get("PPO_OPS_MODEL_CACHE") or str(tmp_path / "m"),

@@ -15,6 +15,7 @@ import torch
 
 from sglang_checks import models, on_policy
 from sglang_checks.engines import sglang_engine
+from sglang_checks.errors import CheckError
 
 pytestmark = pytest.mark.device("cpu")  # the SGLang-kernel test at the end is marked cuda
 
@@ -128,11 +129,16 @@ def _sglang_site():
     if not torch.cuda.is_available():
         return None, "needs a CUDA GPU (SGLang's Triton kernels)"
     python = os.environ.get("PPO_OPS_SGLANG_PYTHON")
+    site = None
     if python:  # the GPU/SGLang configuration's interpreter: its site folder, appended as the check does
-        return sglang_engine.site_dir(python), None
-    if importlib.util.find_spec("sglang") is None:
+        site = sglang_engine.site_dir(python)
+    elif importlib.util.find_spec("sglang") is None:
         return None, "needs sglang: set PPO_OPS_SGLANG_PYTHON to SGLang's interpreter, or put it on sys.path"
-    return None, None
+    try:
+        on_policy.import_sglang(site)
+    except CheckError as exc:  # SGLang needs the transformers it was installed with: run under its interpreter
+        return None, f"SGLang is installed but does not import into this interpreter: {exc}"
+    return site, None
 
 
 @pytest.mark.device("cuda")
