@@ -5,10 +5,12 @@
     bazel run //sglang_checks:qwen3_parallel_check -- --engine=sglang --engine_layouts=tp1,tp2 \\
         --model=/path/to/Qwen3-0.6B --sglang_python=/path/to/sglang-venv/bin/python --dtype=bfloat16
     # true on-policy: the trainer repeats SGLang's --rl-on-policy-target forward and must match it exactly; the tensor
-    # dump names the first tensor where they part (report.json's layer_diff)
-    bazel run //sglang_checks:qwen3_parallel_check -- --engine=sglang --sglang_python=/path/to/sglang/python \\
-        --model=qwen3-0.6b-random --dtype=bfloat16 --sglang_rl_on_policy_target=fsdp \\
-        --sglang_attention_backend=triton --trainer_numerics=sglang_on_policy --expect_bitwise --sglang_dump_tensors
+    # dump names the first tensor where they part (report.json's layer_diff). The trainer imports SGLang's kernels,
+    # which need the packages SGLang was installed with: run it with SGLang's interpreter (with absl-py), from here
+    /path/to/sglang/python -m sglang_checks.qwen3_parallel_check --engine=sglang \\
+        --sglang_python=/path/to/sglang/python --model=qwen3-0.6b-random --dtype=bfloat16 --device=cuda \\
+        --sglang_rl_on_policy_target=fsdp --sglang_attention_backend=triton --sglang_sampling_backend=pytorch \\
+        --trainer_numerics=sglang_on_policy --expect_bitwise --sglang_dump_tensors
 
 Exit code: 0 when every comparison is within its tolerance, 1 when one is not, 2 on bad input (flags, paths, rollout
 files, prompts: one line on stderr saying what was expected, before any model is built or loaded), 3 when a trainer
