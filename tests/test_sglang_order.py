@@ -18,7 +18,7 @@ import torch
 
 import ppo_ops
 from ppo_ops.logits import sglang_order as order
-from tests.core_support import backend_params, make_logits, make_row_mask, make_tokens
+from tests.core_support import backend_params, compile_check_report, make_logits, make_row_mask, make_tokens
 from tests.ranks import DEVICE, results_by_tp, run_gloo, world_size_param
 from tests.reference import (assert_entropy_close, assert_grad_close, assert_log_probs_close,
                              reference_log_probs_and_entropy, shard_vocab)
@@ -95,6 +95,21 @@ def test_values_and_gradients_match_float64(backend, dtype):
     assert_log_probs_close(out.log_probs, ref.log_probs)
     assert_entropy_close(out.entropy, ref.entropy)
     assert_grad_close(grad, ref.grad, dtype)
+
+
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+@pytest.mark.parametrize("vocab", [
+    3000,  # 4-wide loads: the kernel's [128, 4] tiles
+    3002,  # 2-wide
+    3001,  # 1-wide
+])
+def test_every_load_width_matches_float64(backend, vocab):
+    logits, tokens = _case(vocab)
+    out = ppo_ops.log_probs_and_entropy(logits.to(DEVICE), tokens.to(DEVICE), entropy="value", backend=backend,
+                                        reduction_order="sglang")
+    ref = reference_log_probs_and_entropy(logits, tokens, entropy="value")
+    assert_log_probs_close(out.log_probs, ref.log_probs)
+    assert_entropy_close(out.entropy, ref.entropy)
 
 
 def _tp_run(rank, world_size, tp_group, device):
@@ -196,6 +211,20 @@ def test_shards_under_one_block_are_refused_on_every_rank():
 
 def test_ranks_that_disagree_on_the_order_raise_together():
     run_gloo(2, _disagreeing_rank)
+
+
+COMPILE_TIMEOUT_S = 600  # a dozen sm_90 compiles in a child process, on the CI's 2 cores
+
+
+@pytest.mark.device("any")  # compiles in a child process, whatever this process runs on
+def test_kernels_compile_for_sm90_at_every_load_width(tmp_path_factory):
+    # The interpreter runs code the compiler rejects: every width and variant must compile as an H200 runs it, each
+    # block-sum kernel with the 8 exps of a thread's chain (4, 2 and 1 wide: one code path each).
+    report = compile_check_report("tests.sglang_order_compile_check", tmp_path_factory.mktemp("triton_cache"),
+                                  COMPILE_TIMEOUT_S)
+    assert set(report["block_sums"]) == {f"{w} {v}" for w in (4, 2, 1) for v in ("plain", "continuing", "tail_only")}
+    assert all(n == 8 for n in report["block_sums"].values()), report["block_sums"]
+    assert report["combine"]
 
 
 # ---- against SGLang's own kernel (GPU, SGLang installed) ----

@@ -1,10 +1,11 @@
 """Triton kernels of the logits op in SGLang's reduction order (sglang_order.py states the order and the protocol).
 
 `block_sums_kernel`: one program per row, over the blocks the shard touches, like SGLang's kernel; for each block
-the 128 per-thread chains are built by 8 loads of 128 columns (value q of thread t at the block column
-chain_offsets gives), each added to the chains in turn, so the additions happen in SGLang's order however this
-kernel's own layout falls; `_block_tree` then reduces the chains as SGLang's butterfly and warp combine do, by
-reshapes into axes of 2, each of which is a single (commutative, hence exact) addition. exp and log are Triton's,
+the 128 per-thread chains are built from 8 / W loads of a [128, W] tile (row t: thread t's W contiguous columns of
+one repetition, as chain_offsets gives them), whose columns are added to the chains one after another, so the
+additions happen in SGLang's order however this kernel's own layout falls; `_block_tree` then reduces the chains as
+SGLang's butterfly and warp combine do, by reshapes into axes of 2, each of which is a single (commutative, hence
+exact) addition. exp and log are Triton's,
 as in SGLang's kernel. The logits are read in their own dtype (bf16 -> fp32 is exact), with no fp32 copy.
 `combine_kernel`: per row, the global block sums added in order from 0, then log S, the log-prob and the entropy.
 """
@@ -32,6 +33,22 @@ def _block_tree(v):
     v = tl.sum(tl.reshape(v, (4, 2, 1)), axis=1)
     v = tl.sum(tl.reshape(v, (2, 2)), axis=0)
     return tl.sum(v, axis=0)
+
+
+@triton.jit
+def _add_columns(chain, tile, WIDTH: tl.constexpr):
+    """chain [128] + tile[:, 0] + tile[:, 1] + ... in column order (tile [128, WIDTH], WIDTH 1, 2 or 4)."""
+    if WIDTH == 1:
+        out = chain + tl.reshape(tile, (128,))
+    elif WIDTH == 2:
+        c0, c1 = tl.split(tile)
+        out = (chain + c0) + c1
+    else:
+        even, odd = tl.split(tl.reshape(tile, (128, 2, 2)))  # column 2a + b: split by b, then by a
+        c0, c2 = tl.split(even)
+        c1, c3 = tl.split(odd)
+        out = (((chain + c0) + c1) + c2) + c3
+    return out
 
 
 @triton.jit
@@ -72,16 +89,18 @@ def block_sums_kernel(
                 chain_e = tl.load(head_ptr + row * 2 * _THREADS + t)
                 chain_w = tl.load(head_ptr + row * 2 * _THREADS + _THREADS + t)
         block_col = (first_block + i).to(tl.int64) * _BLOCK - start
-        for q in tl.static_range(_CHAIN):
-            col = block_col + (q // WIDTH) * (_THREADS * WIDTH) + t * WIDTH + (q % WIDTH)
+        for rep in tl.static_range(_CHAIN // WIDTH):
+            # Thread t's WIDTH contiguous columns of this repetition as one row of the tile (vector loads); the
+            # chain takes them in column order, as SGLang's thread adds its registers.
+            col = block_col + rep * (_THREADS * WIDTH) + t[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
             ok = (col >= 0) & (col < n_valid)
             z = tl.load(base + col, mask=ok, other=0.0).to(tl.float32)
             if SCALED:
                 z = scaled(z, inv_temperature)
             shifted = z - m
             e = tl.where(ok, tl.exp(shifted), 0.0)
-            chain_e = chain_e + e
-            chain_w = chain_w + tl.where(e > 0, e * shifted, 0.0)
+            chain_e = _add_columns(chain_e, e, WIDTH)
+            chain_w = _add_columns(chain_w, tl.where(e > 0, e * shifted, 0.0), WIDTH)
         handed_on = False
         if TAIL_CONTINUES:
             handed_on = i == n_blocks - 1
