@@ -10,12 +10,14 @@ Server flags: those of an SGLang install without FA3 / FlashInfer sampling kerne
 sampling, NCCL all-reduce, CPU feature transport), with CUDA graphs and warm-up off for a faster start. Expected
 wall time on two H200s: the layouts test 247 s measured (three server starts); the negative controls through the
 calibration program (two server starts, each serving every control) a few minutes more. The true on-policy test (one
-server with --rl-on-policy-target fsdp and a tensor dump, the trainer's on-policy forward) needs ppo_ops'
-reduction_order="sglang"; not yet run on a GPU.
+server with --rl-on-policy-target fsdp and a tensor dump, the check under SGLang's interpreter) has not run here: its
+trainer tp2 needs the second GPU; at trainer tp1 the same run gave exactly 0 on one H200 (docs/gpu_runs.md).
 """
 
 import json
 import os
+import pathlib
+import subprocess
 
 import pytest
 import torch
@@ -33,6 +35,7 @@ TRAINER_LAYOUTS = ["tp1", "tp2", "cp2", "dp2"]
 MEM_FRACTION = 0.5
 # The first start compiles SGLang's RoPE / QK-norm kernels with nvcc (~8 s each) on top of loading.
 START_TIMEOUT_S = 600
+REPO_ROOT = pathlib.Path(os.path.abspath(__file__)).parent.parent  # not resolved: Bazel's runfiles copy stays
 
 
 def _require_sglang_and_two_gpus() -> None:
@@ -76,31 +79,27 @@ def test_qwen3_0_6b_sglang_engine_and_trainer_layouts(tmp_path, monkeypatch):
     assert code == 0, [c for c in report["comparisons"] if not c["passed"]]
 
 
-def test_qwen3_0_6b_true_on_policy_trainer_is_bitwise_and_its_layer_diff_finds_no_difference(tmp_path, monkeypatch):
+def test_qwen3_0_6b_true_on_policy_trainer_is_bitwise_and_its_layer_diff_finds_no_difference(tmp_path):
     """--trainer_numerics=sglang_on_policy against SGLang under --rl-on-policy-target fsdp (triton attention): the
     teacher-forced trainer log-probs equal the engine's exactly (--expect_bitwise), at trainer tp1 and tp2, and the
-    layer diff of the engine's tensor dump against the trainer's forward names no tensor."""
+    layer diff of the engine's tensor dump against the trainer's forward names no tensor. The check runs as its users
+    run it in this mode: under SGLang's interpreter (the trainer imports SGLang's kernels)."""
     _require_sglang_and_two_gpus()
-    from sglang_checks import on_policy
-
-    try:  # the trainer imports SGLang's kernels: only into an interpreter with the packages SGLang was installed with
-        on_policy.import_sglang(sglang_engine.site_dir(SGLANG_PYTHON))
-    except CheckError as exc:
-        pytest.skip(f"run this test with SGLang's interpreter: {exc}")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    settings = cli.settings(
-        report_dir=str(tmp_path / "report"), cache_dir=os.environ.get("PPO_OPS_MODEL_CACHE") or str(tmp_path / "m"),
-        model=os.environ.get("QWEN3_0_6B_PATH", "qwen3-0.6b-random"), device="cuda", dtype="bfloat16",
-        engine="sglang", engine_layouts="tp1", trainer_layouts="tp1,tp2", num_prompts=4, samples_per_prompt=2,
-        max_new_tokens=32, top_p=1.0, expect_bitwise=True, trainer_numerics="sglang_on_policy",
-        sglang_dump_tensors=True,
-        sglang=sglang_engine.ServerOptions(
-            python=SGLANG_PYTHON, mem_fraction_static=MEM_FRACTION, start_timeout_s=START_TIMEOUT_S,
-            deterministic=True, rl_on_policy_target="fsdp", attention_backend="triton", sampling_backend="pytorch",
-            disable_custom_all_reduce=True, mm_feature_transport="cpu", disable_cuda_graph=True,
-            skip_server_warmup=True))
-    code = check.run(settings)
-    with open(os.path.join(settings.report_dir, "report.json")) as f:
+    report_dir = tmp_path / "report"
+    cache = os.environ.get("PPO_OPS_MODEL_CACHE") or str(tmp_path / "m")
+    flags = [f"--report_dir={report_dir}", f"--cache_dir={cache}", "--device=cuda", "--dtype=bfloat16",
+             f"--model={os.environ.get('QWEN3_0_6B_PATH', 'qwen3-0.6b-random')}", "--engine=sglang",
+             "--engine_layouts=tp1", "--trainer_layouts=tp1,tp2", "--num_prompts=4", "--samples_per_prompt=2",
+             "--max_new_tokens=32", "--top_p=1.0", "--expect_bitwise", "--trainer_numerics=sglang_on_policy",
+             "--sglang_dump_tensors", f"--sglang_python={SGLANG_PYTHON}", f"--sglang_mem_fraction={MEM_FRACTION}",
+             f"--sglang_start_timeout_s={START_TIMEOUT_S}", "--sglang_rl_on_policy_target=fsdp",
+             "--sglang_attention_backend=triton", "--sglang_sampling_backend=pytorch",
+             "--sglang_disable_custom_all_reduce", "--sglang_mm_feature_transport=cpu", "--sglang_disable_cuda_graph",
+             "--sglang_skip_server_warmup"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([SGLANG_PYTHON, "-m", "sglang_checks.qwen3_parallel_check", *flags], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=1800)
+    with open(report_dir / "report.json") as f:
         report = json.load(f)
     diff = report["layer_diff"]["tp1"]
     print(json.dumps({"layer_diff": diff["summary"], "first": diff.get("first_difference"),
@@ -108,7 +107,7 @@ def test_qwen3_0_6b_true_on_policy_trainer_is_bitwise_and_its_layer_diff_finds_n
                      indent=1))
     assert report["trainer"]["numerics"] == "sglang_on_policy"
     assert diff["passes"] and diff["first_difference"] is None, diff["summary"]
-    assert code == 0, [c for c in report["comparisons"] if not c["passed"]]
+    assert done.returncode == 0, (done.stderr[-3000:], [c for c in report["comparisons"] if not c["passed"]])
 
 
 def test_bf16_negative_controls_fail_with_their_metric_with_sglang(tmp_path, monkeypatch):

@@ -2,22 +2,17 @@
 
 CPU: the stand-in kernels' forward in fp32 against transformers' Qwen3ForCausalLM on the generated `tiny` model
 (the math), the bf16 / fp32 mixed forward's dtypes and recorded names against what SGLang's tensor dumper writes, and
-its distance from the fp32 model. CUDA + SGLang (skipped, with the reason, where either is missing; SGLang from
-$PPO_OPS_SGLANG_PYTHON's site folder, appended to sys.path as the check does): SGLang's kernels against the stand-ins
-on the same weights.
+its distance from the fp32 model. SGLang's kernels against the stand-ins: tests/test_sglang_kernels.py (under SGLang's
+interpreter, the SGLang runner configuration).
 """
 
-import importlib.util
-import os
 
 import pytest
 import torch
 
 from sglang_checks import models, on_policy
-from sglang_checks.engines import sglang_engine
-from sglang_checks.errors import CheckError
 
-pytestmark = pytest.mark.device("cpu")  # the SGLang-kernel test at the end is marked cuda
+pytestmark = pytest.mark.device("cpu")
 
 # fp32 forward vs transformers' fp32 forward: the same ops but separate q/k/v and gate/up GEMMs (transformers) vs
 # fused ones, and a varlen batch vs padded rows; the GEMMs round differently (measured max 6e-6 on logits of up to
@@ -122,43 +117,3 @@ def test_rms_norm_mirrors_sglangs_forward_native():
     xf = x.float()
     assert plain.dtype == torch.float32
     assert torch.equal(plain, weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16())
-
-
-def _sglang_site():
-    """(where sglang is imported from, or None for sys.path as is; why it cannot run here, or None)."""
-    if not torch.cuda.is_available():
-        return None, "needs a CUDA GPU (SGLang's Triton kernels)"
-    python = os.environ.get("PPO_OPS_SGLANG_PYTHON")
-    site = None
-    if python:  # the GPU/SGLang configuration's interpreter: its site folder, appended as the check does
-        site = sglang_engine.site_dir(python)
-    elif importlib.util.find_spec("sglang") is None:
-        return None, "needs sglang: set PPO_OPS_SGLANG_PYTHON to SGLang's interpreter, or put it on sys.path"
-    try:
-        on_policy.import_sglang(site)
-    except CheckError as exc:  # SGLang needs the transformers it was installed with: run under its interpreter
-        return None, f"SGLang is installed but does not import into this interpreter: {exc}"
-    return site, None
-
-
-@pytest.mark.device("cuda")
-def test_sglang_kernels_agree_with_the_stand_ins_within_bf16(tiny):
-    """SGLang's kernels run the same op sequence: close to the stand-ins (not equal: other GEMM and attention
-    kernels), every recorded name present with the same dtypes and shapes."""
-    site, missing = _sglang_site()
-    if missing:
-        pytest.skip(missing)
-    model = tiny.to("cuda")
-    ids = _padded_ids(model.config.vocab_size)
-    ours, theirs = {}, {}
-    _, _, torch_logits = on_policy.model_outputs(model, ids, LENGTHS, record=ours)
-    _, _, sglang_logits = on_policy.model_outputs(model, ids, LENGTHS, kernels=on_policy.sglang_kernels(site),
-                                                  record=theirs)
-    assert list(ours) == list(theirs)
-    for name in ours:
-        a = ours[name] if isinstance(ours[name], list) else [ours[name]]
-        b = theirs[name] if isinstance(theirs[name], list) else [theirs[name]]
-        assert [(t.dtype, t.shape) for t in a] == [(t.dtype, t.shape) for t in b], name
-    for b, n in enumerate(LENGTHS):
-        gap = (sglang_logits[b, :n].float().log_softmax(-1) - torch_logits[b, :n].float().log_softmax(-1)).abs()
-        assert gap.mean() < BF16_MEAN_LOGPROB_ATOL, (b, gap.mean())

@@ -8,9 +8,7 @@
   temperature and a row mask; and the module's steps run by hand for two shards in one process, which is how the GPU
   test covers TP = 2 on one GPU (NCCL needs a GPU per rank).
 - Refusals: keep_mask, shards under 1024 columns, an unknown order, ranks that disagree on the order.
-- On a GPU with SGLang importable: bit for bit against SGLang's own kernel (`sglang.srt.batch_invariant_ops
-  .log_softmax`, what its deterministic inference runs for log_softmax) at TP = 1 and 2; skipped, with the reason,
-  where SGLang or a GPU is absent.
+- Against SGLang's own kernel: tests/test_sglang_kernels.py (the SGLang runner configuration).
 """
 
 import pytest
@@ -20,13 +18,13 @@ import ppo_ops
 from ppo_ops.logits import sglang_order as order
 from tests.core_support import backend_params, compile_check_report, make_logits, make_row_mask, make_tokens
 from tests.ranks import DEVICE, results_by_tp, run_gloo, world_size_param
+from tests.sglang_kernels_check import steps_by_hand
 from tests.reference import (assert_entropy_close, assert_grad_close, assert_log_probs_close,
                              reference_log_probs_and_entropy, shard_vocab)
 
 TP_SIZES = (1, 2, 4)
 V_TP = 6144  # TP = 4: shards of 1536, so two of the three boundaries fall inside a block
 PADDED_VOCAB = 6000  # the last rank's shard ends in padding
-QWEN3_VOCAB = 151936  # 2^7 * 1187: 4-wide loads, a partial last block of 384 columns
 
 
 def _loop_log_probs(z_rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -151,23 +149,6 @@ def test_bitwise_identical_across_tp_sizes(tp_results, tp):
         assert torch.equal(shards, base[backend][2]), f"{backend} TP={tp}: gradient shards differ from TP=1"
 
 
-def steps_by_hand(logits, tokens, world_size, backend, vocab_size=None):
-    """The module's steps for `world_size` shards in this process, the exchanges done here: log-probs [T]."""
-    vocab_size = logits.shape[1] if vocab_size is None else vocab_size
-    v_local = logits.shape[1] // world_size
-    kernels = order.kernels_for(backend)
-    shards = [order.Shard(logits=logits[:, r * v_local:(r + 1) * v_local].contiguous(), tokens=tokens,
-                          row_mask=None, start=r * v_local, v_local=v_local,
-                          n_valid=max(0, min(v_local, vocab_size - r * v_local)), vocab_size=vocab_size,
-                          inv_temperature=None, kernels=kernels) for r in range(world_size)]
-    row_max = torch.stack([s.local_max() for s in shards]).amax(dim=0)
-    shift = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    tails = [s.tail_chains(shift) for s in shards]
-    sums = [s.block_sums(shift, tails[r - 1] if s.blocks.head_continues else None) for r, s in enumerate(shards)]
-    target = torch.stack([s.target_z() for s in shards]).amax(dim=0)
-    return order.combine(kernels, torch.cat(sums, dim=2), row_max, target, None).log_prob
-
-
 @pytest.mark.parametrize("backend", backend_params(DEVICE))
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_steps_by_hand_equal_one_rank(backend, world_size):
@@ -225,78 +206,3 @@ def test_kernels_compile_for_sm90_at_every_load_width(tmp_path_factory):
     assert set(report["block_sums"]) == {f"{w} {v}" for w in (4, 2, 1) for v in ("plain", "continuing", "tail_only")}
     assert all(n == 8 for n in report["block_sums"].values()), report["block_sums"]
     assert report["combine"]
-
-
-# ---- against SGLang's own kernel (GPU, SGLang installed) ----
-
-def _sglang_log_softmax():
-    try:
-        from sglang.srt.batch_invariant_ops import log_softmax
-    except Exception as exc:  # noqa: BLE001 - any import failure means the kernel is not available here
-        return None, f"SGLang's batch-invariant ops do not import here ({type(exc).__name__}: {exc})"
-    return log_softmax, None
-
-
-def _sglang_or_skip():
-    if DEVICE.type != "cuda":
-        pytest.skip("needs a CUDA GPU: SGLang's kernel is compiled Triton")
-    fn, reason = _sglang_log_softmax()
-    if fn is None:
-        pytest.skip(reason)
-    return fn
-
-
-SGLANG_CASES = [
-    pytest.param(QWEN3_VOCAB, 1.0, id="qwen3_vocab"),
-    pytest.param(QWEN3_VOCAB + 1, 1.0, id="odd_vocab_1wide"),  # 1-wide loads in SGLang's kernel
-    pytest.param(QWEN3_VOCAB + 2, 1.0, id="even_vocab_2wide"),  # 2-wide loads
-    pytest.param(QWEN3_VOCAB, 0.5, id="temperature_power_of_two"),  # x * 2 == x / 0.5 exactly: SGLang's sampler's z
-]
-
-
-def _sglang_reference(fn, logits, tokens, temperature):
-    z = logits.float()
-    if temperature != 1.0:  # SGLang's sampler divides by a tensor of temperatures
-        z = z / torch.full((1,), temperature, dtype=torch.float32, device=z.device)
-    return fn(z, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-
-
-@pytest.mark.parametrize("vocab,temperature", SGLANG_CASES)
-def test_bitwise_equal_to_sglang_kernel_tp1(vocab, temperature):
-    fn = _sglang_or_skip()
-    logits = make_logits((64, vocab), torch.bfloat16, seed=3, scale=6.0).to(DEVICE)
-    logits[5, ::3] = float("-inf")
-    tokens = make_tokens((64,), vocab, seed=4).to(DEVICE)
-    ours = ppo_ops.log_probs_and_entropy(logits, tokens, temperature=temperature, reduction_order="sglang")
-    assert torch.equal(ours.log_probs, _sglang_reference(fn, logits, tokens, temperature))
-
-
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_bitwise_equal_to_sglang_kernel_shards_by_hand(world_size):
-    fn = _sglang_or_skip()
-    logits = make_logits((64, QWEN3_VOCAB), torch.bfloat16, seed=5, scale=6.0).to(DEVICE)
-    tokens = make_tokens((64,), QWEN3_VOCAB, seed=6).to(DEVICE)
-    ours = steps_by_hand(logits, tokens, world_size, "triton")
-    assert torch.equal(ours, _sglang_reference(fn, logits, tokens, 1.0))
-
-
-def _sglang_rank(rank, world_size):
-    fn, _ = _sglang_log_softmax()
-    logits = make_logits((64, QWEN3_VOCAB), torch.bfloat16, seed=7, scale=6.0).to(rank_cuda(rank))
-    tokens = make_tokens((64,), QWEN3_VOCAB, seed=8).to(logits.device)
-    ours = ppo_ops.log_probs_and_entropy(shard_vocab(logits, rank, world_size), tokens,
-                                         tp_group=torch.distributed.group.WORLD, reduction_order="sglang")
-    assert torch.equal(ours.log_probs, _sglang_reference(fn, logits, tokens, 1.0))
-
-
-def rank_cuda(rank):
-    return torch.device("cuda", rank)
-
-
-@pytest.mark.parametrize("world_size", [world_size_param(2)])
-def test_bitwise_equal_to_sglang_kernel_over_nccl(world_size):
-    _sglang_or_skip()
-    if torch.cuda.device_count() < world_size:
-        pytest.skip(f"needs {world_size} GPUs for NCCL ranks, {torch.cuda.device_count()} visible")
-    from tests.ranks import run_ranks
-    run_ranks(world_size, _sglang_rank)
