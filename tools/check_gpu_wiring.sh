@@ -46,6 +46,9 @@ test_ppo_logprob_entropy_gpu2 2
 test_qwen3_0.6B_parallel_check 2
 test_qwen3_parallel_check_gpu 1
 test_qwen3_parallel_check_gpu2 2
+test_sglang_kernels 1
+test_sglang_order_gpu 1
+test_sglang_order_gpu2 2
 test_tp_invariance_gpu 1
 test_tp_invariance_gpu2 2
 test_tp_invariance_gpu4 4
