@@ -418,7 +418,10 @@ def _layer_diffs(s: Settings, plan: Plan, rollout: rollout_lib.Rollout, scores: 
             out[layout.name] = {"engine_dump": folder, "summary": "skipped: a tensor-parallel dump holds each "
                                 "rank's shards; compare an engine layout with tp1"}
         else:
-            out[layout.name] = layer_diff.diff(folder, scores.record, sequences)
+            try:
+                out[layout.name] = layer_diff.diff(folder, scores.record, sequences)
+            except Exception as exc:  # noqa: BLE001 - a diagnostic: a bad dump must not cost the run its report
+                out[layout.name] = {"engine_dump": folder, "summary": f"failed: {type(exc).__name__}: {exc}"}
         _log(f"layer diff, engine {layout.name}: {out[layout.name]['summary']}")
     scores.record = None
     return out

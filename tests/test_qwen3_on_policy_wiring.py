@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import os
 import sys
+import types
 
 import pytest
 import torch
@@ -72,6 +73,23 @@ def test_open_engine_passes_the_dump_folder_and_the_trainers_matmul_choice(tmp_p
     plain = check.open_engine(_settings(tmp_path, engine="sglang"), Layout("tp1"), None, torch.device("cpu"),
                               _Info())
     assert "--debug-tensor-dump-output-folder" not in plain.server.command
+
+
+def test_layer_diffs_skip_what_they_cannot_compare_and_survive_a_bad_dump(tmp_path):
+    s = _settings(tmp_path, sglang_dump_tensors=True, **ON_POLICY)
+    bad = tmp_path / "report" / check.ENGINE_DUMP_NAME / "tp1" / "TP0_PP0_Rank0_pid1"
+    bad.mkdir(parents=True)
+    (bad / "Pass00000.pt").write_bytes(b"not a torch file")
+    plan = types.SimpleNamespace(engine_layouts=[Layout("tp1"), Layout("tp2", tp=2)])
+    rollout = types.SimpleNamespace(samples=[types.SimpleNamespace(prompt_ids=[1, 2], completion_ids=[3])])
+    scores = types.SimpleNamespace(record={"model.embed_tokens": torch.zeros(3, 4)})
+    out = check._layer_diffs(s, plan, rollout, scores)
+    assert out["tp1"]["summary"].startswith("failed: ")  # the run goes on to its report
+    assert out["tp2"]["summary"].startswith("skipped: a tensor-parallel dump")
+    assert scores.record is None  # freed before the trainer ranks start
+    scores.record = None
+    assert check._layer_diffs(s, plan, rollout, scores)["tp1"]["summary"].startswith(
+        "skipped: the trainer records SGLang's tensor names only with --trainer_numerics=sglang_on_policy")
 
 
 def test_site_dir_is_where_the_interpreter_finds_sglang(tmp_path):
