@@ -211,12 +211,20 @@ def error_header(exc: BaseException, device) -> torch.Tensor:
     return _host_ints(row, device)
 
 
-def rank_header(tokens: torch.Tensor, row_mask: Optional[torch.Tensor], partials: torch.Tensor, *, v_local: int,
+def bad_logits(partials: torch.Tensor) -> torch.Tensor:
+    """0-d bool: NaN or +inf logits reached a rank's forward partials ([segments, 5, T]; a kernel's max may skip NaN,
+    the sum does not)."""
+    maxima = partials[:, MAX]
+    return (torch.isnan(maxima) | (maxima == math.inf) | torch.isnan(partials[:, SUMEXP])).any()
+
+
+def rank_header(tokens: torch.Tensor, row_mask: Optional[torch.Tensor], bad: torch.Tensor, *, v_local: int,
                 vocab_size: int, temperature: float, entropy_mode: str, has_keep_mask: bool,
                 dtype: torch.dtype, reduction_order: str = "fused") -> torch.Tensor:
     """The header of a rank whose arguments passed the local checks, its value fields computed on the device from
-    its tokens, row mask and forward partials ([segments, 5, T]), with no host sync."""
-    device = partials.device
+    its tokens, row mask and `bad` (0-d bool: NaN / +inf logits reached this rank, e.g. bad_logits of its partials),
+    with no host sync."""
+    device = bad.device
     flat_tokens = tokens.reshape(-1).to(torch.int64)
     if row_mask is not None:
         rm = row_mask.reshape(-1)
@@ -224,8 +232,6 @@ def rank_header(tokens: torch.Tensor, row_mask: Optional[torch.Tensor], partials
         row_sum = _fold_checksum(rm.to(torch.int64))
     else:
         row_sum = torch.zeros((), dtype=torch.int64, device=device)
-    maxima = partials[:, MAX]
-    bad = (torch.isnan(maxima) | (maxima == math.inf) | torch.isnan(partials[:, SUMEXP])).any()
     fixed = _host_ints(
         [0, 0, flat_tokens.numel(), v_local, vocab_size, _float_bits(temperature), ENTROPY_MODES.index(entropy_mode),
          int(has_keep_mask), _DTYPES.index(dtype), REDUCTION_ORDERS.index(reduction_order)], device)
@@ -297,12 +303,12 @@ def raise_if_any(fn_name: str, table: list, has_row_mask: bool,
 
 
 def check_across_ranks(fn_name: str, group, world_size: int, tokens: torch.Tensor, row_mask: Optional[torch.Tensor],
-                       partials: torch.Tensor, naming: Optional[Naming] = None, **fields) -> None:
+                       bad: torch.Tensor, naming: Optional[Naming] = None, **fields) -> None:
     """TP > 1, validate=True, before the partials' all-gather: builds this rank's header (`fields` as rank_header
     takes them), all-gathers the headers, reads the table (the call's one host sync) and raises on every rank
-    together, or returns on every rank. `tokens` and `row_mask` are the call's (all T rows); `partials` may cover
-    only the rows a backend computed (only its NaN / +inf flag is read)."""
-    header = rank_header(tokens, row_mask, partials, **fields)
+    together, or returns on every rank. `tokens` and `row_mask` are the call's (all T rows); `bad` is this rank's
+    NaN / +inf flag (0-d bool), whichever rows it covers."""
+    header = rank_header(tokens, row_mask, bad, **fields)
     table = exchange_headers(header, group, world_size)
     raise_if_any(fn_name, table, row_mask is not None, naming=naming)
 

@@ -236,13 +236,13 @@ def select_backend(fn_name: str, backend: str, rows: torch.Tensor, op: str, fuse
 
 # ---- partials -> global row statistics ----
 
-def check_across_ranks(plan: Plan, tokens, row_mask, partials: torch.Tensor) -> None:
-    """TP > 1, validate=True: the header exchange of the call (its one host read), before the partials' all-gather,
-    whose size depends on the call: ranks that disagree, or whose tokens or logits are bad, all raise here together.
-    `tokens` and `row_mask` are the call's (all T rows); `partials` give this rank's NaN / +inf flag."""
+def check_across_ranks(plan: Plan, tokens, row_mask, bad: torch.Tensor) -> None:
+    """TP > 1, validate=True: the header exchange of the call (its one host read), before any collective whose size
+    depends on the call: ranks that disagree, or whose tokens or logits are bad, all raise here together. `tokens`
+    and `row_mask` are the call's (all T rows); `bad` is this rank's NaN / +inf flag (0-d bool)."""
     layout = plan.layout
     agreement.check_across_ranks(
-        plan.fn_name, layout.group, layout.world_size, tokens, row_mask, partials, naming=plan.naming,
+        plan.fn_name, layout.group, layout.world_size, tokens, row_mask, bad, naming=plan.naming,
         v_local=layout.v_local, vocab_size=layout.vocab_size, temperature=plan.temperature,
         entropy_mode=plan.entropy_mode, has_keep_mask=plan.has_keep_mask, dtype=plan.dtype,
         reduction_order=plan.reduction_order)
@@ -261,7 +261,7 @@ def merge_row_stats(plan: Plan, partials: torch.Tensor, tokens, row_mask, *,
     layout = plan.layout
     if layout.group is not None:
         if plan.validate if validate is None else validate:
-            check_across_ranks(plan, tokens, row_mask, partials)
+            check_across_ranks(plan, tokens, row_mask, agreement.bad_logits(partials))
         # Every rank takes part, R = 0 included: [segments, 5, R] has the same shape on every rank.
         gathered = torch.empty((layout.world_size * partials.shape[0],) + tuple(partials.shape[1:]),
                                dtype=partials.dtype, device=partials.device)

@@ -102,8 +102,7 @@ class LinearTokenLossFunction(torch.autograd.Function):
                                        LossHooks(merge=merge, block_grads=block_grads, finish_dx=finish_dx),
                                        need_dx=need_dx, need_dw=need_dw)
         if not headers_done[0]:  # no kept row on this rank: it still takes part in the header exchange
-            shell.check_across_ranks(plan, tokens, row_mask,
-                                     torch.zeros((layout.segments_local, 5, 0), dtype=torch.float32, device=device))
+            shell.check_across_ranks(plan, tokens, row_mask, torch.zeros((), dtype=torch.bool, device=device))
         if plan.validate:
             _check_end(plan, tokens, row_mask, flags)
 

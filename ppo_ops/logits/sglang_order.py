@@ -47,9 +47,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ppo_ops.core import agreement
+from ppo_ops.core import agreement, shell
 from ppo_ops.core.contracts import RowInputs, RowStats
-from ppo_ops.core.row_stats import MAX, empty_partials
 
 BLOCK = 1024  # columns per block of SGLang's kernel
 THREADS = 128  # 4 warps of 32
@@ -260,19 +259,13 @@ def row_stats(plan, inputs: RowInputs) -> RowStats:
         shift = _shift(local_max)
         return combine(mine.kernels, mine.block_sums(shift, None), local_max, mine.target_z(), inputs.row_mask)
 
-    if plan.validate:
-        # The header exchange (the call's one host read) before any collective whose size depends on the call.
-        flags = empty_partials(1, rows, device)
-        flags[0, MAX] = local_max
-        agreement.check_across_ranks(
-            plan.fn_name, layout.group, layout.world_size, inputs.tokens, inputs.row_mask, flags,
-            naming=plan.naming, v_local=layout.v_local, vocab_size=layout.vocab_size, temperature=plan.temperature,
-            entropy_mode=plan.entropy_mode, has_keep_mask=False, dtype=plan.dtype,
-            reduction_order=plan.reduction_order)
+    if plan.validate:  # the header exchange (the call's one host read) first; amax propagates NaN
+        shell.check_across_ranks(plan, inputs.tokens, inputs.row_mask,
+                                 (torch.isnan(local_max) | (local_max == float("inf"))).any())
     row_max = local_max.clone()
     dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=layout.group)
     shift = _shift(row_max)
-    every = [_shard(plan, inputs, r).blocks for r in range(layout.world_size)]
+    every = [shard_blocks(*_geometry(layout, r)) for r in range(layout.world_size)]
     head = None
     if any(blocks.tail_continues for blocks in every):
         tails = _all_gather(mine.tail_chains(shift), layout)
@@ -287,13 +280,18 @@ def row_stats(plan, inputs: RowInputs) -> RowStats:
     return combine(mine.kernels, torch.cat(parts, dim=2), row_max, gathered[:, :, -1].amax(dim=0), inputs.row_mask)
 
 
-def _shard(plan, inputs: RowInputs, rank: int) -> Shard:
-    """Rank `rank`'s Shard of this call (its tensors are this rank's: only its geometry is used for other ranks)."""
-    layout = plan.layout
+def _geometry(layout, rank: int):
+    """(start, v_local, n_valid, vocab_size) of rank `rank`'s shard, as shard_blocks takes them."""
     start = rank * layout.v_local
+    return start, layout.v_local, max(0, min(layout.v_local, layout.vocab_size - start)), layout.vocab_size
+
+
+def _shard(plan, inputs: RowInputs, rank: int) -> Shard:
+    """This rank's Shard of the call."""
+    layout = plan.layout
+    start, v_local, n_valid, vocab_size = _geometry(layout, rank)
     return Shard(logits=inputs.logits, tokens=inputs.tokens, row_mask=inputs.row_mask, start=start,
-                 v_local=layout.v_local, n_valid=max(0, min(layout.v_local, layout.vocab_size - start)),
-                 vocab_size=layout.vocab_size,
+                 v_local=v_local, n_valid=n_valid, vocab_size=vocab_size,
                  inv_temperature=None if plan.shard.inv_temperature == 1.0 else plan.shard.inv_temperature,
                  kernels=kernels_for(plan.backend.name))
 
@@ -320,9 +318,13 @@ def _torch_block_sums(logits, shift, shard, start, n_valid, width, inv_temperatu
 
 
 def _torch_tail_chains(logits, shift, shard, start, n_valid, width, inv_temperature):
-    # Only the tail block is needed here; the full pass later recomputes it (the torch backend is the CPU path).
-    return torch_block_sums(logits, shift, shard, start, n_valid, width, inv_temperature,
-                            torch.zeros((logits.shape[0], 2, THREADS), device=logits.device))[1]
+    """The last block's chains alone: its columns as a one-block shard (a continuing tail needs a shard of at least
+    one block, so that block starts inside this shard)."""
+    last = shard.first + shard.count - 1
+    lo = last * BLOCK - start
+    tail = ShardBlocks(last, 1, head_continues=False, tail_continues=True)
+    return torch_block_sums(logits[:, lo:n_valid], shift, tail, start + lo, n_valid - lo, width, inv_temperature,
+                            None)[1]
 
 
 _TORCH = Kernels(row_max=torch_row_max, block_sums=_torch_block_sums, tail_chains=_torch_tail_chains,
