@@ -1,15 +1,16 @@
-"""Compiles the fused LM head's Triton kernels (ppo_ops/lm_head/triton_backend.py, gemm_partials.py) for an H200
-(sm_90) without a GPU; run by tests/test_linear_log_probs.py as `python -m tests.linear_compile_check` in a child
-process WITHOUT TRITON_INTERPRET (an interpreting process cannot compile). Triton's bundled ptxas compiles for a
-fixed target.
+"""Compiles the fused LM head's Triton kernels (ppo_ops/lm_head/triton_backend.py, gemm_partials.py,
+gemm_dlogits.py) for an H200 (sm_90) without a GPU; run by tests/test_linear_log_probs.py as
+`python -m tests.linear_compile_check` in a child process WITHOUT TRITON_INTERPRET (an interpreting process cannot
+compile). Triton's bundled ptxas compiles for a fixed target.
 
 Prints one JSON object:
 - "forward_keys": {"<dtype>": distinct forward binaries over every rank of TP = 1, 2, 4, 8 at Qwen3's vocabulary
-  (V_local 151936 ... 18992) with padding on the last rank}, and "gemm_partials bf16" for the chunked backend's
-  one-GEMM forward: 1 means every TP size runs the same code on a segment.
+  (V_local 151936 ... 18992) with padding on the last rank}, "gemm_partials bf16" for the chunked backend's
+  one-GEMM forward and "gemm_dlogits bf16" for its fused backward recompute over every segment: 1 means every TP
+  size runs the same code on a segment.
 - "kernels": {"<kernel> <dtype>": {"wgmma": bool, "mma": bool}} with the GPU launch configs: "wgmma" when the PTX
   issues Hopper's warpgroup MMA (wgmma.mma_async), "mma" when it issues any tensor-core MMA at all; "gemm_partials
-  bf16" has "tma" instead of "mma": its tiles arrive by TMA (cp.async.bulk.tensor).
+  bf16" and "gemm_dlogits bf16" have "tma" instead of "mma": their tiles move by TMA (cp.async.bulk.tensor).
 """
 
 import json
@@ -27,7 +28,7 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from ppo_ops.core.triton_common import options  # noqa: E402
-from ppo_ops.lm_head import gemm_partials as gp, triton_backend as lt  # noqa: E402
+from ppo_ops.lm_head import gemm_dlogits as gd, gemm_partials as gp, triton_backend as lt  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H200 (Hopper), 32-thread warps
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -103,19 +104,36 @@ def _gemm_args(dtype, transposed_a, n_rows=8192, chunk=4096):
     return args, kwargs
 
 
-def _gemm_partials_args(n_rows, v_local, n_valid, vocab_start, inv_t=1.5):
+def _gemm_partials_args(n_rows, v_local, n_valid, inv_t=1.5):
     """The chunked backend's one-GEMM forward (bf16 only: the path is half precision)."""
-    cfg = gp._GPU_CONFIG
+    cfg = gp.GPU_CONFIG
     seg_len = V_QWEN3 // 8
     hidden = torch.empty((n_rows, H_QWEN3_8B), dtype=torch.bfloat16)
     weight = torch.empty((v_local, H_QWEN3_8B), dtype=torch.bfloat16)
     args = (TensorDescriptor.from_tensor(hidden, [cfg.block_m, cfg.block_k]),
-            TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]), torch.zeros(n_rows, dtype=torch.int64),
-            torch.empty(1), n_rows, H_QWEN3_8B, seg_len, v_local // seg_len, n_valid, vocab_start,
-            -(-seg_len // cfg.block_n), inv_t)
+            TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]), torch.empty(1), n_rows, H_QWEN3_8B,
+            seg_len, v_local // seg_len, n_valid, -(-seg_len // cfg.block_n), 132, inv_t)
     kwargs = dict(SCALE=inv_t != 1.0, WITH_ENTROPY=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                  BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.num_stages, UPCAST=False,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=False, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
+    return args, kwargs
+
+
+def _gemm_dlogits_args(n_rows, seg_n_valid, inv_t=1.5):
+    """The chunked backend's fused backward recompute on one segment (bf16)."""
+    cfg = gp.GPU_CONFIG
+    seg_len = V_QWEN3 // 8
+    hidden = torch.empty((n_rows, H_QWEN3_8B), dtype=torch.bfloat16)
+    w_seg = torch.empty((seg_len, H_QWEN3_8B), dtype=torch.bfloat16)
+    dl = torch.empty((n_rows, seg_len), dtype=torch.bfloat16)
+    vec = torch.empty(n_rows)
+    args = (TensorDescriptor.from_tensor(hidden, [cfg.block_m, cfg.block_k]),
+            TensorDescriptor.from_tensor(w_seg, [cfg.block_n, cfg.block_k]),
+            TensorDescriptor.from_tensor(dl, [cfg.block_m, cfg.block_n]), vec, vec, vec, vec, vec, n_rows,
+            H_QWEN3_8B, seg_len, seg_n_valid, 132, inv_t)
+    kwargs = dict(HAS_GRAD_LOG_PROB=True, HAS_GRAD_ENTROPY=True, SCALE=inv_t != 1.0, BLOCK_M=cfg.block_m,
+                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=False, OUT_BF16=True,
+                  ROUND_BF16_BY_BITS=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return args, kwargs
 
 
@@ -125,17 +143,29 @@ def gemm_partials_key_count(n_rows=8192, vocab_size=V_QWEN3 - 100):
         v_local = V_QWEN3 // tp
         for rank in range(tp):
             n_valid = max(0, min(v_local, vocab_size - rank * v_local))
-            args, kwargs = _gemm_partials_args(n_rows, v_local, n_valid, rank * v_local)
+            args, kwargs = _gemm_partials_args(n_rows, v_local, n_valid)
             keys.add(_specialize(gp.gemm_partials_kernel, args, kwargs)[0])
+    return len(keys)
+
+
+def gemm_dlogits_key_count(n_rows=8192, vocab_size=V_QWEN3 - 100):
+    """Distinct binaries over every segment of the vocabulary (each segment is one launch, on whichever rank)."""
+    seg_len = V_QWEN3 // 8
+    keys = set()
+    for seg_lo in range(0, V_QWEN3, seg_len):
+        args, kwargs = _gemm_dlogits_args(n_rows, max(0, min(seg_len, vocab_size - seg_lo)))
+        keys.add(_specialize(gd.gemm_dlogits_kernel, args, kwargs)[0])
     return len(keys)
 
 
 def main():
     report = {"forward_keys": {name: forward_key_count(dtype) for name, dtype in DTYPES.items()}, "kernels": {}}
     report["forward_keys"]["gemm_partials bf16"] = gemm_partials_key_count()
-    ptx = _ptx(gp.gemm_partials_kernel, *_gemm_partials_args(8192, V_QWEN3, V_QWEN3, 0))
-    report["kernels"]["gemm_partials bf16"] = {"wgmma": "wgmma.mma_async" in ptx,
-                                              "tma": "cp.async.bulk.tensor" in ptx}
+    report["forward_keys"]["gemm_dlogits bf16"] = gemm_dlogits_key_count()
+    for name, kernel, case in (("gemm_partials", gp.gemm_partials_kernel, _gemm_partials_args(8192, V_QWEN3, V_QWEN3)),
+                               ("gemm_dlogits", gd.gemm_dlogits_kernel, _gemm_dlogits_args(8192, V_QWEN3 // 8))):
+        ptx = _ptx(kernel, *case)
+        report["kernels"][f"{name} bf16"] = {"wgmma": "wgmma.mma_async" in ptx, "tma": "cp.async.bulk.tensor" in ptx}
     for name, dtype in DTYPES.items():
         cases = {
             "forward": (lt.forward_partials_kernel, _forward_args(dtype, 8192, V_QWEN3, V_QWEN3 // 8, V_QWEN3, 0, 1.5)),

@@ -34,12 +34,13 @@ General op (ChunkedBackend.forward_partials / backward):
                bit (TP and row-count invariance hold as below). Otherwise per block, per segment: GEMM -> partials
                pass. Nothing else is held: under torch.no_grad this is one GEMM's work (the Function then keeps
                nothing either).
-    backward   per segment (outer), per group of `dw_rows` rows (a multiple of `rows`), per block: the forward's GEMM
-               again (the same bits), the logits op's gradient pass writing dlogits in the input dtype into a
-               [dw_rows, seg_len] buffer; then per group dX32[group] += dl @ W_s (fp32 accumulator, K = seg_len) and
-               dW_s (+)= dl^T @ X[group] (K = dw_rows: large enough that the fp32 dW read + write is small next to
-               the GEMM; when one group covers every row, dW_s is written once in the input dtype, no accumulator).
-               Four GEMMs' work in all: the forward's, the recompute, dX, dW.
+    backward   per segment (outer), per group of `dw_rows` rows: the group's dlogits in the input dtype in a
+               [dw_rows, seg_len] buffer; where the one-GEMM forward ran, one Triton launch forms them (the forward's
+               GEMM tiles again, the same bits, the logits op's gradient in the epilogue: gemm_dlogits.py), else per
+               block the chunk GEMM again and the logits op's gradient pass. Then per group dX32[group] += dl @ W_s
+               (fp32 accumulator, K = seg_len) and dW_s (+)= dl^T @ X[group] (K = dw_rows: large enough that the fp32
+               dW read + write is small next to the GEMM; when one group covers every row, dW_s is written once in
+               the input dtype, no accumulator). Four GEMMs' work in all: the forward's, the recompute, dX, dW.
 Token loss (ChunkedBackend.loss_forward): per block of `loss_rows` rows: the block's logits over every local segment
     (held: loss_rows x V_local fp32), their partials, the merge (hooks.merge: TP all-gather), the caller's loss
     (hooks.block_grads), then per segment dlogits -> dX32[block] += dl @ W_s (rounded by hooks.finish_dx, per block)
@@ -47,8 +48,9 @@ Token loss (ChunkedBackend.loss_forward): per block of `loss_rows` rows: the blo
     fp32 accumulator [V_local, H] is rounded once at the end, in place: the result lives in the first half of the
     accumulator's storage (no second [V_local, H] allocation; it keeps that storage until released).
 
-Memory (besides dX and dW): general op forward one chunk (rows x seg_len fp32: 78 MB at Qwen3 and rows = 1024);
-backward one chunk, a dl buffer (dw_rows x seg_len in the input dtype) and, with more than one group, a dW_s fp32
+Memory (besides dX and dW): general op forward one chunk (rows x seg_len fp32: 78 MB at Qwen3 and rows = 1024;
+none on the one-GEMM path, whose tile partials take 12 bytes per row and 256 columns); backward one chunk (none on
+the fused path), a dl buffer (dw_rows x seg_len in the input dtype) and, with more than one group, a dW_s fp32
 accumulator (seg_len x H), plus the fp32 dX accumulator [R, H]. Token loss: the block's logits (loss_rows x V_local
 fp32: 0.58 GiB), dl (loss_dw_rows x V_local in the input dtype), dX32 of one block, the fp32 dW accumulator.
 """
@@ -143,11 +145,12 @@ class _TritonPasses:
     def __init__(self):
         # imported when selected: triton may be absent
         from ppo_ops.core import triton_common
-        from ppo_ops.lm_head import gemm_partials
+        from ppo_ops.lm_head import gemm_dlogits, gemm_partials
         from ppo_ops.logits import triton_backend, triton_kernels
 
         self._tb, self._tk, self._tc = triton_backend, triton_kernels, triton_common
         self.one_gemm_forward = gemm_partials  # the general op's forward where gemm_partials.applies()
+        self.one_gemm_recompute = gemm_dlogits  # its backward's logits + dlogits where gemm_dlogits.applies()
 
     def merge(self, partials: torch.Tensor, has_keep_mask: bool) -> RowStats:
         return self._tb.merge_partials(partials, has_keep_mask)
@@ -174,6 +177,7 @@ class _TorchPasses:
 
     name = "torch"
     one_gemm_forward = None  # the chunk GEMMs and this code's partials pass, always
+    one_gemm_recompute = None  # the chunk GEMMs and this code's gradient pass, always
 
     def __init__(self):
         from ppo_ops.logits import torch_backend
@@ -297,13 +301,15 @@ class ChunkedBackend:
         tokens = tokens.to(torch.int64).contiguous()
         blocks = _RowBlocks(hidden, shape.rows)
         group_rows = min(shape.dw_rows, blocks.count * shape.rows)
-        chunk = torch.empty((shape.rows, seg_len), dtype=torch.float32, device=hidden.device)
         dl = torch.empty((group_rows, seg_len), dtype=hidden.dtype, device=hidden.device)
         one_group = n_rows <= shape.dw_rows
         dw_acc = None
         if need_dw and not one_group:
             dw_acc = torch.empty((seg_len, width), dtype=torch.float32, device=hidden.device)
         blocks_per_group = shape.dw_rows // shape.rows
+        recompute = self.passes.one_gemm_recompute
+        fused = recompute is not None and recompute.applies(hidden, weight, seg_len)
+        chunk = None if fused else torch.empty((shape.rows, seg_len), dtype=torch.float32, device=hidden.device)
         for _s, seg_lo, seg in _segments(shard, v_local):
             w_s = weight[seg_lo:seg_lo + seg_len]
             if seg.n_valid == 0:  # padding only: no gradient, no dX contribution
@@ -312,15 +318,23 @@ class ChunkedBackend:
                 continue
             for g0_block in range(0, blocks.count, blocks_per_group):
                 g0 = g0_block * shape.rows
-                for b in range(g0_block, min(g0_block + blocks_per_group, blocks.count)):
-                    r0, n, x = blocks.block(b)
-                    mm_fp32(x, w_s.T, chunk)  # the forward's GEMM: the same logits, bit for bit
-                    rs = slice(r0, r0 + n)
-                    mean_shifted = None if (g_ent is None or saved.mean_shifted is None) else saved.mean_shifted[rs]
-                    self.passes.dlogits(chunk, n, tokens[rs], seg,
-                                        BackwardStats(saved.shift[rs], saved.log_sum[rs], None, mean_shifted),
-                                        UpstreamGrads(_rows_of(g_lp, rs), _rows_of(g_ent, rs)),
-                                        dl[r0 - g0:r0 - g0 + n])
+                if fused:  # the forward's GEMM tiles again, the gradient in their epilogue: no fp32 chunk
+                    rs = slice(g0, min(g0 + group_rows, n_rows))
+                    mean_shifted = None if g_ent is None else saved.mean_shifted[rs]
+                    recompute.dlogits(hidden[rs], w_s, tokens[rs], seg,
+                                      BackwardStats(saved.shift[rs], saved.log_sum[rs], None, mean_shifted),
+                                      UpstreamGrads(_rows_of(g_lp, rs), _rows_of(g_ent, rs)), dl[:rs.stop - g0])
+                else:
+                    for b in range(g0_block, min(g0_block + blocks_per_group, blocks.count)):
+                        r0, n, x = blocks.block(b)
+                        mm_fp32(x, w_s.T, chunk)  # the forward's chunk GEMM: the same logits, bit for bit
+                        rs = slice(r0, r0 + n)
+                        mean_shifted = (None if (g_ent is None or saved.mean_shifted is None)
+                                        else saved.mean_shifted[rs])
+                        self.passes.dlogits(chunk, n, tokens[rs], seg,
+                                            BackwardStats(saved.shift[rs], saved.log_sum[rs], None, mean_shifted),
+                                            UpstreamGrads(_rows_of(g_lp, rs), _rows_of(g_ent, rs)),
+                                            dl[r0 - g0:r0 - g0 + n])
                 m = min(group_rows, n_rows - g0)
                 part = dl[:m]
                 if need_dx:

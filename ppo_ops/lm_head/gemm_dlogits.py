@@ -1,0 +1,194 @@
+"""The LM head's backward recompute as one GEMM: the forward's tile loop (gemm_partials.logit_tile) with the logits
+op's gradient in its epilogue, writing dlogits in the input dtype, so no fp32 logit reaches memory.
+
+Used by the chunked backend's backward (ppo_ops/lm_head/chunked.py) where the one-GEMM forward applies and a
+segment's dlogits rows can be written by TMA (seg_len * itemsize a multiple of 16 bytes): per segment and group of
+rows, one launch fills the [rows, seg_len] dlogits buffer that the library's dX and dW GEMMs then read. The chunk
+path it replaces there wrote each chunk's fp32 logits and read them back in the gradient pass.
+
+Kernels:
+    gemm_dlogits_kernel  persistent over the tiles of rows x (one segment's column tiles), GROUP_M row blocks at a
+        time, flattened so that the next tile's loads are issued during a tile's epilogue. Per tile: the logits tile
+        exactly as the forward formed it (the same function, tiles and K loop: the same bits), scaled by 1/T, then
+        per element the logits op's gradient of a column that is not the target (the LM head has no keep or row
+        masks):
+            p = e^(z - M - log S),  g = p (g_ent (E_p[z] - M - (z - M)) - g_lp),  g / T,
+        0 on columns past the segment or the vocabulary; stored by TMA, clipped at the buffer's edges. Picking out
+        the target column per element (a compare and a select per logit) measured ~7% of the GEMM in the forward.
+    target_dlogits_kernel  then, per row whose target is in the segment, the target's element g_lp (1 - p_t) + the
+        entropy term, from the forward's own target logit (gemm_partials.target_dot), rounded once. O(R * H).
+
+Bits. A dlogit depends on its row's logits (fixed by row, column and the K loop), the row statistics (TP-invariant)
+and the upstream gradients: the same whatever the other rows, the row count, the rank or the TP size.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ppo_ops.core.contracts import BackwardStats, ShardOptions, UpstreamGrads
+from ppo_ops.core.triton_common import (grouped_tile, interpreting, options, round_bf16_by_bits, scaled,
+                                        store_rounded)
+from ppo_ops.lm_head import gemm_partials
+
+
+def applies(hidden: torch.Tensor, weight: torch.Tensor, seg_len: int) -> bool:
+    """Whether the fused recompute takes these operands: the one-GEMM forward's conditions, and TMA-storable rows of
+    a [rows, seg_len] dlogits buffer."""
+    return gemm_partials.applies(hidden, weight) and (seg_len * hidden.element_size()) % 16 == 0
+
+
+@triton.jit(do_not_specialize=["n_valid", "num_programs"])
+def gemm_dlogits_kernel(
+    x_desc,  # TMA descriptor of the group's hidden rows [R, H], blocks [BLOCK_M, BLOCK_K], READ-ONLY
+    w_desc,  # TMA descriptor of the segment's weight rows [seg_len, H], blocks [BLOCK_N, BLOCK_K], READ-ONLY
+    dl_desc,  # TMA descriptor of dlogits [R, seg_len] in the input dtype, blocks [BLOCK_M, BLOCK_N], WRITTEN
+    shift_ptr,  # [R] fp32 row max M over the global vocabulary
+    log_sum_ptr,  # [R] fp32 log Σ e^(z - M)
+    mean_shifted_ptr,  # [R] fp32 E_p[z] - M (read only when HAS_GRAD_ENTROPY)
+    grad_log_prob_ptr,  # [R] fp32 (read only when HAS_GRAD_LOG_PROB)
+    grad_entropy_ptr,  # [R] fp32 (read only when HAS_GRAD_ENTROPY)
+    num_rows,
+    hidden_size,
+    seg_len,
+    n_valid,  # columns of the segment that are real vocabulary
+    num_programs,
+    inv_temperature,
+    HAS_GRAD_LOG_PROB: tl.constexpr,
+    HAS_GRAD_ENTROPY: tl.constexpr,
+    SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+    OUT_BF16: tl.constexpr,  # dlogits in bf16 (else fp16)
+    ROUND_BF16_BY_BITS: tl.constexpr,
+):
+    n_row_blocks = tl.cdiv(num_rows, BLOCK_M)
+    n_col_tiles = tl.cdiv(seg_len, BLOCK_N)
+    for tile_id in tl.range(tl.program_id(0), n_row_blocks * n_col_tiles, num_programs, flatten=True):
+        pid_m, pid_n = grouped_tile(tile_id, n_row_blocks, n_col_tiles, GROUP_M)
+        row0 = pid_m * BLOCK_M
+        col0 = pid_n * BLOCK_N
+        z = gemm_partials.logit_tile(x_desc, w_desc, row0, col0, hidden_size, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+        if SCALE:
+            z = scaled(z, inv_temperature)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < num_rows
+        cols = col0 + tl.arange(0, BLOCK_N)
+        d = z - tl.load(shift_ptr + rows, mask=row_ok, other=0.0)[:, None]
+        p = tl.exp(d - tl.load(log_sum_ptr + rows, mask=row_ok, other=0.0)[:, None])
+        # every column as a non-target one (target_dlogits_kernel then writes the target's): z is a finite GEMM
+        # output here (the forward refused NaN / inf), so no 0 * inf guard
+        if HAS_GRAD_ENTROPY:
+            g_ent = tl.load(grad_entropy_ptr + rows, mask=row_ok, other=0.0)
+            mean_shifted = tl.load(mean_shifted_ptr + rows, mask=row_ok, other=0.0)
+            if HAS_GRAD_LOG_PROB:
+                g_lp = tl.load(grad_log_prob_ptr + rows, mask=row_ok, other=0.0)
+                grad = p * (g_ent[:, None] * (mean_shifted[:, None] - d) - g_lp[:, None])
+            else:
+                grad = p * (g_ent[:, None] * (mean_shifted[:, None] - d))
+        else:
+            grad = -tl.load(grad_log_prob_ptr + rows, mask=row_ok, other=0.0)[:, None] * p
+        if SCALE:
+            grad = grad * inv_temperature
+        grad = tl.where(((cols < seg_len) & (cols < n_valid))[None, :], grad, 0.0)
+        if ROUND_BF16_BY_BITS:
+            # the interpreter truncates fp32 -> bf16 casts; round to nearest even on the bits, as compiled code does
+            bits = grad.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            out = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        elif OUT_BF16:
+            out = grad.to(tl.bfloat16)
+        else:
+            out = grad.to(tl.float16)
+        dl_desc.store([row0, col0], out)
+
+
+@triton.jit(do_not_specialize=["n_valid", "vocab_start"])
+def target_dlogits_kernel(
+    hidden_ptr,  # [R, H] half precision, READ-ONLY
+    weight_ptr,  # the segment's weight rows [seg_len, H], READ-ONLY
+    tokens_ptr,  # [R] int64 global token ids
+    shift_ptr,
+    log_sum_ptr,
+    mean_shifted_ptr,  # read only when HAS_GRAD_ENTROPY
+    grad_log_prob_ptr,
+    grad_entropy_ptr,  # read only when HAS_GRAD_ENTROPY
+    out_ptr,  # [R, seg_len] dlogits: the target's element of each row whose target is in this segment, WRITTEN
+    num_rows,
+    hidden_size,
+    hidden_stride,
+    weight_stride,
+    out_stride,
+    n_valid,
+    vocab_start,
+    inv_temperature,
+    HAS_GRAD_ENTROPY: tl.constexpr,
+    SCALE: tl.constexpr,
+    ROUND_BF16_BY_BITS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """The target's dlogit, g_lp (1 - p_t) [+ g_ent p_t (E_p[z] - M - (z_t - M))], from the forward's own target
+    logit (gemm_partials.target_dot: the z_t its log-prob used)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = rows < num_rows
+    target = tl.load(tokens_ptr + rows, mask=ok, other=-1) - vocab_start
+    here = ok & (target >= 0) & (target < n_valid)
+    target = tl.where(here, target, 0)
+    z = gemm_partials.target_dot(hidden_ptr, weight_ptr, rows, target, here, hidden_size, hidden_stride,
+                                 weight_stride, BLOCK_R, BLOCK_H)
+    if SCALE:
+        z = scaled(z, inv_temperature)
+    d = z - tl.load(shift_ptr + rows, mask=here, other=0.0)
+    p = tl.exp(d - tl.load(log_sum_ptr + rows, mask=here, other=0.0))
+    grad = tl.load(grad_log_prob_ptr + rows, mask=here, other=0.0) * (1.0 - p)
+    if HAS_GRAD_ENTROPY:
+        grad += tl.load(grad_entropy_ptr + rows, mask=here, other=0.0) * (
+            p * (tl.load(mean_shifted_ptr + rows, mask=here, other=0.0) - d))
+    if SCALE:
+        grad = grad * inv_temperature
+    store_rounded(out_ptr + rows.to(tl.int64) * out_stride + target, grad, here, ROUND_BF16_BY_BITS)
+
+
+def dlogits(hidden: torch.Tensor, w_seg: torch.Tensor, tokens: torch.Tensor, seg: ShardOptions,
+            stats: BackwardStats, upstream: UpstreamGrads, out: torch.Tensor) -> None:
+    """out [R, seg_len] (hidden's dtype) = dlogits of the logits hidden @ w_seg^T of one segment; `applies` must hold.
+    tokens, stats and upstream are the R rows' own (row-aligned with hidden)."""
+    n_rows, width = hidden.shape
+    if n_rows == 0:
+        return
+    cfg = gemm_partials.config()
+    x_desc, w_desc = gemm_partials.descriptors(hidden, w_seg, cfg)
+    dl_desc = TensorDescriptor.from_tensor(out, [cfg.block_m, cfg.block_n])
+    n_tiles = triton.cdiv(n_rows, cfg.block_m) * triton.cdiv(seg.seg_len, cfg.block_n)
+    programs = gemm_partials.num_programs(hidden.device, n_tiles)
+    g_lp, g_ent = upstream.grad_log_prob, upstream.grad_entropy
+    dummy = stats.shift  # never read where its flag is off
+    inv_t = float(seg.inv_temperature)
+    gemm_dlogits_kernel[(programs,)](
+        x_desc=x_desc, w_desc=w_desc, dl_desc=dl_desc, shift_ptr=stats.shift,
+        log_sum_ptr=stats.log_sum,
+        mean_shifted_ptr=stats.mean_shifted if g_ent is not None else dummy,
+        grad_log_prob_ptr=g_lp if g_lp is not None else dummy,
+        grad_entropy_ptr=g_ent if g_ent is not None else dummy,
+        num_rows=n_rows, hidden_size=width, seg_len=seg.seg_len, n_valid=seg.n_valid,
+        num_programs=programs, inv_temperature=inv_t, HAS_GRAD_LOG_PROB=g_lp is not None,
+        HAS_GRAD_ENTROPY=g_ent is not None, SCALE=inv_t != 1.0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=interpreting(), OUT_BF16=out.dtype == torch.bfloat16,
+        ROUND_BF16_BY_BITS=round_bf16_by_bits(out.dtype), **options(cfg))
+    if g_lp is not None:  # the target's element (the epilogue wrote it as a non-target's)
+        target_dlogits_kernel[(triton.cdiv(n_rows, gemm_partials.TARGET_ROWS),)](
+            hidden_ptr=hidden, weight_ptr=w_seg, tokens_ptr=tokens, shift_ptr=stats.shift, log_sum_ptr=stats.log_sum,
+            mean_shifted_ptr=stats.mean_shifted if g_ent is not None else dummy, grad_log_prob_ptr=g_lp,
+            grad_entropy_ptr=g_ent if g_ent is not None else dummy, out_ptr=out, num_rows=n_rows, hidden_size=width,
+            hidden_stride=hidden.stride(0), weight_stride=w_seg.stride(0), out_stride=out.stride(0),
+            n_valid=seg.n_valid, vocab_start=seg.vocab_start, inv_temperature=inv_t,
+            HAS_GRAD_ENTROPY=g_ent is not None, SCALE=inv_t != 1.0,
+            ROUND_BF16_BY_BITS=round_bf16_by_bits(out.dtype), BLOCK_R=gemm_partials.TARGET_ROWS,
+            BLOCK_H=gemm_partials.TARGET_H)
