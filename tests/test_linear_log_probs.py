@@ -129,8 +129,8 @@ def _dl_roundoff(backend, dtype):
     return UNIT_ROUNDOFF[dtype] if backend == "triton" and dtype != torch.float32 else 0.0
 
 
-def _check_vs_float64_once(backend, dtype, temperature, vocab_size, masked, lead=(2, 7)):
-    hidden, weight, tokens = _inputs(lead, dtype, seed=21)
+def _check_vs_float64_once(backend, dtype, temperature, vocab_size, masked, lead=(2, 7), v=V_GLOBAL):
+    hidden, weight, tokens = _inputs(lead, dtype, seed=21, v=v)
     g_lp = make_weights(lead, 22)
     g_ent = make_weights(lead, 23, low=-1.0, high=1.0)
     row_mask = None
@@ -172,6 +172,17 @@ def test_chunked_path_crosses_blocks_and_groups_vs_float64(backend):
     last block padded, dW accumulated in fp32 across groups."""
     shape = _linear_chunked.chunk_shape(DEVICE)
     _check_vs_float64_once(backend, torch.bfloat16, 1.0, 230, True, lead=(shape.dw_rows + shape.rows // 2 + 3,))
+
+
+@pytest.mark.parametrize("backend", [p for p in backend_params(DEVICE) if p.id == "triton"])
+def test_segments_without_tma_rows_recompute_by_chunks_vs_float64(backend):
+    """A vocabulary of 8 x 13 columns: a segment's dlogits rows (26 bytes) cannot be written by TMA, so the backward
+    recomputes by chunk GEMMs and the gradient pass after the one-GEMM forward."""
+    from ppo_ops.lm_head import gemm_dlogits, gemm_partials
+    v = 8 * 13
+    hidden, weight = (torch.empty(shape, dtype=torch.bfloat16, device=DEVICE) for shape in ((1, HIDDEN), (v, HIDDEN)))
+    assert gemm_partials.applies(hidden, weight) and not gemm_dlogits.applies(hidden, weight, _segment_len(v))
+    _check_vs_float64_once(backend, torch.bfloat16, 1.3, 100, True, lead=(3, 7), v=v)
 
 
 @pytest.mark.parametrize("backend", [p for p in backend_params(DEVICE) if p.id == "triton"])
