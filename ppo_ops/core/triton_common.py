@@ -20,15 +20,22 @@ FLT_MAX = tl.constexpr(row_stats.FLT_MAX)  # an empty lane's or row's running ma
 
 
 @triton.jit
+def bf16_by_bits(value):
+    """fp32 `value` rounded to bf16, nearest even, on its bits: for the interpreter, whose fp32 -> bf16 casts
+    truncate in Triton 3.9 (compiled code rounds to nearest even, as torch does). Values are finite, so no NaN
+    payload to protect."""
+    bits = value.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def store_rounded(ptr, value, mask, ROUND_BF16_BY_BITS: tl.constexpr):
-    """Stores fp32 `value` in ptr's dtype, rounding to nearest even. Triton 3.9's interpreter truncates fp32 -> bf16
-    casts (compiled code rounds to nearest even, as torch does): there, round on the bits (values are finite, so no
-    NaN payload to protect). The logits op's backward kernel spells the same rounding out inline: through this call
-    its compiler schedules the store's address arithmetic differently."""
+    """Stores fp32 `value` in ptr's dtype, rounding to nearest even (under the interpreter, bf16 by bf16_by_bits).
+    The logits op's backward kernel spells the same rounding out inline: through a call its compiler schedules the
+    store's address arithmetic differently."""
     if ROUND_BF16_BY_BITS:
-        bits = value.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        tl.store(ptr, bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+        tl.store(ptr, bf16_by_bits(value), mask=mask)
     else:
         tl.store(ptr, value.to(ptr.dtype.element_ty), mask=mask)
 

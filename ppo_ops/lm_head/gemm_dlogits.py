@@ -16,7 +16,7 @@ Kernels:
         0 on columns past the segment or the vocabulary; stored by TMA, clipped at the buffer's edges. Picking out
         the target column per element (a compare and a select per logit) measured ~7% of the GEMM in the forward.
     target_dlogits_kernel  then, per row whose target is in the segment, the target's element g_lp (1 - p_t) + the
-        entropy term, from the forward's own target logit (gemm_partials.target_dot), rounded once. O(R * H).
+        entropy term, from the forward's own target logit (gemm_partials.target_logit), rounded once. O(R * H).
 
 Bits. A dlogit depends on its row's logits (fixed by row, column and the K loop), the row statistics (TP-invariant)
 and the upstream gradients: the same whatever the other rows, the row count, the rank or the TP size.
@@ -30,8 +30,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ppo_ops.core.contracts import BackwardStats, ShardOptions, UpstreamGrads
-from ppo_ops.core.triton_common import (grouped_tile, interpreting, options, round_bf16_by_bits, scaled,
-                                        store_rounded)
+from ppo_ops.core.triton_common import (bf16_by_bits, grouped_tile, interpreting, options, round_bf16_by_bits,
+                                        scaled, store_rounded)
 from ppo_ops.lm_head import gemm_partials
 
 
@@ -98,10 +98,7 @@ def gemm_dlogits_kernel(
             grad = grad * inv_temperature
         grad = tl.where(((cols < seg_len) & (cols < n_valid))[None, :], grad, 0.0)
         if ROUND_BF16_BY_BITS:
-            # the interpreter truncates fp32 -> bf16 casts; round to nearest even on the bits, as compiled code does
-            bits = grad.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-            out = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            out = bf16_by_bits(grad)
         elif OUT_BF16:
             out = grad.to(tl.bfloat16)
         else:
@@ -135,16 +132,11 @@ def target_dlogits_kernel(
     BLOCK_H: tl.constexpr,
 ):
     """The target's dlogit, g_lp (1 - p_t) [+ g_ent p_t (E_p[z] - M - (z_t - M))], from the forward's own target
-    logit (gemm_partials.target_dot: the z_t its log-prob used)."""
+    logit (gemm_partials.target_logit: the z_t its log-prob used)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    ok = rows < num_rows
-    target = tl.load(tokens_ptr + rows, mask=ok, other=-1) - vocab_start
-    here = ok & (target >= 0) & (target < n_valid)
-    target = tl.where(here, target, 0)
-    z = gemm_partials.target_dot(hidden_ptr, weight_ptr, rows, target, here, hidden_size, hidden_stride,
-                                 weight_stride, BLOCK_R, BLOCK_H)
-    if SCALE:
-        z = scaled(z, inv_temperature)
+    z, target, here = gemm_partials.target_logit(hidden_ptr, weight_ptr, tokens_ptr, rows, rows < num_rows,
+                                                 hidden_size, hidden_stride, weight_stride, n_valid, vocab_start,
+                                                 inv_temperature, SCALE, BLOCK_H)
     d = z - tl.load(shift_ptr + rows, mask=here, other=0.0)
     p = tl.exp(d - tl.load(log_sum_ptr + rows, mask=here, other=0.0))
     grad = tl.load(grad_log_prob_ptr + rows, mask=here, other=0.0) * (1.0 - p)

@@ -186,18 +186,25 @@ def gemm_partials_kernel(
 
 
 @triton.jit
-def target_dot(hidden_ptr, weight_ptr, rows, target, here, hidden_size, hidden_stride, weight_stride,
-               BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
-    """[BLOCK_R] fp32 x_row . w_target for the rows where `here` (0 elsewhere): exact products, fp32 sums in one order
-    for every row (it depends on H and BLOCK_H only)."""
-    acc = tl.zeros([BLOCK_R, BLOCK_H], tl.float32)
+def target_logit(hidden_ptr, weight_ptr, tokens_ptr, rows, ok, hidden_size, hidden_stride, weight_stride, n_valid,
+                 vocab_start, inv_temperature, SCALE: tl.constexpr, BLOCK_H: tl.constexpr):
+    """(z, target, here) of `rows`: here where the row's target is a real column of this weight (target its local
+    column there, 0 elsewhere), z = x_row . w_target scaled by 1/T (0 where not here): exact products, fp32 sums in
+    one order for every row (it depends on H and BLOCK_H only)."""
+    target = tl.load(tokens_ptr + rows, mask=ok, other=-1) - vocab_start
+    here = ok & (target >= 0) & (target < n_valid)
+    target = tl.where(here, target, 0)
+    acc = tl.zeros([rows.shape[0], BLOCK_H], tl.float32)
     for k in range(0, hidden_size, BLOCK_H):
         cols = k + tl.arange(0, BLOCK_H)
         mask = here[:, None] & (cols < hidden_size)[None, :]
         x = tl.load(hidden_ptr + rows.to(tl.int64)[:, None] * hidden_stride + cols[None, :], mask=mask, other=0.0)
         w = tl.load(weight_ptr + target.to(tl.int64)[:, None] * weight_stride + cols[None, :], mask=mask, other=0.0)
         acc += x.to(tl.float32) * w.to(tl.float32)
-    return tl.sum(acc, axis=1)
+    z = tl.sum(acc, axis=1)
+    if SCALE:
+        z = scaled(z, inv_temperature)
+    return z, target, here
 
 
 @triton.jit(do_not_specialize=["n_valid", "vocab_start"])
@@ -219,12 +226,8 @@ def target_logits_kernel(
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < num_rows
-    target = tl.load(tokens_ptr + rows, mask=ok, other=-1) - vocab_start
-    here = ok & (target >= 0) & (target < n_valid)
-    z = target_dot(hidden_ptr, weight_ptr, rows, tl.where(here, target, 0), here, hidden_size, hidden_stride,
-                   weight_stride, BLOCK_R, BLOCK_H)
-    if SCALE:
-        z = scaled(z, inv_temperature)
+    z, _, here = target_logit(hidden_ptr, weight_ptr, tokens_ptr, rows, ok, hidden_size, hidden_stride, weight_stride,
+                              n_valid, vocab_start, inv_temperature, SCALE, BLOCK_H)
     tl.store(out_ptr + rows, tl.where(here, z, float("-inf")), mask=ok)
 
 
