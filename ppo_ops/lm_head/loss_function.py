@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ppo_ops.core import agreement, checks, shell
+from ppo_ops.core.scale import scale_in_place
 from ppo_ops.core.contracts import BlockGrads, LossHooks
 from ppo_ops.core.shell import Plan, refuse_double_backward
 from ppo_ops.lm_head.function import kept, kept_row_indices, scatter_rows
@@ -129,11 +130,10 @@ class LinearTokenLossFunction(torch.autograd.Function):
         if grad_loss is None:
             return None, None, None, None, None, None
         g = grad_loss.to(torch.float32)
-        # Scaled in place: the buffers are this op's own. (One more rounding unless the upstream gradient is 1.)
-        if dx is not None:
-            dx.mul_(g)
-        if dw is not None:
-            dw.mul_(g)
+        # Scaled in place, in fp32 (one more rounding unless the upstream gradient is 1): the buffers are this op's own.
+        for grad in (dx, dw):
+            if grad is not None:
+                scale_in_place(grad, g)
         return dx, dw, None, None, None, None
 
 
