@@ -6,11 +6,13 @@ compile). Triton's bundled ptxas compiles for a fixed target.
 Prints one JSON object:
 - "forward_keys": {"<dtype>": distinct forward binaries over every rank of TP = 1, 2, 4, 8 at Qwen3's vocabulary
   (V_local 151936 ... 18992) with padding on the last rank}, "gemm_partials bf16" for the chunked backend's
-  one-GEMM forward and "gemm_dlogits bf16" for its fused backward recompute over every segment: 1 means every TP
-  size runs the same code on a segment.
+  one-GEMM forward, "gemm_partials probs bf16" for its token-loss form (which also stores fp16 probabilities) and
+  "gemm_dlogits bf16" for its fused backward recompute over every segment: 1 means every TP size runs the same code
+  on a segment.
 - "kernels": {"<kernel> <dtype>": {"wgmma": bool, "mma": bool}} with the GPU launch configs: "wgmma" when the PTX
   issues Hopper's warpgroup MMA (wgmma.mma_async), "mma" when it issues any tensor-core MMA at all; "gemm_partials
-  bf16" and "gemm_dlogits bf16" have "tma" instead of "mma": their tiles move by TMA (cp.async.bulk.tensor).
+  bf16", "gemm_partials probs bf16" and "gemm_dlogits bf16" have "tma" instead of "mma": their tiles move by TMA
+  (cp.async.bulk.tensor).
 """
 
 import json
@@ -104,18 +106,23 @@ def _gemm_args(dtype, transposed_a, n_rows=8192, chunk=4096):
     return args, kwargs
 
 
-def _gemm_partials_args(n_rows, v_local, n_valid, inv_t=1.5):
-    """The chunked backend's one-GEMM forward (bf16 only: the path is half precision)."""
+def _gemm_partials_args(n_rows, v_local, n_valid, inv_t=1.5, store_probs=False, prob_rows=2048):
+    """The chunked backend's one-GEMM forward (bf16 only: the path is half precision); store_probs: the token loss's
+    form, which also stores fp16 probabilities into [segments x prob_rows, seg_len]."""
     cfg = gp.GPU_CONFIG
     seg_len = V_QWEN3 // 8
     hidden = torch.empty((n_rows, H_QWEN3_8B), dtype=torch.bfloat16)
     weight = torch.empty((v_local, H_QWEN3_8B), dtype=torch.bfloat16)
+    probs_desc, rows_per_seg = None, 0
+    if store_probs:
+        probs = torch.empty((v_local // seg_len * prob_rows, seg_len), dtype=torch.float16)
+        probs_desc, rows_per_seg = TensorDescriptor.from_tensor(probs, [cfg.block_m, cfg.block_n]), prob_rows
     args = (TensorDescriptor.from_tensor(hidden, [cfg.block_m, cfg.block_k]),
-            TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]), torch.empty(1), n_rows, H_QWEN3_8B,
-            seg_len, v_local // seg_len, n_valid, -(-seg_len // cfg.block_n), 132, inv_t)
-    kwargs = dict(SCALE=inv_t != 1.0, WITH_ENTROPY=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                  BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=False, num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages)
+            TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]), torch.empty(1), probs_desc, rows_per_seg,
+            n_rows, H_QWEN3_8B, seg_len, v_local // seg_len, n_valid, -(-seg_len // cfg.block_n), 132, inv_t)
+    kwargs = dict(SCALE=inv_t != 1.0, WITH_ENTROPY=True, STORE_PROBS=store_probs, BLOCK_M=cfg.block_m,
+                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=False,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return args, kwargs
 
 
@@ -137,13 +144,13 @@ def _gemm_dlogits_args(n_rows, seg_n_valid, inv_t=1.5):
     return args, kwargs
 
 
-def gemm_partials_key_count(n_rows=8192, vocab_size=V_QWEN3 - 100):
+def gemm_partials_key_count(n_rows=8192, vocab_size=V_QWEN3 - 100, store_probs=False):
     keys = set()
     for tp in (1, 2, 4, 8):
         v_local = V_QWEN3 // tp
         for rank in range(tp):
             n_valid = max(0, min(v_local, vocab_size - rank * v_local))
-            args, kwargs = _gemm_partials_args(n_rows, v_local, n_valid)
+            args, kwargs = _gemm_partials_args(n_rows, v_local, n_valid, store_probs=store_probs)
             keys.add(_specialize(gp.gemm_partials_kernel, args, kwargs)[0])
     return len(keys)
 
@@ -162,7 +169,10 @@ def main():
     report = {"forward_keys": {name: forward_key_count(dtype) for name, dtype in DTYPES.items()}, "kernels": {}}
     report["forward_keys"]["gemm_partials bf16"] = gemm_partials_key_count()
     report["forward_keys"]["gemm_dlogits bf16"] = gemm_dlogits_key_count()
+    report["forward_keys"]["gemm_partials probs bf16"] = gemm_partials_key_count(n_rows=2048, store_probs=True)
     for name, kernel, case in (("gemm_partials", gp.gemm_partials_kernel, _gemm_partials_args(8192, V_QWEN3, V_QWEN3)),
+                               ("gemm_partials probs", gp.gemm_partials_kernel,
+                                _gemm_partials_args(2048, V_QWEN3, V_QWEN3, store_probs=True)),
                                ("gemm_dlogits", gd.gemm_dlogits_kernel, _gemm_dlogits_args(8192, V_QWEN3 // 8))):
         ptx = _ptx(kernel, *case)
         report["kernels"][f"{name} bf16"] = {"wgmma": "wgmma.mma_async" in ptx, "tma": "cp.async.bulk.tensor" in ptx}

@@ -15,6 +15,10 @@ U32 = UNIT_ROUNDOFF[torch.float32]
 ACCUM_ULPS = 2.0
 # A few fp32 ulps of exp, log and the subtractions that form log p from the logits.
 ELEMENTWISE_ULPS = 8.0
+# The token loss's one-GEMM blocks keep each logit as e = e^(z - tile max) rounded once to fp16: relative error
+# 2^-11 (fp16's unit roundoff) where e >= 2^-14, absolute 2^-25 (half the subnormal spacing) below.
+PROB_STORE_ROUNDOFF = 2.0**-11
+PROB_STORE_SUBNORMAL = 2.0**-25
 # First-order bounds; the factor covers second-order terms (products of relative errors, all << 1 here).
 SAFETY = 2.0
 
@@ -35,7 +39,7 @@ def inputs(lead, dtype, seed, v=V_GLOBAL, h=HIDDEN):
 # --- the float64 reference and the derived bounds ---
 
 def bounds(hidden, weight, tokens, g_lp, g_ent, *, temperature=1.0, vocab_size=None, row_mask=None,
-            dl_roundoff=0.0):
+            dl_roundoff=0.0, prob_storage=False):
     """Float64 reference (log_probs, entropy, dX, dW) and per-element error bounds (same shapes).
 
     Logits: fp32 accumulation of H exact products (bf16/fp16 products are exact in fp32) errs by at most
@@ -46,7 +50,10 @@ def bounds(hidden, weight, tokens, g_lp, g_ent, *, temperature=1.0, vocab_size=N
       entropy:  |dH| <= ENTROPY_TOL + E_r * sum_c p |d - mean|                    (d H / d z_c = p_c (mean - d_c))
       dlogits:  |d dl| <= inv_t * eps_r * S_dl + dl_roundoff * |dl|,
                 S_dl = |g_lp| (1[c = t] + p) + |g_ent| p (|d - mean| + sum_c p |d - mean| + 2);
-                dl_roundoff is the rounding of dlogits to the GEMM's input dtype (0 when the GEMM takes fp32)
+                dl_roundoff is the rounding of dlogits to the GEMM's input dtype (0 when the GEMM takes fp32);
+                prob_storage (the token loss's fp16 probabilities): p moves by u16 p + s16 and z - M (from log e) by
+                u16 where e is normal (p |d(z - M)| <= s16 below), which adds inv_t (u16 p + s16) S_st,
+                S_st = |g_lp| + |g_ent| (|d - mean| + 1)
       dX = dl @ W, dW = dl^T @ X: that error through the GEMM, plus gamma_K (|dl| @ |W|) for its fp32 accumulation
                 (K = V or T), plus one rounding u_out |ref| of the result to the input dtype.
     Every bound is multiplied by SAFETY (second-order terms).
@@ -83,6 +90,14 @@ def bounds(hidden, weight, tokens, g_lp, g_ent, *, temperature=1.0, vocab_size=N
         s_dl += g_ent.reshape(-1, 1).double().abs() * p * ((d0 - mean).abs() + spread + 2)
     s_dl = torch.where(valid & rows_on[:, None], s_dl, 0.0)
     dl_err = inv_t * eps_r[:, None] * s_dl + dl_roundoff * dl.abs()
+    if prob_storage:
+        s_st = torch.zeros_like(p)
+        if g_lp is not None:
+            s_st += g_lp.reshape(-1, 1).double().abs()
+        if g_ent is not None:
+            s_st += g_ent.reshape(-1, 1).double().abs() * ((d0 - mean).abs() + 1)
+        s_st = torch.where(valid & rows_on[:, None], s_st, 0.0)
+        dl_err = dl_err + inv_t * (PROB_STORE_ROUNDOFF * p + PROB_STORE_SUBNORMAL) * s_st
 
     u_out = UNIT_ROUNDOFF[hidden.dtype]
     dx_ref, dw_ref = dl @ w, dl.T @ x

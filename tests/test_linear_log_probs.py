@@ -583,24 +583,26 @@ def compile_report(tmp_path_factory):
 
 
 @pytest.mark.device("any")
-@pytest.mark.parametrize("dtype", ["bf16", "fp32", "gemm_partials bf16", "gemm_dlogits bf16"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32", "gemm_partials bf16", "gemm_partials probs bf16",
+                                   "gemm_dlogits bf16"])
 def test_forward_binary_is_the_same_at_every_tp_size(compile_report, dtype):
     # One specialisation for every rank of TP = 1, 2, 4, 8 at Qwen3's vocabulary: the same code per segment.
     assert compile_report["forward_keys"][dtype] == 1
 
 
 @pytest.mark.device("any")
-@pytest.mark.parametrize("kernel", ["forward", "dlogits", "gemm_dx", "gemm_dw", "gemm_partials", "gemm_dlogits"])
+@pytest.mark.parametrize("kernel", ["forward", "dlogits", "gemm_dx", "gemm_dw", "gemm_partials",
+                                    "gemm_partials probs", "gemm_dlogits"])
 def test_half_precision_kernels_use_wgmma_on_sm90(compile_report, kernel):
     # bf16 tiles must reach Hopper's warpgroup MMA; a kernel on mma.sync or FMAs would run at a fraction of the rate.
     assert compile_report["kernels"][f"{kernel} bf16"]["wgmma"], f"{kernel}: no wgmma.mma_async in the sm_90 PTX"
 
 
 @pytest.mark.device("any")
-@pytest.mark.parametrize("kernel", ["gemm_partials", "gemm_dlogits"])
+@pytest.mark.parametrize("kernel", ["gemm_partials", "gemm_partials probs", "gemm_dlogits"])
 def test_one_gemm_kernels_move_tiles_with_tma(compile_report, kernel):
     # The chunked backend's one-GEMM forward and fused recompute feed wgmma from TMA loads (the bulk tensor copy
-    # engine); the recompute also stores its dlogits tiles by TMA.
+    # engine); the recompute also stores its dlogits tiles by TMA, the token loss's forward its probabilities.
     assert compile_report["kernels"][f"{kernel} bf16"]["tma"], f"{kernel}: no cp.async.bulk.tensor in the sm_90 PTX"
 
 

@@ -5,8 +5,8 @@ passes, under TRITON_INTERPRET=1 on CPU with an fp32 matmul standing in for cuBL
 - the loss, log-probs, entropies, dX and dW against float64 (autograd through the same closure on float64 logits),
   within the bounds of tests/linear_support.py with the closure's float64 gradients as the upstream weights, for
   simple closures and for the PPO closure of the bench (clipped surrogate, entropy bonus, k3 KL);
-- log-probs and entropies bit for bit those of the logits op on the chunks' own logits, and of
-  linear_log_probs_and_entropy's chunked path (the same chunks, passes and merge);
+- log-probs and entropies bit for bit those of linear_log_probs_and_entropy where the token loss keeps fp16
+  probabilities (the same one-GEMM forward), else of the logits op on the chunks' own logits;
 - the upstream scalar scales dX and dW (one rounding), row_mask (dropped rows: zeros, never passed to the loss),
   rows given to the loss are indices into the flattened tokens, a second backward raises, no_grad keeps nothing;
 - errors: a non-callable token_loss, a loss of the wrong shape or dtype, non-finite values with validate=True
@@ -28,7 +28,6 @@ from ppo_ops.lm_head import chunked as _linear_chunked
 from tests.core_support import backend_params, make_weights, triton_skip_reason
 from tests.linear_support import UNIT_ROUNDOFF, V_GLOBAL, assert_within, bounds, inputs
 from tests.ranks import DEVICE, results_by_tp, world_size_param
-from tests.reference import ENTROPY_TOL, LOG_PROB_TOL
 
 # The loss is a sum of per-row terms: its fp32 value errs by the terms' errors (each the term's gradient times the
 # log-prob / entropy error bound) plus the fp32 additions of the sum (a few ulps of sum |term| per add).
@@ -157,8 +156,18 @@ def _float64(hidden, weight, tokens, token_loss, *, temperature, vocab_size, row
     return terms.sum(), terms.abs().sum(), g_lp, g_ent
 
 
-def _check_vs_float64_once(backend, dtype, loss_name, temperature, vocab_size, masked, entropy="grad", lead=(3, 7)):
-    hidden, weight, tokens = inputs(lead, dtype, seed=91)
+def _keeps_probs(backend, hidden, weight):
+    """Whether the call takes the one-GEMM blocks that keep fp16 probabilities (lm_head/prob_dlogits.py)."""
+    if backend != "triton" or triton_skip_reason(DEVICE) is not None:
+        return False
+    h = hidden.reshape(-1, hidden.shape[-1]).to(DEVICE)
+    return _linear_chunked.backend("triton").loss_keeps_probs(h, weight.to(DEVICE),
+                                                              _layout.segment_length(weight.shape[0], 1))
+
+
+def _check_vs_float64_once(backend, dtype, loss_name, temperature, vocab_size, masked, entropy="grad", lead=(3, 7),
+                           v=V_GLOBAL):
+    hidden, weight, tokens = inputs(lead, dtype, seed=91, v=v)
     if vocab_size is not None:
         tokens = tokens.clamp(max=vocab_size - 1)
     n = tokens.numel()
@@ -177,7 +186,8 @@ def _check_vs_float64_once(backend, dtype, loss_name, temperature, vocab_size, m
     half = backend == "triton" or dtype != torch.float32  # the chunked path rounds dlogits to the input dtype
     b = bounds(hidden, weight, tokens, g_lp.float().reshape(lead),
                None if g_ent is None else g_ent.float().reshape(lead), temperature=temperature,
-               vocab_size=vocab_size, row_mask=row_mask, dl_roundoff=UNIT_ROUNDOFF[dtype] if half else 0.0)
+               vocab_size=vocab_size, row_mask=row_mask, dl_roundoff=UNIT_ROUNDOFF[dtype] if half else 0.0,
+               prob_storage=_keeps_probs(backend, hidden, weight))
     assert loss.dtype == torch.float32 and loss.shape == ()
     assert lp.dtype == torch.float32 and dx.dtype == dtype and dw.dtype == dtype
     assert_within("log_probs", lp, b["log_probs"])
@@ -228,35 +238,49 @@ def test_many_blocks_and_dw_groups_vs_float64(backend):
                            lead=(2 * shape.loss_dw_rows + shape.loss_rows + 3,))
 
 
+@pytest.mark.parametrize("backend", [p for p in backend_params(DEVICE) if p.id == "triton"])
+def test_segments_ending_inside_a_tile_vs_float64(backend):
+    """A vocabulary of 8 x 40 (padding from 300): every segment ends inside a GEMM tile, so the kept probabilities'
+    store is clipped at the segment's width, never reaching the next segment's columns."""
+    v = 8 * 40
+    hidden, weight, _ = inputs((1,), torch.bfloat16, seed=0, v=v)
+    assert _keeps_probs(backend, hidden, weight)
+    _check_vs_float64_once(backend, torch.bfloat16, "ppo", 1.1, 300, True, lead=(3, 7), v=v)
+
+
 @pytest.mark.parametrize("backend", backend_params(DEVICE))
-def test_log_probs_bitwise_as_the_logits_op_on_the_chunks_logits(backend):
+def test_log_probs_bitwise_as_the_general_op_or_the_logits_op(backend):
+    """Where the token loss keeps fp16 probabilities, its forward is the general op's one GEMM (gemm_partials):
+    log-probs and entropies bit for bit the general op's. Elsewhere (chunk blocks) they are the logits op's on the
+    chunks' own logits, bit for bit."""
     lead = (13,)
     hidden, weight, tokens = inputs(lead, torch.bfloat16, seed=94)
     h, w, t = hidden.to(DEVICE), weight.to(DEVICE), tokens.to(DEVICE)
-    logits = _linear_chunked.tile_logits(h, w, _layout.segment_length(V_GLOBAL, 1))
-    want = ppo_ops.log_probs_and_entropy(logits, t, entropy="value", temperature=0.9, backend=backend)
+    if _keeps_probs(backend, h, w):
+        want = ppo_ops.linear_log_probs_and_entropy(h, w, t, entropy="value", temperature=0.9, backend=backend)
+    else:
+        logits = _linear_chunked.tile_logits(h, w, _layout.segment_length(V_GLOBAL, 1))
+        want = ppo_ops.log_probs_and_entropy(logits, t, entropy="value", temperature=0.9, backend=backend)
     with torch.no_grad():
         _, got = ppo_ops.linear_token_loss(h, w, t, _weighted(13, 95), entropy="grad", temperature=0.9,
                                            backend=backend)
     assert torch.equal(got.log_probs, want.log_probs) and torch.equal(got.entropy, want.entropy)
-    if backend == "triton":
-        # The general op's half-precision forward is one GEMM whose epilogue reduces GEMM tiles (lm_head/
-        # gemm_partials.py): the same statistics in another fp32 order, so the logits op's own tolerances apply.
-        general = ppo_ops.linear_log_probs_and_entropy(h, w, t, entropy="value", temperature=0.9, backend=backend)
-        lp_err = (general.log_probs - got.log_probs).abs()
-        assert bool((lp_err <= LOG_PROB_TOL * got.log_probs.abs().clamp(min=1)).all()), lp_err.max()
-        assert bool(((general.entropy - got.entropy).abs() <= ENTROPY_TOL).all())
 
 
 @pytest.mark.parametrize("backend", backend_params(DEVICE))
-def test_upstream_scalar_scales_the_gradients(backend):
-    hidden, weight, tokens = inputs((10,), torch.float32, seed=96)
+@pytest.mark.parametrize("dtype,scale", [(torch.float32, -2.5), (torch.bfloat16, 1.0 / 3.0)])
+def test_upstream_scalar_scales_the_gradients(backend, dtype, scale):
+    """The saved gradients times the upstream scalar in fp32, rounded once to the input dtype. 1/3 is not a bf16
+    number: a product that first rounded the scalar to bf16 (as a CUDA mul_ by a 0-d fp32 tensor does) fails."""
+    hidden, weight, tokens = inputs((10,), dtype, seed=96)
     token_loss = _ppo(10, 97)
     plain = _run(hidden, weight, tokens, token_loss, entropy="grad", backend=backend)
-    scaled = _run(hidden, weight, tokens, token_loss, scale=-2.5, entropy="grad", backend=backend)
+    scaled = _run(hidden, weight, tokens, token_loss, scale=scale, entropy="grad", backend=backend)
     assert torch.equal(plain[0], scaled[0])
-    # The saved fp32 gradients times the scalar, rounded once: exactly what the same product gives here.
-    assert torch.equal(scaled[3], plain[3] * -2.5) and torch.equal(scaled[4], plain[4] * -2.5)
+    g = torch.tensor(scale, dtype=torch.float32)
+    for i, name in ((3, "dX"), (4, "dW")):
+        want = (plain[i].float() * g).to(dtype)
+        assert torch.equal(scaled[i], want), f"{name}: not the fp32 product rounded once"
 
 
 @pytest.mark.parametrize("backend", backend_params(DEVICE))

@@ -41,18 +41,28 @@ General op (ChunkedBackend.forward_partials / backward):
                (fp32 accumulator, K = seg_len) and dW_s (+)= dl^T @ X[group] (K = dw_rows: large enough that the fp32
                dW read + write is small next to the GEMM; when one group covers every row, dW_s is written once in
                the input dtype, no accumulator). Four GEMMs' work in all: the forward's, the recompute, dX, dW.
-Token loss (ChunkedBackend.loss_forward): per block of `loss_rows` rows: the block's logits over every local segment
-    (held: loss_rows x V_local fp32), their partials, the merge (hooks.merge: TP all-gather), the caller's loss
-    (hooks.block_grads), then per segment dlogits -> dX32[block] += dl @ W_s (rounded by hooks.finish_dx, per block)
-    and dW32_s += dl^T @ X[block...] every `loss_dw_rows` rows. Three GEMMs' work: the logits are formed once. dW's
-    fp32 accumulator [V_local, H] is rounded once at the end, in place: the result lives in the first half of the
-    accumulator's storage (no second [V_local, H] allocation; it keeps that storage until released).
+Token loss (ChunkedBackend.loss_forward): the logits are formed once (three GEMMs' work), per row block:
+    one-GEMM blocks (the Triton passes, half precision, TMA-aligned rows as for the fused recompute): blocks of
+        prob_block_rows rows (2048 at Qwen3-8B's shape, a function of H and the segment length only). The
+        general op's one-GEMM forward also stores every logit as e^(z - tile max) in fp16 into a segment-major
+        [n_seg, rows, seg_len] buffer (gemm_partials.forward_probs); merge (hooks.merge: TP all-gather), the caller's
+        loss (hooks.block_grads), then prob_dlogits.py turns the buffer into dlogits in place. Log-probs and
+        entropies are the general op's, bit for bit; dlogits carry e's fp16 rounding (2^-11 of their terms) before
+        their own to bf16.
+    chunk blocks (otherwise): blocks of `loss_rows` rows, the block's logits over every local segment (held:
+        loss_rows x V_local fp32), the logits op's partials, the merge, the loss, the logits op's gradient pass.
+        Log-probs and entropies are the logits op's on those logits, bit for bit.
+    Then, both: per segment dX32[block] += dl @ W_s (rounded by hooks.finish_dx, per block) and dW32_s += dl^T @
+    X[block...] (every `loss_dw_rows` rows on chunk blocks, every block on one-GEMM blocks). dW's fp32 accumulator
+    [V_local, H] is rounded once at the end, in place: the result lives in the first half of the accumulator's
+    storage (no second [V_local, H] allocation; it keeps that storage until released).
 
 Memory (besides dX and dW): general op forward one chunk (rows x seg_len fp32: 78 MB at Qwen3 and rows = 1024;
 none on the one-GEMM path, whose tile partials take 12 bytes per row and 256 columns); backward one chunk (none on
 the fused path), a dl buffer (dw_rows x seg_len in the input dtype) and, with more than one group, a dW_s fp32
-accumulator (seg_len x H), plus the fp32 dX accumulator [R, H]. Token loss: the block's logits (loss_rows x V_local
-fp32: 0.58 GiB), dl (loss_dw_rows x V_local in the input dtype), dX32 of one block, the fp32 dW accumulator.
+accumulator (seg_len x H), plus the fp32 dX accumulator [R, H]. Token loss: one-GEMM blocks 2 bytes per logit of a
+block (0.58 GiB at 2048 rows), chunk blocks the block's fp32 logits (loss_rows x V_local: 0.58 GiB) and dl
+(loss_dw_rows x V_local in the input dtype); dX32 of one block; the fp32 dW accumulator (2.32 GiB at Qwen3-8B).
 """
 
 from __future__ import annotations
@@ -62,7 +72,7 @@ from typing import Optional
 
 import torch
 
-from ppo_ops.core import row_stats
+from ppo_ops.core import layout, row_stats
 from ppo_ops.core.contracts import (BackwardStats, LinearSaved, LossHooks, RowInputs, RowStats, ShardOptions,
                                     UpstreamGrads)
 
@@ -81,10 +91,11 @@ class ChunkShape:
 
 # CUDA: a [1024, 4096] x [4096, 18992] logits GEMM is 159 GFLOP and fills the chip (600 tiles of 128 x 256); its
 # fp32 chunk (78 MB) is written once and read once by the partials pass. The general op's dW GEMM at K = 8192 reads
-# and writes its fp32 accumulator (622 MB) once per 1.27 TFLOP. The token loss's dW GEMM at K = 1024 moves the same
-# 622 MB of accumulator per 159 GFLOP, its largest overhead; a larger K needs K x V_local x 2 bytes of dlogits, over
-# the memory allowance with 1024-row logits blocks, and host-bound with 512-row ones (~100 launches per block). The
-# timings behind these choices: docs/performance.md, "The fused LM head".
+# and writes its fp32 accumulator (622 MB) once per 1.27 TFLOP. The token loss's chunk blocks: the dW GEMM at
+# K = 1024 moves the same 622 MB of accumulator per 159 GFLOP, their largest overhead; a larger K needs K x V_local x
+# 2 bytes of dlogits, over the memory allowance beside 1024-row fp32 logits blocks, and host-bound with 512-row ones
+# (~100 launches per block); the one-GEMM blocks (prob_block_rows) keep 2 bytes per logit instead. The timings
+# behind these choices: docs/performance.md, "The fused LM head".
 CUDA_SHAPE = ChunkShape(rows=1024, dw_rows=8192, loss_rows=1024, loss_dw_rows=1024)
 # Elsewhere (the CPU suite, Triton's interpreter): small, so tiny test shapes cross block and group boundaries.
 HOST_SHAPE = ChunkShape(rows=16, dw_rows=32, loss_rows=8, loss_dw_rows=16)
@@ -92,6 +103,29 @@ HOST_SHAPE = ChunkShape(rows=16, dw_rows=32, loss_rows=8, loss_dw_rows=16)
 
 def chunk_shape(device: torch.device) -> ChunkShape:
     return CUDA_SHAPE if device.type == "cuda" else HOST_SHAPE
+
+
+# The token loss's one-GEMM blocks hold 2 bytes per logit (fp16 probabilities, then dlogits in place) beside the
+# [V_local, H] fp32 dW accumulator: the largest power-of-two rows in [PROB_ROWS_MIN, PROB_ROWS_MAX] with both within
+# TOKEN_LOSS_BYTES, the 3.5 GiB allowance at Qwen3's shape less dX and the closure's temporaries (H = 4096: 2048 rows,
+# 0.58 GiB beside the 2.32 GiB accumulator; H = 1024: 8192 rows). dW's K is these rows: at K = 2048 the accumulator's
+# read and write cost ~25% of its GEMM (at K = 1024, ~55%).
+TOKEN_LOSS_BYTES = 3 * 2**30
+PROB_ROWS_MIN, PROB_ROWS_MAX = 1024, 8192
+HOST_PROB_ROWS = 16  # the interpreter: tiny test shapes cross blocks (a multiple of its GEMM tile's 16 rows)
+
+
+def prob_block_rows(width: int, seg_len: int, device: torch.device) -> int:
+    """Rows per one-GEMM token-loss block: a function of H and the segment length only, so every rank and TP size
+    blocks the rows alike (dW's K, hence its bits). The vocabulary counted is the global one where segments are
+    fixed (layout.NUM_FIXED_SEGMENTS of them), an upper bound of V_local."""
+    if device.type != "cuda":
+        return HOST_PROB_ROWS
+    vocab = seg_len * layout.NUM_FIXED_SEGMENTS
+    rows = PROB_ROWS_MAX
+    while rows > PROB_ROWS_MIN and rows * vocab * 2 + vocab * width * 4 > TOKEN_LOSS_BYTES:
+        rows //= 2
+    return rows
 
 
 # ---- GEMMs: the library's, fp32 accumulation ----
@@ -124,14 +158,16 @@ def mm_rounded(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
 def round_in_place(acc: torch.Tensor, dtype: torch.dtype, chunk_elems: int = 1 << 24) -> torch.Tensor:
     """acc (fp32, contiguous) rounded to `dtype` into the first half of acc's own storage; returns that tensor (of
     acc's shape). Chunk by chunk from the start: a chunk is read whole before its rounded values are written, and
-    they land on bytes of this or earlier chunks only, so nothing is overwritten before it was read."""
+    they land on bytes of this or earlier chunks only, so nothing is overwritten before it was read. The first
+    chunk's output overlaps its own input, so it goes through a temporary; every later one is copied and rounded
+    in one kernel (its output lies below its input)."""
     if dtype == torch.float32:
         return acc
     flat = acc.view(-1)
     narrow = flat.view(dtype)[: flat.numel()]
     for lo in range(0, flat.numel(), chunk_elems):
         hi = min(lo + chunk_elems, flat.numel())
-        narrow[lo:hi].copy_(flat[lo:hi].to(dtype))
+        narrow[lo:hi].copy_(flat[lo:hi].to(dtype) if lo < hi - lo else flat[lo:hi])
     return narrow.view(acc.shape)
 
 
@@ -145,12 +181,13 @@ class _TritonPasses:
     def __init__(self):
         # imported when selected: triton may be absent
         from ppo_ops.core import triton_common
-        from ppo_ops.lm_head import gemm_dlogits, gemm_partials
+        from ppo_ops.lm_head import gemm_dlogits, gemm_partials, prob_dlogits
         from ppo_ops.logits import triton_backend, triton_kernels
 
         self._tb, self._tk, self._tc = triton_backend, triton_kernels, triton_common
         self.one_gemm_forward = gemm_partials  # the general op's forward where gemm_partials.applies()
         self.one_gemm_recompute = gemm_dlogits  # its backward's logits + dlogits where gemm_dlogits.applies()
+        self.token_loss_pass = prob_dlogits  # the token loss's dlogits from the one-GEMM forward's probabilities
 
     def merge(self, partials: torch.Tensor, has_keep_mask: bool) -> RowStats:
         return self._tb.merge_partials(partials, has_keep_mask)
@@ -178,6 +215,7 @@ class _TorchPasses:
     name = "torch"
     one_gemm_forward = None  # the chunk GEMMs and this code's partials pass, always
     one_gemm_recompute = None  # the chunk GEMMs and this code's gradient pass, always
+    token_loss_pass = None  # the token loss's chunk blocks, always
 
     def __init__(self):
         from ppo_ops.logits import torch_backend
@@ -356,79 +394,159 @@ class ChunkedBackend:
                      need_dx: bool, need_dw: bool) -> Optional[torch.Tensor]:
         n_rows, width = hidden.shape
         v_local, seg_len = weight.shape[0], shard.seg_len
-        n_seg = v_local // seg_len
-        shape = chunk_shape(hidden.device)
-        device = hidden.device
-        need_grad = need_dx or need_dw
-        dw_acc = torch.empty((v_local, width), dtype=torch.float32, device=device) if need_dw else None
-        started = [False] * n_seg  # a segment's first dW GEMM writes its accumulator (no memset, no read of C)
+        segments = list(_segments(shard, v_local))
+        dw_acc = torch.empty((v_local, width), dtype=torch.float32, device=hidden.device) if need_dw else None
+        if need_dw:
+            for _s, seg_lo, seg in segments:
+                if seg.n_valid == 0:
+                    dw_acc[seg_lo:seg_lo + seg_len].zero_()  # padding only: no gradient
         if n_rows:
             tokens = tokens.to(torch.int64).contiguous()
-            blocks = _RowBlocks(hidden, shape.loss_rows)
-            logits = torch.empty((n_seg, shape.loss_rows, seg_len), dtype=torch.float32, device=device)
-            parts = torch.empty((n_seg, row_stats.NUM_PARTIALS, shape.loss_rows), dtype=torch.float32, device=device)
-            group_rows = min(shape.loss_dw_rows, blocks.count * shape.loss_rows)
-            dl = (torch.empty((n_seg, group_rows, seg_len), dtype=hidden.dtype, device=device) if need_grad
-                  else None)
-            dx_block = torch.empty((shape.loss_rows, width), dtype=torch.float32, device=device) if need_dx else None
-            segments = list(_segments(shard, v_local))
-            for s, seg_lo, seg in segments:
-                if seg.n_valid == 0:
-                    _neutral(parts[s])
-                    if need_dw:
-                        dw_acc[seg_lo:seg_lo + seg_len].zero_()  # padding only: no gradient
-            blocks_per_group = shape.loss_dw_rows // shape.loss_rows
-            for b in range(blocks.count):
-                r0, n, x = blocks.block(b)
-                rs = slice(r0, r0 + n)
-                for s, seg_lo, seg in segments:
-                    if seg.n_valid:
-                        mm_fp32(x, weight[seg_lo:seg_lo + seg_len].T, logits[s])
-                        self.passes.partials(logits[s], n, tokens[rs], seg, with_entropy, parts[s])
-                stats = hooks.merge(parts[:, :, :n])
-                grads = hooks.block_grads(stats, r0, r0 + n)
-                if not need_grad:
-                    continue
-                g_lp, g_ent = grads.grad_log_prob, grads.grad_entropy
-                offset = (b % blocks_per_group) * shape.loss_rows
-                if g_lp is None and g_ent is None:  # the loss does not depend on these rows: zero gradient
-                    dl[:, offset:offset + n].zero_()
-                    if need_dx:
-                        dx_block[:n].zero_()
-                contributed = False
-                for s, seg_lo, seg in segments:
-                    if seg.n_valid == 0 or (g_lp is None and g_ent is None):
-                        continue
-                    dl_s = dl[s, offset:offset + n]
-                    self.passes.dlogits(logits[s], n, tokens[rs], seg,
-                                        BackwardStats(stats.shift, stats.log_sum, None,
-                                                      stats.mean_shifted if g_ent is not None else None),
-                                        UpstreamGrads(g_lp, g_ent), dl_s)
-                    if need_dx:
-                        w_s = weight[seg_lo:seg_lo + seg_len]
-                        if contributed:
-                            addmm_fp32(dx_block[:n], dl_s, w_s)
-                        else:
-                            mm_fp32(dl_s, w_s, dx_block[:n])
-                    contributed = True
-                if need_dx:
-                    if not contributed:
-                        dx_block[:n].zero_()
-                    hooks.finish_dx(dx_block[:n], r0, r0 + n)
-                if need_dw and ((b + 1) % blocks_per_group == 0 or b + 1 == blocks.count):
-                    g0 = (b // blocks_per_group) * shape.loss_dw_rows
-                    m = r0 + n - g0
-                    for s, seg_lo, seg in segments:
-                        if seg.n_valid and started[s]:
-                            addmm_fp32(dw_acc[seg_lo:seg_lo + seg_len], dl[s, :m].T, hidden[g0:g0 + m])
-                        elif seg.n_valid:
-                            mm_fp32(dl[s, :m].T, hidden[g0:g0 + m], dw_acc[seg_lo:seg_lo + seg_len])
-                            started[s] = True
+            grads = _Gradients(hidden, weight, segments, hooks, dw_acc, need_dx)
+            if self.loss_keeps_probs(hidden, weight, seg_len):
+                self._loss_blocks_by_probs(hidden, weight, tokens, shard, with_entropy, hooks, grads,
+                                           need_dx or need_dw)
+            else:
+                self._loss_blocks_by_chunks(hidden, weight, tokens, shard, with_entropy, hooks, grads,
+                                            need_dx or need_dw)
         if dw_acc is None:
             return None
         if n_rows == 0:
             dw_acc.zero_()
         return round_in_place(dw_acc, weight.dtype)
+
+    def loss_keeps_probs(self, hidden, weight, seg_len: int) -> bool:
+        """Whether the token loss takes the one-GEMM blocks (fp16 probabilities) on these operands; else chunk
+        blocks."""
+        return self.passes.token_loss_pass is not None and self.passes.one_gemm_recompute.applies(hidden, weight,
+                                                                                                  seg_len)
+
+    def _loss_blocks_by_probs(self, hidden, weight, tokens, shard, with_entropy, hooks, grads, need_grad) -> None:
+        """One-GEMM blocks: the forward GEMM keeps each logit as an fp16 probability within its tile, the pass turns
+        them into dlogits in place (2 bytes per logit: blocks of prob_block_rows rows, one dW GEMM each)."""
+        n_rows, width = hidden.shape
+        n_seg, seg_len = weight.shape[0] // shard.seg_len, shard.seg_len
+        rows = prob_block_rows(width, seg_len, hidden.device)
+        probs = torch.empty((n_seg, min(rows, _round_up(n_rows, self.passes.one_gemm_forward.config().block_m)),
+                             seg_len), dtype=torch.float16, device=hidden.device)
+        for r0 in range(0, n_rows, rows):
+            n = min(rows, n_rows - r0)
+            rs = slice(r0, r0 + n)
+            x = hidden[rs]
+            parts, tiles = self.passes.one_gemm_forward.forward_probs(x, weight, tokens[rs], shard, with_entropy,
+                                                                      probs)
+            stats = hooks.merge(parts)
+            up = hooks.block_grads(stats, r0, r0 + n)
+            if not need_grad:
+                continue
+            g_lp, g_ent = up.grad_log_prob, up.grad_entropy
+            if g_lp is None and g_ent is None:  # the loss does not depend on these rows: zero gradient
+                dl = probs.view(hidden.dtype)
+                dl[:, :n].zero_()
+            else:
+                dl = self.passes.token_loss_pass.dlogits(
+                    probs, tiles, n, x, weight, tokens[rs], shard,
+                    BackwardStats(stats.shift, stats.log_sum, None, stats.mean_shifted if g_ent is not None else None),
+                    UpstreamGrads(g_lp, g_ent), hidden.dtype)
+            grads.add_block(dl, r0, n, x)
+
+    def _loss_blocks_by_chunks(self, hidden, weight, tokens, shard, with_entropy, hooks, grads, need_grad) -> None:
+        """Chunk blocks: per block of loss_rows rows its fp32 logits over every local segment (GEMM into a held
+        chunk), the logits op's partials and gradient passes; dW every loss_dw_rows rows."""
+        v_local, seg_len = weight.shape[0], shard.seg_len
+        n_seg = v_local // seg_len
+        shape = chunk_shape(hidden.device)
+        device = hidden.device
+        blocks = _RowBlocks(hidden, shape.loss_rows)
+        logits = torch.empty((n_seg, shape.loss_rows, seg_len), dtype=torch.float32, device=device)
+        parts = torch.empty((n_seg, row_stats.NUM_PARTIALS, shape.loss_rows), dtype=torch.float32, device=device)
+        group_rows = min(shape.loss_dw_rows, blocks.count * shape.loss_rows)
+        dl = torch.empty((n_seg, group_rows, seg_len), dtype=hidden.dtype, device=device) if need_grad else None
+        for s, _seg_lo, seg in grads.segments:
+            if seg.n_valid == 0:
+                _neutral(parts[s])
+        blocks_per_group = shape.loss_dw_rows // shape.loss_rows
+        for b in range(blocks.count):
+            r0, n, x = blocks.block(b)
+            rs = slice(r0, r0 + n)
+            for s, seg_lo, seg in grads.segments:
+                if seg.n_valid:
+                    mm_fp32(x, weight[seg_lo:seg_lo + seg_len].T, logits[s])
+                    self.passes.partials(logits[s], n, tokens[rs], seg, with_entropy, parts[s])
+            stats = hooks.merge(parts[:, :, :n])
+            up = hooks.block_grads(stats, r0, r0 + n)
+            if not need_grad:
+                continue
+            g_lp, g_ent = up.grad_log_prob, up.grad_entropy
+            offset = (b % blocks_per_group) * shape.loss_rows
+            if g_lp is None and g_ent is None:  # the loss does not depend on these rows: zero gradient
+                dl[:, offset:offset + n].zero_()
+            else:
+                for s, _seg_lo, seg in grads.segments:
+                    if seg.n_valid:
+                        self.passes.dlogits(logits[s], n, tokens[rs], seg,
+                                            BackwardStats(stats.shift, stats.log_sum, None,
+                                                          stats.mean_shifted if g_ent is not None else None),
+                                            UpstreamGrads(g_lp, g_ent), dl[s, offset:offset + n])
+            grads.add_dx(dl[:, offset:offset + n], r0, n)
+            if (b + 1) % blocks_per_group == 0 or b + 1 == blocks.count:
+                g0 = (b // blocks_per_group) * shape.loss_dw_rows
+                grads.add_dw(dl, r0 + n - g0, hidden[g0:r0 + n])
+
+
+class _Gradients:
+    """The token loss's dX and dW from a block's dlogits [n_seg, >= n, seg_len] (the input dtype): dX rows in fp32
+    over the local segments in order, one rounding (hooks.finish_dx); dW_s (+)= dl_s^T X into the fp32 accumulator,
+    a segment's first GEMM writing it (no memset, no read of C)."""
+
+    def __init__(self, hidden, weight, segments, hooks: LossHooks, dw_acc, need_dx: bool):
+        self.weight, self.segments, self.hooks, self.dw_acc = weight, segments, hooks, dw_acc
+        self.seg_len = weight.shape[0] // len(segments)
+        self.need_dx = need_dx
+        self.dx_block = None  # fp32 [rows, H], allocated for the first (largest) block
+        self.started = [False] * len(segments)
+
+    def add_block(self, dl, r0: int, n: int, x) -> None:
+        self.add_dx(dl, r0, n)
+        self.add_dw(dl, n, x)
+
+    def add_dx(self, dl, r0: int, n: int) -> None:
+        if not self.need_dx:
+            return
+        if self.dx_block is None or self.dx_block.shape[0] < n:
+            self.dx_block = torch.empty((n, self.weight.shape[1]), dtype=torch.float32, device=self.weight.device)
+        out = self.dx_block[:n]
+        contributed = False
+        for s, seg_lo, seg in self.segments:
+            if seg.n_valid == 0:
+                continue
+            w_s = self.weight[seg_lo:seg_lo + self.seg_len]
+            if contributed:
+                addmm_fp32(out, dl[s, :n], w_s)
+            else:
+                mm_fp32(dl[s, :n], w_s, out)
+            contributed = True
+        if not contributed:
+            out.zero_()
+        self.hooks.finish_dx(out, r0, r0 + n)
+
+    def add_dw(self, dl, m: int, x) -> None:
+        """dW_s (+)= dl[s, :m]^T @ x (x: the m rows of hidden)."""
+        if self.dw_acc is None:
+            return
+        for s, seg_lo, seg in self.segments:
+            if seg.n_valid == 0:
+                continue
+            acc = self.dw_acc[seg_lo:seg_lo + self.seg_len]
+            if self.started[s]:
+                addmm_fp32(acc, dl[s, :m].T, x)
+            else:
+                mm_fp32(dl[s, :m].T, x, acc)
+                self.started[s] = True
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def tile_logits(hidden: torch.Tensor, weight: torch.Tensor, seg_len: int) -> torch.Tensor:

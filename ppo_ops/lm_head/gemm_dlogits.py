@@ -175,12 +175,23 @@ def dlogits(hidden: torch.Tensor, w_seg: torch.Tensor, tokens: torch.Tensor, seg
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=interpreting(), OUT_BF16=out.dtype == torch.bfloat16,
         ROUND_BF16_BY_BITS=round_bf16_by_bits(out.dtype), **options(cfg))
     if g_lp is not None:  # the target's element (the epilogue wrote it as a non-target's)
-        target_dlogits_kernel[(triton.cdiv(n_rows, gemm_partials.TARGET_ROWS),)](
-            hidden_ptr=hidden, weight_ptr=w_seg, tokens_ptr=tokens, shift_ptr=stats.shift, log_sum_ptr=stats.log_sum,
-            mean_shifted_ptr=stats.mean_shifted if g_ent is not None else dummy, grad_log_prob_ptr=g_lp,
-            grad_entropy_ptr=g_ent if g_ent is not None else dummy, out_ptr=out, num_rows=n_rows, hidden_size=width,
-            hidden_stride=hidden.stride(0), weight_stride=w_seg.stride(0), out_stride=out.stride(0),
-            n_valid=seg.n_valid, vocab_start=seg.vocab_start, inv_temperature=inv_t,
-            HAS_GRAD_ENTROPY=g_ent is not None, SCALE=inv_t != 1.0,
-            ROUND_BF16_BY_BITS=round_bf16_by_bits(out.dtype), BLOCK_R=gemm_partials.TARGET_ROWS,
-            BLOCK_H=gemm_partials.TARGET_H)
+        target_dlogits(hidden, w_seg, tokens, seg, stats, upstream, out)
+
+
+def target_dlogits(hidden: torch.Tensor, w_seg: torch.Tensor, tokens: torch.Tensor, seg: ShardOptions,
+                   stats: BackwardStats, upstream: UpstreamGrads, out: torch.Tensor) -> None:
+    """Writes the target's element of out [R, seg_len] (rows whose target is a real column of this segment; row
+    stride free, columns contiguous) from the forward's target logit; upstream.grad_log_prob must be given."""
+    n_rows, width = hidden.shape
+    g_lp, g_ent = upstream.grad_log_prob, upstream.grad_entropy
+    dummy = stats.shift  # never read where its flag is off
+    inv_t = float(seg.inv_temperature)
+    target_dlogits_kernel[(triton.cdiv(n_rows, gemm_partials.TARGET_ROWS),)](
+        hidden_ptr=hidden, weight_ptr=w_seg, tokens_ptr=tokens, shift_ptr=stats.shift, log_sum_ptr=stats.log_sum,
+        mean_shifted_ptr=stats.mean_shifted if g_ent is not None else dummy, grad_log_prob_ptr=g_lp,
+        grad_entropy_ptr=g_ent if g_ent is not None else dummy, out_ptr=out, num_rows=n_rows, hidden_size=width,
+        hidden_stride=hidden.stride(0), weight_stride=w_seg.stride(0), out_stride=out.stride(0),
+        n_valid=seg.n_valid, vocab_start=seg.vocab_start, inv_temperature=inv_t,
+        HAS_GRAD_ENTROPY=g_ent is not None, SCALE=inv_t != 1.0,
+        ROUND_BF16_BY_BITS=round_bf16_by_bits(out.dtype), BLOCK_R=gemm_partials.TARGET_ROWS,
+        BLOCK_H=gemm_partials.TARGET_H)

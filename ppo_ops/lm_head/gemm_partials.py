@@ -16,6 +16,8 @@ Kernels:
         three partials per row: its max m, Σ e^(z-m) and Σ e^(z-m)(z-m). A tile whose columns are all real
         vocabulary of its segment (all but the last of a segment and the padding) takes an unmasked epilogue; the
         others mask the columns past the segment's width or the vocabulary. Both give the same bits on real columns.
+        With STORE_PROBS (the token loss, forward_probs) the epilogue also stores the tile's e^(z - m) in fp16 by TMA
+        into a segment-major buffer, for the dlogits pass once the row statistics are global (prob_dlogits.py).
     target_logits_kernel  per row, the target's logit x . w_target in fp32 (-inf when the target is not in this
         shard), in a fixed order of its own. Picking it out of the GEMM tile costs a compare and a select per logit,
         which measured 7-9% of the GEMM on an H200; this is O(R * H).
@@ -52,9 +54,9 @@ _TILE_PARTIALS = tl.constexpr(TILE_PARTIALS)
 _MERGE_ROWS = 256  # rows per merge program
 TARGET_ROWS, TARGET_H = 16, 256  # rows per target-logit program, hidden columns per step
 
-# Integers that differ between ranks and TP sizes (and the program count, which follows the row count): never
-# specialised on, so every rank runs the same code.
-_TP_VARYING = ["n_seg", "n_valid", "num_programs"]
+# Integers that differ between ranks and TP sizes (and the program count and slab height, which follow the row
+# count): never specialised on, so every rank runs the same code.
+_TP_VARYING = ["n_seg", "n_valid", "num_programs", "rows_per_seg"]
 
 
 class GemmConfig(NamedTuple):
@@ -128,6 +130,8 @@ def gemm_partials_kernel(
     x_desc,  # TMA descriptor of hidden [R, H] (half precision), blocks [BLOCK_M, BLOCK_K], READ-ONLY
     w_desc,  # TMA descriptor of the local weight [V_local, H], blocks [BLOCK_N, BLOCK_K], READ-ONLY
     tiles_ptr,  # [n_seg, tiles_per_seg, 3, R] fp32 tile partials, WRITTEN
+    probs_desc,  # STORE_PROBS: TMA descriptor, [n_seg * rows_per_seg, seg_len] fp16, blocks [BLOCK_M, BLOCK_N], WRITTEN
+    rows_per_seg,  # STORE_PROBS: rows of each segment's slab in probs (>= R, a multiple of BLOCK_M)
     num_rows,  # R
     hidden_size,  # H
     seg_len,  # columns per segment
@@ -138,6 +142,7 @@ def gemm_partials_kernel(
     inv_temperature,
     SCALE: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
+    STORE_PROBS: tl.constexpr,  # also store e^(z - m) of every element, m its tile row's max (the token loss's)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -177,6 +182,10 @@ def gemm_partials_kernel(
                 w = tl.sum(tl.where(valid[None, :], p * d, 0.0), axis=1)  # 0 * -inf where masked: selected away
             else:
                 w = tl.zeros([BLOCK_M], tl.float32)
+        if STORE_PROBS:
+            # segment-major slabs: the store is clipped at the segment's width (no column of the next segment is
+            # touched) and past R it lands on rows of this segment's slab that nothing reads
+            probs_desc.store([seg * rows_per_seg + row0, tile * BLOCK_N], p.to(tl.float16))
         rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < num_rows
         out = tiles_ptr + (seg.to(tl.int64) * tiles_per_seg + tile) * (_TILE_PARTIALS * num_rows) + rows
@@ -275,6 +284,21 @@ def forward_partials(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.T
                      with_entropy: bool) -> torch.Tensor:
     """[V_local / seg_len, 5, R] fp32 segment partials of logits hidden @ weight^T (the backend contract's forward);
     `applies(hidden, weight)` must hold. Segments past shard.n_valid come out neutral."""
+    return _forward(hidden, weight, tokens, shard, with_entropy, None)[0]
+
+
+def forward_probs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, shard: ShardOptions,
+                  with_entropy: bool, probs: torch.Tensor):
+    """The forward partials, and every logit kept as a probability relative to its tile: probs [n_seg, B, seg_len]
+    fp16 (B >= R a multiple of config().block_m; rows >= R are scratch) gets e^(z - m) rounded once, m the max of
+    the element's row over its tile's columns (a tile: BLOCK_N columns from a segment start), 0 on padding
+    columns. Returns (partials [n_seg, 5, R], tiles [n_seg, tiles_per_seg, 3, R] fp32: the tile partials, channel 0
+    the tile max m): z = m + log e up to e's rounding, and p = e * e^(m - M - log S). `applies(hidden, weight)`
+    must hold and seg_len * 2 bytes be a multiple of 16 (TMA rows)."""
+    return _forward(hidden, weight, tokens, shard, with_entropy, probs)
+
+
+def _forward(hidden, weight, tokens, shard: ShardOptions, with_entropy: bool, probs: Optional[torch.Tensor]):
     seg_len, inv_temperature = shard.seg_len, float(shard.inv_temperature)
     n_rows, width = hidden.shape
     v_local = weight.shape[0]
@@ -282,19 +306,29 @@ def forward_partials(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.T
     cfg = config()
     tiles_per_seg = triton.cdiv(seg_len, cfg.block_n)
     out = torch.empty((n_seg, row_stats.NUM_PARTIALS, n_rows), dtype=torch.float32, device=hidden.device)
-    if n_rows == 0:
-        return out
-    tokens = tokens.to(torch.int64).contiguous()
     tiles = torch.empty((n_seg, tiles_per_seg, TILE_PARTIALS, n_rows), dtype=torch.float32, device=hidden.device)
+    if n_rows == 0:
+        return out, tiles
+    tokens = tokens.to(torch.int64).contiguous()
     x_desc, w_desc = descriptors(hidden, weight, cfg)
+    probs_desc, rows_per_seg = None, 0
+    if probs is not None:
+        rows_per_seg = probs.shape[1]
+        if (probs.dtype != torch.float16 or probs.shape != (n_seg, rows_per_seg, seg_len) or not probs.is_contiguous()
+                or rows_per_seg < n_rows or rows_per_seg % cfg.block_m):
+            raise ValueError(f"probs: expected a contiguous fp16 [{n_seg}, B, {seg_len}] buffer with B >= {n_rows} a "
+                             f"multiple of {cfg.block_m}, got {probs.dtype} {tuple(probs.shape)}")
+        probs_desc = TensorDescriptor.from_tensor(probs.view(n_seg * rows_per_seg, seg_len),
+                                                  [cfg.block_m, cfg.block_n])
     n_tiles = triton.cdiv(n_rows, cfg.block_m) * n_seg * tiles_per_seg
     programs = num_programs(hidden.device, n_tiles)
     gemm_partials_kernel[(programs,)](
-        x_desc=x_desc, w_desc=w_desc, tiles_ptr=tiles, num_rows=n_rows, hidden_size=width, seg_len=seg_len,
+        x_desc=x_desc, w_desc=w_desc, tiles_ptr=tiles, probs_desc=probs_desc, rows_per_seg=rows_per_seg,
+        num_rows=n_rows, hidden_size=width, seg_len=seg_len,
         n_seg=n_seg, n_valid=shard.n_valid, tiles_per_seg=tiles_per_seg, num_programs=programs,
         inv_temperature=inv_temperature, SCALE=inv_temperature != 1.0, WITH_ENTROPY=with_entropy,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        UPCAST=interpreting(), **options(cfg))
+        STORE_PROBS=probs is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, UPCAST=interpreting(), **options(cfg))
     target = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
     target_logits_kernel[(triton.cdiv(n_rows, TARGET_ROWS),)](
         hidden_ptr=hidden, weight_ptr=weight, tokens_ptr=tokens, out_ptr=target, num_rows=n_rows, hidden_size=width,
@@ -304,4 +338,4 @@ def forward_partials(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.T
     merge_tiles_kernel[(n_seg, triton.cdiv(n_rows, _MERGE_ROWS))](
         tiles_ptr=tiles, target_ptr=target, tokens_ptr=tokens, out_ptr=out, num_rows=n_rows,
         tiles_per_seg=tiles_per_seg, seg_len=seg_len, vocab_start=shard.vocab_start, BLOCK_R=_MERGE_ROWS)
-    return out
+    return out, tiles

@@ -1,0 +1,125 @@
+"""The token loss's dlogits from the probabilities its forward kept, in place: no second GEMM.
+
+linear_token_loss forms the loss's gradient inside its forward (lm_head/chunked.py, `loss_forward`). Where the
+one-GEMM forward applies, a row block's forward (gemm_partials.forward_probs) leaves every logit as
+e = fl16(e^(z - m)) in a segment-major [n_seg, B, seg_len] fp16 buffer, m the max of the element's row over its GEMM
+tile (BLOCK_N columns from a segment start), beside the tile maxima; the row statistics then become global (the
+merge, the TP all-gather) and the caller's loss gives the upstream gradients. This pass turns the buffer into
+dlogits in the input dtype, element for element in place, for the library's dX and dW GEMMs:
+
+    p = e * e^(m - M - log S)          (M the row max, S = Σ e^(z - M): p = e^(z - M - log S))
+    z - M = log e + (m - M)
+    g = p (g_ent (E_p[z] - M - (z - M)) - g_lp),  times 1/T          every column as a non-target
+then, per segment, gemm_dlogits.target_dlogits_kernel writes the target's element from the forward's own target
+logit, as the general op's backward does.
+
+Accuracy. e is rounded once to fp16: relative 2^-11 where e >= 2^-14, absolute 2^-25 below (subnormals); z - M from
+log e errs by 2^-11 absolute there. So a dlogit errs by 2^-11 of its own terms, p |g_lp| and p |g_ent| (|z - E_p[z]|
++ 1), before its one rounding to bf16 (2^-8). The buffer takes 2 bytes per logit where fp32 logits and separate
+dlogits take 6: three times the rows per block in the same memory, hence dW GEMMs with three times the K.
+
+Bits. A dlogit depends on its logit's tile (fixed by row, column and the K loop), its tile max, the row statistics and
+the upstream gradients, not on the other rows, the rank or the TP size.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ppo_ops.core.contracts import BackwardStats, ShardOptions, UpstreamGrads
+from ppo_ops.core.triton_common import interpreting, round_bf16_by_bits, store_rounded
+from ppo_ops.lm_head import gemm_dlogits, gemm_partials
+
+# Rows per program (each covers one forward tile's columns, BLOCK_N) and warps: the fastest of 4-32 rows and 2-8
+# warps on an H200 (0.52 ms per 2048-row block of Qwen3's vocabulary, 8 rows: 0.62).
+PASS_ROWS = 16
+PASS_WARPS = 4
+
+
+@triton.jit(do_not_specialize=["n_valid", "rows_per_seg"])
+def prob_dlogits_kernel(
+    probs_ptr,  # [n_seg, rows_per_seg, seg_len] fp16 e^(z - m), READ
+    out_ptr,  # the same storage as the output dtype (bf16 / fp16): dlogits, WRITTEN over each element once read
+    tiles_ptr,  # [n_seg, tiles_per_seg, 3, R] fp32 tile partials of the forward (channel 0: the tile max m)
+    shift_ptr,  # [R] fp32 row max M
+    log_sum_ptr,  # [R] fp32 log Σ e^(z - M)
+    mean_shifted_ptr,  # [R] fp32 E_p[z] - M (read only when HAS_GRAD_ENTROPY)
+    grad_log_prob_ptr,  # [R] fp32 (read only when HAS_GRAD_LOG_PROB)
+    grad_entropy_ptr,  # [R] fp32 (read only when HAS_GRAD_ENTROPY)
+    num_rows,  # R
+    rows_per_seg,
+    seg_len,
+    n_valid,  # local columns that are real vocabulary
+    tiles_per_seg,
+    inv_temperature,
+    HAS_GRAD_LOG_PROB: tl.constexpr,
+    HAS_GRAD_ENTROPY: tl.constexpr,
+    SCALE: tl.constexpr,
+    ROUND_BF16_BY_BITS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # the forward's tile width: one tile max per row
+):
+    pid_t = tl.program_id(1)
+    seg = pid_t // tiles_per_seg
+    tile = pid_t % tiles_per_seg
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < num_rows
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # column within the segment
+    in_seg = cols < seg_len
+    real = in_seg & (seg * seg_len + cols < n_valid)
+    offsets = (seg.to(tl.int64) * rows_per_seg + rows.to(tl.int64))[:, None] * seg_len + cols[None, :]
+    io_mask = row_ok[:, None] & in_seg[None, :]
+    e = tl.load(probs_ptr + offsets, mask=io_mask, other=0.0).to(tl.float32)
+    m = tl.load(tiles_ptr + (seg.to(tl.int64) * tiles_per_seg + tile) * (3 * num_rows) + rows, mask=row_ok,
+                other=0.0)
+    m_shift = m - tl.load(shift_ptr + rows, mask=row_ok, other=0.0)  # m - M <= 0
+    p = e * tl.exp(m_shift - tl.load(log_sum_ptr + rows, mask=row_ok, other=0.0))[:, None]
+    if HAS_GRAD_ENTROPY:
+        g_ent = tl.load(grad_entropy_ptr + rows, mask=row_ok, other=0.0)
+        mean_shifted = tl.load(mean_shifted_ptr + rows, mask=row_ok, other=0.0)
+        # z - M; where e rounded to 0 (p = 0) any finite stand-in gives a 0 gradient, never 0 * inf
+        d = tl.log(tl.where(e > 0.0, e, 1.0)) + m_shift[:, None]
+        inner = g_ent[:, None] * (mean_shifted[:, None] - d)
+        if HAS_GRAD_LOG_PROB:
+            inner = inner - tl.load(grad_log_prob_ptr + rows, mask=row_ok, other=0.0)[:, None]
+        grad = p * inner
+    else:
+        grad = -tl.load(grad_log_prob_ptr + rows, mask=row_ok, other=0.0)[:, None] * p
+    if SCALE:
+        grad = grad * inv_temperature
+    grad = tl.where(real[None, :], grad, 0.0)
+    store_rounded(out_ptr + offsets, grad, io_mask, ROUND_BF16_BY_BITS)
+
+
+def dlogits(probs: torch.Tensor, tiles: torch.Tensor, n_rows: int, hidden: torch.Tensor, weight: torch.Tensor,
+            tokens: torch.Tensor, shard: ShardOptions, stats: BackwardStats, upstream: UpstreamGrads,
+            dtype: torch.dtype) -> torch.Tensor:
+    """The first n_rows rows of every segment of probs ([n_seg, B, seg_len] fp16, from gemm_partials.forward_probs on
+    hidden [n_rows, H] and the local weight; tiles its tile partials) turned into dlogits of `dtype` in place;
+    returns that view of probs' storage. stats and upstream are the n_rows rows' own."""
+    n_seg, rows_per_seg, seg_len = probs.shape
+    out = probs.view(dtype)
+    g_lp, g_ent = upstream.grad_log_prob, upstream.grad_entropy
+    if n_rows == 0:
+        return out
+    block_n = gemm_partials.config().block_n
+    tiles_per_seg = triton.cdiv(seg_len, block_n)
+    dummy = stats.shift  # never read where its flag is off
+    inv_t = float(shard.inv_temperature)
+    prob_dlogits_kernel[(triton.cdiv(n_rows, PASS_ROWS), n_seg * tiles_per_seg)](
+        probs_ptr=probs, out_ptr=out, tiles_ptr=tiles, shift_ptr=stats.shift, log_sum_ptr=stats.log_sum,
+        mean_shifted_ptr=stats.mean_shifted if g_ent is not None else dummy,
+        grad_log_prob_ptr=g_lp if g_lp is not None else dummy, grad_entropy_ptr=g_ent if g_ent is not None else dummy,
+        num_rows=n_rows, rows_per_seg=rows_per_seg, seg_len=seg_len, n_valid=shard.n_valid,
+        tiles_per_seg=tiles_per_seg, inv_temperature=inv_t, HAS_GRAD_LOG_PROB=g_lp is not None,
+        HAS_GRAD_ENTROPY=g_ent is not None, SCALE=inv_t != 1.0, ROUND_BF16_BY_BITS=round_bf16_by_bits(dtype),
+        BLOCK_R=PASS_ROWS, BLOCK_N=block_n, **({} if interpreting() else {"num_warps": PASS_WARPS}))
+    if g_lp is not None:  # the target's element, from the forward's own target logit
+        for s, seg_lo in enumerate(range(0, weight.shape[0], seg_len)):
+            seg = shard.segment(seg_lo)
+            if seg.n_valid:
+                gemm_dlogits.target_dlogits(hidden, weight[seg_lo:seg_lo + seg_len], tokens, seg, stats, upstream,
+                                            out[s, :n_rows])
+    return out
