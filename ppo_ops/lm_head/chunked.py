@@ -402,7 +402,7 @@ class ChunkedBackend:
                     dw_acc[seg_lo:seg_lo + seg_len].zero_()  # padding only: no gradient
         if n_rows:
             tokens = tokens.to(torch.int64).contiguous()
-            grads = _Gradients(hidden, weight, segments, hooks, dw_acc, need_dx)
+            grads = _Gradients(weight, segments, hooks, dw_acc, need_dx)
             if self.loss_keeps_probs(hidden, weight, seg_len):
                 self._loss_blocks_by_probs(hidden, weight, tokens, shard, with_entropy, hooks, grads,
                                            need_dx or need_dw)
@@ -499,7 +499,7 @@ class _Gradients:
     over the local segments in order, one rounding (hooks.finish_dx); dW_s (+)= dl_s^T X into the fp32 accumulator,
     a segment's first GEMM writing it (no memset, no read of C)."""
 
-    def __init__(self, hidden, weight, segments, hooks: LossHooks, dw_acc, need_dx: bool):
+    def __init__(self, weight, segments, hooks: LossHooks, dw_acc, need_dx: bool):
         self.weight, self.segments, self.hooks, self.dw_acc = weight, segments, hooks, dw_acc
         self.seg_len = weight.shape[0] // len(segments)
         self.need_dx = need_dx

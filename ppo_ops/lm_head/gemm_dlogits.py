@@ -106,7 +106,7 @@ def gemm_dlogits_kernel(
         dl_desc.store([row0, col0], out)
 
 
-@triton.jit(do_not_specialize=["n_valid", "vocab_start"])
+@triton.jit(do_not_specialize=["n_valid", "vocab_start", "slab_stride"])
 def target_dlogits_kernel(
     hidden_ptr,  # [R, H] half precision, READ-ONLY
     weight_ptr,  # the segment's weight rows [seg_len, H], READ-ONLY
@@ -116,12 +116,14 @@ def target_dlogits_kernel(
     mean_shifted_ptr,  # read only when HAS_GRAD_ENTROPY
     grad_log_prob_ptr,
     grad_entropy_ptr,  # read only when HAS_GRAD_ENTROPY
-    out_ptr,  # [R, seg_len] dlogits: the target's element of each row whose target is in this segment, WRITTEN
+    out_ptr,  # dlogits slabs [R, slab_cols] slab_stride apart: each row's target element (where here), WRITTEN
     num_rows,
     hidden_size,
     hidden_stride,
     weight_stride,
-    out_stride,
+    out_stride,  # between rows of a slab
+    slab_cols,  # columns per slab: local column c lies in slab c // slab_cols
+    slab_stride,  # elements between slabs (0 with one slab)
     n_valid,
     vocab_start,
     inv_temperature,
@@ -145,7 +147,8 @@ def target_dlogits_kernel(
             p * (tl.load(mean_shifted_ptr + rows, mask=here, other=0.0) - d))
     if SCALE:
         grad = grad * inv_temperature
-    store_rounded(out_ptr + rows.to(tl.int64) * out_stride + target, grad, here, ROUND_BF16_BY_BITS)
+    offset = (target // slab_cols).to(tl.int64) * slab_stride + rows.to(tl.int64) * out_stride + target % slab_cols
+    store_rounded(out_ptr + offset, grad, here, ROUND_BF16_BY_BITS)
 
 
 def dlogits(hidden: torch.Tensor, w_seg: torch.Tensor, tokens: torch.Tensor, seg: ShardOptions,
@@ -181,17 +184,19 @@ def dlogits(hidden: torch.Tensor, w_seg: torch.Tensor, tokens: torch.Tensor, seg
 def target_dlogits(hidden: torch.Tensor, w_seg: torch.Tensor, tokens: torch.Tensor, seg: ShardOptions,
                    stats: BackwardStats, upstream: UpstreamGrads, out: torch.Tensor) -> None:
     """Writes the target's element of out [R, seg_len] (rows whose target is a real column of this segment; row
-    stride free, columns contiguous) from the forward's target logit; upstream.grad_log_prob must be given."""
+    stride free, columns contiguous) from the forward's target logit; upstream.grad_log_prob must be given. out may
+    also be [n_seg, B >= R, seg_len] slabs (contiguous) of consecutive segments of w_seg, seg then their shard."""
     n_rows, width = hidden.shape
     g_lp, g_ent = upstream.grad_log_prob, upstream.grad_entropy
     dummy = stats.shift  # never read where its flag is off
     inv_t = float(seg.inv_temperature)
+    slab_stride = out.stride(0) if out.dim() == 3 else 0
     target_dlogits_kernel[(triton.cdiv(n_rows, gemm_partials.TARGET_ROWS),)](
         hidden_ptr=hidden, weight_ptr=w_seg, tokens_ptr=tokens, shift_ptr=stats.shift, log_sum_ptr=stats.log_sum,
         mean_shifted_ptr=stats.mean_shifted if g_ent is not None else dummy, grad_log_prob_ptr=g_lp,
         grad_entropy_ptr=g_ent if g_ent is not None else dummy, out_ptr=out, num_rows=n_rows, hidden_size=width,
-        hidden_stride=hidden.stride(0), weight_stride=w_seg.stride(0), out_stride=out.stride(0),
-        n_valid=seg.n_valid, vocab_start=seg.vocab_start, inv_temperature=inv_t,
-        HAS_GRAD_ENTROPY=g_ent is not None, SCALE=inv_t != 1.0,
+        hidden_stride=hidden.stride(0), weight_stride=w_seg.stride(0), out_stride=out.stride(-2),
+        slab_cols=out.shape[-1], slab_stride=slab_stride, n_valid=seg.n_valid, vocab_start=seg.vocab_start,
+        inv_temperature=inv_t, HAS_GRAD_ENTROPY=g_ent is not None, SCALE=inv_t != 1.0,
         ROUND_BF16_BY_BITS=round_bf16_by_bits(out.dtype), BLOCK_R=gemm_partials.TARGET_ROWS,
         BLOCK_H=gemm_partials.TARGET_H)

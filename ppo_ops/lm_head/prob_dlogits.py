@@ -10,8 +10,8 @@ dlogits in the input dtype, element for element in place, for the library's dX a
     p = e * e^(m - M - log S)          (M the row max, S = Σ e^(z - M): p = e^(z - M - log S))
     z - M = log e + (m - M)
     g = p (g_ent (E_p[z] - M - (z - M)) - g_lp),  times 1/T          every column as a non-target
-then, per segment, gemm_dlogits.target_dlogits_kernel writes the target's element from the forward's own target
-logit, as the general op's backward does.
+then gemm_dlogits.target_dlogits_kernel writes each row's target element (in its segment's slab) from the forward's
+own target logit, as the general op's backward does.
 
 Accuracy. e is rounded once to fp16: relative 2^-11 where e >= 2^-14, absolute 2^-25 below (subnormals); z - M from
 log e errs by 2^-11 absolute there. So a dlogit errs by 2^-11 of its own terms, p |g_lp| and p |g_ent| (|z - E_p[z]|
@@ -116,10 +116,6 @@ def dlogits(probs: torch.Tensor, tiles: torch.Tensor, n_rows: int, hidden: torch
         tiles_per_seg=tiles_per_seg, inv_temperature=inv_t, HAS_GRAD_LOG_PROB=g_lp is not None,
         HAS_GRAD_ENTROPY=g_ent is not None, SCALE=inv_t != 1.0, ROUND_BF16_BY_BITS=round_bf16_by_bits(dtype),
         BLOCK_R=PASS_ROWS, BLOCK_N=block_n, **({} if interpreting() else {"num_warps": PASS_WARPS}))
-    if g_lp is not None:  # the target's element, from the forward's own target logit
-        for s, seg_lo in enumerate(range(0, weight.shape[0], seg_len)):
-            seg = shard.segment(seg_lo)
-            if seg.n_valid:
-                gemm_dlogits.target_dlogits(hidden, weight[seg_lo:seg_lo + seg_len], tokens, seg, stats, upstream,
-                                            out[s, :n_rows])
+    if g_lp is not None:  # the target's element, from the forward's own target logit, in its segment's slab
+        gemm_dlogits.target_dlogits(hidden, weight, tokens, shard, stats, upstream, out)
     return out
