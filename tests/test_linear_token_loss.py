@@ -326,6 +326,40 @@ def test_second_backward_raises_and_no_grad_keeps_nothing(backend):
     assert loss.item() == pytest.approx(2.0 * out.log_probs.double().sum().item(), rel=1e-6)
 
 
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_half_precision_logits_raise(backend, bad):
+    """bf16 on "triton" takes the one-GEMM blocks (fp16 probabilities): a NaN or +inf logit must still reach the
+    core's check through the segment partials, and the call raises instead of returning gradients."""
+    hidden, weight, tokens = inputs((6,), torch.bfloat16, seed=104)
+    weight[int(tokens[4])] = bad  # a whole weight row: that column is non-finite in every row's logits
+    h = hidden.to(DEVICE).requires_grad_(True)
+    with pytest.raises(ValueError, match="NaN or \\+inf logits"):
+        ppo_ops.linear_token_loss(h, weight.to(DEVICE), tokens.to(DEVICE), _ppo(6, 105), entropy="grad",
+                                  backend=backend)
+
+
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+def test_one_gradient_asked_equals_both_asked_bitwise(backend):
+    """dX alone (the weight frozen) and dW alone (the hidden states frozen) are the same bits as when both are
+    asked, and a loss that does not depend on the log-probs gives exact zeros (bf16: the one-GEMM blocks on
+    "triton")."""
+    n = 2 * _linear_chunked.HOST_PROB_ROWS + 5  # several blocks on CPU
+    hidden, weight, tokens = inputs((n,), torch.bfloat16, seed=106)
+    token_loss = _ppo(n, 107)
+    _, _, _, dx, dw = _run(hidden, weight, tokens, token_loss, entropy="grad", backend=backend)
+    h, w, t = hidden.to(DEVICE), weight.to(DEVICE), tokens.to(DEVICE)
+    for frozen in ("weight", "hidden"):
+        hh = h.clone().requires_grad_(frozen == "weight")
+        ww = w.clone().requires_grad_(frozen == "hidden")
+        loss, _ = ppo_ops.linear_token_loss(hh, ww, t, token_loss, entropy="grad", backend=backend)
+        (grad,) = torch.autograd.grad(loss, [hh if frozen == "weight" else ww])
+        assert torch.equal(grad.cpu(), dx if frozen == "weight" else dw), f"{frozen} frozen: gradient differs"
+    _, _, _, dx0, dw0 = _run(hidden, weight, tokens, lambda lp, ent, rows: torch.ones_like(lp), entropy="grad",
+                             backend=backend)
+    assert not dx0.any() and not dw0.any(), "a loss without the log-probs gave a nonzero gradient"
+
+
 def _bad_losses():
     return [
         ("not_callable", 3.0, TypeError, "token_loss must be callable"),
