@@ -11,8 +11,8 @@ passes, under TRITON_INTERPRET=1 on CPU with an fp32 matmul standing in for cuBL
   rows given to the loss are indices into the flattened tokens, a second backward raises, no_grad keeps nothing;
 - one gradient asked (dX or dW) gives the bits of both asked; a loss without the log-probs gives exact zeros;
 - errors: a non-callable token_loss, a loss of the wrong shape or dtype, non-finite values with validate=True
-  (and none with validate=False), NaN / +inf logits on the one-GEMM blocks; on 2 gloo ranks a bad token_loss or token on ONE rank makes both raise, naming the
-  rank and the argument;
+  (and none with validate=False), NaN / +inf logits on the one-GEMM blocks; on 2 gloo ranks a bad token_loss or
+  token on ONE rank makes both raise, naming the rank and the argument;
 - TP = 2 and 4 (gloo on CPU, NCCL on GPUs): loss, log-probs, entropies and the concatenated dW bitwise equal to TP = 1,
   dX within its bound, reduce_dx=False giving per-rank contributions.
 """
