@@ -16,7 +16,8 @@ own target logit, as the general op's backward does.
 Accuracy. e is rounded once to fp16: relative 2^-11 where e >= 2^-14, absolute 2^-25 below (subnormals); z - M from
 log e errs by 2^-11 absolute there. So a dlogit errs by 2^-11 of its own terms, p |g_lp| and p |g_ent| (|z - E_p[z]|
 + 1), before its one rounding to bf16 (2^-8). The buffer takes 2 bytes per logit where fp32 logits and separate
-dlogits take 6: three times the rows per block in the same memory, hence dW GEMMs with three times the K.
+dlogits take 6: a block holds three times the rows in the same memory (at Qwen3-8B's shape within 3.5 GiB: 2048
+rows, where the chunk blocks hold 1024), and dW's GEMMs get that K.
 
 Bits. A dlogit depends on its logit's tile (fixed by row, column and the K loop), its tile max, the row statistics and
 the upstream gradients, not on the other rows, the rank or the TP size.
