@@ -109,7 +109,7 @@ def gemm_dlogits_kernel(
 @triton.jit(do_not_specialize=["n_valid", "vocab_start", "slab_stride"])
 def target_dlogits_kernel(
     hidden_ptr,  # [R, H] half precision, READ-ONLY
-    weight_ptr,  # the segment's weight rows [seg_len, H], READ-ONLY
+    weight_ptr,  # the weight rows of the slabs' columns ([seg_len, H] for one segment), READ-ONLY
     tokens_ptr,  # [R] int64 global token ids
     shift_ptr,
     log_sum_ptr,
@@ -185,7 +185,8 @@ def target_dlogits(hidden: torch.Tensor, w_seg: torch.Tensor, tokens: torch.Tens
                    stats: BackwardStats, upstream: UpstreamGrads, out: torch.Tensor) -> None:
     """Writes the target's element of out [R, seg_len] (rows whose target is a real column of this segment; row
     stride free, columns contiguous) from the forward's target logit; upstream.grad_log_prob must be given. out may
-    also be [n_seg, B >= R, seg_len] slabs (contiguous) of consecutive segments of w_seg, seg then their shard."""
+    also be contiguous slabs [n_seg, B >= R, seg_len], one per consecutive segment of w_seg; `seg` is then the
+    options of all of them (the shard's)."""
     n_rows, width = hidden.shape
     g_lp, g_ent = upstream.grad_log_prob, upstream.grad_entropy
     dummy = stats.shift  # never read where its flag is off
