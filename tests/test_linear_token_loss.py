@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 import ppo_ops
 from ppo_ops.core import layout as _layout
+from ppo_ops.core import scale as _scale
 from ppo_ops.lm_head import chunked as _linear_chunked
 from tests.core_support import backend_params, make_weights, triton_skip_reason
 from tests.linear_support import UNIT_ROUNDOFF, V_GLOBAL, assert_within, bounds, inputs
@@ -271,17 +272,40 @@ def test_log_probs_bitwise_as_the_general_op_or_the_logits_op(backend):
 @pytest.mark.parametrize("backend", backend_params(DEVICE))
 @pytest.mark.parametrize("dtype,scale", [(torch.float32, -2.5), (torch.bfloat16, 1.0 / 3.0)])
 def test_upstream_scalar_scales_the_gradients(backend, dtype, scale):
-    """The saved gradients times the upstream scalar in fp32, rounded once to the input dtype. 1/3 is not a bf16
-    number: a product that first rounded the scalar to bf16 (as a CUDA mul_ by a 0-d fp32 tensor does) fails."""
+    """dX: the saved gradient times the upstream scalar in fp32, rounded once to the input dtype. dW: its saved fp32
+    accumulator times the scalar, rounded once (its only rounding). 1/3 is not a bf16 number: a product that first
+    rounded the scalar to bf16 (as a CUDA mul_ by a 0-d fp32 tensor does), or rounded dW before scaling, fails."""
     hidden, weight, tokens = inputs((10,), dtype, seed=96)
     token_loss = _ppo(10, 97)
     plain = _run(hidden, weight, tokens, token_loss, entropy="grad", backend=backend)
-    scaled = _run(hidden, weight, tokens, token_loss, scale=scale, entropy="grad", backend=backend)
-    assert torch.equal(plain[0], scaled[0])
-    g = torch.tensor(scale, dtype=torch.float32)
-    for i, name in ((3, "dX"), (4, "dW")):
-        want = (plain[i].float() * g).to(dtype)
-        assert torch.equal(scaled[i], want), f"{name}: not the fp32 product rounded once"
+    h = hidden.detach().to(DEVICE).clone().requires_grad_(True)
+    w = weight.detach().to(DEVICE).clone().requires_grad_(True)
+    loss, _ = ppo_ops.linear_token_loss(h, w, tokens.to(DEVICE), token_loss, entropy="grad", backend=backend)
+    dx_saved, dw32 = (t.clone() for t in loss.grad_fn.saved_tensors)
+    assert dw32.dtype == torch.float32 and dw32.shape == weight.shape
+    assert torch.equal(dw32.to(dtype).cpu(), plain[4]), "dW (upstream 1) is not its fp32 accumulator rounded once"
+    dx, dw = torch.autograd.grad(loss * scale, (h, w))
+    assert torch.equal(loss.detach().cpu(), plain[0])
+    g = torch.tensor(scale, dtype=torch.float32, device=DEVICE)
+    assert torch.equal(dx, (dx_saved.float() * g).to(dtype)), "dX: not the fp32 product rounded once"
+    assert torch.equal(dw, (dw32 * g).to(dtype)), "dW: not the fp32 accumulator's product rounded once"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_scale_round_in_place_chunks_never_overwrite_unread_input(monkeypatch, dtype):
+    """dW's in-place scale and rounding over many chunks (shrunk so a small tensor crosses the first chunk, doubling
+    chunks and the host cap): every element is its fp32 product rounded once, also where a chunk's output lands on
+    an earlier chunk's input."""
+    monkeypatch.setattr(_scale, "FIRST_CHUNK", 64)
+    monkeypatch.setattr(_scale, "HOST_CHUNK", 96)
+    gen = torch.Generator().manual_seed(107)
+    acc = (torch.randn((37, 29), generator=gen) * 3).to(DEVICE)
+    g = torch.tensor(1.0 / 3.0, device=DEVICE)
+    want = (acc * g).to(dtype)
+    got = _scale.scale_round_in_place(acc, g, dtype)
+    assert got.shape == acc.shape and got.dtype == dtype
+    assert got.untyped_storage().data_ptr() == acc.untyped_storage().data_ptr(), "not in the accumulator's storage"
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("backend", backend_params(DEVICE))

@@ -54,8 +54,8 @@ Token loss (ChunkedBackend.loss_forward): the logits are formed once (three GEMM
         Log-probs and entropies are the logits op's on those logits, bit for bit.
     Then, both: per segment dX32[block] += dl @ W_s (rounded by hooks.finish_dx, per block) and dW32_s += dl^T @
     X[block...] (every `loss_dw_rows` rows on chunk blocks, every block on one-GEMM blocks). dW's fp32 accumulator
-    [V_local, H] is rounded once at the end, in place: the result lives in the first half of the accumulator's
-    storage (no second [V_local, H] allocation; it keeps that storage until released).
+    [V_local, H] is returned as it is: the Function rounds it in backward, once, together with the upstream scale
+    and in place (core/scale.py: no second [V_local, H] allocation; the result keeps that storage until released).
 
 Memory (besides dX and dW): general op forward one chunk (rows x seg_len fp32: 78 MB at Qwen3 and rows = 1024;
 none on the one-GEMM path, whose tile partials take 12 bytes per row and 256 columns); backward one chunk (none on
@@ -153,22 +153,6 @@ def mm_rounded(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         torch.mm(a, b, out=out)
     else:
         out.copy_(torch.mm(a.float(), b.float()))
-
-
-def round_in_place(acc: torch.Tensor, dtype: torch.dtype, chunk_elems: int = 1 << 24) -> torch.Tensor:
-    """acc (fp32, contiguous) rounded to `dtype` into the first half of acc's own storage; returns that tensor (of
-    acc's shape). Chunk by chunk from the start: a chunk is read whole before its rounded values are written, and
-    they land on bytes of this or earlier chunks only, so nothing is overwritten before it was read. The first
-    chunk's output overlaps its own input, so it goes through a temporary; every later one is copied and rounded
-    in one kernel (its output lies below its input)."""
-    if dtype == torch.float32:
-        return acc
-    flat = acc.view(-1)
-    narrow = flat.view(dtype)[: flat.numel()]
-    for lo in range(0, flat.numel(), chunk_elems):
-        hi = min(lo + chunk_elems, flat.numel())
-        narrow[lo:hi].copy_(flat[lo:hi].to(dtype) if lo < hi - lo else flat[lo:hi])
-    return narrow.view(acc.shape)
 
 
 # ---- the passes over a chunk: the logits op's kernels (Triton) or code (PyTorch) ----
@@ -409,11 +393,9 @@ class ChunkedBackend:
             else:
                 self._loss_blocks_by_chunks(hidden, weight, tokens, shard, with_entropy, hooks, grads,
                                             need_dx or need_dw)
-        if dw_acc is None:
-            return None
-        if n_rows == 0:
+        if dw_acc is not None and n_rows == 0:
             dw_acc.zero_()
-        return round_in_place(dw_acc, weight.dtype)
+        return dw_acc
 
     def loss_keeps_probs(self, hidden, weight, seg_len: int) -> bool:
         """Whether the token loss takes the one-GEMM blocks (fp16 probabilities) on these operands; else chunk

@@ -5,9 +5,10 @@ block of the chunked backend (lm_head/chunked.py, `loss_forward`): the block's f
 segments -> per-segment partials -> (TP > 1) all-gather -> fixed-order merge -> the caller's token_loss on the block's
 global log-probs and entropies -> torch.autograd.grad of its values w.r.t. those two -> dlogits (input dtype) -> dX
 rows of the block (fp32 accumulation over the segments; with reduce_dx at TP > 1 all-reduced in fp32; one rounding)
-and dW accumulated in fp32 over the blocks, rounded once. Returned: the loss (sum over the kept rows, fp32, 0-d),
-and the log-probs and entropies (detached: metrics). Saved: dX [T, H] and dW [V_local, H] in the input dtypes.
-Backward: scales them by the upstream scalar, in place (they are this op's own buffers), and hands them out; a
+and dW accumulated in fp32 over the blocks. Returned: the loss (sum over the kept rows, fp32, 0-d), and the
+log-probs and entropies (detached: metrics). Saved: dX [T, H] in the input dtype and dW's fp32 accumulator
+[V_local, H]. Backward: scales dX by the upstream scalar in place, and dW's accumulator in the same pass as its one
+rounding to the input dtype (in place too: core/scale.py; these are this op's own buffers), and hands them out; a
 second backward raises (the saved gradients are gone).
 
 Row-separable losses only: a row's term may depend on its own log-prob, entropy and constants (indexed by the row
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ppo_ops.core import agreement, checks, shell
-from ppo_ops.core.scale import scale_in_place
+from ppo_ops.core.scale import scale_in_place, scale_round_in_place
 from ppo_ops.core.contracts import BlockGrads, LossHooks
 from ppo_ops.core.shell import Plan, refuse_double_backward
 from ppo_ops.lm_head.function import kept, kept_row_indices, scatter_rows
@@ -99,9 +100,9 @@ class LinearTokenLossFunction(torch.autograd.Function):
             else:
                 dx.index_copy_(0, rows[r0:r1], dx32.to(dx.dtype))
 
-        dw = plan.backend.loss_forward(h, weight, t, plan.shard, with_entropy,
-                                       LossHooks(merge=merge, block_grads=block_grads, finish_dx=finish_dx),
-                                       need_dx=need_dx, need_dw=need_dw)
+        dw32 = plan.backend.loss_forward(h, weight, t, plan.shard, with_entropy,
+                                         LossHooks(merge=merge, block_grads=block_grads, finish_dx=finish_dx),
+                                         need_dx=need_dx, need_dw=need_dw)
         if not headers_done[0]:  # no kept row on this rank: it still takes part in the header exchange
             shell.check_across_ranks(plan, tokens, row_mask, torch.zeros((), dtype=torch.bool, device=device))
         if plan.validate:
@@ -110,7 +111,8 @@ class LinearTokenLossFunction(torch.autograd.Function):
         ctx.plan = plan
         ctx.consumed = False
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(dx, dw)
+        ctx.dw_dtype = weight.dtype
+        ctx.save_for_backward(dx, dw32)
         lp_out = scatter_rows(log_prob, rows, n_rows)
         # entropy="none": an empty placeholder (the wrapper returns None), so every output is a tensor.
         ent_out = log_prob.new_empty(0) if entropy is None else scatter_rows(entropy, rows, n_rows)
@@ -126,14 +128,14 @@ class LinearTokenLossFunction(torch.autograd.Function):
                 f"ppo_ops.{plan.fn_name}: backward ran twice; the first one handed out the gradients this op formed "
                 "in its forward (call the op again for a second backward)")
         ctx.consumed = True
-        dx, dw = ctx.saved_tensors
+        dx, dw32 = ctx.saved_tensors
         if grad_loss is None:
             return None, None, None, None, None, None
         g = grad_loss.to(torch.float32)
-        # Scaled in place, in fp32 (one more rounding unless the upstream gradient is 1): the buffers are this op's own.
-        for grad in (dx, dw):
-            if grad is not None:
-                scale_in_place(grad, g)
+        # In place, in fp32: dX one more rounding unless g is 1; dW its only rounding.
+        if dx is not None:
+            scale_in_place(dx, g)
+        dw = None if dw32 is None else scale_round_in_place(dw32, g, ctx.dw_dtype)
         return dx, dw, None, None, None, None
 
 
