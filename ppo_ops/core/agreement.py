@@ -38,9 +38,30 @@ from ppo_ops.core.row_stats import MAX, SUMEXP  # the partials' channels (the ba
 # ---- the value checks: device-side bounds and flags, one host read ----
 
 def read_to_host(t: torch.Tensor) -> list:
-    """The host read of the value checks (a host sync on CUDA): the only place ppo_ops reads device values in a
-    call with validate=True, and it runs once per call."""
+    """The host read of the value checks (a host sync on CUDA): with HostRead below, the only place ppo_ops reads
+    device values in a call with validate=True, and it runs once per call."""
     return t.tolist()
+
+
+class HostRead:
+    """The same read started early: an asynchronous copy into pinned host memory behind the work queued so far, and
+    an event. `values()` waits for that event only, so work queued after the copy keeps the GPU busy meanwhile
+    (the token loss starts it once its last block's checks are formed, before that block's dX and dW GEMMs)."""
+
+    def __init__(self, t: torch.Tensor):
+        t = t.reshape(-1)
+        if t.is_cuda:
+            self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._host.copy_(t, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = t.clone(), None
+
+    def values(self) -> list:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()
 
 
 def token_bounds(tokens: torch.Tensor, row_mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -72,11 +93,24 @@ def check_single_rank_values(fn_name: str, bad_rows: torch.Tensor, tokens: torch
     `bad_rows` may cover only the kept rows (any length): only its any() is read. `extra_flags` (a [k] tensor on the
     same device: an op's own device-side checks) travel in the same read; their values are returned for the caller
     to act on, after the token and logits checks."""
-    naming = LOGITS_NAMING if naming is None else naming
+    values = read_to_host(single_rank_values(bad_rows, tokens, row_mask, extra_flags))
+    return raise_single_rank_values(fn_name, values, row_mask, upper, naming)
+
+
+def single_rank_values(bad_rows: torch.Tensor, tokens: torch.Tensor, row_mask: Optional[torch.Tensor],
+                       extra_flags: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The device-side int64 vector that check_single_rank_values reads: token min, max, bad-logits flag, extras."""
     parts = [token_bounds(tokens, row_mask), bad_rows.any().reshape(1).to(torch.int64)]
     if extra_flags is not None:
         parts.append(extra_flags.reshape(-1).to(torch.int64))
-    lo, hi, bad, *extra = read_to_host(torch.cat(parts))
+    return torch.cat(parts)
+
+
+def raise_single_rank_values(fn_name: str, values: Sequence[int], row_mask: Optional[torch.Tensor], upper: int,
+                             naming: Optional["Naming"] = None) -> list:
+    """Raises on the read values of single_rank_values (tokens first, then logits); returns the extras."""
+    naming = LOGITS_NAMING if naming is None else naming
+    lo, hi, bad, *extra = values
     if lo < 0 or hi >= upper:
         raise argument_error(ValueError, fn_name, "tokens", _range_message(upper, lo if lo < 0 else hi,
                                                                            row_mask is not None))

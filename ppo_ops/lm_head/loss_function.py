@@ -19,9 +19,12 @@ gradients and errors on every rank.
 Validation (validate=True): at TP > 1 the logits op's header exchange runs before the first block's all-gather
 (ranks agreeing on rows, tokens and options; the NaN / +inf flag from this rank's first block); every block adds
 device-side flags for NaN / +inf logits (merged statistics) and for non-finite loss values or gradients; one host
-read at the end raises on them, and at TP = 1 also on out-of-range tokens. Host reads: TP = 1, one; TP > 1, two
-(the header table, the end flags; both identical on every rank, so every rank raises the same error). Checked
-always, on each block: token_loss returns a float32 tensor of shape [n] on hidden's device.
+read raises on them before the forward returns, and at TP = 1 also on out-of-range tokens. That read starts as soon
+as the last block's flags are formed (an asynchronous copy and an event: agreement.HostRead), so the host waits
+while the GPU still runs that block's dlogits, dX and dW and queues what comes next, instead of the GPU idling
+while the host returns from a sync. Host reads: TP = 1, one; TP > 1, two (the header table, the end flags; both
+identical on every rank, so every rank raises the same error). Checked always, on each block: token_loss returns
+a float32 tensor of shape [n] on hidden's device.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class LinearTokenLossFunction(torch.autograd.Function):
             dx = (torch.zeros if rows is not None else torch.empty)((n_rows, width), dtype=hidden.dtype,
                                                                    device=device)
         headers_done = [layout.group is None or not plan.validate]
+        end_read = []  # the value checks' host read, started once the last block's flags are formed
 
         def merge(partials):
             stats = shell.merge_row_stats(plan, partials, tokens, row_mask, validate=not headers_done[0])
@@ -85,6 +89,8 @@ class LinearTokenLossFunction(torch.autograd.Function):
                     if g is not None:
                         finite = finite & torch.isfinite(g).all()
                 flags[1] |= ~finite
+                if r1 == n_kept:
+                    end_read.append(_start_end_read(plan, tokens, row_mask, flags))
             # No gradient where the quantity has none (log-prob -inf: no mass in its set; entropy of an empty row).
             if g_lp is not None:
                 g_lp = torch.where(stats.log_prob_defined, g_lp, torch.zeros_like(g_lp)).contiguous()
@@ -106,7 +112,7 @@ class LinearTokenLossFunction(torch.autograd.Function):
         if not headers_done[0]:  # no kept row on this rank: it still takes part in the header exchange
             shell.check_across_ranks(plan, tokens, row_mask, torch.zeros((), dtype=torch.bool, device=device))
         if plan.validate:
-            _check_end(plan, tokens, row_mask, flags)
+            _check_end(plan, row_mask, end_read[0] if end_read else _start_end_read(plan, tokens, row_mask, flags))
 
         ctx.plan = plan
         ctx.consumed = False
@@ -171,15 +177,24 @@ def _call_loss(fn_name, token_loss, log_prob, entropy, rows, *, need_grad, entro
     return value.detach(), g_lp, g_ent
 
 
-def _check_end(plan: Plan, tokens, row_mask, flags) -> None:
-    """The end-of-forward host read of the value checks (see the module docstring)."""
+def _start_end_read(plan: Plan, tokens, row_mask, flags) -> agreement.HostRead:
+    """The value checks' one host read (module docstring), started: at TP = 1 the logits op's values (token range,
+    NaN / +inf logits) with this op's loss flag; at TP > 1 both flags (the merged statistics: the same on every
+    rank)."""
+    if plan.layout.group is None:
+        return agreement.HostRead(agreement.single_rank_values(flags[:1], tokens, row_mask, extra_flags=flags[1:]))
+    return agreement.HostRead(flags.to(torch.int64))
+
+
+def _check_end(plan: Plan, row_mask, read: agreement.HostRead) -> None:
+    """Waits for the value checks' read and raises on them."""
     fn = plan.fn_name
     if plan.layout.group is None:
-        # The logits op's TP = 1 read (token range, NaN / +inf logits), this op's loss flag in the same read.
-        (bad_loss,) = shell.check_single_rank(plan, flags[:1], tokens, row_mask, extra_flags=flags[1:])
+        (bad_loss,) = agreement.raise_single_rank_values(fn, read.values(), row_mask, plan.layout.vocab_size,
+                                                         naming=plan.naming)
         bad_logits, where = False, ""
     else:
-        bad_logits, bad_loss = agreement.read_to_host(flags.to(torch.int64))
+        bad_logits, bad_loss = read.values()
         where = f" (merged over the {plan.layout.world_size} tensor-parallel ranks)"
     if bad_logits:
         raise checks.argument_error(ValueError, fn, plan.naming.bad_logits_argument,
