@@ -19,6 +19,9 @@ ELEMENTWISE_ULPS = 8.0
 # 2^-11 (fp16's unit roundoff) where e >= 2^-14, absolute 2^-25 (half the subnormal spacing) below.
 PROB_STORE_ROUNDOFF = 2.0**-11
 PROB_STORE_SUBNORMAL = 2.0**-25
+# Their pass takes z - M from ln e with the GPU's approximate log (CUDA's __logf: <= 3 ulp of |ln e| <= 17, or
+# 2^-21.41 on [0.5, 2]): an absolute error of at most 2^-17 in z - M.
+PROB_LOG_ERROR = 2.0**-17
 # First-order bounds; the factor covers second-order terms (products of relative errors, all << 1 here).
 SAFETY = 2.0
 
@@ -53,7 +56,7 @@ def bounds(hidden, weight, tokens, g_lp, g_ent, *, temperature=1.0, vocab_size=N
                 dl_roundoff is the rounding of dlogits to the GEMM's input dtype (0 when the GEMM takes fp32);
                 prob_storage (the token loss's fp16 probabilities): p moves by u16 p + s16 and z - M (from log e) by
                 u16 where e is normal (p |d(z - M)| <= s16 below), which adds inv_t (u16 p + s16) S_st,
-                S_st = |g_lp| + |g_ent| (|d - mean| + 1)
+                S_st = |g_lp| + |g_ent| (|d - mean| + 1); the approximate log adds inv_t p |g_ent| PROB_LOG_ERROR
       dX = dl @ W, dW = dl^T @ X: that error through the GEMM, plus gamma_K (|dl| @ |W|) for its fp32 accumulation
                 (K = V or T), plus one rounding u_out |ref| of the result to the input dtype.
     Every bound is multiplied by SAFETY (second-order terms).
@@ -98,6 +101,9 @@ def bounds(hidden, weight, tokens, g_lp, g_ent, *, temperature=1.0, vocab_size=N
             s_st += g_ent.reshape(-1, 1).double().abs() * ((d0 - mean).abs() + 1)
         s_st = torch.where(valid & rows_on[:, None], s_st, 0.0)
         dl_err = dl_err + inv_t * (PROB_STORE_ROUNDOFF * p + PROB_STORE_SUBNORMAL) * s_st
+        if g_ent is not None:
+            log_err = PROB_LOG_ERROR * p * g_ent.reshape(-1, 1).double().abs()
+            dl_err = dl_err + inv_t * torch.where(valid & rows_on[:, None], log_err, 0.0)
 
     u_out = UNIT_ROUNDOFF[hidden.dtype]
     dx_ref, dw_ref = dl @ w, dl.T @ x

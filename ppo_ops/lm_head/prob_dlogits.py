@@ -14,10 +14,11 @@ then gemm_dlogits.target_dlogits_kernel writes each row's target element (in its
 own target logit, as the general op's backward does.
 
 Accuracy. e is rounded once to fp16: relative 2^-11 where e >= 2^-14, absolute 2^-25 below (subnormals); z - M from
-log e errs by 2^-11 absolute there. So a dlogit errs by 2^-11 of its own terms, p |g_lp| and p |g_ent| (|z - E_p[z]|
-+ 1), before its one rounding to bf16 (2^-8). The buffer takes 2 bytes per logit where fp32 logits and separate
-dlogits take 6: a block holds three times the rows in the same memory (at Qwen3-8B's shape within 3.5 GiB: 2048
-rows, where the chunk blocks hold 1024), and dW's GEMMs get that K.
+log e errs by 2^-11 absolute there, plus at most 2^-17 from the compiled pass's approximate log (`_log`). So a
+dlogit errs by 2^-11 of its own terms, p |g_lp| and p |g_ent| (|z - E_p[z]| + 1), before its one rounding to bf16
+(2^-8). The buffer takes 2 bytes per logit where fp32 logits and separate dlogits take 6: a block holds three times
+the rows in the same memory (at Qwen3-8B's shape within 3.5 GiB: 2048 rows, where the chunk blocks hold 1024), and
+dW's GEMMs get that K.
 
 Bits. A dlogit depends on its logit's tile (fixed by row, column and the K loop), its tile max, the row statistics and
 the upstream gradients, not on the other rows, the rank or the TP size.
@@ -30,13 +31,26 @@ import triton
 import triton.language as tl
 
 from ppo_ops.core.contracts import BackwardStats, ShardOptions, UpstreamGrads
-from ppo_ops.core.triton_common import interpreting, round_bf16_by_bits, store_rounded
+from ppo_ops.core.triton_common import COMPILED, interpreting, round_bf16_by_bits, store_rounded
 from ppo_ops.lm_head import gemm_dlogits, gemm_partials
 
 # Rows per program (each covers one forward tile's columns, BLOCK_N) and warps: the fastest of 4-32 rows and 2-8
 # warps on an H200 (0.52 ms per 2048-row block of Qwen3's vocabulary, 8 rows: 0.62).
 PASS_ROWS = 16
 PASS_WARPS = 4
+
+
+@triton.jit
+def _log(x):
+    """ln x for x in [2^-24, 1] (fp16 values as fp32, all normal in fp32). Compiled: the hardware's approximate
+    log2 times ln 2 (__logf; CUDA's intrinsic table: abs error <= 2^-21.41 on [0.5, 2], else <= 3 ulp, so <= 2^-17
+    here), where the library's accurate logf costs ~25 instructions per element and leaves this pass bound by its
+    arithmetic instead of its 4 bytes per element; the error is far under e's own fp16 rounding (2^-11 in ln e).
+    Interpreted: numpy's log (the interpreter has no libdevice)."""
+    if COMPILED:
+        return tl.extra.cuda.libdevice.fast_logf(x)
+    else:
+        return tl.log(x)
 
 
 @triton.jit(do_not_specialize=["n_valid", "rows_per_seg"])
@@ -81,7 +95,7 @@ def prob_dlogits_kernel(
         g_ent = tl.load(grad_entropy_ptr + rows, mask=row_ok, other=0.0)
         mean_shifted = tl.load(mean_shifted_ptr + rows, mask=row_ok, other=0.0)
         # z - M; where e rounded to 0 (p = 0) any finite stand-in gives a 0 gradient, never 0 * inf
-        d = tl.log(tl.where(e > 0.0, e, 1.0)) + m_shift[:, None]
+        d = _log(tl.where(e > 0.0, e, 1.0)) + m_shift[:, None]
         inner = g_ent[:, None] * (mean_shifted[:, None] - d)
         if HAS_GRAD_LOG_PROB:
             inner = inner - tl.load(grad_log_prob_ptr + rows, mask=row_ok, other=0.0)[:, None]
