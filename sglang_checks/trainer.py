@@ -228,7 +228,9 @@ def _collect(procs, messages, jobs, results, timeout_s, progress) -> None:
 
 
 def _reap(procs) -> None:
-    """Every rank is gone when this returns: a polite terminate, then a kill."""
+    """Every started rank is gone when this returns: a polite terminate, then a kill. Ranks never started (Ctrl-C
+    while an earlier one was being spawned) are skipped: joining one would raise over the interrupt."""
+    procs = [p for p in procs if p.pid is not None]
     for p in procs:
         if p.is_alive():
             p.terminate()

@@ -251,6 +251,26 @@ def test_a_failing_rank_is_reported_and_every_rank_reaped():
     assert multiprocessing.active_children() == []
 
 
+def test_an_interrupt_while_ranks_start_reaps_the_started_ones(monkeypatch):
+    """Ctrl-C can land while the second rank is being spawned (seen on a loaded 2-core machine): the first rank is
+    reaped, the unstarted one skipped, and the interrupt itself, not an error of the clean-up, reaches the caller
+    (the command line then exits 130)."""
+    spawn_process = type(torch.multiprocessing.get_context("spawn").Process())
+    start, calls = spawn_process.start, []
+
+    def start_interrupted_at_the_second(self):
+        calls.append(self)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return start(self)
+
+    monkeypatch.setattr(spawn_process, "start", start_interrupted_at_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run_layouts(_synthetic_inputs(), [layouts.Layout("tp2", tp=2)], backend="gloo", timeout_s=300)
+    assert len(calls) == 2 and calls[0].exitcode is not None, "the started rank was not reaped"
+    assert multiprocessing.active_children() == []
+
+
 # ------------------------------------------------------------------------------------------------ hf engine
 
 
