@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import ppo_ops
+from ppo_ops.core import agreement as _agreement
 from ppo_ops.core import layout as _layout
 from ppo_ops.core import scale as _scale
 from ppo_ops.lm_head import chunked as _linear_chunked
@@ -267,6 +268,23 @@ def test_log_probs_bitwise_as_the_general_op_or_the_logits_op(backend):
         _, got = ppo_ops.linear_token_loss(h, w, t, _weighted(13, 95), entropy="grad", temperature=0.9,
                                            backend=backend)
     assert torch.equal(got.log_probs, want.log_probs) and torch.equal(got.entropy, want.entropy)
+
+
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+@pytest.mark.parametrize("validate,reads", [(True, 1), (False, 0)])
+def test_host_reads_per_call_single_rank(monkeypatch, backend, validate, reads):
+    """One host read of the value checks with validate=True (started early, read once), none without; the row
+    mask's kept-row count is not a value check."""
+    calls = []
+    read = _agreement.read_to_host
+    monkeypatch.setattr(_agreement, "read_to_host", lambda t: calls.append(t) or read(t))
+    hidden, weight, tokens = inputs((20,), torch.bfloat16, seed=108)
+    row_mask = torch.rand(20, generator=torch.Generator().manual_seed(109)) < 0.7
+    for mask in (None, row_mask):
+        calls.clear()
+        _run(hidden, weight, tokens, _ppo(20, 110), entropy="grad", backend=backend, validate=validate,
+             row_mask=mask)
+        assert len(calls) == reads, f"row_mask={mask is not None}: {len(calls)} host reads"
 
 
 @pytest.mark.parametrize("backend", backend_params(DEVICE))

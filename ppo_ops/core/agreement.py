@@ -38,8 +38,8 @@ from ppo_ops.core.row_stats import MAX, SUMEXP  # the partials' channels (the ba
 # ---- the value checks: device-side bounds and flags, one host read ----
 
 def read_to_host(t: torch.Tensor) -> list:
-    """The host read of the value checks (a host sync on CUDA): with HostRead below, the only place ppo_ops reads
-    device values in a call with validate=True, and it runs once per call."""
+    """The host read of the value checks (a host sync on CUDA; HostRead below ends in it too): the only place ppo_ops
+    reads device values in a call with validate=True, and it runs once per call."""
     return t.tolist()
 
 
@@ -54,14 +54,14 @@ class HostRead:
             self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             self._host.copy_(t, non_blocking=True)
             self._ready = torch.cuda.Event()
-            self._ready.record()
+            self._ready.record(torch.cuda.current_stream(t.device))  # the copy's stream, whatever the current device
         else:
             self._host, self._ready = t.clone(), None
 
     def values(self) -> list:
         if self._ready is not None:
             self._ready.synchronize()
-        return self._host.tolist()
+        return read_to_host(self._host)  # host memory by now: counted as the call's read, no second sync
 
 
 def token_bounds(tokens: torch.Tensor, row_mask: Optional[torch.Tensor]) -> torch.Tensor:
