@@ -98,8 +98,9 @@ def log_probs_and_entropy(
         temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, chunk_size=chunk_size,
         inplace_grad=inplace_grad, backend=backend, validate=validate, reduction_order=reduction_order,
     )
-    return _outputs(LogProbEntropyFunction.apply(call.rows, call.tokens, call.keep_mask, call.row_mask, call.plan),
-                    call)
+    with shell.on_device(call):
+        out = LogProbEntropyFunction.apply(call.rows, call.tokens, call.keep_mask, call.row_mask, call.plan)
+    return _outputs(out, call)
 
 
 def calculate_log_probs_and_entropy(
@@ -128,8 +129,9 @@ def calculate_log_probs_and_entropy(
         keep_mask=log_prob_keep_mask, temperature=1.0, row_mask=None, vocab_size=None, chunk_size=chunk_size,
         inplace_grad=False, backend="auto", validate=True,
     )
-    result = _outputs(LogProbEntropyFunction.apply(call.rows, call.tokens, call.keep_mask, call.row_mask, call.plan),
-                      call)
+    with shell.on_device(call):
+        result = _outputs(LogProbEntropyFunction.apply(call.rows, call.tokens, call.keep_mask, call.row_mask,
+                                                       call.plan), call)
     log_prob = result.log_probs
     log_prob = log_prob.reshape(0) if log_prob.numel() == 0 else log_prob.unsqueeze(-1)
     return log_prob, result.entropy
@@ -237,7 +239,9 @@ def linear_log_probs_and_entropy(
         "linear_log_probs_and_entropy", hidden, weight, tokens, tp_group=tp_group, entropy=entropy,
         temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend,
         validate=validate)
-    return _outputs(LinearLogProbEntropyFunction.apply(call.rows, weight, call.tokens, call.row_mask, call.plan), call)
+    with shell.on_device(call):
+        out = LinearLogProbEntropyFunction.apply(call.rows, weight, call.tokens, call.row_mask, call.plan)
+    return _outputs(out, call)
 
 
 def linear_token_loss(
@@ -264,7 +268,8 @@ def linear_token_loss(
       rows: [n] int64 indices of those rows into the flattened tokens (tokens.reshape(-1)): index per-token
         constants (advantages, old log-probs, masks, per-row normalisation weights) with them;
       values: [n] fp32, the rows' loss terms.
-    The op calls it on row blocks (1024 rows on CUDA) while the block's logits are live, takes the gradient of
+    The op calls it on row blocks (on CUDA 2048 rows at H = 4096, see Working memory) while the block's logits are
+    live, takes the gradient of
     values.sum() with autograd w.r.t. its first two arguments, and forms dlogits, dX and dW right there.
     The loss MUST be row-separable: a row's term may depend only on its own log-prob, its own entropy and constants,
     never on other rows' values (it sees one block at a time; a mean over rows must use a count known beforehand,
@@ -291,9 +296,11 @@ def linear_token_loss(
     tp_group when reduce_dx, one rounding); dW [V_local, H] in weight's dtype, accumulated in fp32 over the row blocks
     and rounded once, TP-invariant bit for bit. dW is rounded into the storage of its fp32 accumulator (no second
     [V_local, H] buffer), which it keeps until released (2x dW's size).
-    Memory held from forward to backward: dX and dW. Working memory (CUDA, half precision): one block's fp32 logits
-    over the local vocabulary (1024 x V_local x 4 bytes: 0.58 GiB at Qwen3's vocabulary), its dlogits (half that)
-    and the fp32 dW accumulator (V_local x H x 4 bytes: 2.3 GiB at H = 4096).
+    Memory held from forward to backward: dX and dW. Working memory (CUDA, half precision, 16-byte aligned rows):
+    one block's logits as fp16 probabilities, then its dlogits in place (2 bytes per logit: 2048 x V_local x 2 bytes,
+    0.58 GiB at Qwen3's vocabulary and H = 4096; the block's rows are a function of H and the segment length only)
+    and the fp32 dW accumulator (V_local x H x 4 bytes: 2.3 GiB at H = 4096). Other inputs: 1024-row blocks whose
+    fp32 logits are held (1024 x V_local x 4 bytes, 0.58 GiB) with their dlogits (half that).
 
     Host syncs on CUDA with validate=True: one at TP = 1 (the end-of-forward value read), two at TP > 1 (the header
     exchange before the first all-gather, the end flags); a row_mask adds one (the kept-row count). validate=False:
@@ -303,8 +310,9 @@ def linear_token_loss(
         "linear_token_loss", hidden, weight, tokens, tp_group=tp_group, entropy=entropy, temperature=temperature,
         row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend, validate=validate,
         token_loss=token_loss, fused_loss=True)
-    loss, log_prob, ent = LinearTokenLossFunction.apply(call.rows, weight, call.tokens, call.row_mask, call.plan,
-                                                        token_loss)
+    with shell.on_device(call):
+        loss, log_prob, ent = LinearTokenLossFunction.apply(call.rows, weight, call.tokens, call.row_mask, call.plan,
+                                                            token_loss)
     return loss, _outputs((log_prob, ent) if entropy != "none" else log_prob, call)
 
 

@@ -6,7 +6,9 @@ One rank, in process (both backends; Triton under the interpreter on CPU, compil
 - NumPy scalars and one-element tensors are accepted as numbers and give the same bits as Python numbers;
 - the value checks read the device exactly once per call with validate=True and never with validate=False (counted at
   `agreement.read_to_host`, the one function that reads device values; on CUDA also with torch's sync debug mode, at
-  TP=1 and, with two GPUs, at TP=2 over NCCL: these run only compiled, without TRITON_INTERPRET).
+  TP=1 and, with two GPUs, at TP=2 over NCCL: these run only compiled, without TRITON_INTERPRET);
+- with two GPUs, every public function on tensors of a GPU that is not the current one gives the bits it gives with
+  that GPU current (Triton launches on the current device).
 
 Gloo groups of 2 and 3 ranks (one spawn per size running every case; a 30 s collective timeout and a join deadline,
 so a hang fails the test instead of stalling CI):
@@ -216,6 +218,50 @@ def test_cuda_synchronisations_per_call_tp2(tmp_path):
     torch.multiprocessing.spawn(_nccl_sync_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         assert torch.load(tmp_path / f"rank{rank}.pt") == {True: 1, False: 0}, f"rank {rank}"
+
+
+# --- tensors on a GPU other than the current one (two GPUs: the _gpu2 target) ---
+
+def _every_op_on(device):
+    """Forward and backward of the four public functions on `device`, their outputs and gradients on the host."""
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(64, 2048, generator=gen).to(torch.bfloat16)
+    hidden = torch.randn(300, 256, generator=gen).to(torch.bfloat16)
+    weight = (0.05 * torch.randn(2048, 256, generator=gen)).to(torch.bfloat16)
+    tokens = torch.randint(0, 2048, (300,), generator=gen)
+    out = {}
+    x = logits.to(device).requires_grad_(True)
+    r = ppo_ops.log_probs_and_entropy(x, tokens[:64].to(device), entropy="grad")
+    (r.log_probs.sum() + r.entropy.sum()).backward()
+    out["logits op"] = (r.log_probs, r.entropy, x.grad)
+    x = logits.to(device).requires_grad_(True)
+    lp, ent = ppo_ops.calculate_log_probs_and_entropy(x, tokens[:64].to(device), None, with_entropy=True)
+    (lp.sum() + ent.sum()).backward()
+    out["slime drop-in"] = (lp, ent, x.grad)
+    h, w = hidden.to(device).requires_grad_(True), weight.to(device).requires_grad_(True)
+    r = ppo_ops.linear_log_probs_and_entropy(h, w, tokens.to(device), entropy="grad")
+    (r.log_probs.sum() + r.entropy.sum()).backward()
+    out["fused head"] = (r.log_probs, r.entropy, h.grad, w.grad)
+    h, w = hidden.to(device).requires_grad_(True), weight.to(device).requires_grad_(True)
+    loss, r = ppo_ops.linear_token_loss(h, w, tokens.to(device), lambda lp, ent, rows: -(lp + 0.01 * ent),
+                                        entropy="grad")
+    loss.backward()
+    out["token loss"] = (loss, r.log_probs, r.entropy, h.grad, w.grad)
+    return {name: [t.detach().cpu() for t in ts] for name, ts in out.items()}
+
+
+@pytest.mark.device("cuda")
+@pytest.mark.world_size(2)
+def test_tensors_on_a_gpu_that_is_not_current():
+    """Triton launches on the current device and stream: every function makes its tensors' device current, so
+    inputs on cuda:1 while cuda:0 is current give the bits they give with cuda:1 current."""
+    results = {}
+    for current in (1, 0):
+        with torch.cuda.device(current):
+            results[current] = _every_op_on("cuda:1")
+    for name, want in results[1].items():
+        for i, (got, expected) in enumerate(zip(results[0][name], want)):
+            assert torch.equal(got, expected), f"{name}: output {i} differs with cuda:0 current"
 
 
 # --- gloo: every rank fails together ---

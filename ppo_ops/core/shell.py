@@ -26,6 +26,7 @@ backend's fixed-order merge. At TP = 1 the same code with the collectives skippe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -70,6 +71,13 @@ class Call(NamedTuple):
     row_mask: Optional[torch.Tensor]  # [T] or None
     plan: Plan
     lead: tuple
+
+
+def on_device(call: Call):
+    """The call's CUDA device made current while its Function runs forward (autograd runs backward on the device of
+    its inputs): Triton launches on the current device and stream, not the tensors', so tensors on another GPU than
+    the current one would otherwise be read from the wrong device. Off CUDA: nothing."""
+    return torch.cuda.device(call.rows.device) if call.rows.is_cuda else contextlib.nullcontext()
 
 
 # ---- preparing a call ----
