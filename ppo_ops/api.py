@@ -269,8 +269,8 @@ def linear_token_loss(
         constants (advantages, old log-probs, masks, per-row normalisation weights) with them;
       values: [n] fp32, the rows' loss terms.
     The op calls it on row blocks (on CUDA 2048 rows at H = 4096, see Working memory) while the block's logits are
-    live, takes the gradient of
-    values.sum() with autograd w.r.t. its first two arguments, and forms dlogits, dX and dW right there.
+    live, takes the gradient of values.sum() with autograd w.r.t. its first two arguments, and forms dlogits, dX
+    and dW right there.
     The loss MUST be row-separable: a row's term may depend only on its own log-prob, its own entropy and constants,
     never on other rows' values (it sees one block at a time; a mean over rows must use a count known beforehand,
     folded into the constants). PPO / GRPO / DAPO clipped surrogates, an entropy bonus, k1/k2/k3 KL to a reference

@@ -10,11 +10,11 @@ bias (g = 1/3: 2^-9 relative on all of dW). CPU kernels multiply by g in fp32 as
 CUDA (vectorised), torch elsewhere and for fp32 tensors.
 
 dW stays in its fp32 accumulator until backward, so its one rounding to the input dtype and the upstream scale are
-one pass (4 bytes read, 2 written per element: ~1.1 ms for Qwen3's [151936, 4096] on an H200, where rounding in the
-forward and scaling the rounded dW were two passes and 1.6 ms) and dW is rounded once, not twice. In place: chunk
-by chunk from the start, each chunk [lo, hi) at most lo long, so its rounded values (bytes [2 lo, 2 hi)) land on
-input bytes of earlier chunks only (< 4 lo), which were read by an earlier launch; the first chunk, whose output
-overlaps its own input, goes through a small temporary.
+one pass (4 bytes read, 2 written per element, where rounding in the forward and scaling the rounded dW were two
+passes; measured in docs/performance.md) and dW is rounded once, not twice. In place: chunk by chunk from the
+start, each chunk [lo, hi) at most lo long, so its rounded values (bytes [2 lo, 2 hi)) land on input bytes of
+earlier chunks only (< 4 lo), which were read by an earlier launch; the first chunk, whose output overlaps its own
+input, goes through a small temporary.
 """
 
 import torch

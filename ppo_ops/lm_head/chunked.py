@@ -482,7 +482,7 @@ class _Gradients:
     a segment's first GEMM writing it (no memset, no read of C).
 
     On CUDA a block's dW GEMMs run on a side stream beside its dX GEMMs (both only read dl): dW's fp32 accumulator
-    traffic then overlaps dX's mainloop (-2.5 ms of 205 at T = 32768 on an H200; docs/performance.md). The current
+    traffic then overlaps dX's mainloop (measured in docs/performance.md, "The fused LM head"). The current
     stream waits for the side one before the next block overwrites dl. Each GEMM's inputs, shape and algorithm are
     the same, so are its bits."""
 
