@@ -113,13 +113,13 @@ def _gemm_partials_args(n_rows, v_local, n_valid, inv_t=1.5, store_probs=False, 
     seg_len = V_QWEN3 // 8
     hidden = torch.empty((n_rows, H_QWEN3_8B), dtype=torch.bfloat16)
     weight = torch.empty((v_local, H_QWEN3_8B), dtype=torch.bfloat16)
-    probs_desc, rows_per_seg = None, 0
-    if store_probs:
-        probs = torch.empty((v_local // seg_len * prob_rows, seg_len), dtype=torch.float16)
-        probs_desc, rows_per_seg = TensorDescriptor.from_tensor(probs, [cfg.block_m, cfg.block_n]), prob_rows
+    probs_desc = None
+    if store_probs:  # vocabulary-major, as the token loss holds them
+        probs = torch.empty((v_local // seg_len, seg_len, prob_rows), dtype=torch.float16)
+        probs_desc = TensorDescriptor.from_tensor(probs, [1, cfg.block_n, cfg.block_m])
     args = (TensorDescriptor.from_tensor(hidden, [cfg.block_m, cfg.block_k]),
-            TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]), torch.empty(1), probs_desc, rows_per_seg,
-            n_rows, H_QWEN3_8B, seg_len, v_local // seg_len, n_valid, -(-seg_len // cfg.block_n), 132, inv_t)
+            TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]), torch.empty(1), probs_desc, n_rows,
+            H_QWEN3_8B, seg_len, v_local // seg_len, n_valid, -(-seg_len // cfg.block_n), 132, inv_t)
     kwargs = dict(SCALE=inv_t != 1.0, WITH_ENTROPY=True, STORE_PROBS=store_probs, BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=False,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -45,7 +45,8 @@ Token loss (ChunkedBackend.loss_forward): the logits are formed once (three GEMM
     one-GEMM blocks (the Triton passes, half precision, TMA-aligned rows as for the fused recompute): blocks of
         prob_block_rows rows (2048 at Qwen3-8B's shape, a function of H and the segment length only). The
         general op's one-GEMM forward also stores every logit as e^(z - tile max) in fp16 into a segment-major
-        [n_seg, rows, seg_len] buffer (gemm_partials.forward_probs); merge (hooks.merge: TP all-gather), the caller's
+        [n_seg, rows, seg_len] buffer, vocabulary-major in memory (each column's rows contiguous: dW's GEMMs
+        then read dl^T K-major; gemm_partials.forward_probs); merge (hooks.merge: TP all-gather), the caller's
         loss (hooks.block_grads), then prob_dlogits.py turns the buffer into dlogits in place. Log-probs and
         entropies are the general op's, bit for bit; dlogits carry e's fp16 rounding (2^-11 of their terms) before
         their own to bf16.
@@ -409,8 +410,11 @@ class ChunkedBackend:
         n_rows, width = hidden.shape
         n_seg, seg_len = weight.shape[0] // shard.seg_len, shard.seg_len
         rows = prob_block_rows(width, seg_len, hidden.device)
-        probs = torch.empty((n_seg, min(rows, _round_up(n_rows, self.passes.one_gemm_forward.config().block_m)),
-                             seg_len), dtype=torch.float16, device=hidden.device)
+        # vocabulary-major ([n_seg, seg_len, B] in memory, used as its [n_seg, B, seg_len] view): dW's GEMMs read
+        # their dl^T operand K-major, which cuBLAS runs faster than the row-major buffer, with the same bits for dX
+        # and dW (docs/performance.md, run M1)
+        held = min(rows, _round_up(n_rows, self.passes.one_gemm_forward.config().block_m))
+        probs = torch.empty((n_seg, seg_len, held), dtype=torch.float16, device=hidden.device).transpose(1, 2)
         for r0 in range(0, n_rows, rows):
             n = min(rows, n_rows - r0)
             rs = slice(r0, r0 + n)

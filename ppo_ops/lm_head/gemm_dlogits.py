@@ -122,6 +122,7 @@ def target_dlogits_kernel(
     hidden_stride,
     weight_stride,
     out_stride,  # between rows of a slab
+    col_stride,  # between columns of a slab
     slab_cols,  # columns per slab: local column c lies in slab c // slab_cols
     slab_stride,  # elements between slabs (0 with one slab)
     n_valid,
@@ -147,7 +148,8 @@ def target_dlogits_kernel(
             p * (tl.load(mean_shifted_ptr + rows, mask=here, other=0.0) - d))
     if SCALE:
         grad = grad * inv_temperature
-    offset = (target // slab_cols).to(tl.int64) * slab_stride + rows.to(tl.int64) * out_stride + target % slab_cols
+    offset = ((target // slab_cols).to(tl.int64) * slab_stride + rows.to(tl.int64) * out_stride
+              + (target % slab_cols).to(tl.int64) * col_stride)
     store_rounded(out_ptr + offset, grad, here, ROUND_BF16_BY_BITS)
 
 
@@ -184,9 +186,9 @@ def dlogits(hidden: torch.Tensor, w_seg: torch.Tensor, tokens: torch.Tensor, seg
 def target_dlogits(hidden: torch.Tensor, w_seg: torch.Tensor, tokens: torch.Tensor, seg: ShardOptions,
                    stats: BackwardStats, upstream: UpstreamGrads, out: torch.Tensor) -> None:
     """Writes the target's element of out [R, seg_len] (rows whose target is a real column of this segment; row
-    stride free, columns contiguous) from the forward's target logit; upstream.grad_log_prob must be given. out may
-    also be contiguous slabs [n_seg, B >= R, seg_len], one per consecutive segment of w_seg; `seg` is then the
-    options of all of them (the shard's)."""
+    and column strides free) from the forward's target logit; upstream.grad_log_prob must be given. out may also be
+    slabs [n_seg, B >= R, seg_len] (any strides), one per consecutive segment of w_seg; `seg` is then the options
+    of all of them (the shard's)."""
     n_rows, width = hidden.shape
     g_lp, g_ent = upstream.grad_log_prob, upstream.grad_entropy
     dummy = stats.shift  # never read where its flag is off
@@ -197,6 +199,7 @@ def target_dlogits(hidden: torch.Tensor, w_seg: torch.Tensor, tokens: torch.Tens
         mean_shifted_ptr=stats.mean_shifted if g_ent is not None else dummy, grad_log_prob_ptr=g_lp,
         grad_entropy_ptr=g_ent if g_ent is not None else dummy, out_ptr=out, num_rows=n_rows, hidden_size=width,
         hidden_stride=hidden.stride(0), weight_stride=w_seg.stride(0), out_stride=out.stride(-2),
+        col_stride=out.stride(-1),
         slab_cols=out.shape[-1], slab_stride=slab_stride, n_valid=seg.n_valid, vocab_start=seg.vocab_start,
         inv_temperature=inv_t, HAS_GRAD_ENTROPY=g_ent is not None, SCALE=inv_t != 1.0,
         ROUND_BF16_BY_BITS=round_bf16_by_bits(out.dtype), BLOCK_R=gemm_partials.TARGET_ROWS,

@@ -2,7 +2,8 @@
 
 linear_token_loss forms the loss's gradient inside its forward (lm_head/chunked.py, `loss_forward`). Where the
 one-GEMM forward applies, a row block's forward (gemm_partials.forward_probs) leaves every logit as
-e = fl16(e^(z - m)) in a segment-major [n_seg, B, seg_len] fp16 buffer, m the max of the element's row over its GEMM
+e = fl16(e^(z - m)) in a segment-major [n_seg, B, seg_len] fp16 buffer (vocabulary-major: a column's rows are
+contiguous), m the max of the element's row over its GEMM
 tile (BLOCK_N columns from a segment start), beside the tile maxima; the row statistics then become global (the
 merge, the TP all-gather) and the caller's loss gives the upstream gradients. This pass turns the buffer into
 dlogits in the input dtype, element for element in place, for the library's dX and dW GEMMs:
@@ -34,9 +35,11 @@ from ppo_ops.core.contracts import BackwardStats, ShardOptions, UpstreamGrads
 from ppo_ops.core.triton_common import COMPILED, interpreting, round_bf16_by_bits, store_rounded
 from ppo_ops.lm_head import gemm_dlogits, gemm_partials
 
-# Rows per program (each covers one forward tile's columns, BLOCK_N) and warps: the fastest of 4-32 rows and 2-8
-# warps on an H200 (0.52 ms per 2048-row block of Qwen3's vocabulary, 8 rows: 0.62).
-PASS_ROWS = 16
+# Rows and columns per program (the columns within one forward tile, BLOCK_N, so one tile max per row) and warps;
+# the buffer is vocabulary-major, so a program's rows are its contiguous axis: tall programs, the fastest of 64-1024
+# rows on an H200 (docs/performance.md, run M1).
+PASS_ROWS = 256
+PASS_COLS = 16
 PASS_WARPS = 4
 
 
@@ -53,9 +56,9 @@ def _log(x):
         return tl.log(x)
 
 
-@triton.jit(do_not_specialize=["n_valid", "rows_per_seg"])
+@triton.jit(do_not_specialize=["n_valid"])
 def prob_dlogits_kernel(
-    probs_ptr,  # [n_seg, rows_per_seg, seg_len] fp16 e^(z - m), READ
+    probs_ptr,  # [n_seg, B, seg_len] fp16 e^(z - m), vocabulary-major (strides slab_stride, 1, col_stride), READ
     out_ptr,  # the same storage as the output dtype (bf16 / fp16): dlogits, WRITTEN over each element once read
     tiles_ptr,  # [n_seg, tiles_per_seg, 3, R] fp32 tile partials of the forward (channel 0: the tile max m)
     shift_ptr,  # [R] fp32 row max M
@@ -64,7 +67,8 @@ def prob_dlogits_kernel(
     grad_log_prob_ptr,  # [R] fp32 (read only when HAS_GRAD_LOG_PROB)
     grad_entropy_ptr,  # [R] fp32 (read only when HAS_GRAD_ENTROPY)
     num_rows,  # R
-    rows_per_seg,
+    col_stride,  # B: a multiple of 16 (the forward's row tile), which the compiler may assume for vector accesses
+    slab_stride,
     seg_len,
     n_valid,  # local columns that are real vocabulary
     tiles_per_seg,
@@ -74,17 +78,20 @@ def prob_dlogits_kernel(
     SCALE: tl.constexpr,
     ROUND_BF16_BY_BITS: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,  # columns per program, a divisor of BLOCK_N
     BLOCK_N: tl.constexpr,  # the forward's tile width: one tile max per row
 ):
-    pid_t = tl.program_id(1)
-    seg = pid_t // tiles_per_seg
-    tile = pid_t % tiles_per_seg
+    col_blocks = tl.cdiv(seg_len, BLOCK_C)
+    pid_c = tl.program_id(1)
+    seg = pid_c // col_blocks
+    col0 = (pid_c % col_blocks) * BLOCK_C
+    tile = col0 // BLOCK_N
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_rows
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # column within the segment
+    cols = col0 + tl.arange(0, BLOCK_C)  # column within the segment
     in_seg = cols < seg_len
     real = in_seg & (seg * seg_len + cols < n_valid)
-    offsets = (seg.to(tl.int64) * rows_per_seg + rows.to(tl.int64))[:, None] * seg_len + cols[None, :]
+    offsets = seg.to(tl.int64) * slab_stride + (cols.to(tl.int64) * col_stride)[None, :] + rows[:, None]
     io_mask = row_ok[:, None] & in_seg[None, :]
     e = tl.load(probs_ptr + offsets, mask=io_mask, other=0.0).to(tl.float32)
     m = tl.load(tiles_ptr + (seg.to(tl.int64) * tiles_per_seg + tile) * (3 * num_rows) + rows, mask=row_ok,
@@ -111,10 +118,13 @@ def prob_dlogits_kernel(
 def dlogits(probs: torch.Tensor, tiles: torch.Tensor, n_rows: int, hidden: torch.Tensor, weight: torch.Tensor,
             tokens: torch.Tensor, shard: ShardOptions, stats: BackwardStats, upstream: UpstreamGrads,
             dtype: torch.dtype) -> torch.Tensor:
-    """The first n_rows rows of every segment of probs ([n_seg, B, seg_len] fp16, from gemm_partials.forward_probs on
-    hidden [n_rows, H] and the local weight; tiles its tile partials) turned into dlogits of `dtype` in place;
-    returns that view of probs' storage. stats and upstream are the n_rows rows' own."""
-    n_seg, rows_per_seg, seg_len = probs.shape
+    """The first n_rows rows of every segment of probs ([n_seg, B, seg_len] fp16, vocabulary-major, from
+    gemm_partials.forward_probs on hidden [n_rows, H] and the local weight; tiles its tile partials) turned into
+    dlogits of `dtype` in place; returns that view of probs' storage (probs' shape and strides). stats and upstream
+    are the n_rows rows' own."""
+    n_seg, _, seg_len = probs.shape
+    if probs.stride(1) != 1:
+        raise ValueError(f"probs: expected a vocabulary-major buffer (row stride 1), got strides {probs.stride()}")
     out = probs.view(dtype)
     g_lp, g_ent = upstream.grad_log_prob, upstream.grad_entropy
     if n_rows == 0:
@@ -123,14 +133,16 @@ def dlogits(probs: torch.Tensor, tiles: torch.Tensor, n_rows: int, hidden: torch
     tiles_per_seg = triton.cdiv(seg_len, block_n)
     dummy = stats.shift  # never read where its flag is off
     inv_t = float(shard.inv_temperature)
-    prob_dlogits_kernel[(triton.cdiv(n_rows, PASS_ROWS), n_seg * tiles_per_seg)](
+    block_c = min(PASS_COLS, block_n)
+    prob_dlogits_kernel[(triton.cdiv(n_rows, PASS_ROWS), n_seg * triton.cdiv(seg_len, block_c))](
         probs_ptr=probs, out_ptr=out, tiles_ptr=tiles, shift_ptr=stats.shift, log_sum_ptr=stats.log_sum,
         mean_shifted_ptr=stats.mean_shifted if g_ent is not None else dummy,
         grad_log_prob_ptr=g_lp if g_lp is not None else dummy, grad_entropy_ptr=g_ent if g_ent is not None else dummy,
-        num_rows=n_rows, rows_per_seg=rows_per_seg, seg_len=seg_len, n_valid=shard.n_valid,
+        num_rows=n_rows, col_stride=probs.stride(2), slab_stride=probs.stride(0),
+        seg_len=seg_len, n_valid=shard.n_valid,
         tiles_per_seg=tiles_per_seg, inv_temperature=inv_t, HAS_GRAD_LOG_PROB=g_lp is not None,
         HAS_GRAD_ENTROPY=g_ent is not None, SCALE=inv_t != 1.0, ROUND_BF16_BY_BITS=round_bf16_by_bits(dtype),
-        BLOCK_R=PASS_ROWS, BLOCK_N=block_n, **({} if interpreting() else {"num_warps": PASS_WARPS}))
+        BLOCK_R=PASS_ROWS, BLOCK_C=block_c, BLOCK_N=block_n, **({} if interpreting() else {"num_warps": PASS_WARPS}))
     if g_lp is not None:  # the target's element, from the forward's own target logit, in its segment's slab
         gemm_dlogits.target_dlogits(hidden, weight, tokens, shard, stats, upstream, out)
     return out
