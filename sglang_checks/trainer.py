@@ -34,11 +34,14 @@ sends its traceback; the parent then stops all ranks, and always reaps them, als
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import queue as queue_lib
+import signal
 import socket
 import tempfile
+import threading
 import time
 import traceback
 from typing import Dict, List, Optional, Tuple
@@ -169,7 +172,8 @@ def run_jobs(jobs: List[Job], *, backend: str, threads: int = 1, timeout_s: floa
                  for rank in range(world)]
         try:
             for p in procs:
-                p.start()
+                with _interrupts_held():
+                    p.start()
             _collect(procs, messages, jobs, results, timeout_s, progress)
         except TrainerRankError as exc:
             exc.finished = [_assemble(layout, results[(0, layout.name)], jobs[0].inputs)
@@ -225,6 +229,28 @@ def _collect(procs, messages, jobs, results, timeout_s, progress) -> None:
         layout = next(candidate for candidate in jobs[j].layouts if candidate.name == name)
         if progress is not None and len(results[(j, name)]) == layout.world_size:
             progress(layout)
+
+
+@contextlib.contextmanager
+def _interrupts_held():
+    """A Ctrl-C during the block is delivered when it ends. Around Process.start: interrupted while it writes the
+    new rank's start-up data, the parent would leave a child that dies reading half of it, with a traceback on the
+    shared stderr; held, a rank is spawned whole, and the interrupt then reaps it with the others. A Python-level
+    handler, not a signal mask: a process-directed SIGINT may land on any thread without it blocked (torch's), while
+    Python handlers always run in the main thread. Main thread only (elsewhere no handler can be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received and callable(previous):
+            previous(signal.SIGINT, None)  # Python's default handler raises KeyboardInterrupt here
+        elif received and previous == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)
 
 
 def _reap(procs) -> None:

@@ -14,8 +14,10 @@ import json
 import math
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -269,6 +271,40 @@ def test_an_interrupt_while_ranks_start_reaps_the_started_ones(monkeypatch):
         trainer.run_layouts(_synthetic_inputs(), [layouts.Layout("tp2", tp=2)], backend="gloo", timeout_s=300)
     assert len(calls) == 2 and calls[0].exitcode is not None, "the started rank was not reaped"
     assert multiprocessing.active_children() == []
+
+
+def test_a_real_ctrl_c_as_a_rank_starts_lets_it_start_whole_then_reaps_every_rank(monkeypatch, capfd):
+    """A SIGINT that arrives as the second rank's Process.start begins: the start completes (the rank has a pid),
+    then the interrupt reaches the caller, every rank is reaped, and no half-spawned child writes a traceback."""
+    spawn_process = type(torch.multiprocessing.get_context("spawn").Process())
+    start, calls = spawn_process.start, []
+
+    def start_with_ctrl_c_at_the_second(self):
+        calls.append(self)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return start(self)
+
+    monkeypatch.setattr(spawn_process, "start", start_with_ctrl_c_at_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run_layouts(_synthetic_inputs(), [layouts.Layout("tp2", tp=2)], backend="gloo", timeout_s=300)
+    assert len(calls) == 2 and all(p.pid is not None for p in calls), "a rank was interrupted while being spawned"
+    assert all(p.exitcode is not None for p in calls), "a started rank was not reaped"
+    assert multiprocessing.active_children() == []
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_ctrl_c_while_a_rank_is_spawned_waits_until_it_is_whole():
+    """A Ctrl-C (a real SIGINT) inside the block around Process.start arrives when the block ends, not in the
+    middle: an interrupted start leaves a child that dies reading half its start-up data, with a traceback."""
+    done, handler = [], signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        with trainer._interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)  # an unheld SIGINT raises in here
+            done.append("the block ran to its end")
+    assert done == ["the block ran to its end"]
+    assert signal.getsignal(signal.SIGINT) is handler, "the caller's SIGINT handler was not put back"
 
 
 # ------------------------------------------------------------------------------------------------ hf engine
