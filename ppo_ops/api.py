@@ -130,8 +130,8 @@ def calculate_log_probs_and_entropy(
         inplace_grad=False, backend="auto", validate=True,
     )
     with shell.on_device(call):
-        result = _outputs(LogProbEntropyFunction.apply(call.rows, call.tokens, call.keep_mask, call.row_mask,
-                                                       call.plan), call)
+        out = LogProbEntropyFunction.apply(call.rows, call.tokens, call.keep_mask, call.row_mask, call.plan)
+    result = _outputs(out, call)
     log_prob = result.log_probs
     log_prob = log_prob.reshape(0) if log_prob.numel() == 0 else log_prob.unsqueeze(-1)
     return log_prob, result.entropy

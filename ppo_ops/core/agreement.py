@@ -87,19 +87,18 @@ def _range_message(upper: int, found: int, has_row_mask: bool, where: str = "", 
 
 
 def check_single_rank_values(fn_name: str, bad_rows: torch.Tensor, tokens: torch.Tensor,
-                             row_mask: Optional[torch.Tensor], upper: int, naming: Optional["Naming"] = None,
-                             extra_flags: Optional[torch.Tensor] = None) -> list:
+                             row_mask: Optional[torch.Tensor], upper: int, naming: Optional["Naming"] = None) -> None:
     """TP = 1, validate=True: reads the token bounds and the bad-logits flag in one host read and raises.
-    `bad_rows` may cover only the kept rows (any length): only its any() is read. `extra_flags` (a [k] tensor on the
-    same device: an op's own device-side checks) travel in the same read; their values are returned for the caller
-    to act on, after the token and logits checks."""
-    values = read_to_host(single_rank_values(bad_rows, tokens, row_mask, extra_flags))
-    return raise_single_rank_values(fn_name, values, row_mask, upper, naming)
+    `bad_rows` may cover only the kept rows (any length): only its any() is read."""
+    raise_single_rank_values(fn_name, read_to_host(single_rank_values(bad_rows, tokens, row_mask)), row_mask, upper,
+                             naming)
 
 
 def single_rank_values(bad_rows: torch.Tensor, tokens: torch.Tensor, row_mask: Optional[torch.Tensor],
                        extra_flags: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The device-side int64 vector that check_single_rank_values reads: token min, max, bad-logits flag, extras."""
+    """The device-side int64 vector of the single-rank value read: token min, max, bad-logits flag, then
+    `extra_flags` (a [k] tensor on the same device: an op's own device-side checks, returned to it by
+    raise_single_rank_values)."""
     parts = [token_bounds(tokens, row_mask), bad_rows.any().reshape(1).to(torch.int64)]
     if extra_flags is not None:
         parts.append(extra_flags.reshape(-1).to(torch.int64))

@@ -256,10 +256,10 @@ def check_across_ranks(plan: Plan, tokens, row_mask, bad: torch.Tensor) -> None:
         reduction_order=plan.reduction_order)
 
 
-def check_single_rank(plan: Plan, bad_rows, tokens, row_mask, extra_flags=None) -> list:
-    """TP = 1, validate=True: the value checks' one host read (token range, NaN / +inf logits, `extra_flags`)."""
-    return agreement.check_single_rank_values(plan.fn_name, bad_rows, tokens, row_mask, plan.layout.vocab_size,
-                                              naming=plan.naming, extra_flags=extra_flags)
+def check_single_rank(plan: Plan, bad_rows, tokens, row_mask) -> None:
+    """TP = 1, validate=True: the value checks' one host read (token range, NaN / +inf logits)."""
+    agreement.check_single_rank_values(plan.fn_name, bad_rows, tokens, row_mask, plan.layout.vocab_size,
+                                       naming=plan.naming)
 
 
 def merge_row_stats(plan: Plan, partials: torch.Tensor, tokens, row_mask, *,

@@ -3,10 +3,10 @@
 linear_token_loss forms the loss's gradient inside its forward (lm_head/chunked.py, `loss_forward`). Where the
 one-GEMM forward applies, a row block's forward (gemm_partials.forward_probs) leaves every logit as
 e = fl16(e^(z - m)) in a segment-major [n_seg, B, seg_len] fp16 buffer (vocabulary-major: a column's rows are
-contiguous), m the max of the element's row over its GEMM
-tile (BLOCK_N columns from a segment start), beside the tile maxima; the row statistics then become global (the
-merge, the TP all-gather) and the caller's loss gives the upstream gradients. This pass turns the buffer into
-dlogits in the input dtype, element for element in place, for the library's dX and dW GEMMs:
+contiguous), m the max of the element's row over its GEMM tile (BLOCK_N columns from a segment start), beside the
+tile maxima; the row statistics then become global (the merge, the TP all-gather) and the caller's loss gives the
+upstream gradients. This pass turns the buffer into dlogits in the input dtype, element for element in place, for
+the library's dX and dW GEMMs:
 
     p = e * e^(m - M - log S)          (M the row max, S = Σ e^(z - M): p = e^(z - M - log S))
     z - M = log e + (m - M)
