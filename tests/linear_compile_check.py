@@ -132,11 +132,11 @@ def _gemm_dlogits_args(n_rows, seg_n_valid, inv_t=1.5):
     seg_len = V_QWEN3 // 8
     hidden = torch.empty((n_rows, H_QWEN3_8B), dtype=torch.bfloat16)
     w_seg = torch.empty((seg_len, H_QWEN3_8B), dtype=torch.bfloat16)
-    dl = torch.empty((n_rows, seg_len), dtype=torch.bfloat16)
+    dl_t = torch.empty((seg_len, n_rows), dtype=torch.bfloat16)  # vocabulary-major dlogits, as the backend holds them
     vec = torch.empty(n_rows)
     args = (TensorDescriptor.from_tensor(hidden, [cfg.block_m, cfg.block_k]),
             TensorDescriptor.from_tensor(w_seg, [cfg.block_n, cfg.block_k]),
-            TensorDescriptor.from_tensor(dl, [cfg.block_m, cfg.block_n]), vec, vec, vec, vec, vec, n_rows,
+            TensorDescriptor.from_tensor(dl_t, [cfg.block_n, cfg.block_m]), vec, vec, vec, vec, vec, n_rows,
             H_QWEN3_8B, seg_len, seg_n_valid, 132, inv_t)
     kwargs = dict(HAS_GRAD_LOG_PROB=True, HAS_GRAD_ENTROPY=True, SCALE=inv_t != 1.0, BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=False, OUT_BF16=True,

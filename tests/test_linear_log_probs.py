@@ -175,13 +175,13 @@ def test_chunked_path_crosses_blocks_and_groups_vs_float64(backend):
 
 
 @pytest.mark.parametrize("backend", [p for p in backend_params(DEVICE) if p.id == "triton"])
-def test_segments_without_tma_rows_recompute_by_chunks_vs_float64(backend):
-    """A vocabulary of 8 x 13 columns: a segment's dlogits rows (26 bytes) cannot be written by TMA, so the backward
-    recomputes by chunk GEMMs and the gradient pass after the one-GEMM forward."""
+def test_segments_of_any_width_take_the_fused_recompute_vs_float64(backend):
+    """A vocabulary of 8 x 13 columns: a segment's row of dlogits is 26 bytes, no 16-byte multiple, yet the fused
+    recompute writes them (its buffer is vocabulary-major: a column's rows are what TMA stores)."""
     from ppo_ops.lm_head import gemm_dlogits, gemm_partials
     v = 8 * 13
     hidden, weight = (torch.empty(shape, dtype=torch.bfloat16, device=DEVICE) for shape in ((1, HIDDEN), (v, HIDDEN)))
-    assert gemm_partials.applies(hidden, weight) and not gemm_dlogits.applies(hidden, weight, _segment_len(v))
+    assert gemm_partials.applies(hidden, weight) and gemm_dlogits.applies(hidden, weight)
     _check_vs_float64_once(backend, torch.bfloat16, 1.3, 100, True, lead=(3, 7), v=v)
 
 

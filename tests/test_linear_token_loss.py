@@ -164,8 +164,7 @@ def _keeps_probs(backend, hidden, weight):
     if backend != "triton" or triton_skip_reason(DEVICE) is not None:
         return False
     h = hidden.reshape(-1, hidden.shape[-1]).to(DEVICE)
-    return _linear_chunked.backend("triton").loss_keeps_probs(h, weight.to(DEVICE),
-                                                              _layout.segment_length(weight.shape[0], 1))
+    return _linear_chunked.backend("triton").loss_keeps_probs(h, weight.to(DEVICE))
 
 
 def _check_vs_float64_once(backend, dtype, loss_name, temperature, vocab_size, masked, entropy="grad", lead=(3, 7),
@@ -242,13 +241,15 @@ def test_many_blocks_and_dw_groups_vs_float64(backend):
 
 
 @pytest.mark.parametrize("backend", [p for p in backend_params(DEVICE) if p.id == "triton"])
-def test_segments_ending_inside_a_tile_vs_float64(backend):
-    """A vocabulary of 8 x 40 (padding from 300): every segment ends inside a GEMM tile, so the kept probabilities'
-    store is clipped at the segment's width, never reaching the next segment's columns."""
-    v = 8 * 40
+@pytest.mark.parametrize("seg_width, vocab_size", [(40, 300), (13, 100)])
+def test_segments_ending_inside_a_tile_vs_float64(backend, seg_width, vocab_size):
+    """Vocabularies of 8 x 40 (padding from 300) and 8 x 13 (segments of 26 bytes: no 16-byte multiple): every
+    segment ends inside a GEMM tile, so the kept probabilities' store is clipped at the segment's width, never
+    reaching the next segment's columns; the vocabulary-major buffer takes any width."""
+    v = 8 * seg_width
     hidden, weight, _ = inputs((1,), torch.bfloat16, seed=0, v=v)
     assert _keeps_probs(backend, hidden, weight)
-    _check_vs_float64_once(backend, torch.bfloat16, "ppo", 1.1, 300, True, lead=(3, 7), v=v)
+    _check_vs_float64_once(backend, torch.bfloat16, "ppo", 1.1, vocab_size, True, lead=(3, 7), v=v)
 
 
 @pytest.mark.parametrize("backend", backend_params(DEVICE))
@@ -401,6 +402,24 @@ def test_one_gradient_asked_equals_both_asked_bitwise(backend):
     _, _, _, dx0, dw0 = _run(hidden, weight, tokens, lambda lp, ent, rows: torch.ones_like(lp), entropy="grad",
                              backend=backend)
     assert not dx0.any() and not dw0.any(), "a loss without the log-probs gave a nonzero gradient"
+
+
+@pytest.mark.parametrize("width, seg_len", [(4096, 18992), (1024, 18992), (2048, 18992), (4096, 9496)])
+def test_probability_block_rows_fill_the_allowance(width, seg_len):
+    """The one-GEMM blocks' rows on CUDA (a function of H and the segment length only): a multiple of the step
+    within [min, max], the block's fp16 probabilities and the fp32 dW accumulator within the allowance, and one
+    step more either over it or past the maximum (the most rows that fit). Qwen3-8B's shape gets 2816."""
+    c = _linear_chunked
+    rows = c.prob_block_rows(width, seg_len, torch.device("cuda"))
+    vocab = seg_len * _layout.NUM_FIXED_SEGMENTS
+    held = lambda r: r * vocab * 2 + vocab * width * 4  # noqa: E731
+    assert rows % c.PROB_ROWS_STEP == 0 and c.PROB_ROWS_MIN <= rows <= c.PROB_ROWS_MAX, rows
+    assert held(rows) <= c.TOKEN_LOSS_BYTES, f"{rows} rows hold {held(rows)} bytes"
+    step_more = rows + c.PROB_ROWS_STEP
+    assert step_more > c.PROB_ROWS_MAX or held(step_more) > c.TOKEN_LOSS_BYTES, f"{step_more} rows would fit"
+    if (width, seg_len) == (4096, 18992):
+        assert rows == 2816
+    assert c.prob_block_rows(width, seg_len, torch.device("cpu")) == c.HOST_PROB_ROWS
 
 
 def _bad_losses():

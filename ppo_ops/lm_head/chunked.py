@@ -43,7 +43,7 @@ General op (ChunkedBackend.forward_partials / backward):
                the input dtype, no accumulator). Four GEMMs' work in all: the forward's, the recompute, dX, dW.
 Token loss (ChunkedBackend.loss_forward): the logits are formed once (three GEMMs' work), per row block:
     one-GEMM blocks (the Triton passes, half precision, TMA-aligned rows as for the fused recompute): blocks of
-        prob_block_rows rows (2048 at Qwen3-8B's shape, a function of H and the segment length only). The
+        prob_block_rows rows (2816 at Qwen3-8B's shape, a function of H and the segment length only). The
         general op's one-GEMM forward also stores every logit as e^(z - tile max) in fp16 into a segment-major
         [n_seg, rows, seg_len] buffer, vocabulary-major in memory (each column's rows contiguous: dW's GEMMs
         then read dl^T K-major; gemm_partials.forward_probs); merge (hooks.merge: TP all-gather), the caller's
@@ -62,7 +62,7 @@ Memory (besides dX and dW): general op forward one chunk (rows x seg_len fp32: 7
 none on the one-GEMM path, whose tile partials take 12 bytes per row and 256 columns); backward one chunk (none on
 the fused path), a dl buffer (dw_rows x seg_len in the input dtype) and, with more than one group, a dW_s fp32
 accumulator (seg_len x H), plus the fp32 dX accumulator [R, H]. Token loss: one-GEMM blocks 2 bytes per logit of a
-block (0.58 GiB at 2048 rows), chunk blocks the block's fp32 logits (loss_rows x V_local: 0.58 GiB) and dl
+block (0.80 GiB at 2816 rows), chunk blocks the block's fp32 logits (loss_rows x V_local: 0.58 GiB) and dl
 (loss_dw_rows x V_local in the input dtype); dX32 of one block; the fp32 dW accumulator (2.32 GiB at Qwen3-8B).
 """
 
@@ -107,12 +107,14 @@ def chunk_shape(device: torch.device) -> ChunkShape:
 
 
 # The token loss's one-GEMM blocks hold 2 bytes per logit (fp16 probabilities, then dlogits in place) beside the
-# [V_local, H] fp32 dW accumulator: the largest power-of-two rows in [PROB_ROWS_MIN, PROB_ROWS_MAX] with both within
-# TOKEN_LOSS_BYTES, the 3.5 GiB allowance at Qwen3's shape less dX and the closure's temporaries (H = 4096: 2048 rows,
-# 0.58 GiB beside the 2.32 GiB accumulator; H = 1024: 8192 rows). dW's K is these rows: at K = 2048 the accumulator's
-# read and write cost ~25% of its GEMM (at K = 1024, ~55%).
-TOKEN_LOSS_BYTES = 3 * 2**30
-PROB_ROWS_MIN, PROB_ROWS_MAX = 1024, 8192
+# [V_local, H] fp32 dW accumulator: the most rows, a multiple of PROB_ROWS_STEP in [PROB_ROWS_MIN, PROB_ROWS_MAX],
+# with both within TOKEN_LOSS_BYTES, the 3.5 GiB allowance at Qwen3's shape (T = 32768) less dX (0.25 GiB) and the
+# closure's and dX rows' temporaries (H = 4096: 2816 rows, 0.80 GiB beside the 2.32 GiB accumulator, measured peak
+# 3.45 GiB; H = 1024: 8192 rows). dW's K is these rows, and each block's dW GEMM reads and writes the accumulator
+# (~1 ms per block on an H200 at Qwen3-8B's shape): 2816-row blocks are 3 per 8192 rows where 2048-row ones are 4.
+# The step: the dlogits pass's row tile (prob_dlogits.PASS_ROWS); K = 2944 measured slower than 2816 and 3072.
+TOKEN_LOSS_BYTES = 25 * 2**27  # 3.125 GiB
+PROB_ROWS_MIN, PROB_ROWS_MAX, PROB_ROWS_STEP = 1024, 8192, 256
 HOST_PROB_ROWS = 16  # the interpreter: tiny test shapes cross blocks (a multiple of its GEMM tile's 16 rows)
 
 
@@ -123,10 +125,8 @@ def prob_block_rows(width: int, seg_len: int, device: torch.device) -> int:
     if device.type != "cuda":
         return HOST_PROB_ROWS
     vocab = seg_len * layout.NUM_FIXED_SEGMENTS
-    rows = PROB_ROWS_MAX
-    while rows > PROB_ROWS_MIN and rows * vocab * 2 + vocab * width * 4 > TOKEN_LOSS_BYTES:
-        rows //= 2
-    return rows
+    fit = (TOKEN_LOSS_BYTES - vocab * width * 4) // (vocab * 2)
+    return max(PROB_ROWS_MIN, min(PROB_ROWS_MAX, fit // PROB_ROWS_STEP * PROB_ROWS_STEP))
 
 
 # ---- GEMMs: the library's, fp32 accumulation ----
@@ -324,14 +324,17 @@ class ChunkedBackend:
         tokens = tokens.to(torch.int64).contiguous()
         blocks = _RowBlocks(hidden, shape.rows)
         group_rows = min(shape.dw_rows, blocks.count * shape.rows)
-        dl = torch.empty((group_rows, seg_len), dtype=hidden.dtype, device=hidden.device)
+        recompute = self.passes.one_gemm_recompute
+        fused = recompute is not None and recompute.applies(hidden, weight)
+        # the fused recompute writes dl vocabulary-major (dW's GEMM then reads dl^T K-major); the chunk pass row-major
+        dl_shape = (seg_len, group_rows) if fused else (group_rows, seg_len)
+        dl = torch.empty(dl_shape, dtype=hidden.dtype, device=hidden.device)
+        dl = dl.T if fused else dl
         one_group = n_rows <= shape.dw_rows
         dw_acc = None
         if need_dw and not one_group:
             dw_acc = torch.empty((seg_len, width), dtype=torch.float32, device=hidden.device)
         blocks_per_group = shape.dw_rows // shape.rows
-        recompute = self.passes.one_gemm_recompute
-        fused = recompute is not None and recompute.applies(hidden, weight, seg_len)
         chunk = None if fused else torch.empty((shape.rows, seg_len), dtype=torch.float32, device=hidden.device)
         for _s, seg_lo, seg in _segments(shard, v_local):
             w_s = weight[seg_lo:seg_lo + seg_len]
@@ -388,7 +391,7 @@ class ChunkedBackend:
         if n_rows:
             tokens = tokens.to(torch.int64).contiguous()
             grads = _Gradients(weight, segments, hooks, dw_acc, need_dx)
-            if self.loss_keeps_probs(hidden, weight, seg_len):
+            if self.loss_keeps_probs(hidden, weight):
                 self._loss_blocks_by_probs(hidden, weight, tokens, shard, with_entropy, hooks, grads,
                                            need_dx or need_dw)
             else:
@@ -398,11 +401,10 @@ class ChunkedBackend:
             dw_acc.zero_()
         return dw_acc
 
-    def loss_keeps_probs(self, hidden, weight, seg_len: int) -> bool:
+    def loss_keeps_probs(self, hidden, weight) -> bool:
         """Whether the token loss takes the one-GEMM blocks (fp16 probabilities) on these operands; else chunk
         blocks."""
-        return self.passes.token_loss_pass is not None and self.passes.one_gemm_recompute.applies(hidden, weight,
-                                                                                                  seg_len)
+        return self.passes.token_loss_pass is not None and self.passes.one_gemm_recompute.applies(hidden, weight)
 
     def _loss_blocks_by_probs(self, hidden, weight, tokens, shard, with_entropy, hooks, grads, need_grad) -> None:
         """One-GEMM blocks: the forward GEMM keeps each logit as an fp16 probability within its tile, the pass turns

@@ -1,10 +1,12 @@
 """The LM head's backward recompute as one GEMM: the forward's tile loop (gemm_partials.logit_tile) with the logits
 op's gradient in its epilogue, writing dlogits in the input dtype, so no fp32 logit reaches memory.
 
-Used by the chunked backend's backward (ppo_ops/lm_head/chunked.py) where the one-GEMM forward applies and a
-segment's dlogits rows can be written by TMA (seg_len * itemsize a multiple of 16 bytes): per segment and group of
-rows, one launch fills the [rows, seg_len] dlogits buffer that the library's dX and dW GEMMs then read. The chunk
-path it replaces there wrote each chunk's fp32 logits and read them back in the gradient pass.
+Used by the chunked backend's backward (ppo_ops/lm_head/chunked.py) wherever the one-GEMM forward applies: per
+segment and group of rows, one launch fills the [rows, seg_len] dlogits buffer that the library's dX and dW GEMMs
+then read. The buffer is vocabulary-major (each column's rows contiguous; the epilogue stores transposed tiles), so
+dW_s = dl^T X reads its A operand K-major, which cuBLAS runs faster than an M-major one (docs/performance.md), and
+its columns are 16-byte aligned whatever the segment width. The chunk path it replaces there wrote each chunk's
+fp32 logits and read them back in the gradient pass.
 
 Kernels:
     gemm_dlogits_kernel  persistent over the tiles of rows x (one segment's column tiles), GROUP_M row blocks at a
@@ -13,8 +15,9 @@ Kernels:
         per element the logits op's gradient of a column that is not the target (the LM head has no keep or row
         masks):
             p = e^(z - M - log S),  g = p (g_ent (E_p[z] - M - (z - M)) - g_lp),  g / T,
-        0 on columns past the segment or the vocabulary; stored by TMA, clipped at the buffer's edges. Picking out
-        the target column per element (a compare and a select per logit) measured ~7% of the GEMM in the forward.
+        0 on columns past the segment or the vocabulary; stored transposed by TMA, clipped at the buffer's edges.
+        Picking out the target column per element (a compare and a select per logit) measured ~7% of the GEMM in the
+        forward.
     target_dlogits_kernel  then, per row whose target is in the segment, the target's element g_lp (1 - p_t) + the
         entropy term, from the forward's own target logit (gemm_partials.target_logit), rounded once. O(R * H).
 
@@ -35,17 +38,16 @@ from ppo_ops.core.triton_common import (bf16_by_bits, grouped_tile, interpreting
 from ppo_ops.lm_head import gemm_partials
 
 
-def applies(hidden: torch.Tensor, weight: torch.Tensor, seg_len: int) -> bool:
-    """Whether the fused recompute takes these operands: the one-GEMM forward's conditions, and TMA-storable rows of
-    a [rows, seg_len] dlogits buffer."""
-    return gemm_partials.applies(hidden, weight) and (seg_len * hidden.element_size()) % 16 == 0
+def applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the fused recompute takes these operands: the one-GEMM forward's conditions (its tiles again)."""
+    return gemm_partials.applies(hidden, weight)
 
 
 @triton.jit(do_not_specialize=["n_valid", "num_programs"])
 def gemm_dlogits_kernel(
     x_desc,  # TMA descriptor of the group's hidden rows [R, H], blocks [BLOCK_M, BLOCK_K], READ-ONLY
     w_desc,  # TMA descriptor of the segment's weight rows [seg_len, H], blocks [BLOCK_N, BLOCK_K], READ-ONLY
-    dl_desc,  # TMA descriptor of dlogits [R, seg_len] in the input dtype, blocks [BLOCK_M, BLOCK_N], WRITTEN
+    dl_desc,  # TMA descriptor of dlogits^T [seg_len, R] in the input dtype, blocks [BLOCK_N, BLOCK_M], WRITTEN
     shift_ptr,  # [R] fp32 row max M over the global vocabulary
     log_sum_ptr,  # [R] fp32 log Σ e^(z - M)
     mean_shifted_ptr,  # [R] fp32 E_p[z] - M (read only when HAS_GRAD_ENTROPY)
@@ -103,7 +105,7 @@ def gemm_dlogits_kernel(
             out = grad.to(tl.bfloat16)
         else:
             out = grad.to(tl.float16)
-        dl_desc.store([row0, col0], out)
+        dl_desc.store([col0, row0], tl.trans(out))
 
 
 @triton.jit(do_not_specialize=["n_valid", "vocab_start", "slab_stride"])
@@ -155,14 +157,18 @@ def target_dlogits_kernel(
 
 def dlogits(hidden: torch.Tensor, w_seg: torch.Tensor, tokens: torch.Tensor, seg: ShardOptions,
             stats: BackwardStats, upstream: UpstreamGrads, out: torch.Tensor) -> None:
-    """out [R, seg_len] (hidden's dtype) = dlogits of the logits hidden @ w_seg^T of one segment; `applies` must hold.
-    tokens, stats and upstream are the R rows' own (row-aligned with hidden)."""
+    """out [R, seg_len] (hidden's dtype, vocabulary-major: out.T contiguous rows, 16-byte aligned) = dlogits of the
+    logits hidden @ w_seg^T of one segment; `applies` must hold. tokens, stats and upstream are the R rows' own
+    (row-aligned with hidden)."""
     n_rows, width = hidden.shape
     if n_rows == 0:
         return
     cfg = gemm_partials.config()
     x_desc, w_desc = gemm_partials.descriptors(hidden, w_seg, cfg)
-    dl_desc = TensorDescriptor.from_tensor(out, [cfg.block_m, cfg.block_n])
+    if out.stride(0) != 1 or (out.stride(1) * out.element_size()) % 16:
+        raise ValueError(f"out: expected a vocabulary-major [{n_rows}, {seg.seg_len}] dlogits buffer (stride 1 along "
+                         f"rows, 16-byte aligned columns), got strides {out.stride()}")
+    dl_desc = TensorDescriptor.from_tensor(out.T, [cfg.block_n, cfg.block_m])
     n_tiles = triton.cdiv(n_rows, cfg.block_m) * triton.cdiv(seg.seg_len, cfg.block_n)
     programs = gemm_partials.num_programs(hidden.device, n_tiles)
     g_lp, g_ent = upstream.grad_log_prob, upstream.grad_entropy

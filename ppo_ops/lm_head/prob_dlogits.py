@@ -18,7 +18,7 @@ Accuracy. e is rounded once to fp16: relative 2^-11 where e >= 2^-14, absolute 2
 log e errs by 2^-11 absolute there, plus at most 2^-17 from the compiled pass's approximate log (`_log`). So a
 dlogit errs by 2^-11 of its own terms, p |g_lp| and p |g_ent| (|z - E_p[z]| + 1), before its one rounding to bf16
 (2^-8). The buffer takes 2 bytes per logit where fp32 logits and separate dlogits take 6: a block holds three times
-the rows in the same memory (at Qwen3-8B's shape within 3.5 GiB: 2048 rows, where the chunk blocks hold 1024), and
+the rows in the same memory (at Qwen3-8B's shape within 3.5 GiB: 2816 rows, where the chunk blocks hold 1024), and
 dW's GEMMs get that K.
 
 Bits. A dlogit depends on its logit's tile (fixed by row, column and the K loop), its tile max, the row statistics and
