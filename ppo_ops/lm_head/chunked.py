@@ -37,7 +37,8 @@ General op (ChunkedBackend.forward_partials / backward):
     backward   per segment (outer), per group of `dw_rows` rows: the group's dlogits in the input dtype in a
                [dw_rows, seg_len] buffer; where the one-GEMM forward ran, one Triton launch forms them (the forward's
                GEMM tiles again, the same bits, the logits op's gradient in the epilogue: gemm_dlogits.py; the
-               buffer vocabulary-major, so dW's GEMM reads dl^T K-major, with the same bits as row-major), else per
+               buffer vocabulary-major, so dW's GEMM reads dl^T K-major; at Qwen3's shapes on an H200 dX and dW
+               hashed equal to the row-major layout's), else per
                block the chunk GEMM again and the logits op's gradient pass. Then per group dX32[group] += dl @ W_s
                (fp32 accumulator, K = seg_len) and dW_s (+)= dl^T @ X[group] (K = dw_rows: large enough that the fp32
                dW read + write is small next to the GEMM; when one group covers every row, dW_s is written once in
