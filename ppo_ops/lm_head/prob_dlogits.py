@@ -35,11 +35,13 @@ from ppo_ops.core.contracts import BackwardStats, ShardOptions, UpstreamGrads
 from ppo_ops.core.triton_common import COMPILED, interpreting, round_bf16_by_bits, store_rounded
 from ppo_ops.lm_head import gemm_dlogits, gemm_partials
 
-# Rows and columns per program (the columns within one forward tile, BLOCK_N, so one tile max per row) and warps;
-# the buffer is vocabulary-major, so a program's rows are its contiguous axis: tall programs, the fastest of 64-1024
-# rows on an H200 (docs/performance.md, run M1).
+# Rows and columns per step of a program (the columns within one forward tile, BLOCK_N, so one tile max per row),
+# steps per program (each program walks PASS_STEPS column groups of one tile, loading its rows' statistics and tile
+# max once) and warps; the buffer is vocabulary-major, so a program's rows are its contiguous axis: tall programs,
+# the fastest of 64-1024 rows on an H200 (docs/performance.md, runs M1, N3).
 PASS_ROWS = 256
 PASS_COLS = 16
+PASS_STEPS = 4
 PASS_WARPS = 4
 
 
@@ -78,41 +80,49 @@ def prob_dlogits_kernel(
     SCALE: tl.constexpr,
     ROUND_BF16_BY_BITS: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,  # columns per program, a divisor of BLOCK_N
+    BLOCK_C: tl.constexpr,  # columns per step, a divisor of BLOCK_N
+    STEPS: tl.constexpr,  # steps per program: STEPS * BLOCK_C columns of one tile (at most BLOCK_N)
     BLOCK_N: tl.constexpr,  # the forward's tile width: one tile max per row
 ):
-    col_blocks = tl.cdiv(seg_len, BLOCK_C)
+    col_groups = tl.cdiv(seg_len, BLOCK_C * STEPS)
     pid_c = tl.program_id(1)
-    seg = pid_c // col_blocks
-    col0 = (pid_c % col_blocks) * BLOCK_C
-    tile = col0 // BLOCK_N
+    seg = pid_c // col_groups
+    group0 = (pid_c % col_groups) * (BLOCK_C * STEPS)
+    tile = group0 // BLOCK_N
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_rows
-    cols = col0 + tl.arange(0, BLOCK_C)  # column within the segment
-    in_seg = cols < seg_len
-    real = in_seg & (seg * seg_len + cols < n_valid)
-    offsets = seg.to(tl.int64) * slab_stride + (cols.to(tl.int64) * col_stride)[None, :] + rows[:, None]
-    io_mask = row_ok[:, None] & in_seg[None, :]
-    e = tl.load(probs_ptr + offsets, mask=io_mask, other=0.0).to(tl.float32)
+    # the rows' factors, once per program: p = e * scale_row, z - M = log e + m_shift
     m = tl.load(tiles_ptr + (seg.to(tl.int64) * tiles_per_seg + tile) * (3 * num_rows) + rows, mask=row_ok,
                 other=0.0)
     m_shift = m - tl.load(shift_ptr + rows, mask=row_ok, other=0.0)  # m - M <= 0
-    p = e * tl.exp(m_shift - tl.load(log_sum_ptr + rows, mask=row_ok, other=0.0))[:, None]
+    scale_row = tl.exp(m_shift - tl.load(log_sum_ptr + rows, mask=row_ok, other=0.0))
     if HAS_GRAD_ENTROPY:
         g_ent = tl.load(grad_entropy_ptr + rows, mask=row_ok, other=0.0)
         mean_shifted = tl.load(mean_shifted_ptr + rows, mask=row_ok, other=0.0)
-        # z - M; where e rounded to 0 (p = 0) any finite stand-in gives a 0 gradient, never 0 * inf
-        d = _log(tl.where(e > 0.0, e, 1.0)) + m_shift[:, None]
-        inner = g_ent[:, None] * (mean_shifted[:, None] - d)
-        if HAS_GRAD_LOG_PROB:
-            inner = inner - tl.load(grad_log_prob_ptr + rows, mask=row_ok, other=0.0)[:, None]
-        grad = p * inner
-    else:
-        grad = -tl.load(grad_log_prob_ptr + rows, mask=row_ok, other=0.0)[:, None] * p
-    if SCALE:
-        grad = grad * inv_temperature
-    grad = tl.where(real[None, :], grad, 0.0)
-    store_rounded(out_ptr + offsets, grad, io_mask, ROUND_BF16_BY_BITS)
+    if HAS_GRAD_LOG_PROB:
+        g_lp = tl.load(grad_log_prob_ptr + rows, mask=row_ok, other=0.0)
+    slab = seg.to(tl.int64) * slab_stride
+    for step in tl.static_range(STEPS):
+        cols = group0 + step * BLOCK_C + tl.arange(0, BLOCK_C)  # column within the segment
+        in_seg = cols < seg_len
+        real = in_seg & (seg * seg_len + cols < n_valid)
+        offsets = slab + (cols.to(tl.int64) * col_stride)[None, :] + rows[:, None]
+        io_mask = row_ok[:, None] & in_seg[None, :]
+        e = tl.load(probs_ptr + offsets, mask=io_mask, other=0.0).to(tl.float32)
+        p = e * scale_row[:, None]
+        if HAS_GRAD_ENTROPY:
+            # z - M; where e rounded to 0 (p = 0) any finite stand-in gives a 0 gradient, never 0 * inf
+            d = _log(tl.where(e > 0.0, e, 1.0)) + m_shift[:, None]
+            inner = g_ent[:, None] * (mean_shifted[:, None] - d)
+            if HAS_GRAD_LOG_PROB:
+                inner = inner - g_lp[:, None]
+            grad = p * inner
+        else:
+            grad = -g_lp[:, None] * p
+        if SCALE:
+            grad = grad * inv_temperature
+        grad = tl.where(real[None, :], grad, 0.0)
+        store_rounded(out_ptr + offsets, grad, io_mask, ROUND_BF16_BY_BITS)
 
 
 def dlogits(probs: torch.Tensor, tiles: torch.Tensor, n_rows: int, hidden: torch.Tensor, weight: torch.Tensor,
@@ -134,7 +144,8 @@ def dlogits(probs: torch.Tensor, tiles: torch.Tensor, n_rows: int, hidden: torch
     dummy = stats.shift  # never read where its flag is off
     inv_t = float(shard.inv_temperature)
     block_c = min(PASS_COLS, block_n)
-    prob_dlogits_kernel[(triton.cdiv(n_rows, PASS_ROWS), n_seg * triton.cdiv(seg_len, block_c))](
+    steps = max(1, min(PASS_STEPS, block_n // block_c))  # powers of two: a program's columns lie in one tile
+    prob_dlogits_kernel[(triton.cdiv(n_rows, PASS_ROWS), n_seg * triton.cdiv(seg_len, block_c * steps))](
         probs_ptr=probs, out_ptr=out, tiles_ptr=tiles, shift_ptr=stats.shift, log_sum_ptr=stats.log_sum,
         mean_shifted_ptr=stats.mean_shifted if g_ent is not None else dummy,
         grad_log_prob_ptr=g_lp if g_lp is not None else dummy, grad_entropy_ptr=g_ent if g_ent is not None else dummy,
@@ -142,7 +153,8 @@ def dlogits(probs: torch.Tensor, tiles: torch.Tensor, n_rows: int, hidden: torch
         seg_len=seg_len, n_valid=shard.n_valid,
         tiles_per_seg=tiles_per_seg, inv_temperature=inv_t, HAS_GRAD_LOG_PROB=g_lp is not None,
         HAS_GRAD_ENTROPY=g_ent is not None, SCALE=inv_t != 1.0, ROUND_BF16_BY_BITS=round_bf16_by_bits(dtype),
-        BLOCK_R=PASS_ROWS, BLOCK_C=block_c, BLOCK_N=block_n, **({} if interpreting() else {"num_warps": PASS_WARPS}))
+        BLOCK_R=PASS_ROWS, BLOCK_C=block_c, STEPS=steps, BLOCK_N=block_n,
+        **({} if interpreting() else {"num_warps": PASS_WARPS}))
     if g_lp is not None:  # the target's element, from the forward's own target logit, in its segment's slab
         gemm_dlogits.target_dlogits(hidden, weight, tokens, shard, stats, upstream, out)
     return out
