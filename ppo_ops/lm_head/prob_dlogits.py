@@ -38,7 +38,7 @@ from ppo_ops.lm_head import gemm_dlogits, gemm_partials
 # Rows and columns per step of a program (the columns within one forward tile, BLOCK_N, so one tile max per row),
 # steps per program (each program walks PASS_STEPS column groups of one tile, loading its rows' statistics and tile
 # max once) and warps; the buffer is vocabulary-major, so a program's rows are its contiguous axis: tall programs,
-# the fastest of 64-1024 rows on an H200 (docs/performance.md, runs M1, N3).
+# the fastest of 64-1024 rows and 1-16 steps on an H200 (docs/performance.md, runs M1 and N1-N4).
 PASS_ROWS = 256
 PASS_COLS = 16
 PASS_STEPS = 4
