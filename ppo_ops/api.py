@@ -268,7 +268,7 @@ def linear_token_loss(
       rows: [n] int64 indices of those rows into the flattened tokens (tokens.reshape(-1)): index per-token
         constants (advantages, old log-probs, masks, per-row normalisation weights) with them;
       values: [n] fp32, the rows' loss terms.
-    The op calls it on row blocks (on CUDA 2048 rows at H = 4096, see Working memory) while the block's logits are
+    The op calls it on row blocks (on CUDA 2816 rows at H = 4096, see Working memory) while the block's logits are
     live, takes the gradient of values.sum() with autograd w.r.t. its first two arguments, and forms dlogits, dX
     and dW right there.
     The loss MUST be row-separable: a row's term may depend only on its own log-prob, its own entropy and constants,
@@ -297,8 +297,8 @@ def linear_token_loss(
     and rounded once, TP-invariant bit for bit. dW is rounded into the storage of its fp32 accumulator (no second
     [V_local, H] buffer), which it keeps until released (2x dW's size).
     Memory held from forward to backward: dX and dW. Working memory (CUDA, half precision, 16-byte aligned rows):
-    one block's logits as fp16 probabilities, then its dlogits in place (2 bytes per logit: 2048 x V_local x 2 bytes,
-    0.58 GiB at Qwen3's vocabulary and H = 4096; the block's rows are a function of H and the segment length only)
+    one block's logits as fp16 probabilities, then its dlogits in place (2 bytes per logit: 2816 x V_local x 2 bytes,
+    0.80 GiB at Qwen3's vocabulary and H = 4096; the block's rows are a function of H and the segment length only)
     and the fp32 dW accumulator (V_local x H x 4 bytes: 2.3 GiB at H = 4096). Other inputs: 1024-row blocks whose
     fp32 logits are held (1024 x V_local x 4 bytes, 0.58 GiB) with their dlogits (half that).
 

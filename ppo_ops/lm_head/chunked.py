@@ -111,10 +111,10 @@ def chunk_shape(device: torch.device) -> ChunkShape:
 # The token loss's one-GEMM blocks hold 2 bytes per logit (fp16 probabilities, then dlogits in place) beside the
 # [V_local, H] fp32 dW accumulator: the most rows, a multiple of PROB_ROWS_STEP in [PROB_ROWS_MIN, PROB_ROWS_MAX],
 # with both within TOKEN_LOSS_BYTES, the 3.5 GiB allowance at Qwen3's shape (T = 32768) less dX (0.25 GiB) and the
-# closure's and dX rows' temporaries (H = 4096: 2816 rows, 0.80 GiB beside the 2.32 GiB accumulator, measured peak
-# 3.45 GiB; H = 1024: 8192 rows). dW's K is these rows, and each block's dW GEMM reads and writes the accumulator
-# (~1 ms per block on an H200 at Qwen3-8B's shape): 2816-row blocks are 3 per 8192 rows where 2048-row ones are 4.
-# The step: the dlogits pass's row tile (prob_dlogits.PASS_ROWS); K = 2944 measured slower than 2816 and 3072.
+# closure's and dX rows' temporaries (H = 4096: 2816 rows, 0.80 GiB beside the 2.32 GiB accumulator; H = 1024: 8192
+# rows). dW's K is these rows, and each block's dW GEMMs read and write the whole accumulator, so the fewer blocks
+# the better. The step is the dlogits pass's row tile (prob_dlogits.PASS_ROWS); the block rows swept, with their
+# peaks: docs/performance.md, run N1.
 TOKEN_LOSS_BYTES = 25 * 2**27  # 3.125 GiB
 PROB_ROWS_MIN, PROB_ROWS_MAX, PROB_ROWS_STEP = 1024, 8192, 256
 HOST_PROB_ROWS = 16  # the interpreter: tiny test shapes cross blocks (a multiple of its GEMM tile's 16 rows)
@@ -329,9 +329,10 @@ class ChunkedBackend:
         recompute = self.passes.one_gemm_recompute
         fused = recompute is not None and recompute.applies(hidden, weight)
         # the fused recompute writes dl vocabulary-major (dW's GEMM then reads dl^T K-major); the chunk pass row-major
-        dl_shape = (seg_len, group_rows) if fused else (group_rows, seg_len)
-        dl = torch.empty(dl_shape, dtype=hidden.dtype, device=hidden.device)
-        dl = dl.T if fused else dl
+        if fused:
+            dl = torch.empty((seg_len, group_rows), dtype=hidden.dtype, device=hidden.device).T
+        else:
+            dl = torch.empty((group_rows, seg_len), dtype=hidden.dtype, device=hidden.device)
         one_group = n_rows <= shape.dw_rows
         dw_acc = None
         if need_dw and not one_group:
