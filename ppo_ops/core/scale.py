@@ -9,17 +9,20 @@ result dtype of the promotion), so every gradient would be rounded twice and car
 bias (g = 1/3: 2^-9 relative on all of dW). CPU kernels multiply by g in fp32 as asked. Here: Triton kernels on
 CUDA (vectorised), torch elsewhere and for fp32 tensors.
 
-dW stays in its fp32 accumulator until backward, so its one rounding to the input dtype and the upstream scale are
-one pass (4 bytes read, 2 written per element, where rounding in the forward and scaling the rounded dW were two
-passes; measured in docs/performance.md) and dW is rounded once, not twice. In place: chunk by chunk from the
-start, each chunk [lo, hi) at most lo long, so its rounded values (bytes [2 lo, 2 hi)) land on input bytes of
-earlier chunks only (< 4 lo), which were read by an earlier launch; the first chunk, whose output overlaps its own
-input, goes through a small temporary.
+scale_in_place reads g on the device and does nothing where it is 1 (x * 1 rounds to x: the same bits), so the
+usual `loss.backward()` costs no pass over the gradients.
+
+Where dW is still the fp32 accumulator in backward (the token loss's many-block calls), its one rounding to the
+input dtype and the upstream scale are one pass (4 bytes read, 2 written per element) and dW is rounded once for any
+scale. In place: chunk by chunk from the start, each chunk [lo, hi) at most lo long, so its rounded values (bytes
+[2 lo, 2 hi)) land on input bytes of earlier chunks only (< 4 lo), which were read by an earlier launch; the first
+chunk, whose output overlaps its own input, goes through a small temporary.
 """
 
 import torch
 
-BLOCK = 4096  # elements per program
+BLOCK = 4096  # elements per program (per step of scale_in_place's programs)
+IN_PLACE_PROGRAMS = 1024  # scale_in_place's programs: a few per SM, each striding over its blocks
 FIRST_CHUNK = 1 << 20  # elements of the first chunk (through a temporary: 4 MB)
 HOST_CHUNK = 1 << 24  # elements per chunk of the torch path, whose fp32 product is a temporary (64 MB)
 _HALF = (torch.bfloat16, torch.float16)
@@ -49,7 +52,7 @@ def scale_in_place(t: torch.Tensor, g: torch.Tensor) -> None:
             part = flat[lo:lo + HOST_CHUNK]
             part.copy_(part.float().mul_(g))
         return
-    kernels.launch_scale(t.view(-1), t.view(-1), g.to(torch.float32).reshape(1), BLOCK)
+    kernels.launch_scale_in_place(t.view(-1), g.to(torch.float32).reshape(1), BLOCK, IN_PLACE_PROGRAMS)
 
 
 def scale_round_in_place(acc: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
