@@ -268,7 +268,8 @@ def linear_token_loss(
       rows: [n] int64 indices of those rows into the flattened tokens (tokens.reshape(-1)): index per-token
         constants (advantages, old log-probs, masks, per-row normalisation weights) with them;
       values: [n] fp32, the rows' loss terms.
-    The op calls it on row blocks (on CUDA 2816 rows at H = 4096, see Working memory) while the block's logits are
+    The op calls it on row blocks (on CUDA every row at once where that fits, else 2816 rows at H = 4096, see
+    Working memory) while the block's logits are
     live, takes the gradient of values.sum() with autograd w.r.t. its first two arguments, and forms dlogits, dX
     and dW right there.
     The loss MUST be row-separable: a row's term may depend only on its own log-prob, its own entropy and constants,
@@ -281,8 +282,9 @@ def linear_token_loss(
 
     Returns (loss, LogProbsEntropy(log_probs, entropy)):
       loss: 0-d fp32, the sum of values over the kept rows; differentiable w.r.t. hidden and weight. Its backward
-        scales the gradients formed in the forward by the upstream scalar (in place, one more rounding unless that
-        scalar is 1: fold constant factors into token_loss) and can run once.
+        scales the gradients formed in the forward by the upstream scalar (in place, in fp32; an upstream 1, as from
+        loss.backward(), costs nothing and returns them as formed, another value may add one rounding: fold
+        constant factors into token_loss) and can run once.
       log_probs, entropy: fp32, shaped like tokens, detached (for metrics); entropy None with entropy="none".
         Bitwise equal to linear_log_probs_and_entropy's on the same chunked backend (the same GEMM chunks, passes and
         merge; TP- and row-count invariant, as there).
@@ -293,14 +295,17 @@ def linear_token_loss(
     "torch": the same chunks with the logits op's PyTorch code (any device).
 
     Gradients: dX [T, H] in hidden's dtype (fp32 accumulation over this rank's segments, all-reduced in fp32 over
-    tp_group when reduce_dx, one rounding); dW [V_local, H] in weight's dtype, accumulated in fp32 over the row blocks
-    and rounded once, TP-invariant bit for bit. dW is rounded into the storage of its fp32 accumulator (no second
-    [V_local, H] buffer), which it keeps until released (2x dW's size).
+    tp_group when reduce_dx, one rounding); dW [V_local, H] in weight's dtype, fp32 accumulation, rounded once (for
+    an upstream 1), TP-invariant bit for bit.
     Memory held from forward to backward: dX and dW. Working memory (CUDA, half precision, 16-byte aligned rows):
-    one block's logits as fp16 probabilities, then its dlogits in place (2 bytes per logit: 2816 x V_local x 2 bytes,
-    0.80 GiB at Qwen3's vocabulary and H = 4096; the block's rows are a function of H and the segment length only)
-    and the fp32 dW accumulator (V_local x H x 4 bytes: 2.3 GiB at H = 4096). Other inputs: 1024-row blocks whose
-    fp32 logits are held (1024 x V_local x 4 bytes, 0.58 GiB) with their dlogits (half that).
+    the logits of a row block as fp16 probabilities, then its dlogits in place (2 bytes per logit). Where the rows'
+    probabilities, their fp32 dX rows and dW fit 3.125 GiB (every T up to 9984 at Qwen3's vocabulary and H = 4096,
+    except 6656-8191) they are one block: dW is one GEMM per vocabulary segment written in weight's dtype in the
+    forward, from 2 H rows on into the block's own storage, which it keeps until released (T x V_local x 2 bytes:
+    2.3 GiB at T = 8192, peak 2.7 GiB in all). Else blocks of 2816 rows (at H = 4096; a function of H and the
+    segment length only; 0.80 GiB) beside an fp32 dW accumulator (V_local x H x 4 bytes: 2.3 GiB), rounded in
+    backward into its own storage, which dW keeps (2x dW's size). Other inputs: 1024-row blocks whose fp32 logits
+    are held (1024 x V_local x 4 bytes, 0.58 GiB) with their dlogits (half that).
 
     Host syncs on CUDA with validate=True: one at TP = 1 (the end-of-forward value read), two at TP > 1 (the header
     exchange before the first all-gather, the end flags); a row_mask adds one (the kept-row count). validate=False:

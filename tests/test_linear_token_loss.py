@@ -29,7 +29,7 @@ from ppo_ops.core import layout as _layout
 from ppo_ops.core import scale as _scale
 from ppo_ops.lm_head import chunked as _linear_chunked
 from tests.core_support import backend_params, make_weights, triton_skip_reason
-from tests.linear_support import UNIT_ROUNDOFF, V_GLOBAL, assert_within, bounds, inputs
+from tests.linear_support import HIDDEN, UNIT_ROUNDOFF, V_GLOBAL, assert_within, bounds, inputs
 from tests.ranks import DEVICE, results_by_tp, world_size_param
 
 # The loss is a sum of per-row terms: its fp32 value errs by the terms' errors (each the term's gradient times the
@@ -168,8 +168,8 @@ def _keeps_probs(backend, hidden, weight):
 
 
 def _check_vs_float64_once(backend, dtype, loss_name, temperature, vocab_size, masked, entropy="grad", lead=(3, 7),
-                           v=V_GLOBAL):
-    hidden, weight, tokens = inputs(lead, dtype, seed=91, v=v)
+                           v=V_GLOBAL, h=HIDDEN):
+    hidden, weight, tokens = inputs(lead, dtype, seed=91, v=v, h=h)
     if vocab_size is not None:
         tokens = tokens.clamp(max=vocab_size - 1)
     n = tokens.numel()
@@ -233,11 +233,39 @@ def test_shipped_losses_vs_float64(backend, loss_name, dtype, masked):
 
 
 @pytest.mark.parametrize("backend", backend_params(DEVICE))
-def test_many_blocks_and_dw_groups_vs_float64(backend):
-    """Rows over several loss blocks and dW groups (on CPU: blocks of 8 rows, dW every 16), the last block padded."""
+@pytest.mark.parametrize("blocks", ["many"], indirect=True)
+def test_many_blocks_and_dw_groups_vs_float64(backend, blocks):
+    """Rows over several loss blocks and dW groups (on CPU: chunk blocks of 8 rows, dW every 16; one-GEMM blocks of
+    16), the last block partial."""
     shape = _linear_chunked.chunk_shape(DEVICE)
     _check_vs_float64_once(backend, torch.bfloat16, "ppo", 1.0, None, True,
                            lead=(2 * shape.loss_dw_rows + shape.loss_rows + 3,))
+
+
+@pytest.mark.parametrize("backend", [p for p in backend_params(DEVICE) if p.id == "triton"])
+@pytest.mark.parametrize("blocks", ["one"], indirect=True)
+@pytest.mark.parametrize("width,n_rows,vocab_size", [
+    (48, 21, 230),  # on CPU fewer rows than 2 H: dW in its own buffer (on CUDA 128 rows are held: in place)
+    (16, 40, 230),  # at least 2 H rows: dW written into the probabilities' storage
+    (16, 40, 200),  # the same with a padding-only segment (columns 224..255), whose dW rows are zeros
+])
+def test_one_block_vs_float64(backend, blocks, width, n_rows, vocab_size):
+    """Every row one one-GEMM block: dW_s = dl_s^T X in one GEMM per segment, in the input dtype, finished in the
+    forward; where the block holds 2 H rows, into the storage of dlogits already read (the first segment's through a
+    temporary), else its own buffer. Values and gradients against float64, padding rows of dW zero."""
+    c = _linear_chunked
+    hidden, weight, tokens = inputs((n_rows,), torch.bfloat16, seed=0, h=width)
+    assert _keeps_probs(backend, hidden, weight)
+    seg_len = _layout.segment_length(V_GLOBAL, 1)
+    rows, held, one = c.backend("triton").loss_blocks(n_rows, width, seg_len, torch.device(DEVICE))
+    assert one and rows == n_rows and held >= n_rows
+    h = hidden.to(DEVICE).requires_grad_(True)
+    w = weight.to(DEVICE).requires_grad_(True)
+    loss, _ = ppo_ops.linear_token_loss(h, w, tokens.to(DEVICE), _ppo(n_rows, 1), entropy="grad", backend=backend)
+    dw_saved = loss.grad_fn.saved_tensors[1]
+    in_probs = dw_saved.untyped_storage().nbytes() > dw_saved.numel() * dw_saved.element_size()  # a larger buffer's
+    assert in_probs == c.dw_in_probs(held, width), f"dW in the probabilities' storage: {in_probs}"
+    _check_vs_float64_once(backend, torch.bfloat16, "ppo", 1.1, vocab_size, False, lead=(n_rows,), h=width)
 
 
 @pytest.mark.parametrize("backend", [p for p in backend_params(DEVICE) if p.id == "triton"])
@@ -288,26 +316,62 @@ def test_host_reads_per_call_single_rank(monkeypatch, backend, validate, reads):
         assert len(calls) == reads, f"row_mask={mask is not None}: {len(calls)} host reads"
 
 
+@pytest.fixture
+def blocks(request, monkeypatch):
+    """Forces the token loss's one-GEMM layout: "one" (every row one block, dW finished in the forward) or "many"
+    (blocks beside the fp32 dW accumulator), by the memory allowance the choice reads."""
+    allowance = {"one": 2**40, "many": 0}[request.param]
+    monkeypatch.setattr(_linear_chunked, "TOKEN_LOSS_BYTES", allowance)
+    monkeypatch.setattr(_linear_chunked, "HOST_TOKEN_LOSS_BYTES", allowance)
+    return request.param
+
+
 @pytest.mark.parametrize("backend", backend_params(DEVICE))
+@pytest.mark.parametrize("blocks", ["one", "many"], indirect=True)
 @pytest.mark.parametrize("dtype,scale", [(torch.float32, -2.5), (torch.bfloat16, 1.0 / 3.0)])
-def test_upstream_scalar_scales_the_gradients(backend, dtype, scale):
-    """dX: the saved gradient times the upstream scalar in fp32, rounded once to the input dtype. dW: its saved fp32
-    accumulator times the scalar, rounded once (its only rounding). 1/3 is not a bf16 number: a product that first
-    rounded the scalar to bf16 (as a CUDA mul_ by a 0-d fp32 tensor does), or rounded dW before scaling, fails."""
-    hidden, weight, tokens = inputs((10,), dtype, seed=96)
-    token_loss = _ppo(10, 97)
+def test_upstream_scalar_scales_the_gradients(backend, blocks, dtype, scale):
+    """dX: the saved gradient times the upstream scalar in fp32, rounded once more to the input dtype. dW, where it
+    is saved as its fp32 accumulator: times the scalar, rounded once (its only rounding); where the forward finished
+    it (one block): like dX. 1/3 is not a bf16 number: a product that first rounded the scalar to bf16 (as a CUDA
+    mul_ by a 0-d fp32 tensor does), or rounded an fp32 accumulator before scaling, fails. An upstream 1 returns the
+    saved gradients' bits."""
+    n = 3 * _linear_chunked.HOST_PROB_ROWS + 2  # several blocks where "many" on CPU
+    hidden, weight, tokens = inputs((n,), dtype, seed=96)
+    token_loss = _ppo(n, 97)
     plain = _run(hidden, weight, tokens, token_loss, entropy="grad", backend=backend)
     h = hidden.detach().to(DEVICE).clone().requires_grad_(True)
     w = weight.detach().to(DEVICE).clone().requires_grad_(True)
     loss, _ = ppo_ops.linear_token_loss(h, w, tokens.to(DEVICE), token_loss, entropy="grad", backend=backend)
-    dx_saved, dw32 = (t.clone() for t in loss.grad_fn.saved_tensors)
-    assert dw32.dtype == torch.float32 and dw32.shape == weight.shape
-    assert torch.equal(dw32.to(dtype).cpu(), plain[4]), "dW (upstream 1) is not its fp32 accumulator rounded once"
+    dx_saved, dw_saved = (t.clone() for t in loss.grad_fn.saved_tensors)
+    finished = blocks == "one" and _keeps_probs(backend, hidden, weight)
+    assert dw_saved.dtype == (dtype if finished else torch.float32) and dw_saved.shape == weight.shape
+    assert torch.equal(dw_saved.to(dtype).cpu(), plain[4]), "dW (upstream 1) is not the saved gradient rounded once"
     dx, dw = torch.autograd.grad(loss * scale, (h, w))
     assert torch.equal(loss.detach().cpu(), plain[0])
     g = torch.tensor(scale, dtype=torch.float32, device=DEVICE)
     assert torch.equal(dx, (dx_saved.float() * g).to(dtype)), "dX: not the fp32 product rounded once"
-    assert torch.equal(dw, (dw32 * g).to(dtype)), "dW: not the fp32 accumulator's product rounded once"
+    assert torch.equal(dw, (dw_saved.float() * g).to(dtype)), "dW: not the saved gradient's fp32 product rounded once"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("scale", [1.0, 0.75])
+def test_scale_in_place_is_the_fp32_product_and_nothing_at_one(dtype, scale):
+    """The in-place upstream scale over a tensor longer than its programs' first pass: every element the fp32
+    product rounded once; at 1 the bits unchanged (-0.0 and non-finite values included)."""
+    gen = torch.Generator().manual_seed(108)
+    t = (torch.randn(3 * _scale.BLOCK * 2 + 17, generator=gen) * 5).to(dtype)
+    t[:4] = torch.tensor([-0.0, float("inf"), float("-inf"), float("nan")]).to(dtype)
+    t = t.to(DEVICE)
+    g = torch.tensor(scale, dtype=torch.float32, device=DEVICE)
+    want = (t.float() * g).to(dtype)
+    _scale.IN_PLACE_PROGRAMS, programs = 2, _scale.IN_PLACE_PROGRAMS  # programs striding over several blocks
+    try:
+        _scale.scale_in_place(t, g)
+    finally:
+        _scale.IN_PLACE_PROGRAMS = programs
+    assert torch.equal(t.view(torch.int16 if dtype != torch.float32 else torch.int32)[4:],
+                       want.view(torch.int16 if dtype != torch.float32 else torch.int32)[4:])
+    assert torch.equal(t[:3], want[:3]) and torch.signbit(t[0]) == torch.signbit(want[0]) and torch.isnan(t[3])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -422,6 +486,29 @@ def test_probability_block_rows_fill_the_allowance(width, seg_len):
     assert c.prob_block_rows(width, seg_len, torch.device("cpu")) == c.HOST_PROB_ROWS
 
 
+@pytest.mark.parametrize("n_rows,one,in_probs", [
+    (4096, True, False), (6400, True, False), (6656, False, None),  # below 2 H rows: dW beside the block
+    (8192, True, True), (9984, True, True), (10112, False, None),  # from 2 H rows: dW in the block's storage
+    (32768, False, None),
+])
+def test_one_block_where_it_fits_the_allowance(n_rows, one, in_probs):
+    """At Qwen3-8B's shape on CUDA (H = 4096, segments of 18992, row tiles of 128) the token loss takes every row
+    as one block where its probabilities, fp32 dX rows and dW (or, in the block's storage, one segment's temporary)
+    fit the allowance: T = 8192 does, holding less than the many-block layout (2816 rows beside the fp32
+    accumulator); T = 32768 does not."""
+    c = _linear_chunked
+    width, seg_len = 4096, 18992
+    held = -(-n_rows // 128) * 128
+    assert c.one_prob_block(n_rows, held, width, seg_len, torch.device("cuda")) == one
+    if one:
+        assert c.dw_in_probs(held, width) == in_probs
+        held_bytes = c.one_block_bytes(n_rows, held, width, seg_len)
+        assert held_bytes <= c.TOKEN_LOSS_BYTES
+        vocab = seg_len * _layout.NUM_FIXED_SEGMENTS
+        if n_rows == 8192:
+            assert held_bytes < 2816 * vocab * 2 + vocab * width * 4
+
+
 def _bad_losses():
     return [
         ("not_callable", 3.0, TypeError, "token_loss must be callable"),
@@ -456,31 +543,34 @@ def test_bad_tokens_raise():
 
 # --- tensor parallelism ---
 
-TP_ROWS = (11,)  # two loss blocks on CPU (8 rows each), the second partial
+# name -> (dtype, rows, H): on CPU "bf16" takes one one-GEMM block with dW in its own buffer on "triton" (11 rows,
+# H = 48), "bf16_dw_in_probs" one block of at least 2 H rows whose dW lies in the probabilities' storage (39 kept
+# rows, H = 16); the chunk blocks (8 rows each) elsewhere
+TP_CASES = {"bf16": (torch.bfloat16, 11, HIDDEN), "fp32": (torch.float32, 11, HIDDEN),
+            "bf16_dw_in_probs": (torch.bfloat16, 40, 16)}
 
 
-def _tp_case(dtype):
-    hidden, weight, tokens = inputs(TP_ROWS, dtype, seed=105)
+def _tp_case(name):
+    dtype, n_rows, width = TP_CASES[name]
+    hidden, weight, tokens = inputs((n_rows,), dtype, seed=105, h=width)
     tokens = tokens.clamp(max=229)
-    row_mask = torch.ones(TP_ROWS, dtype=torch.bool)
+    row_mask = torch.ones((n_rows,), dtype=torch.bool)
     row_mask[3] = False
     return hidden, weight, torch.where(row_mask, tokens, -100), row_mask
-
-
-TP_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def _tp_results(rank, world_size, group, device, backends):
     results = {}
     for backend in backends:
-        for name, dtype in TP_DTYPES.items():
-            hidden, weight, tokens, row_mask = _tp_case(dtype)
+        for name in TP_CASES:
+            hidden, weight, tokens, row_mask = _tp_case(name)
             v_local = V_GLOBAL // world_size
             shard = weight[rank * v_local:(rank + 1) * v_local]
             for reduce_dx in (True, False) if world_size > 1 else (True,):
                 results[(backend, name, reduce_dx)] = _run(
-                    hidden, shard, tokens, _ppo(TP_ROWS[0], 106), device=device, tp_group=group, backend=backend,
-                    entropy="grad", temperature=0.9, vocab_size=230, row_mask=row_mask, reduce_dx=reduce_dx)
+                    hidden, shard, tokens, _ppo(hidden.shape[0], 106), device=device, tp_group=group,
+                    backend=backend, entropy="grad", temperature=0.9, vocab_size=230, row_mask=row_mask,
+                    reduce_dx=reduce_dx)
     return results
 
 
@@ -493,7 +583,7 @@ def tp_results(tmp_path_factory):
     return results_by_tp(str(tmp_path_factory.mktemp("token_loss_tp")), _tp_results, _runnable_backends())
 
 
-@pytest.mark.parametrize("name", list(TP_DTYPES))
+@pytest.mark.parametrize("name", list(TP_CASES))
 @pytest.mark.parametrize("tp", [world_size_param(2), world_size_param(4)])
 @pytest.mark.parametrize("backend", backend_params(DEVICE))
 def test_tp_bitwise_invariant(tp_results, backend, tp, name):
@@ -508,9 +598,9 @@ def test_tp_bitwise_invariant(tp_results, backend, tp, name):
     assert torch.equal(dw, dw1), f"TP={tp}: concatenated dW shards differ bitwise from TP=1"
     # dX: summed over ranks in another order than at TP = 1, held to the float64 bound; reduce_dx=False: per-rank
     # contributions (each rounded once) that sum to it.
-    dtype = TP_DTYPES[name]
-    hidden, weight, tokens, row_mask = _tp_case(dtype)
-    _, _, g_lp, g_ent = _float64(hidden, weight, tokens, _ppo(TP_ROWS[0], 106), temperature=0.9, vocab_size=230,
+    dtype = TP_CASES[name][0]
+    hidden, weight, tokens, row_mask = _tp_case(name)
+    _, _, g_lp, g_ent = _float64(hidden, weight, tokens, _ppo(hidden.shape[0], 106), temperature=0.9, vocab_size=230,
                                  row_mask=row_mask, entropy="grad")
     b = bounds(hidden, weight, tokens, g_lp.float(), g_ent.float(), temperature=0.9, vocab_size=230,
                row_mask=row_mask, dl_roundoff=UNIT_ROUNDOFF[dtype])

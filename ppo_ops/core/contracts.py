@@ -134,12 +134,13 @@ class Backend(Protocol):
 #
 # `FusedLossBackend` adds, for ppo_ops.linear_token_loss:
 #
-#     loss_forward(hidden, weight, tokens, shard, with_entropy, hooks, need_dx, need_dw) -> dW32 or None: per row block,
+#     loss_forward(hidden, weight, tokens, shard, with_entropy, hooks, need_dx, need_dw) -> dW or None: per row block,
 #         the block's logits over every local segment, their partials, `hooks.merge` (TP all-gather + merge: global
 #         RowStats of the block), `hooks.block_grads` (the caller's loss on those stats: upstream gradients of the
 #         block), dlogits, `hooks.finish_dx` (the block's fp32 dX rows, to be reduced and rounded by the caller) and
-#         dW accumulated in fp32 over the blocks and returned in fp32 (the caller rounds it once, with its upstream
-#         scale). The logits are formed once per row.
+#         dW: either accumulated in fp32 over the blocks and returned in fp32 (the caller rounds it once, with its
+#         upstream scale), or, where one block holds every row, finished in weight's dtype (the caller scales it).
+#         The logits are formed once per row.
 #
 # No backend issues a collective or reads a device value on the host: communication, validation and autograd stay in
 # the Functions.

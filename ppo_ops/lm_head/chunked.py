@@ -44,8 +44,9 @@ General op (ChunkedBackend.forward_partials / backward):
                dW read + write is small next to the GEMM; when one group covers every row, dW_s is written once in
                the input dtype, no accumulator). Four GEMMs' work in all: the forward's, the recompute, dX, dW.
 Token loss (ChunkedBackend.loss_forward): the logits are formed once (three GEMMs' work), per row block:
-    one-GEMM blocks (the Triton passes, half precision, TMA-aligned rows as for the fused recompute): blocks of
-        prob_block_rows rows (2816 at Qwen3-8B's shape, a function of H and the segment length only). The
+    one-GEMM blocks (the Triton passes, half precision, TMA-aligned rows as for the fused recompute): every row
+        as one block where that fits the allowance (one_prob_block; T = 8192 at Qwen3-8B's shape), else blocks
+        of prob_block_rows rows (2816 at Qwen3-8B's shape, a function of H and the segment length only). The
         general op's one-GEMM forward also stores every logit as e^(z - tile max) in fp16 into a segment-major
         [n_seg, rows, seg_len] buffer, vocabulary-major in memory (each column's rows contiguous: dW's GEMMs
         then read dl^T K-major; gemm_partials.forward_probs); merge (hooks.merge: TP all-gather), the caller's
@@ -59,17 +60,23 @@ Token loss (ChunkedBackend.loss_forward): the logits are formed once (three GEMM
     X[block...] (every `loss_dw_rows` rows on chunk blocks, every block on one-GEMM blocks). dW's fp32 accumulator
     [V_local, H] is returned as it is: the Function rounds it in backward, once, together with the upstream scale
     and in place (core/scale.py: no second [V_local, H] allocation; the result keeps that storage until released).
+    One one-GEMM block instead: dW_s = dl_s^T X (K = T) written once in the input dtype, no accumulator; from
+    2 H rows on, into the block's storage, over the dlogits of lower segments (their dX and dW GEMMs done: the
+    side stream waits on events of the dX GEMMs), the first segment's through a temporary copied in at the end;
+    returned finished, it keeps that storage until released.
 
 Memory (besides dX and dW): general op forward one chunk (rows x seg_len fp32: 78 MB at Qwen3 and rows = 1024;
 none on the one-GEMM path, whose tile partials take 12 bytes per row and 256 columns); backward one chunk (none on
 the fused path), a dl buffer (dw_rows x seg_len in the input dtype) and, with more than one group, a dW_s fp32
 accumulator (seg_len x H), plus the fp32 dX accumulator [R, H]. Token loss: one-GEMM blocks 2 bytes per logit of a
-block (0.80 GiB at 2816 rows), chunk blocks the block's fp32 logits (loss_rows x V_local: 0.58 GiB) and dl
+block (0.80 GiB at 2816 rows; one block of T = 8192 rows 2.32 GiB, holding dW too, plus one segment's temporary),
+chunk blocks the block's fp32 logits (loss_rows x V_local: 0.58 GiB) and dl
 (loss_dw_rows x V_local in the input dtype); dX32 of one block; the fp32 dW accumulator (2.32 GiB at Qwen3-8B).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Optional
 
@@ -108,27 +115,58 @@ def chunk_shape(device: torch.device) -> ChunkShape:
     return CUDA_SHAPE if device.type == "cuda" else HOST_SHAPE
 
 
-# The token loss's one-GEMM blocks hold 2 bytes per logit (fp16 probabilities, then dlogits in place) beside the
-# [V_local, H] fp32 dW accumulator: the most rows, a multiple of PROB_ROWS_STEP in [PROB_ROWS_MIN, PROB_ROWS_MAX],
-# with both within TOKEN_LOSS_BYTES, the 3.5 GiB allowance at Qwen3's shape (T = 32768) less dX (0.25 GiB) and the
-# closure's and dX rows' temporaries (H = 4096: 2816 rows, 0.80 GiB beside the 2.32 GiB accumulator; H = 1024: 8192
-# rows). dW's K is these rows, and each block's dW GEMMs read and write the whole accumulator, so the fewer blocks
-# the better. The step is the dlogits pass's row tile (prob_dlogits.PASS_ROWS); the block rows swept, with their
-# peaks: docs/performance.md, run N1.
+# The token loss's one-GEMM blocks hold 2 bytes per logit (fp16 probabilities, then dlogits in place). Two layouts,
+# both within TOKEN_LOSS_BYTES (the 3.5 GiB allowance at Qwen3's shape, T = 32768, less dX's 0.25 GiB and the
+# closure's and dX rows' temporaries):
+# - one block (every row at once) where its probabilities, its fp32 dX rows and dW fit: dW_s = dl_s^T X is then one
+#   GEMM per segment (K = T) written straight in the input dtype, no fp32 accumulator, and, where the block has at
+#   least 2 H rows, into the probabilities' own storage (bytes of segments whose dlogits were read; only the first
+#   segment's dW goes through a temporary): T = 8192 at Qwen3-8B's shape holds 2.48 GiB where blocks of 2816 rows
+#   and the accumulator hold 3.12;
+# - otherwise blocks of the most rows, a multiple of PROB_ROWS_STEP in [PROB_ROWS_MIN, PROB_ROWS_MAX], that fit beside
+#   the [V_local, H] fp32 dW accumulator (H = 4096: 2816 rows, 0.80 GiB beside 2.32 GiB; H = 1024: 8192 rows). dW's
+#   K is these rows, and each block's dW GEMMs read and write the whole accumulator, so the fewer blocks the better.
+# Both count the global vocabulary (a function of H, the segment length and the row count, the same on every rank and
+# TP size: dW's GEMM shapes, hence its bits, are). The step is the dlogits pass's row tile (prob_dlogits.PASS_ROWS);
+# the block rows swept, with their peaks: docs/performance.md, run N1.
 TOKEN_LOSS_BYTES = 25 * 2**27  # 3.125 GiB
 PROB_ROWS_MIN, PROB_ROWS_MAX, PROB_ROWS_STEP = 1024, 8192, 256
 HOST_PROB_ROWS = 16  # the interpreter: tiny test shapes cross blocks (a multiple of its GEMM tile's 16 rows)
+HOST_TOKEN_LOSS_BYTES = 48 * 1024  # the interpreter: at the tests' shapes (V = 256, H = 48) one block up to ~32 rows
+
+
+def _allowance(device: torch.device) -> int:
+    return TOKEN_LOSS_BYTES if device.type == "cuda" else HOST_TOKEN_LOSS_BYTES
 
 
 def prob_block_rows(width: int, seg_len: int, device: torch.device) -> int:
-    """Rows per one-GEMM token-loss block: a function of H and the segment length only, so every rank and TP size
-    blocks the rows alike (dW's K, hence its bits). The vocabulary counted is the global one where segments are
-    fixed (layout.NUM_FIXED_SEGMENTS of them), an upper bound of V_local."""
+    """Rows per one-GEMM token-loss block beside the fp32 dW accumulator: a function of H and the segment length
+    only. The vocabulary counted is the global one where segments are fixed (layout.NUM_FIXED_SEGMENTS of them), an
+    upper bound of V_local."""
     if device.type != "cuda":
         return HOST_PROB_ROWS
     vocab = seg_len * layout.NUM_FIXED_SEGMENTS
-    fit = (TOKEN_LOSS_BYTES - vocab * width * 4) // (vocab * 2)
+    fit = (_allowance(device) - vocab * width * 4) // (vocab * 2)
     return max(PROB_ROWS_MIN, min(PROB_ROWS_MAX, fit // PROB_ROWS_STEP * PROB_ROWS_STEP))
+
+
+def dw_in_probs(held: int, width: int) -> bool:
+    """Whether one block's dW fits into its probabilities' storage: segment s's dW (seg_len x H) then lies over the
+    dlogits of segments below s only, for every s >= 1 (held >= 2 H; the first goes through a temporary)."""
+    return held >= 2 * width
+
+
+def one_block_bytes(n_rows: int, held: int, width: int, seg_len: int) -> int:
+    """What one token-loss block of n_rows rows (held: rounded up to the forward's row tile) holds at the global
+    vocabulary: its probabilities, its fp32 dX rows, and dW (a temporary of one segment where dW_in_probs)."""
+    vocab = seg_len * layout.NUM_FIXED_SEGMENTS
+    dw = seg_len * width * 2 if dw_in_probs(held, width) else vocab * width * 2
+    return held * vocab * 2 + n_rows * width * 4 + dw
+
+
+def one_prob_block(n_rows: int, held: int, width: int, seg_len: int, device: torch.device) -> bool:
+    """Whether the token loss takes every row as one one-GEMM block (dW finished in its forward)."""
+    return one_block_bytes(n_rows, held, width, seg_len) <= _allowance(device)
 
 
 # ---- GEMMs: the library's, fp32 accumulation ----
@@ -384,24 +422,17 @@ class ChunkedBackend:
     def loss_forward(self, hidden, weight, tokens, shard: ShardOptions, with_entropy: bool, hooks: LossHooks,
                      need_dx: bool, need_dw: bool) -> Optional[torch.Tensor]:
         n_rows, width = hidden.shape
-        v_local, seg_len = weight.shape[0], shard.seg_len
+        v_local = weight.shape[0]
         segments = list(_segments(shard, v_local))
-        dw_acc = torch.empty((v_local, width), dtype=torch.float32, device=hidden.device) if need_dw else None
-        if need_dw:
-            for _s, seg_lo, seg in segments:
-                if seg.n_valid == 0:
-                    dw_acc[seg_lo:seg_lo + seg_len].zero_()  # padding only: no gradient
-        if n_rows:
-            tokens = tokens.to(torch.int64).contiguous()
-            grads = _Gradients(weight, segments, hooks, dw_acc, need_dx)
-            if self.loss_keeps_probs(hidden, weight):
-                self._loss_blocks_by_probs(hidden, weight, tokens, shard, with_entropy, hooks, grads,
-                                           need_dx or need_dw)
-            else:
-                self._loss_blocks_by_chunks(hidden, weight, tokens, shard, with_entropy, hooks, grads,
-                                            need_dx or need_dw)
-        if dw_acc is not None and n_rows == 0:
-            dw_acc.zero_()
+        if n_rows == 0:
+            return torch.zeros((v_local, width), dtype=torch.float32, device=hidden.device) if need_dw else None
+        tokens = tokens.to(torch.int64).contiguous()
+        if self.loss_keeps_probs(hidden, weight):
+            return self._loss_blocks_by_probs(hidden, weight, tokens, shard, with_entropy, hooks, segments, need_dx,
+                                              need_dw)
+        dw_acc = _accumulator(weight, segments) if need_dw else None
+        grads = _Gradients(weight, segments, hooks, dw_acc, need_dx)
+        self._loss_blocks_by_chunks(hidden, weight, tokens, shard, with_entropy, hooks, grads, need_dx or need_dw)
         return dw_acc
 
     def loss_keeps_probs(self, hidden, weight) -> bool:
@@ -409,17 +440,37 @@ class ChunkedBackend:
         blocks."""
         return self.passes.token_loss_pass is not None and self.passes.one_gemm_recompute.applies(hidden, weight)
 
-    def _loss_blocks_by_probs(self, hidden, weight, tokens, shard, with_entropy, hooks, grads, need_grad) -> None:
+    def loss_blocks(self, n_rows: int, width: int, seg_len: int, device: torch.device) -> tuple:
+        """(rows per block, rows held per block, one block) of the one-GEMM blocks for n_rows kept rows."""
+        block_m = self.passes.one_gemm_forward.config().block_m
+        held = _round_up(n_rows, block_m)
+        if one_prob_block(n_rows, held, width, seg_len, device):
+            return n_rows, held, True
+        rows = prob_block_rows(width, seg_len, device)
+        return rows, min(rows, held), False
+
+    def _loss_blocks_by_probs(self, hidden, weight, tokens, shard, with_entropy, hooks, segments, need_dx,
+                              need_dw) -> Optional[torch.Tensor]:
         """One-GEMM blocks: the forward GEMM keeps each logit as an fp16 probability within its tile, the pass turns
-        them into dlogits in place (2 bytes per logit: blocks of prob_block_rows rows, one dW GEMM each)."""
+        them into dlogits in place (2 bytes per logit). Returns dW: finished, in the input dtype, where every row is
+        one block; else its fp32 accumulator."""
         n_rows, width = hidden.shape
-        n_seg, seg_len = weight.shape[0] // shard.seg_len, shard.seg_len
-        rows = prob_block_rows(width, seg_len, hidden.device)
+        v_local, seg_len = weight.shape[0], shard.seg_len
+        n_seg = v_local // seg_len
+        rows, held, one = self.loss_blocks(n_rows, width, seg_len, hidden.device)
         # vocabulary-major ([n_seg, seg_len, B] in memory, used as its [n_seg, B, seg_len] view): dW's GEMMs read
         # their dl^T operand K-major, which cuBLAS runs faster than the row-major buffer, with the same bits for dX
         # and dW (docs/performance.md, run M1)
-        held = min(rows, _round_up(n_rows, self.passes.one_gemm_forward.config().block_m))
-        probs = torch.empty((n_seg, seg_len, held), dtype=torch.float16, device=hidden.device).transpose(1, 2)
+        storage = torch.empty(n_seg * seg_len * held, dtype=torch.float16, device=hidden.device)
+        probs = storage.view(n_seg, seg_len, held).transpose(1, 2)
+        dw = None
+        if need_dw and one:
+            dw = (storage.view(hidden.dtype)[:v_local * width].view(v_local, width) if dw_in_probs(held, width)
+                  else torch.empty((v_local, width), dtype=hidden.dtype, device=hidden.device))
+        elif need_dw:
+            dw = _accumulator(weight, segments)
+        grads = _Gradients(weight, segments, hooks, dw, need_dx, finished=one)
+        need_grad = need_dx or need_dw
         for r0 in range(0, n_rows, rows):
             n = min(rows, n_rows - r0)
             rs = slice(r0, r0 + n)
@@ -440,6 +491,7 @@ class ChunkedBackend:
                     BackwardStats(stats.shift, stats.log_sum, None, stats.mean_shifted if g_ent is not None else None),
                     UpstreamGrads(g_lp, g_ent), hidden.dtype)
             grads.add_block(dl, r0, n, x)
+        return dw
 
     def _loss_blocks_by_chunks(self, hidden, weight, tokens, shard, with_entropy, hooks, grads, need_grad) -> None:
         """Chunk blocks: per block of loss_rows rows its fp32 logits over every local segment (GEMM into a held
@@ -485,26 +537,41 @@ class ChunkedBackend:
                 grads.add_dw(dl, r0 + n - g0, hidden[g0:r0 + n])
 
 
+def _accumulator(weight, segments) -> torch.Tensor:
+    """dW's fp32 accumulator [V_local, H]: a segment's first GEMM writes it; padding segments are zero."""
+    acc = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+    seg_len = weight.shape[0] // len(segments)
+    for _s, seg_lo, seg in segments:
+        if seg.n_valid == 0:
+            acc[seg_lo:seg_lo + seg_len].zero_()  # padding only: no gradient
+    return acc
+
+
 class _Gradients:
     """The token loss's dX and dW from a block's dlogits [n_seg, >= n, seg_len] (the input dtype): dX rows in fp32
-    over the local segments in order, one rounding (hooks.finish_dx); dW_s (+)= dl_s^T X into the fp32 accumulator,
-    a segment's first GEMM writing it (no memset, no read of C).
+    over the local segments in order, one rounding (hooks.finish_dx); dW either accumulated, dW_s (+)= dl_s^T X into
+    the fp32 accumulator (a segment's first GEMM writing it: no memset, no read of C), or, `finished` (every row one
+    block), dW_s = dl_s^T X written once in the input dtype, possibly into the dlogits' own storage.
 
-    On CUDA a block's dW GEMMs run on a side stream beside its dX GEMMs (both only read dl): dW's fp32 accumulator
-    traffic then overlaps dX's mainloop (measured in docs/performance.md, "The fused LM head"). The current
-    stream waits for the side one before the next block overwrites dl. Each GEMM's inputs, shape and algorithm are
-    the same, so are its bits."""
+    On CUDA a block's dW GEMMs run on a side stream beside its dX GEMMs (both only read dl): dW's traffic then
+    overlaps dX's mainloop (measured in docs/performance.md, "The fused LM head"). The current stream waits for the
+    side one before the next block overwrites dl. Where dW lies in dl's storage, segment s's dW GEMM first waits for
+    the dX GEMMs of the segments it overwrites (events on the current stream). Each GEMM's inputs, shape and
+    algorithm are the same wherever its output lies, so are its bits."""
 
-    def __init__(self, weight, segments, hooks: LossHooks, dw_acc, need_dx: bool):
-        self.weight, self.segments, self.hooks, self.dw_acc = weight, segments, hooks, dw_acc
+    def __init__(self, weight, segments, hooks: LossHooks, dw, need_dx: bool, finished: bool = False):
+        self.weight, self.segments, self.hooks, self.dw = weight, segments, hooks, dw
         self.seg_len = weight.shape[0] // len(segments)
-        self.need_dx = need_dx
+        self.need_dx, self.finished = need_dx, finished
         self.dx_block = None  # fp32 [rows, H], allocated for the first (largest) block
         self.started = [False] * len(segments)
-        both = need_dx and dw_acc is not None and weight.is_cuda
+        both = need_dx and dw is not None and weight.is_cuda
         self.side = torch.cuda.Stream(device=weight.device) if both else None
 
     def add_block(self, dl, r0: int, n: int, x) -> None:
+        if self.finished:
+            self._add_finished(dl, r0, n, x)
+            return
         if self.side is None:
             self.add_dx(dl, r0, n)
             self.add_dw(dl, n, x)
@@ -516,39 +583,91 @@ class _Gradients:
         self.add_dx(dl, r0, n)
         main.wait_stream(self.side)
 
+    def _dx_rows(self, n: int) -> torch.Tensor:
+        if self.dx_block is None or self.dx_block.shape[0] < n:
+            self.dx_block = torch.empty((n, self.weight.shape[1]), dtype=torch.float32, device=self.weight.device)
+        return self.dx_block[:n]
+
+    def _dx_segment(self, out, dl_s, s: int, first: bool) -> None:
+        w_s = self.weight[s * self.seg_len:(s + 1) * self.seg_len]
+        if first:
+            mm_fp32(dl_s, w_s, out)
+        else:
+            addmm_fp32(out, dl_s, w_s)
+
     def add_dx(self, dl, r0: int, n: int) -> None:
         if not self.need_dx:
             return
-        if self.dx_block is None or self.dx_block.shape[0] < n:
-            self.dx_block = torch.empty((n, self.weight.shape[1]), dtype=torch.float32, device=self.weight.device)
-        out = self.dx_block[:n]
+        out = self._dx_rows(n)
         contributed = False
-        for s, seg_lo, seg in self.segments:
-            if seg.n_valid == 0:
-                continue
-            w_s = self.weight[seg_lo:seg_lo + self.seg_len]
-            if contributed:
-                addmm_fp32(out, dl[s, :n], w_s)
-            else:
-                mm_fp32(dl[s, :n], w_s, out)
-            contributed = True
+        for s, _seg_lo, seg in self.segments:
+            if seg.n_valid:
+                self._dx_segment(out, dl[s, :n], s, first=not contributed)
+                contributed = True
         if not contributed:
             out.zero_()
         self.hooks.finish_dx(out, r0, r0 + n)
 
     def add_dw(self, dl, m: int, x) -> None:
         """dW_s (+)= dl[s, :m]^T @ x (x: the m rows of hidden)."""
-        if self.dw_acc is None:
+        if self.dw is None:
             return
         for s, seg_lo, seg in self.segments:
             if seg.n_valid == 0:
                 continue
-            acc = self.dw_acc[seg_lo:seg_lo + self.seg_len]
+            acc = self.dw[seg_lo:seg_lo + self.seg_len]
             if self.started[s]:
                 addmm_fp32(acc, dl[s, :m].T, x)
             else:
                 mm_fp32(dl[s, :m].T, x, acc)
                 self.started[s] = True
+
+    def _add_finished(self, dl, r0: int, n: int, x) -> None:
+        """The one block: per segment dX_s (current stream) and dW_s = dl_s^T x in the input dtype (side stream)."""
+        dw, seg_len = self.dw, self.seg_len
+        shared = dw is not None and dw.untyped_storage().data_ptr() == dl.untyped_storage().data_ptr()
+        slab = dl.stride(0)  # elements per segment of dl's storage
+        main = torch.cuda.current_stream(self.weight.device) if self.side is not None else None
+        if main is not None:
+            self.side.wait_stream(main)
+        out = self._dx_rows(n) if self.need_dx else None
+        read = {}  # segment -> event after its dX GEMM (the side stream)
+        late = []  # (dW rows, temporary): dW rows over dlogits not read yet when their GEMM ran
+        contributed = False
+        for s, seg_lo, seg in self.segments:
+            if seg.n_valid == 0:
+                continue
+            if out is not None:
+                self._dx_segment(out, dl[s, :n], s, first=not contributed)
+                contributed = True
+                if main is not None:
+                    read[s] = torch.cuda.Event()
+                    read[s].record(main)
+            if dw is None:
+                continue
+            target = dw[seg_lo:seg_lo + seg_len]
+            # the highest segment of dl whose storage these dW rows cover (-1: none)
+            covers = ((s + 1) * seg_len * dw.shape[1] - 1) // slab if shared else -1
+            if covers >= s:  # over dlogits not read yet (the first segment's own): a temporary, copied in below
+                late.append((target, torch.empty_like(target)))  # allocated on the current stream
+                target, covers = late[-1][1], -1
+            with torch.cuda.stream(self.side) if main is not None else contextlib.nullcontext():
+                waits = [k for k in read if k <= covers]
+                if main is not None and waits:
+                    self.side.wait_event(read[max(waits)])  # dX has read every segment these rows cover
+                mm_rounded(dl[s, :n].T, x, target)
+        if out is not None:
+            if not contributed:
+                out.zero_()
+            self.hooks.finish_dx(out, r0, r0 + n)
+        if main is not None:
+            main.wait_stream(self.side)
+        for target, temp in late:  # every dlogit read by now
+            target.copy_(temp)
+        if dw is not None:
+            for _s, seg_lo, seg in self.segments:
+                if seg.n_valid == 0:
+                    dw[seg_lo:seg_lo + seg_len].zero_()  # padding only: no gradient
 
 
 def _round_up(n: int, multiple: int) -> int:

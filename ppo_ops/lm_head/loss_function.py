@@ -6,10 +6,11 @@ segments -> per-segment partials -> (TP > 1) all-gather -> fixed-order merge -> 
 global log-probs and entropies -> torch.autograd.grad of its values w.r.t. those two -> dlogits (input dtype) -> dX
 rows of the block (fp32 accumulation over the segments; with reduce_dx at TP > 1 all-reduced in fp32; one rounding)
 and dW accumulated in fp32 over the blocks. Returned: the loss (sum over the kept rows, fp32, 0-d), and the
-log-probs and entropies (detached: metrics). Saved: dX [T, H] in the input dtype and dW's fp32 accumulator
-[V_local, H]. Backward: scales dX by the upstream scalar in place, and dW's accumulator in the same pass as its one
-rounding to the input dtype (in place too: core/scale.py; these are this op's own buffers), and hands them out; a
-second backward raises (the saved gradients are gone).
+log-probs and entropies (detached: metrics). Saved: dX [T, H] in the input dtype and dW [V_local, H], finished in
+the input dtype where one block held every row, else its fp32 accumulator. Backward: scales dX (and a finished dW)
+by the upstream scalar in place, nothing where it is 1; an accumulator in the same pass as its one rounding to the
+input dtype (in place too: core/scale.py; these are this op's own buffers), and hands them out; a second backward
+raises (the saved gradients are gone).
 
 Row-separable losses only: a row's term may depend on its own log-prob, entropy and constants (indexed by the row
 ids the loss is given), never on other rows' values, because the loss sees one row block at a time. TP > 1: every
@@ -138,10 +139,15 @@ class LinearTokenLossFunction(torch.autograd.Function):
         if grad_loss is None:
             return None, None, None, None, None, None
         g = grad_loss.to(torch.float32)
-        # In place, in fp32: dX one more rounding unless g is 1; dW its only rounding.
+        # In place, in fp32, nothing to do where g is 1: dX one more rounding otherwise; dW its only rounding where
+        # it is still the fp32 accumulator, else (finished in the forward) one more rounding like dX.
         if dx is not None:
             scale_in_place(dx, g)
-        dw = None if dw32 is None else scale_round_in_place(dw32, g, ctx.dw_dtype)
+        dw = dw32
+        if dw is not None and dw.dtype == torch.float32:
+            dw = scale_round_in_place(dw, g, ctx.dw_dtype)
+        elif dw is not None:
+            scale_in_place(dw, g)
         return dx, dw, None, None, None, None
 
 
