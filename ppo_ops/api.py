@@ -300,7 +300,7 @@ def linear_token_loss(
     Memory held from forward to backward: dX and dW. Working memory (CUDA, half precision, 16-byte aligned rows):
     the logits of a row block as fp16 probabilities, then its dlogits in place (2 bytes per logit). Where the rows'
     probabilities, their fp32 dX rows and dW fit 3.125 GiB (every T up to 9984 at Qwen3's vocabulary and H = 4096,
-    except 6656-8191) they are one block: dW is one GEMM per vocabulary segment written in weight's dtype in the
+    except 6529-8064) they are one block: dW is one GEMM per vocabulary segment written in weight's dtype in the
     forward, from 2 H rows on into the block's own storage, which it keeps until released (T x V_local x 2 bytes:
     2.3 GiB at T = 8192, peak 2.7 GiB in all). Else blocks of 2816 rows (at H = 4096; a function of H and the
     segment length only; 0.80 GiB) beside an fp32 dW accumulator (V_local x H x 4 bytes: 2.3 GiB), rounded in
@@ -309,7 +309,8 @@ def linear_token_loss(
 
     Host syncs on CUDA with validate=True: one at TP = 1 (the end-of-forward value read), two at TP > 1 (the header
     exchange before the first all-gather, the end flags); a row_mask adds one (the kept-row count). validate=False:
-    none (plus the row mask's). Under torch.no_grad nothing is kept and only the loss value and the metrics are formed.
+    none (plus the row mask's). Under torch.no_grad nothing is kept and only the loss value and the metrics are formed
+    (on the one-GEMM blocks their forward alone, without the probabilities: one GEMM's work, the same values).
     """
     call = shell.prepare_lm_head(
         "linear_token_loss", hidden, weight, tokens, tp_group=tp_group, entropy=entropy, temperature=temperature,

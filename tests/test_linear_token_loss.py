@@ -281,22 +281,28 @@ def test_segments_ending_inside_a_tile_vs_float64(backend, seg_width, vocab_size
 
 
 @pytest.mark.parametrize("backend", backend_params(DEVICE))
-def test_log_probs_bitwise_as_the_general_op_or_the_logits_op(backend):
-    """Where the token loss keeps fp16 probabilities, its forward is the general op's one GEMM (gemm_partials):
-    log-probs and entropies bit for bit the general op's. Elsewhere (chunk blocks) they are the logits op's on the
-    chunks' own logits, bit for bit."""
-    lead = (13,)
-    hidden, weight, tokens = inputs(lead, torch.bfloat16, seed=94)
+@pytest.mark.parametrize("blocks", ["one", "many"], indirect=True)
+def test_log_probs_bitwise_as_the_general_op_or_the_logits_op(backend, blocks):
+    """Where the token loss keeps fp16 probabilities, its forward is the general op's one GEMM (gemm_partials, with
+    the probabilities' store): log-probs and entropies bit for bit the general op's, with a gradient asked and
+    under no_grad (the GEMM without the store), and the loss value the same either way. Elsewhere (chunk blocks)
+    they are the logits op's on the chunks' own logits, bit for bit."""
+    n = 2 * _linear_chunked.HOST_PROB_ROWS + 13  # several blocks where "many" on CPU
+    hidden, weight, tokens = inputs((n,), torch.bfloat16, seed=94)
     h, w, t = hidden.to(DEVICE), weight.to(DEVICE), tokens.to(DEVICE)
     if _keeps_probs(backend, h, w):
         want = ppo_ops.linear_log_probs_and_entropy(h, w, t, entropy="value", temperature=0.9, backend=backend)
     else:
         logits = _linear_chunked.tile_logits(h, w, _layout.segment_length(V_GLOBAL, 1))
         want = ppo_ops.log_probs_and_entropy(logits, t, entropy="value", temperature=0.9, backend=backend)
-    with torch.no_grad():
-        _, got = ppo_ops.linear_token_loss(h, w, t, _weighted(13, 95), entropy="grad", temperature=0.9,
-                                           backend=backend)
-    assert torch.equal(got.log_probs, want.log_probs) and torch.equal(got.entropy, want.entropy)
+    losses = []
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            loss, got = ppo_ops.linear_token_loss(h.clone().requires_grad_(True), w, t, _weighted(n, 95),
+                                                  entropy="grad", temperature=0.9, backend=backend)
+        assert torch.equal(got.log_probs, want.log_probs) and torch.equal(got.entropy, want.entropy), f"grad={grad}"
+        losses.append(loss.detach())
+    assert torch.equal(losses[0], losses[1]), "the loss value differs between grad and no_grad"
 
 
 @pytest.mark.parametrize("backend", backend_params(DEVICE))
@@ -487,8 +493,9 @@ def test_probability_block_rows_fill_the_allowance(width, seg_len):
 
 
 @pytest.mark.parametrize("n_rows,one,in_probs", [
-    (4096, True, False), (6400, True, False), (6656, False, None),  # below 2 H rows: dW beside the block
-    (8192, True, True), (9984, True, True), (10112, False, None),  # from 2 H rows: dW in the block's storage
+    (4096, True, False), (6528, True, False), (6529, False, None), (8064, False, None),  # dW beside the block
+    (8065, True, True), (8192, True, True), (9984, True, True), (9985, False, None),  # dW in the block's storage
+    # (8065 rows are held as 8192: 2 H)
     (32768, False, None),
 ])
 def test_one_block_where_it_fits_the_allowance(n_rows, one, in_probs):

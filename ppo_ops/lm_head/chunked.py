@@ -50,7 +50,8 @@ Token loss (ChunkedBackend.loss_forward): the logits are formed once (three GEMM
         general op's one-GEMM forward also stores every logit as e^(z - tile max) in fp16 into a segment-major
         [n_seg, rows, seg_len] buffer, vocabulary-major in memory (each column's rows contiguous: dW's GEMMs
         then read dl^T K-major; gemm_partials.forward_probs); merge (hooks.merge: TP all-gather), the caller's
-        loss (hooks.block_grads), then prob_dlogits.py turns the buffer into dlogits in place. Log-probs and
+        loss (hooks.block_grads), then prob_dlogits.py turns the buffer into dlogits in place (no gradient asked:
+        the same blocks through the forward without the store, nothing held). Log-probs and
         entropies are the general op's, bit for bit; dlogits carry e's fp16 rounding (2^-11 of their terms) before
         their own to bf16.
     chunk blocks (otherwise): blocks of `loss_rows` rows, the block's logits over every local segment (held:
@@ -458,6 +459,13 @@ class ChunkedBackend:
         v_local, seg_len = weight.shape[0], shard.seg_len
         n_seg = v_local // seg_len
         rows, held, one = self.loss_blocks(n_rows, width, seg_len, hidden.device)
+        forward = self.passes.one_gemm_forward
+        if not (need_dx or need_dw):  # values only: the same blocks (the same loss sum), no probabilities kept
+            for r0 in range(0, n_rows, rows):
+                rs = slice(r0, min(n_rows, r0 + rows))
+                hooks.block_grads(hooks.merge(forward.forward_partials(hidden[rs], weight, tokens[rs], shard,
+                                                                       with_entropy)), rs.start, rs.stop)
+            return None
         # vocabulary-major ([n_seg, seg_len, B] in memory, used as its [n_seg, B, seg_len] view): dW's GEMMs read
         # their dl^T operand K-major, which cuBLAS runs faster than the row-major buffer, with the same bits for dX
         # and dW (docs/performance.md, run M1)
@@ -470,17 +478,13 @@ class ChunkedBackend:
         elif need_dw:
             dw = _accumulator(weight, segments)
         grads = _Gradients(weight, segments, hooks, dw, need_dx, finished=one)
-        need_grad = need_dx or need_dw
         for r0 in range(0, n_rows, rows):
             n = min(rows, n_rows - r0)
             rs = slice(r0, r0 + n)
             x = hidden[rs]
-            parts, tiles = self.passes.one_gemm_forward.forward_probs(x, weight, tokens[rs], shard, with_entropy,
-                                                                      probs)
+            parts, tiles = forward.forward_probs(x, weight, tokens[rs], shard, with_entropy, probs)
             stats = hooks.merge(parts)
             up = hooks.block_grads(stats, r0, r0 + n)
-            if not need_grad:
-                continue
             g_lp, g_ent = up.grad_log_prob, up.grad_entropy
             if g_lp is None and g_ent is None:  # the loss does not depend on these rows: zero gradient
                 dl = probs.view(hidden.dtype)
