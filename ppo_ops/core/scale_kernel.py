@@ -1,4 +1,4 @@
-"""The Triton kernel of core/scale.py (imported only where Triton is)."""
+"""The Triton kernels of core/scale.py (imported only where Triton is)."""
 
 import triton
 import triton.language as tl
@@ -7,7 +7,7 @@ import triton.language as tl
 @triton.jit
 def scale_kernel(src_ptr, dst_ptr, g_ptr, n, BLOCK: tl.constexpr):
     """dst[i] = round(float(src[i]) * g) over n elements (g one fp32 value): fp32 math, one rounding to dst's
-    dtype. src and dst are the same elements (in place) or do not overlap."""
+    dtype. src and dst do not overlap (scale_in_place_kernel scales in place)."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     x = tl.load(src_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * tl.load(g_ptr)

@@ -107,7 +107,7 @@ class LinearTokenLossFunction(torch.autograd.Function):
             else:
                 dx.index_copy_(0, rows[r0:r1], dx32.to(dx.dtype))
 
-        dw32 = plan.backend.loss_forward(h, weight, t, plan.shard, with_entropy,
+        dw = plan.backend.loss_forward(h, weight, t, plan.shard, with_entropy,
                                          LossHooks(merge=merge, block_grads=block_grads, finish_dx=finish_dx),
                                          need_dx=need_dx, need_dw=need_dw)
         if not headers_done[0]:  # no kept row on this rank: it still takes part in the header exchange
@@ -119,7 +119,7 @@ class LinearTokenLossFunction(torch.autograd.Function):
         ctx.consumed = False
         ctx.set_materialize_grads(False)
         ctx.dw_dtype = weight.dtype
-        ctx.save_for_backward(dx, dw32)
+        ctx.save_for_backward(dx, dw)  # dW finished in weight's dtype, or its fp32 accumulator
         lp_out = scatter_rows(log_prob, rows, n_rows)
         # entropy="none": an empty placeholder (the wrapper returns None), so every output is a tensor.
         ent_out = log_prob.new_empty(0) if entropy is None else scatter_rows(entropy, rows, n_rows)
@@ -135,7 +135,7 @@ class LinearTokenLossFunction(torch.autograd.Function):
                 f"ppo_ops.{plan.fn_name}: backward ran twice; the first one handed out the gradients this op formed "
                 "in its forward (call the op again for a second backward)")
         ctx.consumed = True
-        dx, dw32 = ctx.saved_tensors
+        dx, dw = ctx.saved_tensors
         if grad_loss is None:
             return None, None, None, None, None, None
         g = grad_loss.to(torch.float32)
@@ -143,7 +143,6 @@ class LinearTokenLossFunction(torch.autograd.Function):
         # it is still the fp32 accumulator, else (finished in the forward) one more rounding like dX.
         if dx is not None:
             scale_in_place(dx, g)
-        dw = dw32
         if dw is not None and dw.dtype == torch.float32:
             dw = scale_round_in_place(dw, g, ctx.dw_dtype)
         elif dw is not None:
