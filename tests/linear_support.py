@@ -54,7 +54,8 @@ def bounds(hidden, weight, tokens, g_lp, g_ent, *, temperature=1.0, vocab_size=N
       dlogits:  |d dl| <= inv_t * eps_r * S_dl + dl_roundoff * |dl|,
                 S_dl = |g_lp| (1[c = t] + p) + |g_ent| p (|d - mean| + sum_c p |d - mean| + 2);
                 dl_roundoff is the rounding of dlogits to the GEMM's input dtype (0 when the GEMM takes fp32);
-                prob_storage (the token loss's fp16 probabilities): p moves by u16 p + s16 and z - M (from log e) by
+                prob_storage (rows whose dlogits come from fp16 probabilities: True for all, or a [rows] bool
+                mask of the flattened rows): p moves by u16 p + s16 and z - M (from log e) by
                 u16 where e is normal (p |d(z - M)| <= s16 below), which adds inv_t (u16 p + s16) S_st,
                 S_st = |g_lp| + |g_ent| (|d - mean| + 1); the approximate log adds inv_t p |g_ent| PROB_LOG_ERROR
       dX = dl @ W, dW = dl^T @ X: that error through the GEMM, plus gamma_K (|dl| @ |W|) for its fp32 accumulation
@@ -93,17 +94,19 @@ def bounds(hidden, weight, tokens, g_lp, g_ent, *, temperature=1.0, vocab_size=N
         s_dl += g_ent.reshape(-1, 1).double().abs() * p * ((d0 - mean).abs() + spread + 2)
     s_dl = torch.where(valid & rows_on[:, None], s_dl, 0.0)
     dl_err = inv_t * eps_r[:, None] * s_dl + dl_roundoff * dl.abs()
-    if prob_storage:
+    rows_st = rows_on & (prob_storage if isinstance(prob_storage, torch.Tensor) else bool(prob_storage))
+    if rows_st.any():
+        on_st = valid & rows_st[:, None]
         s_st = torch.zeros_like(p)
         if g_lp is not None:
             s_st += g_lp.reshape(-1, 1).double().abs()
         if g_ent is not None:
             s_st += g_ent.reshape(-1, 1).double().abs() * ((d0 - mean).abs() + 1)
-        s_st = torch.where(valid & rows_on[:, None], s_st, 0.0)
+        s_st = torch.where(on_st, s_st, 0.0)
         dl_err = dl_err + inv_t * (PROB_STORE_ROUNDOFF * p + PROB_STORE_SUBNORMAL) * s_st
         if g_ent is not None:
             log_err = PROB_LOG_ERROR * p * g_ent.reshape(-1, 1).double().abs()
-            dl_err = dl_err + inv_t * torch.where(valid & rows_on[:, None], log_err, 0.0)
+            dl_err = dl_err + inv_t * torch.where(on_st, log_err, 0.0)
 
     u_out = UNIT_ROUNDOFF[hidden.dtype]
     dx_ref, dw_ref = dl @ w, dl.T @ x

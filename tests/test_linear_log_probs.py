@@ -129,6 +129,28 @@ def _dl_roundoff(backend, dtype):
     return UNIT_ROUNDOFF[dtype] if backend == "triton" and dtype != torch.float32 else 0.0
 
 
+def _held_rows(backend, dtype, hidden, weight, row_mask=None):
+    """[rows] bool over the flattened rows: those whose dlogits the chunked path forms from the fp16 probabilities
+    its forward held (the first chunked.held_rows of the kept rows, where the one-GEMM forward applies)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    kept = torch.ones(flat.shape[0], dtype=torch.bool) if row_mask is None else row_mask.reshape(-1).cpu()
+    held = torch.zeros_like(kept)
+    if not _chunked(backend, dtype) or triton_skip_reason(DEVICE) is not None:
+        return held
+    from ppo_ops.lm_head import gemm_partials  # triton: present here
+    if not gemm_partials.applies(flat.to(DEVICE).contiguous(), weight.to(DEVICE)):
+        return held
+    rows = torch.nonzero(kept).squeeze(1)
+    held[rows[:_linear_chunked.held_rows(rows.numel(), _segment_len(weight.shape[0]), DEVICE)]] = True
+    return held
+
+
+def _rounding(backend, dtype, hidden, weight, row_mask=None):
+    """The bounds' rounding terms of the path the op takes: dlogits' rounding and the rows held as probabilities."""
+    return dict(dl_roundoff=_dl_roundoff(backend, dtype),
+                prob_storage=_held_rows(backend, dtype, hidden, weight, row_mask))
+
+
 def _check_vs_float64_once(backend, dtype, temperature, vocab_size, masked, lead=(2, 7), v=V_GLOBAL):
     hidden, weight, tokens = _inputs(lead, dtype, seed=21, v=v)
     g_lp = make_weights(lead, 22)
@@ -143,7 +165,7 @@ def _check_vs_float64_once(backend, dtype, temperature, vocab_size, masked, lead
         opts["row_mask"] = row_mask
     lp, ent, dx, dw = _run(hidden, weight, tokens, g_lp, g_ent, **opts)
     bounds = _bounds(hidden, weight, tokens, g_lp, g_ent, temperature=temperature, vocab_size=vocab_size,
-                     row_mask=row_mask, dl_roundoff=_dl_roundoff(backend, dtype))
+                     row_mask=row_mask, **_rounding(backend, dtype, hidden, weight, row_mask))
     assert lp.dtype == torch.float32 and ent.dtype == torch.float32
     assert dx.dtype == dtype and dw.dtype == dtype
     _assert_within("log_probs", lp, bounds["log_probs"])
@@ -192,6 +214,70 @@ def test_triton_gemm_path_vs_float64(backend, monkeypatch):
     _check_vs_float64_once(backend, torch.bfloat16, 1.3, 200, True)
 
 
+def test_held_rows_at_qwen3_shape():
+    """How many rows the chunked forward holds as probabilities: 1 GiB at the global vocabulary, rounded down to 256
+    rows, never more than the call's rows or one dW group; the interpreter's cap is one row block."""
+    cuda, seg_len = torch.device("cuda"), 151936 // 8
+    assert _linear_chunked.held_rows(32768, seg_len, cuda) == 3328
+    assert 3328 * 151936 * 2 <= _linear_chunked.HOLD_BYTES < 3584 * 151936 * 2
+    assert _linear_chunked.held_rows(3000, seg_len, cuda) == 3000
+    assert _linear_chunked.held_rows(32768, 4096 // 8, cuda) == _linear_chunked.CUDA_SHAPE.dw_rows
+    cpu = torch.device("cpu")
+    assert _linear_chunked.held_rows(43, 32, cpu) == _linear_chunked.HOST_HOLD_ROWS == _linear_chunked.HOST_SHAPE.rows
+    assert _linear_chunked.held_rows(5, 32, cpu) == 5
+
+
+def _saved_half_tensors(out):
+    """The fp16 tensors among the op's autograd node's saved ones (the held probabilities; the inputs are bf16)."""
+    node = out.log_probs.grad_fn
+    while not hasattr(node, "saved_tensors"):  # through the reshape back to the op's Function
+        node = node.next_functions[0][0]
+    return [t for t in node.saved_tensors if t is not None and t.dtype == torch.float16]
+
+
+@pytest.mark.parametrize("backend", [p for p in backend_params(DEVICE) if p.id == "triton"])
+@pytest.mark.parametrize("hold", ["none", "one_block", "all"])
+def test_held_probabilities_vs_float64_freed_and_reread(backend, hold, monkeypatch):
+    """The chunked forward holds its first rows' logits as fp16 probabilities for the backward (none, one row block
+    of a call over two dW groups, or every row of a call): log-probs and entropies bitwise those of a call holding none,
+    gradients within their float64 bound (the held rows' with the probabilities' rounding), the buffer among the
+    saved tensors and freed by the backward, and a second backward under retain_graph bitwise the first."""
+    shape = _linear_chunked.chunk_shape(DEVICE)
+    lead = (shape.rows + 5,) if hold == "all" else (shape.dw_rows + shape.rows // 2 + 3,)
+    cap = {"none": 0, "one_block": shape.rows, "all": lead[0]}[hold]
+    hidden, weight, tokens = _inputs(lead, torch.bfloat16, seed=27)
+    tokens = tokens.clamp(max=229)
+    g_lp, g_ent = make_weights(lead, 28), make_weights(lead, 29, low=-1.0, high=1.0)
+    opts = dict(entropy="grad", temperature=1.3, vocab_size=230, backend=backend)
+
+    def call(rows_cap):
+        monkeypatch.setattr(_linear_chunked, "held_rows", lambda n, seg_len, device: min(n, rows_cap))
+        h = hidden.to(DEVICE).requires_grad_(True)
+        w = weight.to(DEVICE).requires_grad_(True)
+        return h, w, ppo_ops.linear_log_probs_and_entropy(h, w, tokens.to(DEVICE), **opts)
+
+    h, w, out = call(cap)
+    held = _saved_half_tensors(out)
+    if cap:
+        assert len(held) == 1 and held[0].shape[1] >= cap and held[0].shape[0] * held[0].shape[2] == weight.shape[0]
+    else:
+        assert not held, "a call holding no rows saved a probability buffer"
+    outs, grads = (out.log_probs, out.entropy), (g_lp.to(DEVICE), g_ent.to(DEVICE))
+    first = torch.autograd.grad(outs, (h, w), grads, retain_graph=True)
+    second = torch.autograd.grad(outs, (h, w), grads)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b), "a second backward (retain_graph) differs from the first"
+    with pytest.raises(RuntimeError):
+        _saved_half_tensors(out)  # freed with the rest of the saved tensors after the last backward
+    _, _, plain = call(0)
+    assert torch.equal(out.log_probs, plain.log_probs) and torch.equal(out.entropy, plain.entropy)
+    held_rows = torch.arange(lead[0]) < cap
+    bounds = _bounds(hidden, weight, tokens, g_lp, g_ent, temperature=1.3, vocab_size=230,
+                     dl_roundoff=_dl_roundoff(backend, torch.bfloat16), prob_storage=held_rows)
+    _assert_within("dX", first[0].cpu(), bounds["dx"])
+    _assert_within("dW", first[1].cpu(), bounds["dw"])
+
+
 @pytest.mark.parametrize("backend,dtype", [
     pytest.param("torch", torch.float32, id="torch-fp32"),  # fixed fp32 tiles
     pytest.param("torch", torch.bfloat16, id="torch-bf16"),
@@ -236,7 +322,7 @@ def test_log_prob_only_gradient(backend):
     g_lp = make_weights(lead, 32)
     lp, ent, dx, dw = _run(hidden, weight, tokens, g_lp, None, entropy="none", backend=backend)
     assert ent is None
-    bounds = _bounds(hidden, weight, tokens, g_lp, None, dl_roundoff=_dl_roundoff(backend, torch.bfloat16))
+    bounds = _bounds(hidden, weight, tokens, g_lp, None, **_rounding(backend, torch.bfloat16, hidden, weight))
     _assert_within("log_probs", lp, bounds["log_probs"])
     _assert_within("dX", dx, bounds["dx"])
     _assert_within("dW", dw, bounds["dw"])
@@ -279,7 +365,7 @@ def test_row_mask_keeps_kept_rows_bitwise_and_inputs_untouched(backend):
     assert bool((part[2][~row_mask] == 0).all()), "dropped rows got a hidden gradient"
     # dW sums over rows: compacting them regroups the sum (GEMM K blocks), so it is held to its bound, not to bits.
     bounds = _bounds(hidden, weight, masked_tokens, g_lp, g_ent, row_mask=row_mask,
-                     dl_roundoff=_dl_roundoff(backend, torch.bfloat16))
+                     **_rounding(backend, torch.bfloat16, hidden, weight, row_mask))
     _assert_within("dW (row mask)", part[3], bounds["dw"])
     for before, after in zip(copies, (hidden, weight, masked_tokens, row_mask)):
         assert torch.equal(before, after), "an input was modified"
@@ -498,15 +584,17 @@ def test_failure_is_collective_and_never_hangs(tmp_path):
 # --- tensor parallelism ---
 
 TP_CASES = {
-    # name: (dtype, temperature, vocab_size, masked)
-    "bf16_rows_padding": (torch.bfloat16, 0.9, 230, True),  # padding: at TP=4 the last rank holds 26 padding columns
-    "fp32_plain": (torch.float32, 1.0, None, False),
+    # name: (dtype, temperature, vocab_size, masked, rows)
+    "bf16_rows_padding": (torch.bfloat16, 0.9, 230, True, 6),  # padding: at TP=4 the last rank holds 26 padding columns
+    "fp32_plain": (torch.float32, 1.0, None, False, 6),
+    # on CPU: the chunked path's first 16 rows from held probabilities, the next 16 recomputed, then a second group
+    "bf16_beyond_held": (torch.bfloat16, 1.0, None, False, 40),
 }
 
 
 def _tp_inputs(name):
-    dtype, temperature, vocab_size, masked = TP_CASES[name]
-    lead = (6,)
+    dtype, temperature, vocab_size, masked, n_rows = TP_CASES[name]
+    lead = (n_rows,)
     hidden, weight, tokens = _inputs(lead, dtype, seed=71)
     if vocab_size is not None:
         tokens = tokens.clamp(max=vocab_size - 1)
@@ -560,7 +648,7 @@ def test_tp_bitwise_invariant(tp_results, backend, tp, name):
     dtype = TP_CASES[name][0]
     bounds = _bounds(hidden, weight, tokens, g_lp, g_ent, temperature=opts["temperature"],
                      vocab_size=opts["vocab_size"], row_mask=opts.get("row_mask"),
-                     dl_roundoff=_dl_roundoff(backend, dtype))
+                     **_rounding(backend, dtype, hidden, weight, opts.get("row_mask")))
     dx_tp = ranks[0][(backend, name, True)][2]
     _assert_within("dX (reduced)", dx_tp, bounds["dx"])
     partial_sum = sum(per_rank[(backend, name, False)][2].double() for per_rank in ranks)

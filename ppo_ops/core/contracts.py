@@ -126,11 +126,16 @@ class Backend(Protocol):
 #         the logits op's five per-segment partials (channels in core/row_stats.py) of z = (hidden @ weight.T) * inv_t,
 #         fp32 accumulation, columns >= n_valid padding. A segment's partials may not depend on V_local, the rank or
 #         the row count R (that is what makes the results TP- and row-count invariant).
+#     forward_for_backward(hidden, weight, tokens, shard, with_entropy) -> (partials, HeldProbs or None): the
+#         forward of a call that a backward follows (grad mode, an input requiring grad): the same partials, bit for
+#         bit, and what the backend holds for its backward beyond the row statistics (None: nothing). What it holds
+#         is bounded by a constant (never [R, V_local]) and the same on every rank for the same call.
 #     merge_partials(partials in global segment order, has_keep_mask=False) -> RowStats: the logits op's merge.
 #     backward(hidden, weight, tokens, shard, saved, upstream, need_dx, need_dw) -> (dX fp32 [R, H] or None: this
 #         rank's contribution; dW [V_local, H] in weight's dtype or None). dlogits = inv_t * (g_lp * (onehot - p)
 #         + g_ent * p * (mean_shifted - d)), d = z - shift, p = exp(d - log_sum); the upstream gradients arrive zeroed
-#         where their quantity has none.
+#         where their quantity has none. saved.held is what forward_for_backward returned (read, never written: a
+#         second backward under retain_graph gets the same gradients).
 #
 # `FusedLossBackend` adds, for ppo_ops.linear_token_loss:
 #
@@ -147,12 +152,25 @@ class Backend(Protocol):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class HeldProbs:
+    """What the chunked backend's forward holds for its backward: the logits of the call's first `rows` rows (of
+    the kept ones) as fp16 probabilities within their GEMM tiles (lm_head/gemm_partials.forward_probs), so their
+    dlogits need no second GEMM."""
+
+    probs: torch.Tensor  # [n_seg, B >= rows, seg_len] fp16 e^(z - tile max), vocabulary-major
+    tiles: torch.Tensor  # [n_seg, tiles_per_seg, 3, rows] fp32 tile partials (channel 0: the tile max)
+    rows: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class LinearSaved:
-    """The row statistics the backward reads (saved by the forward, O(R) fp32, sanitised: 0 where no mass)."""
+    """What the backward reads: the row statistics (saved by the forward, O(R) fp32, sanitised: 0 where no mass)
+    and what the backend's forward kept."""
 
     shift: torch.Tensor  # [R] row max M of z
     log_sum: torch.Tensor  # [R] log Σ e^(z - M)
     mean_shifted: Optional[torch.Tensor]  # [R] E_p[z] - M; None unless the entropy has a gradient
+    held: Optional[HeldProbs] = None  # what forward_for_backward returned
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -181,10 +199,20 @@ class LinearBackend(Protocol):
     def forward_partials(self, hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor,
                          shard: ShardOptions, with_entropy: bool) -> torch.Tensor: ...
 
+    def forward_for_backward(self, hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor,
+                        shard: ShardOptions, with_entropy: bool) -> tuple: ...
+
     def merge_partials(self, partials: torch.Tensor, has_keep_mask: bool) -> RowStats: ...
 
     def backward(self, hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, shard: ShardOptions,
                  saved: LinearSaved, upstream: UpstreamGrads, need_dx: bool, need_dw: bool) -> tuple: ...
+
+
+def holds_nothing(forward_partials: Callable[..., torch.Tensor]) -> Callable[..., tuple]:
+    """forward_for_backward of a backend whose backward recomputes every logit: the partials, nothing kept."""
+    def forward_for_backward(hidden, weight, tokens, shard, with_entropy):
+        return forward_partials(hidden, weight, tokens, shard, with_entropy), None
+    return forward_for_backward
 
 
 @runtime_checkable

@@ -32,17 +32,23 @@ General op (ChunkedBackend.forward_partials / backward):
                GEMM whose epilogue forms the partials (gemm_partials.py), no logits in memory; its reductions
                run over GEMM tiles, so the values equal the logits op's within fp32 reduction order, not bit for
                bit (TP and row-count invariance hold as below). Otherwise per block, per segment: GEMM -> partials
-               pass. Nothing else is held: under torch.no_grad this is one GEMM's work (the Function then keeps
-               nothing either).
+               pass. Under torch.no_grad nothing else is held: one GEMM's work (the Function keeps nothing
+               either). With a gradient (forward_for_backward) the one-GEMM forward of the first held_rows rows
+               (at most HOLD_BYTES: 3328 rows at Qwen3's vocabulary) also stores their logits as fp16
+               probabilities within their tiles, the token loss's store (gemm_partials.forward_probs), held for
+               the backward; the same partials, bit for bit.
     backward   per segment (outer), per group of `dw_rows` rows: the group's dlogits in the input dtype in a
                [dw_rows, seg_len] buffer; where the one-GEMM forward ran, one Triton launch forms them (the forward's
                GEMM tiles again, the same bits, the logits op's gradient in the epilogue: gemm_dlogits.py; the
                buffer vocabulary-major, so dW's GEMM reads dl^T K-major; at Qwen3's shapes on an H200 dX and dW
-               hashed equal to the row-major layout's), else per
-               block the chunk GEMM again and the logits op's gradient pass. Then per group dX32[group] += dl @ W_s
+               hashed equal to the row-major layout's), except for the held rows, whose dlogits the token
+               loss's pass forms from their probabilities (prob_dlogits.py, into the same buffer: no second
+               GEMM over them, their dlogits carrying e's fp16 rounding); else per block the chunk GEMM again and
+               the logits op's gradient pass. Then per group dX32[group] += dl @ W_s
                (fp32 accumulator, K = seg_len) and dW_s (+)= dl^T @ X[group] (K = dw_rows: large enough that the fp32
                dW read + write is small next to the GEMM; when one group covers every row, dW_s is written once in
-               the input dtype, no accumulator). Four GEMMs' work in all: the forward's, the recompute, dX, dW.
+               the input dtype, no accumulator). Four GEMMs' work in all, less the held rows' share of the
+               recompute: the forward's, the recompute, dX, dW.
 Token loss (ChunkedBackend.loss_forward): the logits are formed once (three GEMMs' work), per row block:
     one-GEMM blocks (the Triton passes, half precision, TMA-aligned rows as for the fused recompute): every row
         as one block where that fits the allowance (one_prob_block; T = 8192 at Qwen3-8B's shape), else blocks
@@ -67,11 +73,12 @@ Token loss (ChunkedBackend.loss_forward): the logits are formed once (three GEMM
     returned finished, it keeps that storage until released.
 
 Memory (besides dX and dW): general op forward one chunk (rows x seg_len fp32: 78 MB at Qwen3 and rows = 1024;
-none on the one-GEMM path, whose tile partials take 12 bytes per row and 256 columns); backward one chunk (none on
-the fused path), a dl buffer (dw_rows x seg_len in the input dtype) and, with more than one group, a dW_s fp32
-accumulator (seg_len x H), plus the fp32 dX accumulator [R, H]. Token loss: one-GEMM blocks 2 bytes per logit of a
-block (0.80 GiB at 2816 rows; one block of T = 8192 rows 2.32 GiB, holding dW too, plus one segment's temporary),
-chunk blocks the block's fp32 logits (loss_rows x V_local: 0.58 GiB) and dl
+none on the one-GEMM path, whose tile partials take 12 bytes per row and 256 columns), and with a gradient the
+held probabilities (2 bytes per logit of the held rows: 0.94 GiB at Qwen3-8B's shape) until the backward; backward
+one chunk (none on the fused path), a dl buffer (dw_rows x seg_len in the input dtype) and, with more than one
+group, a dW_s fp32 accumulator (seg_len x H), plus the fp32 dX accumulator [R, H]. Token loss: one-GEMM blocks
+2 bytes per logit of a block (0.80 GiB at 2816 rows; one block of T = 8192 rows 2.32 GiB, holding dW too, plus one
+segment's temporary), chunk blocks the block's fp32 logits (loss_rows x V_local: 0.58 GiB) and dl
 (loss_dw_rows x V_local in the input dtype); dX32 of one block; the fp32 dW accumulator (2.32 GiB at Qwen3-8B).
 """
 
@@ -84,8 +91,8 @@ from typing import Optional
 import torch
 
 from ppo_ops.core import layout, row_stats
-from ppo_ops.core.contracts import (BackwardStats, LinearSaved, LossHooks, RowInputs, RowStats, ShardOptions,
-                                    UpstreamGrads)
+from ppo_ops.core.contracts import (BackwardStats, HeldProbs, LinearSaved, LossHooks, RowInputs, RowStats,
+                                    ShardOptions, UpstreamGrads)
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -114,6 +121,16 @@ HOST_SHAPE = ChunkShape(rows=16, dw_rows=32, loss_rows=8, loss_dw_rows=16)
 
 def chunk_shape(device: torch.device) -> ChunkShape:
     return CUDA_SHAPE if device.type == "cuda" else HOST_SHAPE
+
+
+# The general op's one-GEMM forward, in a call that a backward follows, also keeps the first rows' logits as fp16
+# probabilities within their tiles (the token loss's store), at most HOLD_BYTES at the global vocabulary: their
+# backward then forms dlogits from them in a memory-bound pass instead of a second GEMM over those rows. 1 GiB is
+# 3328 rows at Qwen3's vocabulary (0.94 GiB; 40% of the recompute at T = 8192, 10% at 32768), well under the fp32
+# [T, V] logits of the logits path it replaces (4.6 GiB at T = 8192); a multiple of PROB_ROWS_STEP, so of the
+# forward's row tile, and at most one dW group (dw_rows).
+HOLD_BYTES = 2**30
+HOST_HOLD_ROWS = 16  # the interpreter: the tests' row counts cross it (one row block of HOST_SHAPE)
 
 
 # The token loss's one-GEMM blocks hold 2 bytes per logit (fp16 probabilities, then dlogits in place). Two layouts,
@@ -149,6 +166,17 @@ def prob_block_rows(width: int, seg_len: int, device: torch.device) -> int:
     vocab = seg_len * layout.NUM_FIXED_SEGMENTS
     fit = (_allowance(device) - vocab * width * 4) // (vocab * 2)
     return max(PROB_ROWS_MIN, min(PROB_ROWS_MAX, fit // PROB_ROWS_STEP * PROB_ROWS_STEP))
+
+
+def held_rows(n_rows: int, seg_len: int, device: torch.device) -> int:
+    """How many of a call's first rows the general op's forward keeps as probabilities for its backward: a function
+    of the row count and the segment length only (the global vocabulary), so the same on every rank and TP size."""
+    if device.type != "cuda":
+        cap = HOST_HOLD_ROWS
+    else:
+        vocab = seg_len * layout.NUM_FIXED_SEGMENTS
+        cap = HOLD_BYTES // (vocab * 2) // PROB_ROWS_STEP * PROB_ROWS_STEP
+    return max(0, min(n_rows, cap, chunk_shape(device).dw_rows))
 
 
 def dw_in_probs(held: int, width: int) -> bool:
@@ -296,6 +324,12 @@ def _rows_of(t: Optional[torch.Tensor], rows: slice) -> Optional[torch.Tensor]:
     return None if t is None else t[rows]
 
 
+def _saved_rows(saved: LinearSaved, rows: slice, g_ent) -> BackwardStats:
+    """The backward's row statistics of `rows` (E_p[z] - M only where the entropy brings a gradient)."""
+    return BackwardStats(saved.shift[rows], saved.log_sum[rows], None,
+                         None if g_ent is None else saved.mean_shifted[rows])
+
+
 def _neutral(out: torch.Tensor) -> None:
     """Partials of a segment with no real column (vocabulary padding): neutral under the merge."""
     out.zero_()
@@ -349,6 +383,26 @@ class ChunkedBackend:
         # [blocks, segments, 5, rows] -> [segments, 5, R] (O(R) bytes)
         return buf.permute(1, 2, 0, 3).reshape(n_seg, row_stats.NUM_PARTIALS, -1)[:, :, :n_rows]
 
+    def forward_for_backward(self, hidden, weight, tokens, shard: ShardOptions, with_entropy: bool) -> tuple:
+        """The forward of a call that a backward follows: where the one-GEMM forward and the probabilities' pass
+        apply, the first held_rows rows through forward_probs (their probabilities held), the rest through
+        forward_partials; the same partials, bit for bit (a row's partials do not depend on the other rows)."""
+        passes = self.passes
+        n_rows = hidden.shape[0]
+        k = held_rows(n_rows, shard.seg_len, hidden.device)
+        if passes.token_loss_pass is None or k == 0 or not passes.one_gemm_recompute.applies(hidden, weight):
+            return self.forward_partials(hidden, weight, tokens, shard, with_entropy), None
+        forward = passes.one_gemm_forward
+        v_local, seg_len = weight.shape[0], shard.seg_len
+        n_seg = v_local // seg_len
+        tile_rows = _round_up(k, forward.config().block_m)
+        probs = torch.empty((n_seg, seg_len, tile_rows), dtype=torch.float16, device=hidden.device).transpose(1, 2)
+        parts, tiles = forward.forward_probs(hidden[:k], weight, tokens[:k], shard, with_entropy, probs)
+        if k < n_rows:
+            rest = forward.forward_partials(hidden[k:], weight, tokens[k:], shard, with_entropy)
+            parts = torch.cat((parts, rest), dim=2)
+        return parts, HeldProbs(probs, tiles, k)
+
     def backward(self, hidden, weight, tokens, shard: ShardOptions, saved: LinearSaved, upstream: UpstreamGrads,
                  need_dx: bool, need_dw: bool):
         n_rows, width = hidden.shape
@@ -378,7 +432,8 @@ class ChunkedBackend:
             dw_acc = torch.empty((seg_len, width), dtype=torch.float32, device=hidden.device)
         blocks_per_group = shape.dw_rows // shape.rows
         chunk = None if fused else torch.empty((shape.rows, seg_len), dtype=torch.float32, device=hidden.device)
-        for _s, seg_lo, seg in _segments(shard, v_local):
+        held = saved.held if fused else None
+        for s, seg_lo, seg in _segments(shard, v_local):
             w_s = weight[seg_lo:seg_lo + seg_len]
             if seg.n_valid == 0:  # padding only: no gradient, no dX contribution
                 if need_dw:
@@ -386,12 +441,17 @@ class ChunkedBackend:
                 continue
             for g0_block in range(0, blocks.count, blocks_per_group):
                 g0 = g0_block * shape.rows
-                if fused:  # the forward's GEMM tiles again, the gradient in their epilogue: no fp32 chunk
-                    rs = slice(g0, min(g0 + group_rows, n_rows))
-                    mean_shifted = None if g_ent is None else saved.mean_shifted[rs]
-                    recompute.dlogits(hidden[rs], w_s, tokens[rs], seg,
-                                      BackwardStats(saved.shift[rs], saved.log_sum[rs], None, mean_shifted),
-                                      UpstreamGrads(_rows_of(g_lp, rs), _rows_of(g_ent, rs)), dl[:rs.stop - g0])
+                if fused:  # no fp32 chunk
+                    stop = min(g0 + group_rows, n_rows)
+                    lo = g0
+                    if held is not None and g0 == 0:  # the held rows (the first group's first): from their probs
+                        lo = held.rows
+                        self._held_dlogits(held, s, hidden, w_s, tokens, seg, saved, g_lp, g_ent, dl)
+                    if lo < stop:  # the forward's GEMM tiles again, the gradient in their epilogue
+                        rs = slice(lo, stop)
+                        recompute.dlogits(hidden[rs], w_s, tokens[rs], seg, _saved_rows(saved, rs, g_ent),
+                                          UpstreamGrads(_rows_of(g_lp, rs), _rows_of(g_ent, rs)),
+                                          dl[lo - g0:stop - g0])
                 else:
                     for b in range(g0_block, min(g0_block + blocks_per_group, blocks.count)):
                         r0, n, x = blocks.block(b)
@@ -417,6 +477,16 @@ class ChunkedBackend:
             if dw_acc is not None:
                 dw[seg_lo:seg_lo + seg_len].copy_(dw_acc)
         return dx, dw
+
+    def _held_dlogits(self, held: HeldProbs, s: int, hidden, w_s, tokens, seg: ShardOptions, saved: LinearSaved,
+                      g_lp, g_ent, dl) -> None:
+        """dl[:held.rows] = segment s's dlogits of the held rows, from the probabilities the forward held (read
+        only: a second backward finds them unchanged)."""
+        rs = slice(0, held.rows)
+        self.passes.token_loss_pass.dlogits(
+            held.probs[s:s + 1], held.tiles[s:s + 1], held.rows, hidden[rs], w_s, tokens[rs], seg,
+            _saved_rows(saved, rs, g_ent), UpstreamGrads(_rows_of(g_lp, rs), _rows_of(g_ent, rs)), dl.dtype,
+            out=dl[None, :held.rows])
 
     # -- the token loss --
 

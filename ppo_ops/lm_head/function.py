@@ -6,6 +6,9 @@ lm_head/triton_backend.py and lm_head/chunked.py; the call is prepared by the sh
 
 No grad (torch.no_grad, or neither hidden nor weight requires grad): the forward keeps nothing for a backward (no
 saved tensors, no row statistics beyond the outputs), so an old-policy or reference pass costs the forward alone.
+With a gradient the backend may keep more for its backward (`forward_for_backward`: the chunked backend's fp16
+probabilities of the first rows, at most 1 GiB), saved with the row statistics, so autograd frees them after the
+backward (or keeps them for another one under retain_graph).
 
 Rows: a row_mask is applied before any GEMM: the kept rows' hidden states are gathered into a compact [R, H] tensor
 (O(R * H) bytes; the index list is a host sync on CUDA), every kernel runs on those R rows only, and dropped rows get
@@ -31,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ppo_ops.core import shell
-from ppo_ops.core.contracts import LinearSaved, UpstreamGrads
+from ppo_ops.core.contracts import HeldProbs, LinearSaved, UpstreamGrads
 from ppo_ops.core.shell import Plan, forward_outputs, refuse_double_backward
 
 
@@ -43,7 +46,11 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         rows = kept_row_indices(row_mask)
         h = kept(hidden, rows).contiguous()
         t = kept(tokens, rows)
-        partials = plan.backend.forward_partials(h, weight, t, plan.shard, plan.entropy_mode != "none")
+        with_entropy = plan.entropy_mode != "none"
+        if plan.needs_grad:  # what the backend keeps for the backward: saved below, freed by autograd after it
+            partials, held = plan.backend.forward_for_backward(h, weight, t, plan.shard, with_entropy)
+        else:
+            partials, held = plan.backend.forward_partials(h, weight, t, plan.shard, with_entropy), None
         # TP > 1, validate: before the all-gather of the partials, whose size depends on the call, ranks that
         # disagree, or whose tokens or logits are bad, all raise together (the call's one host read). The header
         # covers the call's T rows and row mask; the partials (kept rows) give the NaN / +inf flag.
@@ -62,8 +69,9 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
             ctx.save_for_backward(
                 h, weight, t, rows, stats.shift, stats.log_sum,
                 stats.mean_shifted if plan.entropy_mode == "grad" else None, stats.log_prob_defined,
-                stats.row_has_mass,
+                stats.row_has_mass, None if held is None else held.probs, None if held is None else held.tiles,
             )
+            ctx.held_rows = None if held is None else held.rows
         return forward_outputs(ctx, plan.entropy_mode, log_prob, entropy)
 
     @staticmethod
@@ -72,13 +80,14 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         refuse_double_backward(plan.fn_name)
         if not plan.needs_grad:
             raise RuntimeError(f"ppo_ops.{plan.fn_name}: the forward ran without grad mode and kept nothing")
-        h, weight, t, rows, shift, log_sum, mean_shifted, log_prob_defined, has_mass = ctx.saved_tensors
+        h, weight, t, rows, shift, log_sum, mean_shifted, log_prob_defined, has_mass, probs, tiles = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g_lp = _upstream(grad_log_prob, rows, log_prob_defined)
         g_ent = _upstream(grad_entropy, rows, has_mass) if plan.entropy_mode == "grad" else None
         if g_lp is None and g_ent is None:
             return None, None, None, None, None
-        dx, dw = plan.backend.backward(h, weight, t, plan.shard, LinearSaved(shift, log_sum, mean_shifted),
+        held = None if probs is None else HeldProbs(probs, tiles, ctx.held_rows)
+        dx, dw = plan.backend.backward(h, weight, t, plan.shard, LinearSaved(shift, log_sum, mean_shifted, held),
                                        UpstreamGrads(g_lp, g_ent), need_dx=need_dx, need_dw=need_dw)
         if dx is not None:
             if plan.reduce_dx and plan.layout.group is not None:

@@ -1,4 +1,8 @@
-"""The token loss's dlogits from the probabilities its forward kept, in place: no second GEMM.
+"""dlogits from the probabilities a one-GEMM forward kept: no second GEMM over those rows.
+
+Two users: the token loss (in place, below) and the general op's backward on the rows its forward held
+(lm_head/chunked.py, `held_rows`), which writes them into its own vocabulary-major dlogits buffer (`out`) beside
+the rows it recomputes, so its dX and dW GEMMs stay one per segment and group.
 
 linear_token_loss forms the loss's gradient inside its forward (lm_head/chunked.py, `loss_forward`). Where the
 one-GEMM forward applies, a row block's forward (gemm_partials.forward_probs) leaves every logit as
@@ -26,6 +30,8 @@ the upstream gradients, not on the other rows, the rank or the TP size.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -61,7 +67,8 @@ def _log(x):
 @triton.jit(do_not_specialize=["n_valid"])
 def prob_dlogits_kernel(
     probs_ptr,  # [n_seg, B, seg_len] fp16 e^(z - m), vocabulary-major (strides slab_stride, 1, col_stride), READ
-    out_ptr,  # the same storage as the output dtype (bf16 / fp16): dlogits, WRITTEN over each element once read
+    out_ptr,  # dlogits in the output dtype (bf16 / fp16), vocabulary-major (strides out_slab_stride, 1,
+    #           out_col_stride): the probabilities' own storage (written over each element once read) or another buffer
     tiles_ptr,  # [n_seg, tiles_per_seg, 3, R] fp32 tile partials of the forward (channel 0: the tile max m)
     shift_ptr,  # [R] fp32 row max M
     log_sum_ptr,  # [R] fp32 log Σ e^(z - M)
@@ -71,6 +78,8 @@ def prob_dlogits_kernel(
     num_rows,  # R
     col_stride,  # B: a multiple of 16 (the forward's row tile), which the compiler may assume for vector accesses
     slab_stride,
+    out_col_stride,  # the output's, likewise a multiple of 16
+    out_slab_stride,
     seg_len,
     n_valid,  # local columns that are real vocabulary
     tiles_per_seg,
@@ -102,11 +111,13 @@ def prob_dlogits_kernel(
     if HAS_GRAD_LOG_PROB:
         g_lp = tl.load(grad_log_prob_ptr + rows, mask=row_ok, other=0.0)
     slab = seg.to(tl.int64) * slab_stride
+    out_slab = seg.to(tl.int64) * out_slab_stride
     for step in tl.static_range(STEPS):
         cols = group0 + step * BLOCK_C + tl.arange(0, BLOCK_C)  # column within the segment
         in_seg = cols < seg_len
         real = in_seg & (seg * seg_len + cols < n_valid)
         offsets = slab + (cols.to(tl.int64) * col_stride)[None, :] + rows[:, None]
+        out_offsets = out_slab + (cols.to(tl.int64) * out_col_stride)[None, :] + rows[:, None]
         io_mask = row_ok[:, None] & in_seg[None, :]
         e = tl.load(probs_ptr + offsets, mask=io_mask, other=0.0).to(tl.float32)
         p = e * scale_row[:, None]
@@ -122,20 +133,26 @@ def prob_dlogits_kernel(
         if SCALE:
             grad = grad * inv_temperature
         grad = tl.where(real[None, :], grad, 0.0)
-        store_rounded(out_ptr + offsets, grad, io_mask, ROUND_BF16_BY_BITS)
+        store_rounded(out_ptr + out_offsets, grad, io_mask, ROUND_BF16_BY_BITS)
 
 
 def dlogits(probs: torch.Tensor, tiles: torch.Tensor, n_rows: int, hidden: torch.Tensor, weight: torch.Tensor,
             tokens: torch.Tensor, shard: ShardOptions, stats: BackwardStats, upstream: UpstreamGrads,
-            dtype: torch.dtype) -> torch.Tensor:
+            dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The first n_rows rows of every segment of probs ([n_seg, B, seg_len] fp16, vocabulary-major, from
-    gemm_partials.forward_probs on hidden [n_rows, H] and the local weight; tiles its tile partials) turned into
-    dlogits of `dtype` in place; returns that view of probs' storage (probs' shape and strides). stats and upstream
-    are the n_rows rows' own."""
+    gemm_partials.forward_probs on hidden [n_rows, H] and weight, the segments' weight rows; tiles its tile
+    partials; shard the segments' options) turned into dlogits of `dtype`: in place (returns that view of probs'
+    storage, probs' shape and strides), or into `out` ([n_seg, >= n_rows, seg_len] of `dtype`, vocabulary-major,
+    columns 16-byte aligned; returned). stats and upstream are the n_rows rows' own."""
     n_seg, _, seg_len = probs.shape
     if probs.stride(1) != 1:
         raise ValueError(f"probs: expected a vocabulary-major buffer (row stride 1), got strides {probs.stride()}")
-    out = probs.view(dtype)
+    if out is None:
+        out = probs.view(dtype)
+    elif (out.dtype != dtype or out.dim() != 3 or out.shape[0] != n_seg or out.shape[1] < n_rows
+          or out.shape[2] != seg_len or out.stride(1) != 1 or (out.stride(2) * out.element_size()) % 16):
+        raise ValueError(f"out: expected a vocabulary-major {dtype} [{n_seg}, >= {n_rows}, {seg_len}] buffer with "
+                         f"16-byte aligned columns, got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
     g_lp, g_ent = upstream.grad_log_prob, upstream.grad_entropy
     if n_rows == 0:
         return out
@@ -149,8 +166,8 @@ def dlogits(probs: torch.Tensor, tiles: torch.Tensor, n_rows: int, hidden: torch
         probs_ptr=probs, out_ptr=out, tiles_ptr=tiles, shift_ptr=stats.shift, log_sum_ptr=stats.log_sum,
         mean_shifted_ptr=stats.mean_shifted if g_ent is not None else dummy,
         grad_log_prob_ptr=g_lp if g_lp is not None else dummy, grad_entropy_ptr=g_ent if g_ent is not None else dummy,
-        num_rows=n_rows, col_stride=probs.stride(2), slab_stride=probs.stride(0),
-        seg_len=seg_len, n_valid=shard.n_valid,
+        num_rows=n_rows, col_stride=probs.stride(2), slab_stride=probs.stride(0), out_col_stride=out.stride(2),
+        out_slab_stride=out.stride(0), seg_len=seg_len, n_valid=shard.n_valid,
         tiles_per_seg=tiles_per_seg, inv_temperature=inv_t, HAS_GRAD_LOG_PROB=g_lp is not None,
         HAS_GRAD_ENTROPY=g_ent is not None, SCALE=inv_t != 1.0, ROUND_BF16_BY_BITS=round_bf16_by_bits(dtype),
         BLOCK_R=PASS_ROWS, BLOCK_C=block_c, STEPS=steps, BLOCK_N=block_n,

@@ -31,7 +31,8 @@ import torch
 
 from ppo_ops.logits import torch_backend as logits_torch
 from ppo_ops.core import row_stats
-from ppo_ops.core.contracts import BackwardStats, LinearSaved, RowInputs, ShardOptions, UpstreamGrads
+from ppo_ops.core.contracts import (BackwardStats, LinearSaved, RowInputs, ShardOptions, UpstreamGrads,
+                                    holds_nothing)
 
 ROW_TILE = 128  # rows per GEMM tile (hidden rows zero-padded to a multiple)
 VOCAB_TILE = 256  # weight rows (vocabulary columns) per GEMM tile; tiles restart at every segment start
@@ -173,6 +174,7 @@ class TorchLinearBackend:
 
     name = "torch"
     forward_partials = staticmethod(forward_partials)
+    forward_for_backward = staticmethod(holds_nothing(forward_partials))
     merge_partials = staticmethod(row_stats.merge_partials)
     backward = staticmethod(backward)
 

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from ppo_ops.core import row_stats
 from ppo_ops.core.checks import argument_error
-from ppo_ops.core.contracts import LinearSaved, ShardOptions, UpstreamGrads
+from ppo_ops.core.contracts import LinearSaved, ShardOptions, UpstreamGrads, holds_nothing
 from ppo_ops.core.triton_common import (FLT_MAX, cdiv, interpreting, options, round_bf16_by_bits, scaled,
                                         empty_row_state, grouped_tile, store_rounded, store_row_partials)
 from ppo_ops.logits.triton_backend import merge_partials  # the logits op's fused merge: the partials are the same
@@ -406,6 +406,7 @@ class TritonLinearBackend:
 
     name = "triton"
     forward_partials = staticmethod(forward_partials)
+    forward_for_backward = staticmethod(holds_nothing(forward_partials))
     merge_partials = staticmethod(merge_partials)
     backward = staticmethod(backward)
 
