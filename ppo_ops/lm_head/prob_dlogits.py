@@ -78,7 +78,7 @@ def prob_dlogits_kernel(
     num_rows,  # R
     col_stride,  # B: a multiple of 16 (the forward's row tile), which the compiler may assume for vector accesses
     slab_stride,
-    out_col_stride,  # the output's, likewise a multiple of 16
+    out_col_stride,  # the output's (read only when not IN_PLACE), likewise a multiple of 16
     out_slab_stride,
     seg_len,
     n_valid,  # local columns that are real vocabulary
@@ -88,6 +88,7 @@ def prob_dlogits_kernel(
     HAS_GRAD_ENTROPY: tl.constexpr,
     SCALE: tl.constexpr,
     ROUND_BF16_BY_BITS: tl.constexpr,
+    IN_PLACE: tl.constexpr,  # out is probs' own storage with its strides: one set of offsets
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,  # columns per step, a divisor of BLOCK_N
     STEPS: tl.constexpr,  # steps per program: STEPS * BLOCK_C columns of one tile (at most BLOCK_N)
@@ -111,13 +112,16 @@ def prob_dlogits_kernel(
     if HAS_GRAD_LOG_PROB:
         g_lp = tl.load(grad_log_prob_ptr + rows, mask=row_ok, other=0.0)
     slab = seg.to(tl.int64) * slab_stride
-    out_slab = seg.to(tl.int64) * out_slab_stride
+    out_slab = seg.to(tl.int64) * out_slab_stride  # unused IN_PLACE
     for step in tl.static_range(STEPS):
         cols = group0 + step * BLOCK_C + tl.arange(0, BLOCK_C)  # column within the segment
         in_seg = cols < seg_len
         real = in_seg & (seg * seg_len + cols < n_valid)
         offsets = slab + (cols.to(tl.int64) * col_stride)[None, :] + rows[:, None]
-        out_offsets = out_slab + (cols.to(tl.int64) * out_col_stride)[None, :] + rows[:, None]
+        if IN_PLACE:
+            out_offsets = offsets
+        else:
+            out_offsets = out_slab + (cols.to(tl.int64) * out_col_stride)[None, :] + rows[:, None]
         io_mask = row_ok[:, None] & in_seg[None, :]
         e = tl.load(probs_ptr + offsets, mask=io_mask, other=0.0).to(tl.float32)
         p = e * scale_row[:, None]
@@ -147,7 +151,8 @@ def dlogits(probs: torch.Tensor, tiles: torch.Tensor, n_rows: int, hidden: torch
     n_seg, _, seg_len = probs.shape
     if probs.stride(1) != 1:
         raise ValueError(f"probs: expected a vocabulary-major buffer (row stride 1), got strides {probs.stride()}")
-    if out is None:
+    in_place = out is None
+    if in_place:
         out = probs.view(dtype)
     elif (out.dtype != dtype or out.dim() != 3 or out.shape[0] != n_seg or out.shape[1] < n_rows
           or out.shape[2] != seg_len or out.stride(1) != 1 or (out.stride(2) * out.element_size()) % 16):
@@ -170,7 +175,7 @@ def dlogits(probs: torch.Tensor, tiles: torch.Tensor, n_rows: int, hidden: torch
         out_slab_stride=out.stride(0), seg_len=seg_len, n_valid=shard.n_valid,
         tiles_per_seg=tiles_per_seg, inv_temperature=inv_t, HAS_GRAD_LOG_PROB=g_lp is not None,
         HAS_GRAD_ENTROPY=g_ent is not None, SCALE=inv_t != 1.0, ROUND_BF16_BY_BITS=round_bf16_by_bits(dtype),
-        BLOCK_R=PASS_ROWS, BLOCK_C=block_c, STEPS=steps, BLOCK_N=block_n,
+        IN_PLACE=in_place, BLOCK_R=PASS_ROWS, BLOCK_C=block_c, STEPS=steps, BLOCK_N=block_n,
         **({} if interpreting() else {"num_warps": PASS_WARPS}))
     if g_lp is not None:  # the target's element, from the forward's own target logit, in its segment's slab
         gemm_dlogits.target_dlogits(hidden, weight, tokens, shard, stats, upstream, out)
