@@ -278,6 +278,37 @@ def test_held_probabilities_vs_float64_freed_and_reread(backend, hold, monkeypat
     _assert_within("dW", first[1].cpu(), bounds["dw"])
 
 
+@pytest.mark.device("cuda")
+def test_held_rows_change_no_value_at_qwen3_vocabulary():
+    """Compiled, at Qwen3's vocabulary and past the held rows: log-probs and entropies bitwise the same under
+    no_grad, with the first rows held and with none held; dX of the rows not held bitwise the same with and without
+    the held ones (the kernels that store probabilities must give the plain forward's bits)."""
+    n_rows, width, vocab = 4096 + 256 + 7, 256, 151936
+    hidden, weight, tokens = _inputs((n_rows,), torch.bfloat16, seed=33, v=vocab, h=width)
+    hidden, weight, tokens = hidden.cuda(), weight.cuda(), tokens.cuda()
+    g_lp, g_ent = make_weights((n_rows,), 34).cuda(), make_weights((n_rows,), 35, low=-1.0, high=1.0).cuda()
+    k = _linear_chunked.held_rows(n_rows, vocab // 8, DEVICE)
+    assert 0 < k < n_rows
+    with torch.no_grad():
+        plain = ppo_ops.linear_log_probs_and_entropy(hidden, weight, tokens, entropy="grad")
+    runs = []
+    for rows_cap in (None, 0):
+        real = _linear_chunked.held_rows
+        if rows_cap == 0:
+            _linear_chunked.held_rows = lambda n, seg_len, device: 0
+        try:
+            h = hidden.detach().requires_grad_(True)
+            out = ppo_ops.linear_log_probs_and_entropy(h, weight, tokens, entropy="grad")
+            (dx,) = torch.autograd.grad((out.log_probs, out.entropy), (h,), (g_lp, g_ent))
+        finally:
+            _linear_chunked.held_rows = real
+        runs.append((out.log_probs.detach(), out.entropy.detach(), dx))
+    for name, (lp, ent, _) in zip(("held", "none held"), runs):
+        assert torch.equal(lp, plain.log_probs), f"{name}: log-probs differ from no_grad's"
+        assert torch.equal(ent, plain.entropy), f"{name}: entropies differ from no_grad's"
+    assert torch.equal(runs[0][2][k:], runs[1][2][k:]), "dX of rows not held differs with the first rows held"
+
+
 @pytest.mark.parametrize("backend,dtype", [
     pytest.param("torch", torch.float32, id="torch-fp32"),  # fixed fp32 tiles
     pytest.param("torch", torch.bfloat16, id="torch-bf16"),

@@ -385,21 +385,26 @@ class ChunkedBackend:
 
     def forward_for_backward(self, hidden, weight, tokens, shard: ShardOptions, with_entropy: bool) -> tuple:
         """The forward of a call that a backward follows: where the one-GEMM forward and the probabilities' pass
-        apply, one forward_probs launch over every row that stores the first held_rows rows' probabilities (the
-        same partials, bit for bit: the store is an epilogue branch); their tile partials are held beside them."""
+        apply, the first held_rows rows through forward_probs (their probabilities held), the rest through
+        forward_partials; the same partials, bit for bit (a row's partials do not depend on the other rows). One
+        launch storing only the first rows' (a branch in the epilogue) saved 0.7 ms at T = 8192 on an H200 but
+        changed some other rows' entropies in their last bit (the compiler schedules the branch's arithmetic
+        differently), so values would depend on grad mode."""
         passes = self.passes
         n_rows = hidden.shape[0]
         k = held_rows(n_rows, shard.seg_len, hidden.device)
         if passes.token_loss_pass is None or k == 0 or not passes.one_gemm_recompute.applies(hidden, weight):
             return self.forward_partials(hidden, weight, tokens, shard, with_entropy), None
         forward = passes.one_gemm_forward
-        n_seg = weight.shape[0] // shard.seg_len
+        v_local, seg_len = weight.shape[0], shard.seg_len
+        n_seg = v_local // seg_len
         tile_rows = _round_up(k, forward.config().block_m)
-        probs = torch.empty((n_seg, shard.seg_len, tile_rows), dtype=torch.float16,
-                            device=hidden.device).transpose(1, 2)
-        parts, tiles = forward.forward_probs(hidden, weight, tokens, shard, with_entropy, probs)
-        # the held rows' tile partials only (7.2 KB per row at Qwen3's shape): the others' are freed here
-        return parts, HeldProbs(probs, tiles[..., :k].contiguous(), k)
+        probs = torch.empty((n_seg, seg_len, tile_rows), dtype=torch.float16, device=hidden.device).transpose(1, 2)
+        parts, tiles = forward.forward_probs(hidden[:k], weight, tokens[:k], shard, with_entropy, probs)
+        if k < n_rows:
+            rest = forward.forward_partials(hidden[k:], weight, tokens[k:], shard, with_entropy)
+            parts = torch.cat((parts, rest), dim=2)
+        return parts, HeldProbs(probs, tiles, k)
 
     def backward(self, hidden, weight, tokens, shard: ShardOptions, saved: LinearSaved, upstream: UpstreamGrads,
                  need_dx: bool, need_dw: bool):

@@ -16,10 +16,10 @@ Kernels:
         three partials per row: its max m, Σ e^(z-m) and Σ e^(z-m)(z-m). A tile whose columns are all real
         vocabulary of its segment (all but the last of a segment and the padding) takes an unmasked epilogue; the
         others mask the columns past the segment's width or the vocabulary. Both give the same bits on real columns.
-        With STORE_PROBS (forward_probs) the epilogue of the first B rows also stores the tile's e^(z - m) in fp16
-        by TMA into a segment-major, vocabulary-major buffer (each column's rows contiguous: the layout in which the
+        With STORE_PROBS (the token loss, forward_probs) the epilogue also stores the tile's e^(z - m) in fp16 by TMA
+        into a segment-major, vocabulary-major buffer (each column's rows contiguous: the layout in which the
         library's dW GEMM reads them fastest), for the dlogits pass once the row statistics are global
-        (prob_dlogits.py): every row for the token loss, the first held rows for the general op's backward.
+        (prob_dlogits.py).
     target_logits_kernel  per row, the target's logit x . w_target in fp32 (-inf when the target is not in this
         shard), in a fixed order of its own. Picking it out of the GEMM tile costs a compare and a select per logit,
         which measured 7-9% of the GEMM on an H200; this is O(R * H).
@@ -132,8 +132,7 @@ def gemm_partials_kernel(
     x_desc,  # TMA descriptor of hidden [R, H] (half precision), blocks [BLOCK_M, BLOCK_K], READ-ONLY
     w_desc,  # TMA descriptor of the local weight [V_local, H], blocks [BLOCK_N, BLOCK_K], READ-ONLY
     tiles_ptr,  # [n_seg, tiles_per_seg, 3, R] fp32 tile partials, WRITTEN
-    probs_desc,  # STORE_PROBS: TMA descriptor, [n_seg, seg_len, B] fp16, blocks [1, BLOCK_N, BLOCK_M], WRITTEN
-    probs_rows,  # B, a multiple of BLOCK_M: rows from B on are not stored
+    probs_desc,  # STORE_PROBS: TMA descriptor, [n_seg, seg_len, B >= R] fp16, blocks [1, BLOCK_N, BLOCK_M], WRITTEN
     num_rows,  # R
     hidden_size,  # H
     seg_len,  # columns per segment
@@ -184,7 +183,7 @@ def gemm_partials_kernel(
                 w = tl.sum(tl.where(valid[None, :], p * d, 0.0), axis=1)  # 0 * -inf where masked: selected away
             else:
                 w = tl.zeros([BLOCK_M], tl.float32)
-        if STORE_PROBS and row0 < probs_rows:
+        if STORE_PROBS:
             # segment-major, each column's rows contiguous: the store is clipped at the segment's width (no column of
             # the next segment is touched) and past R it lands on rows of the column that nothing reads
             probs_desc.store([seg, tile * BLOCK_N, row0], tl.trans(p.to(tl.float16)).reshape(1, BLOCK_N, BLOCK_M))
@@ -291,12 +290,12 @@ def forward_partials(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.T
 
 def forward_probs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, shard: ShardOptions,
                   with_entropy: bool, probs: torch.Tensor):
-    """The forward partials, and the logits of the first B rows kept as probabilities relative to their tiles:
-    probs [n_seg, B, seg_len] fp16, vocabulary-major (probs.transpose(1, 2) contiguous; B a multiple of
-    config().block_m; rows >= R are scratch, rows >= B not stored) gets e^(z - m) rounded once, m the max of the
-    element's row over its tile's columns (a tile: BLOCK_N columns from a segment start), 0 on padding columns.
-    Returns (partials [n_seg, 5, R], tiles [n_seg, tiles_per_seg, 3, R] fp32: the tile partials, channel 0 the tile
-    max m): z = m + log e up to e's rounding, and p = e * e^(m - M - log S). `applies(hidden, weight)` must hold."""
+    """The forward partials, and every logit kept as a probability relative to its tile: probs [n_seg, B, seg_len]
+    fp16, vocabulary-major (probs.transpose(1, 2) contiguous; B >= R a multiple of config().block_m; rows >= R are
+    scratch) gets e^(z - m) rounded once, m the max of the element's row over its tile's columns (a tile: BLOCK_N
+    columns from a segment start), 0 on padding columns. Returns (partials [n_seg, 5, R], tiles [n_seg,
+    tiles_per_seg, 3, R] fp32: the tile partials, channel 0 the tile max m): z = m + log e up to e's rounding, and
+    p = e * e^(m - M - log S). `applies(hidden, weight)` must hold."""
     return _forward(hidden, weight, tokens, shard, with_entropy, probs)
 
 
@@ -313,19 +312,19 @@ def _forward(hidden, weight, tokens, shard: ShardOptions, with_entropy: bool, pr
         return out, tiles
     tokens = tokens.to(torch.int64).contiguous()
     x_desc, w_desc = descriptors(hidden, weight, cfg)
-    probs_desc, rows_per_seg = None, 0
+    probs_desc = None
     if probs is not None:
         rows_per_seg = probs.shape[1]
         if (probs.dtype != torch.float16 or probs.shape != (n_seg, rows_per_seg, seg_len)
-                or not probs.transpose(1, 2).is_contiguous() or rows_per_seg % cfg.block_m):
-            raise ValueError(f"probs: expected a vocabulary-major fp16 [{n_seg}, B, {seg_len}] buffer with B a "
-                             f"multiple of {cfg.block_m}, got {probs.dtype} {tuple(probs.shape)} strides "
+                or not probs.transpose(1, 2).is_contiguous() or rows_per_seg < n_rows or rows_per_seg % cfg.block_m):
+            raise ValueError(f"probs: expected a vocabulary-major fp16 [{n_seg}, B, {seg_len}] buffer with B >= "
+                             f"{n_rows} a multiple of {cfg.block_m}, got {probs.dtype} {tuple(probs.shape)} strides "
                              f"{probs.stride()}")
         probs_desc = TensorDescriptor.from_tensor(probs.transpose(1, 2), [1, cfg.block_n, cfg.block_m])
     n_tiles = triton.cdiv(n_rows, cfg.block_m) * n_seg * tiles_per_seg
     programs = num_programs(hidden.device, n_tiles)
     gemm_partials_kernel[(programs,)](
-        x_desc=x_desc, w_desc=w_desc, tiles_ptr=tiles, probs_desc=probs_desc, probs_rows=rows_per_seg,
+        x_desc=x_desc, w_desc=w_desc, tiles_ptr=tiles, probs_desc=probs_desc,
         num_rows=n_rows, hidden_size=width, seg_len=seg_len,
         n_seg=n_seg, n_valid=shard.n_valid, tiles_per_seg=tiles_per_seg, num_programs=programs,
         inv_temperature=inv_temperature, SCALE=inv_temperature != 1.0, WITH_ENTROPY=with_entropy,
