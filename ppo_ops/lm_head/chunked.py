@@ -324,10 +324,13 @@ def _rows_of(t: Optional[torch.Tensor], rows: slice) -> Optional[torch.Tensor]:
     return None if t is None else t[rows]
 
 
-def _saved_rows(saved: LinearSaved, rows: slice, g_ent) -> BackwardStats:
-    """The backward's row statistics of `rows` (E_p[z] - M only where the entropy brings a gradient)."""
-    return BackwardStats(saved.shift[rows], saved.log_sum[rows], None,
-                         None if g_ent is None else saved.mean_shifted[rows])
+def _backward_rows(saved: LinearSaved, upstream: UpstreamGrads, rows: slice) -> tuple:
+    """(BackwardStats, UpstreamGrads) of `rows` for the general op's backward (E_p[z] - M only where the entropy
+    brings a gradient)."""
+    g_lp, g_ent = upstream.grad_log_prob, upstream.grad_entropy
+    stats = BackwardStats(saved.shift[rows], saved.log_sum[rows], None,
+                          None if g_ent is None else saved.mean_shifted[rows])
+    return stats, UpstreamGrads(_rows_of(g_lp, rows), _rows_of(g_ent, rows))
 
 
 def _neutral(out: torch.Tensor) -> None:
@@ -449,22 +452,17 @@ class ChunkedBackend:
                     lo = g0
                     if held is not None and g0 == 0:  # the held rows (the first group's first): from their probs
                         lo = held.rows
-                        self._held_dlogits(held, s, hidden, w_s, tokens, seg, saved, g_lp, g_ent, dl)
+                        self._held_dlogits(held, s, hidden, w_s, tokens, seg, saved, upstream, dl)
                     if lo < stop:  # the forward's GEMM tiles again, the gradient in their epilogue
                         rs = slice(lo, stop)
-                        recompute.dlogits(hidden[rs], w_s, tokens[rs], seg, _saved_rows(saved, rs, g_ent),
-                                          UpstreamGrads(_rows_of(g_lp, rs), _rows_of(g_ent, rs)),
+                        recompute.dlogits(hidden[rs], w_s, tokens[rs], seg, *_backward_rows(saved, upstream, rs),
                                           dl[lo - g0:stop - g0])
                 else:
                     for b in range(g0_block, min(g0_block + blocks_per_group, blocks.count)):
                         r0, n, x = blocks.block(b)
                         mm_fp32(x, w_s.T, chunk)  # the forward's chunk GEMM: the same logits, bit for bit
                         rs = slice(r0, r0 + n)
-                        mean_shifted = (None if (g_ent is None or saved.mean_shifted is None)
-                                        else saved.mean_shifted[rs])
-                        self.passes.dlogits(chunk, n, tokens[rs], seg,
-                                            BackwardStats(saved.shift[rs], saved.log_sum[rs], None, mean_shifted),
-                                            UpstreamGrads(_rows_of(g_lp, rs), _rows_of(g_ent, rs)),
+                        self.passes.dlogits(chunk, n, tokens[rs], seg, *_backward_rows(saved, upstream, rs),
                                             dl[r0 - g0:r0 - g0 + n])
                 m = min(group_rows, n_rows - g0)
                 part = dl[:m]
@@ -482,14 +480,13 @@ class ChunkedBackend:
         return dx, dw
 
     def _held_dlogits(self, held: HeldProbs, s: int, hidden, w_s, tokens, seg: ShardOptions, saved: LinearSaved,
-                      g_lp, g_ent, dl) -> None:
+                      upstream: UpstreamGrads, dl) -> None:
         """dl[:held.rows] = segment s's dlogits of the held rows, from the probabilities the forward held (read
         only: a second backward finds them unchanged)."""
         rs = slice(0, held.rows)
         self.passes.token_loss_pass.dlogits(
             held.probs[s:s + 1], held.tiles[s:s + 1], held.rows, hidden[rs], w_s, tokens[rs], seg,
-            _saved_rows(saved, rs, g_ent), UpstreamGrads(_rows_of(g_lp, rs), _rows_of(g_ent, rs)), dl.dtype,
-            out=dl[None, :held.rows])
+            *_backward_rows(saved, upstream, rs), dl.dtype, out=dl[None, :held.rows])
 
     # -- the token loss --
 

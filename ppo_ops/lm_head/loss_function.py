@@ -108,8 +108,8 @@ class LinearTokenLossFunction(torch.autograd.Function):
                 dx.index_copy_(0, rows[r0:r1], dx32.to(dx.dtype))
 
         dw = plan.backend.loss_forward(h, weight, t, plan.shard, with_entropy,
-                                         LossHooks(merge=merge, block_grads=block_grads, finish_dx=finish_dx),
-                                         need_dx=need_dx, need_dw=need_dw)
+                                       LossHooks(merge=merge, block_grads=block_grads, finish_dx=finish_dx),
+                                       need_dx=need_dx, need_dw=need_dw)
         if not headers_done[0]:  # no kept row on this rank: it still takes part in the header exchange
             shell.check_across_ranks(plan, tokens, row_mask, torch.zeros((), dtype=torch.bool, device=device))
         if plan.validate:
