@@ -77,6 +77,9 @@ _COPY_MIB = flags.DEFINE_integer("copy_mib", 2048, "Buffer size of the copy-band
 _CHECK_ROWS = flags.DEFINE_integer("check_rows", 8, "First and last rows checked against the float64 reference "
                                    "(0: no check; the LM head's suites check 64 rows unless 0).", lower_bound=0)
 _BUDGET = flags.DEFINE_float("time_budget_s", 0.0, "Stop starting cases after this many seconds (0: no limit).")
+_WARM_MIN = flags.DEFINE_float("warm_min_s", 10.0, "CUDA: the device warm-up (bf16 GEMMs until their time is steady, "
+                                "tools/bench/measure.py) runs at least this many seconds.", lower_bound=0.0)
+_WARM_MAX = flags.DEFINE_float("warm_max_s", 60.0, "CUDA: ... and at most this many (0: no warm-up).", lower_bound=0.0)
 _SEED = flags.DEFINE_integer("seed", 1234, "Seed of the random inputs.")
 _LABEL = flags.DEFINE_string("label", "", f"lm_head suites and {PIECES_SUITE}: a name for this run, written on each "
                              "of its rows.")
@@ -111,6 +114,8 @@ def main(argv):
         copy_bytes=_COPY_MIB.value << 20,
         check_rows=_CHECK_ROWS.value,
         time_budget_s=_BUDGET.value,
+        warm_min_s=_WARM_MIN.value,
+        warm_max_s=_WARM_MAX.value,
         seed=_SEED.value,
         family=family,
         label=_LABEL.value,

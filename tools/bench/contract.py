@@ -88,7 +88,7 @@ class Family(Protocol):
     """One kind of measurement (see the module docstring). Instances live for one run on one rank."""
 
     providers: dict[str, Provider]
-    measures_copy_bandwidth: bool  # measure the device copy first; rows set their GB/s against it
+    measures_copy_bandwidth: bool  # measure the device copy first (printed); rows may set their GB/s against it
 
     def make_inputs(self, case, device, *, seed: int, rank: int, group) -> Any:
         """Seeded inputs of the case for this rank (shared by the consecutive cases with its input_key())."""

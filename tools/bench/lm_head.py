@@ -478,7 +478,7 @@ DESCRIBED = ("provider", "T", "V", "tp", "status", "p50_ms", "tflops", "baseline
 
 
 class LmHeadFamily:
-    measures_copy_bandwidth = False  # rows are set against the GEMMs of the same shape instead
+    measures_copy_bandwidth = True  # printed with the run; the rows are set against the GEMMs of the same shape
 
     def __init__(self, config):
         self.providers = PROVIDERS

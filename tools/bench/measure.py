@@ -11,6 +11,12 @@ Peak extra memory: `torch.cuda.max_memory_allocated` during one step, after `res
 `memory_allocated` just before it, with the inputs alive. Everything the step allocates and still holds at its peak
 (outputs, the gradient buffer, saved activations, temporaries) counts. Not measured on CPU.
 
+Thermal state: on a GPU held at its power limit the clock falls as the chip warms, so the first cases of a run
+would meet a faster GPU than the last (an H200 at 700 W: 1980 MHz idle, 1440 MHz under cuBLAS's GEMMs at 63 C, with
+step times rising over the first tens of seconds of load). Before the first case, `warm_up_device` runs bf16 GEMMs
+until their time per window is steady, so the baselines and the cases that are set against them are timed in the
+same, sustained state, as in a training run; its trace is printed with the run.
+
 Copy bandwidth: device-to-device `copy_` of a large buffer, bytes read plus bytes written, timed the same way in the
 same run, so each case's GB/s is set against what this device moves at best.
 
@@ -109,6 +115,46 @@ def _run_reps(step, prepare, device, reps: int) -> list[float]:
         timer.stop(t0)
         del out, x  # free the gradient before the next repetition's prepare
     return timer.elapsed_ms()
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmUp:
+    window_ms: list  # the median GEMM time of each window, in order
+    seconds: float
+    steady: bool  # the last two windows within WARM_TOLERANCE of each other (else max_s ran out)
+
+
+WARM_WINDOW_S = 2.0  # seconds of GEMMs per window of the warm-up
+WARM_TOLERANCE = 0.005  # steady: two consecutive windows' medians within 0.5%, under the cases' run-to-run spread
+WARM_GEMM = 8192  # a [n, n] x [n, n] bf16 GEMM: 1.1 TFLOP, ~1.6 ms on an H200
+
+
+def warm_up_device(device: torch.device, *, min_s: float, max_s: float) -> Optional[WarmUp]:
+    """Runs bf16 GEMMs until two consecutive windows' median times agree within WARM_TOLERANCE (after at least
+    min_s, at most max_s seconds); None off CUDA or when max_s is 0."""
+    if device.type != "cuda" or max_s <= 0:
+        return None
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn((WARM_GEMM, WARM_GEMM), generator=gen, device=device).to(torch.bfloat16)
+    b = torch.randn((WARM_GEMM, WARM_GEMM), generator=gen, device=device).to(torch.bfloat16)
+    out = torch.empty_like(a)
+    medians: list = []
+    start = time.monotonic()
+    steady = False
+    while True:
+        timer = _Timer(device)
+        window_start = time.monotonic()
+        while time.monotonic() - window_start < WARM_WINDOW_S:
+            for _ in range(8):  # enqueue a few before looking at the host clock again
+                t0 = timer.start()
+                torch.mm(a, b, out=out)
+                timer.stop(t0)
+            synchronize(device)
+        medians.append(float(np.median(timer.elapsed_ms())))
+        elapsed = time.monotonic() - start
+        steady = len(medians) > 1 and abs(medians[-1] - medians[-2]) <= WARM_TOLERANCE * medians[-2]
+        if (steady and elapsed >= min_s) or elapsed >= max_s:
+            return WarmUp(window_ms=medians, seconds=elapsed, steady=steady)
 
 
 def warm_up(step: Callable[[Any], Any], prepare: Callable[[], Any], device: torch.device, calls: int) -> float:

@@ -54,6 +54,8 @@ class BenchConfig:
     seed: int = 1234
     family: str = "logits"  # a key of FAMILIES
     label: str = ""  # a name for this run, on each row of the families that record one
+    warm_min_s: float = 10.0  # the device warm-up before the first case (measure.warm_up_device); CUDA only
+    warm_max_s: float = 60.0  # 0: none
 
 
 FAMILIES = {"logits": logits.LogitsFamily, "lm_head": lm_head.LmHeadFamily}
@@ -262,6 +264,13 @@ def _run_rank(config: BenchConfig, device: torch.device, group, rank: int) -> No
     world = config.tp
     family = family_of(config)
     env = environment(device)
+    preload([family.providers[name] for name in sorted({c.provider for c in config.cases})])
+    warm = measure.warm_up_device(device, min_s=config.warm_min_s, max_s=config.warm_max_s)
+    if warm is not None and rank == 0:
+        trace = " ".join(f"{ms:.3f}" for ms in warm.window_ms)
+        print(f"warm-up: {warm.seconds:.0f} s of bf16 GEMMs ({measure.WARM_GEMM}^3), "
+              f"{'steady' if warm.steady else 'NOT steady (max time reached)'}; median ms per "
+              f"{measure.WARM_WINDOW_S:.0f} s window: {trace}", flush=True)
     copy_gbps = None
     if family.measures_copy_bandwidth:
         copy = measure.copy_bandwidth(device, config.copy_bytes, warmup=config.warmup, min_reps=config.min_reps,
@@ -272,7 +281,6 @@ def _run_rank(config: BenchConfig, device: torch.device, group, rank: int) -> No
                   f"{len(config.cases)} cases, TP={world}", flush=True)
     elif rank == 0:
         print(f"{env['gpu']}: {len(config.cases)} cases, TP={world}", flush=True)
-    preload([family.providers[name] for name in sorted({c.provider for c in config.cases})])
     # Imports (megatron-core especially) leave millions of objects that every gc.collect() would walk again; freeze
     # them so that freeing memory between cases costs milliseconds.
     gc.collect()
