@@ -727,15 +727,27 @@ def test_one_gemm_kernels_move_tiles_with_tma(compile_report, kernel):
 
 # --- the bench's LM-head suite, on the CPU (plumbing only) ---
 
+BENCH_DECIMAL = 5e-4  # the record stores times and ratios with 3 decimals: half a unit of the last one
+
 @pytest.mark.device("cpu")
 def test_bench_lm_head_smoke(tmp_path):
-    from tools.bench import lm_head, runner
+    from tools.bench import lm_head, lm_head_report, runner
     from tools.bench.cases import suite_cases
 
     paths = runner.OutputPaths(csv=str(tmp_path / "lm_head.csv"), md=str(tmp_path / "lm_head.md"), png="")
     runner.run(runner.BenchConfig(cases=suite_cases(["lm_head_smoke"], tp=1), tp=1, device="cpu", paths=paths,
-                                  warmup=1, min_reps=1, max_reps=1, target_ms=0.0, seed=5, family="lm_head"))
-    rows = (tmp_path / "lm_head.csv").read_text().splitlines()
-    assert len(rows) == 1 + len(lm_head.PROVIDERS), rows
-    assert sum(",ok," in r for r in rows) == len(lm_head.PROVIDERS) - len(lm_head.PEERS)  # peers: skipped off CUDA
+                                  warmup=1, min_reps=1, max_reps=1, target_ms=0.0, seed=5, family="lm_head",
+                                  steady_s=1e-3))
+    rows = lm_head_report.read_rows(str(tmp_path / "lm_head.csv"))
+    assert len(rows) == len(lm_head.PROVIDERS), rows
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert len(ok) == len(lm_head.PROVIDERS) - len(lm_head.PEERS)  # peers: skipped off CUDA
+    # every measured row timed back to back too, and set against its baseline's back-to-back time
+    assert all(float(r["steady_ms"]) > 0 for r in ok)
+    for r in ok:
+        if r["provider"] not in lm_head.BASELINES:
+            base = next(b for b in ok if b["provider"] == ("gemm1" if r["baseline"] == "1 GEMM" else "gemms"))
+            ms, base_ms = float(r["steady_ms"]), float(base["steady_ms"])
+            bound = BENCH_DECIMAL + ms / base_ms * (BENCH_DECIMAL / ms + BENCH_DECIMAL / base_ms)
+            assert abs(float(r["steady_vs"]) - ms / base_ms) <= bound
     assert (tmp_path / "lm_head.md").exists()

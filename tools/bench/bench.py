@@ -80,6 +80,8 @@ _BUDGET = flags.DEFINE_float("time_budget_s", 0.0, "Stop starting cases after th
 _WARM_MIN = flags.DEFINE_float("warm_min_s", 10.0, "CUDA: the device warm-up (bf16 GEMMs until their time is steady, "
                                 "tools/bench/measure.py) runs at least this many seconds.", lower_bound=0.0)
 _WARM_MAX = flags.DEFINE_float("warm_max_s", 60.0, "CUDA: ... and at most this many (0: no warm-up).", lower_bound=0.0)
+_STEADY = flags.DEFINE_float("steady_s", 2.0, "lm_head suites: also time each case back to back for about this many "
+                              "seconds (throughput; 0: not).", lower_bound=0.0)
 _SEED = flags.DEFINE_integer("seed", 1234, "Seed of the random inputs.")
 _LABEL = flags.DEFINE_string("label", "", f"lm_head suites and {PIECES_SUITE}: a name for this run, written on each "
                              "of its rows.")
@@ -116,6 +118,7 @@ def main(argv):
         time_budget_s=_BUDGET.value,
         warm_min_s=_WARM_MIN.value,
         warm_max_s=_WARM_MAX.value,
+        steady_s=_STEADY.value,
         seed=_SEED.value,
         family=family,
         label=_LABEL.value,

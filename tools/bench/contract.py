@@ -73,6 +73,7 @@ class RankResult:
     checks: dict = dataclasses.field(default_factory=dict)  # the family's check columns
     timing: Any = None  # measure.Timing when measured
     peak: Optional[int] = None  # peak extra bytes (None off CUDA)
+    steady_ms: Optional[float] = None  # ms per step back to back (measure.steady_ms), where the family asks for it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +90,7 @@ class Family(Protocol):
 
     providers: dict[str, Provider]
     measures_copy_bandwidth: bool  # measure the device copy first (printed); rows may set their GB/s against it
+    times_steady: bool  # also time each case back to back (measure.steady_ms), for config.steady_s
 
     def make_inputs(self, case, device, *, seed: int, rank: int, group) -> Any:
         """Seeded inputs of the case for this rank (shared by the consecutive cases with its input_key())."""

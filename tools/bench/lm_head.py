@@ -31,7 +31,11 @@ target. Providers:
   verl      verl's fused linear cross entropy (log-prob and entropy, both gradients; vocabulary-parallel), where its
             wheel is installed: its kernel modules are loaded without verl's package import, which needs its trainer
 Reported per case (slowest rank at TP > 1): p20/p50/p80 ms, TFLOP/s against the three GEMMs' count 6 T H V_local,
-time over the baseline of the same shape (`baseline`: the three GEMMs, or one GEMM for the forward-only rows), peak
+time over the baseline of the same shape (`baseline`: the three GEMMs, or one GEMM for the forward-only rows), the
+same two back to back (`steady_ms`, `steady_vs`: wall-clock ms per step over ~--steady_s of steps with one sync at
+the end, measure.steady_ms: host time and the op's own host reads counted, every row and its baseline in the GPU's
+sustained clock state; the per-step events leave out the idle gap after a host read, after which a GPU at its power
+limit runs the next step at a higher clock), peak
 extra memory (max allocated during one step over what was allocated before it, inputs alive), the largest
 |log-prob difference| against the unfused one (a sanity check, not an error measure: the unfused path rounds its
 logits to bf16, about 0.03 at |z| ~ 5; the fused op keeps them in fp32), and the largest differences from float64
@@ -473,18 +477,19 @@ def f64_diffs(case: HeadCase, inp: HeadInputs, got: Values) -> dict:
 
 # --- the family ---
 
-DESCRIBED = ("provider", "T", "V", "tp", "status", "p50_ms", "tflops", "baseline", "vs_gemms", "peak_extra_gib",
-             "f64_dlogprob", "f64_dentropy", "f64_ddx_rel")
+DESCRIBED = ("provider", "T", "V", "tp", "status", "p50_ms", "tflops", "baseline", "vs_gemms", "steady_ms",
+             "steady_vs", "peak_extra_gib", "f64_dlogprob", "f64_dentropy", "f64_ddx_rel")
 
 
 class LmHeadFamily:
     measures_copy_bandwidth = True  # printed with the run; the rows are set against the GEMMs of the same shape
+    times_steady = True  # steady_ms: back to back, and steady_vs: over the baseline's, timed the same way
 
     def __init__(self, config):
         self.providers = PROVIDERS
         self._csv = config.paths.csv
         self._md = config.paths.md
-        self._baselines = {}  # (input_key, gemms | gemm1) -> the slowest rank's p50 ms, this run
+        self._baselines = {}  # (input_key, gemms | gemm1) -> the slowest rank's (p50 ms, steady ms), this run
 
     def make_inputs(self, case: HeadCase, device, *, seed: int, rank: int, group) -> HeadInputs:
         return HeadInputs(case, device, seed, group, rank)
@@ -519,11 +524,16 @@ class LmHeadFamily:
         peaks = [r.peak for r in results if r.peak is not None]
         if peaks:
             row["peak_extra_gib"] = f"{max(peaks) / GIB:.3f}"
-        base = self._baselines.get((case.input_key(), "gemm1" if one else "gemms"))
+        steady = max((r.steady_ms for r in results if r.steady_ms is not None), default=None)
+        if steady is not None:
+            row["steady_ms"] = f"{steady:.3f}"
+        base, base_steady = self._baselines.get((case.input_key(), "gemm1" if one else "gemms"), (None, None))
         if base:
             row["vs_gemms"] = f"{p50 / base:.3f}"
+        if base_steady and steady is not None:
+            row["steady_vs"] = f"{steady / base_steady:.3f}"
         if case.provider in BASELINES:  # after: a baseline's own row has no ratio
-            self._baselines[(case.input_key(), case.provider)] = p50
+            self._baselines[(case.input_key(), case.provider)] = (p50, steady)
         return row
 
     def describe(self, row: dict) -> str:

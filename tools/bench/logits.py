@@ -20,6 +20,7 @@ from tools.bench.providers import PROVIDERS
 
 class LogitsFamily:
     measures_copy_bandwidth = True  # each row's GB/s is set against the device copy
+    times_steady = False  # its prepare refills logits an in-place backward destroyed: a copy, not the op's
 
     def __init__(self, config):
         self.providers = PROVIDERS

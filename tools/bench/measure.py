@@ -180,6 +180,29 @@ def time_step(
     return Timing(p20_ms=float(p20), p50_ms=float(p50), p80_ms=float(p80), reps=reps)
 
 
+STEADY_MAX_STEPS = 500  # back-to-back steps at most (a 15 ms step fills 2 s with 133)
+
+
+def steady_steps(estimate_ms: float, seconds: float, min_steps: int) -> int:
+    """How many back-to-back steps fill about `seconds` (the ranks agree on the estimate, so on the count)."""
+    return int(min(STEADY_MAX_STEPS, max(min_steps, math.ceil(seconds * 1e3 / max(estimate_ms, 1e-3)))))
+
+
+def steady_ms(step: Callable[[Any], Any], prepare: Callable[[], Any], device: torch.device, steps: int) -> float:
+    """Wall-clock ms per step over `steps` steps run back to back, one synchronisation at the end: a training loop's
+    throughput, with the host's share, the op's own host reads and the GPU's clock under sustained load in it.
+    Per-step events (time_step) leave out the idle time an op's host read opens before the next step, and a GPU at
+    its power limit runs the following step at a higher clock after such a rest; here both count, for every row and
+    its baseline alike. `prepare` runs in the loop too (the LM head's: fresh leaf tensors, no copy)."""
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        out = step(prepare())
+        del out
+    synchronize(device)
+    return (time.perf_counter() - start) * 1e3 / steps
+
+
 def peak_extra_bytes(step: Callable[[Any], Any], prepare: Callable[[], Any], device: torch.device) -> Optional[int]:
     """Max allocated during one step over what was allocated before it (inputs alive); None off CUDA."""
     if device.type != "cuda":

@@ -56,6 +56,7 @@ class BenchConfig:
     label: str = ""  # a name for this run, on each row of the families that record one
     warm_min_s: float = 10.0  # the device warm-up before the first case (measure.warm_up_device); CUDA only
     warm_max_s: float = 60.0  # 0: none
+    steady_s: float = 2.0  # families that time steps back to back too: about this long per case (0: not)
 
 
 FAMILIES = {"logits": logits.LogitsFamily, "lm_head": lm_head.LmHeadFamily}
@@ -222,7 +223,12 @@ def _run_case(case, family: Family, config: BenchConfig, device: torch.device, c
         peak = measure.peak_extra_bytes(closure.step, closure.prepare, device)
         timing = measure.time_step(closure.step, closure.prepare, device, estimate_ms=estimate,
                                    min_reps=config.min_reps, max_reps=config.max_reps, target_ms=config.target_ms)
-        return RankResult("ok", checks, timing, peak)
+        steady = None
+        if family.times_steady and config.steady_s > 0:
+            steps = measure.steady_steps(estimate, config.steady_s, config.min_reps)
+            steady = max_over_ranks(measure.steady_ms(closure.step, closure.prepare, device, steps), cache.group,
+                                    device)
+        return RankResult("ok", checks, timing, peak, steady)
     except Exception as error:  # recorded per case so one failure does not lose the run
         if _is_oom(error):
             cache.clear()
