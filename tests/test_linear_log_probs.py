@@ -729,6 +729,7 @@ def test_one_gemm_kernels_move_tiles_with_tma(compile_report, kernel):
 
 BENCH_DECIMAL = 5e-4  # the record stores times and ratios with 3 decimals: half a unit of the last one
 
+
 @pytest.mark.device("cpu")
 def test_bench_lm_head_smoke(tmp_path):
     from tools.bench import lm_head, lm_head_report, runner

@@ -3,9 +3,9 @@ verdicts (lm_head.md), rendered from the whole CSV.
 
 Targets, over the rows of the CSV's last run (its label): the general op <= 1.38 x the three GEMMs; forward only <=
 1.08 x one GEMM; token_loss <= 1.10 x the three GEMMs and peak extra <= 3.5 GiB at T = 32768; a TP = 2 rank within
-15% of TP = 1 on the local shape, read from the TP = 1 rows of the same run. A time target is judged on both
-measures where the row has them, the per-step events' p50 (vs_gemms) and back to back (steady_vs), and met only
-where both meet it.
+15% of TP = 1 on the local shape, read from the TP = 1 rows of the same run. A target against the GEMMs is judged
+on both measures where the row has them, the per-step events' p50 (vs_gemms) and back to back (steady_vs), and met
+only where both meet it; the TP = 2 one on the p50s.
 """
 
 from __future__ import annotations

@@ -193,7 +193,7 @@ def steady_ms(step: Callable[[Any], Any], prepare: Callable[[], Any], device: to
     throughput, with the host's share, the op's own host reads and the GPU's clock under sustained load in it.
     Per-step events (time_step) leave out the idle time an op's host read opens before the next step, and a GPU at
     its power limit runs the following step at a higher clock after such a rest; here both count, for every row and
-    its baseline alike. `prepare` runs in the loop too (the LM head's: fresh leaf tensors, no copy)."""
+    its baseline alike. `prepare` runs in the loop too (the LM head's does nothing: its step makes its own leaves)."""
     synchronize(device)
     start = time.perf_counter()
     for _ in range(steps):
