@@ -6,6 +6,9 @@
   runs `worker(rank, world_size, *args)` on each: NCCL with rank r on cuda:r when DEVICE is cuda, else gloo. A rank
   that raises fails the caller with its traceback; a rank stuck in a collective fails after RANK_TIMEOUT.
 - `run_gloo`: the same on gloo and CPU tensors, wherever the test runs (checks of the CPU path itself).
+- `one_gpu=True` (run_ranks, results_by_tp): gloo ranks that all compute on cuda:0, so a one-GPU runner checks TP > 1
+  of the compiled kernels (gloo carries the CUDA tensors' collectives through host memory: NCCL itself is not
+  exercised, the `_gpuN` targets do that).
 - `results_by_tp(out_dir, compute, *args)`: per-TP-size results of one computation, TP = 1 in this process and each
   TP > 1 spawned once, for the suites that compare TP sizes bit for bit.
 - `world_size_param(n)`: a pytest parameter for a case that needs n ranks, marked `world_size(n)`: a GPU target runs
@@ -37,16 +40,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def rank_device(rank: int, backend: str = DIST_BACKEND) -> torch.device:
-    """The device rank `rank` computes on: its own GPU under NCCL, the CPU under gloo."""
+def rank_device(rank: int, backend: str = DIST_BACKEND, one_gpu: bool = False) -> torch.device:
+    """The device rank `rank` computes on: its own GPU under NCCL, the CPU under gloo, cuda:0 with one_gpu."""
+    if one_gpu:
+        return torch.device("cuda", 0)
     return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
 
 
-def _entry(rank, world_size, port, backend, timeout_s, worker, args):
+def _entry(rank, world_size, port, backend, one_gpu, timeout_s, worker, args):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
+    if backend == "nccl" or one_gpu:
+        torch.cuda.set_device(rank_device(rank, backend, one_gpu))
     else:
         torch.set_num_threads(1)  # world_size processes share the CI machine's 2 cores
     timeout = RANK_TIMEOUT if timeout_s is None else datetime.timedelta(seconds=timeout_s)
@@ -57,15 +62,19 @@ def _entry(rank, world_size, port, backend, timeout_s, worker, args):
     rank_exit.leave()  # barrier, destroy the group, flush, exit without interpreter finalization (tools/rank_exit.py)
 
 
-def run_ranks(world_size: int, worker, *args, backend: str = DIST_BACKEND, timeout_s: Optional[float] = None,
-              deadline_s: Optional[float] = None):
+def run_ranks(world_size: int, worker, *args, backend: str = DIST_BACKEND, one_gpu: bool = False,
+              timeout_s: Optional[float] = None, deadline_s: Optional[float] = None):
     """Runs worker(rank, world_size, *args) on `world_size` spawned ranks (module docstring).
 
-    timeout_s: the group's collective timeout (default RANK_TIMEOUT). deadline_s: the ranks must all have finished
-    this many seconds after the spawn, or they are terminated and the caller fails with "hang"."""
+    one_gpu: gloo ranks that all compute on cuda:0 (backend must be "gloo"). timeout_s: the group's collective timeout
+    (default RANK_TIMEOUT). deadline_s: the ranks must all have finished this many seconds after the spawn, or they
+    are terminated and the caller fails with "hang"."""
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise RuntimeError(f"{world_size} NCCL ranks need {world_size} GPUs, {torch.cuda.device_count()} visible")
-    spawn_args = (world_size, free_port(), backend, timeout_s, worker, args)
+    if one_gpu and (backend != "gloo" or not torch.cuda.is_available()):
+        raise RuntimeError(f"one_gpu: gloo ranks on a visible GPU, got backend {backend!r}, "
+                           f"{torch.cuda.device_count()} GPU(s) visible")
+    spawn_args = (world_size, free_port(), backend, one_gpu, timeout_s, worker, args)
     if deadline_s is None:
         mp.spawn(_entry, args=spawn_args, nprocs=world_size, join=True)
         return
@@ -88,15 +97,16 @@ def run_gloo(world_size: int, worker, *args, **limits):
     run_ranks(world_size, worker, *args, backend="gloo", **limits)
 
 
-def _save_results(rank, world_size, out_dir, compute, args):
-    results = compute(rank, world_size, dist.group.WORLD, rank_device(rank), *args)
+def _save_results(rank, world_size, out_dir, compute, args, one_gpu):
+    results = compute(rank, world_size, dist.group.WORLD, rank_device(rank, one_gpu=one_gpu), *args)
     torch.save(results, os.path.join(out_dir, f"tp{world_size}_rank{rank}.pt"))
 
 
-def results_by_tp(out_dir: str, compute, *args):
+def results_by_tp(out_dir: str, compute, *args, one_gpu: bool = False):
     """tp -> [per-rank results of compute(rank, world_size, group, device, *args)]: TP = 1 in this process (no group,
     on DEVICE), each TP > 1 spawned the first time it is asked for (a GPU target runs only the TP sizes its GPUs
-    hold), its ranks' results saved in out_dir. `compute` must be a module-level function (the ranks import it)."""
+    hold; with one_gpu, gloo ranks all on cuda:0), its ranks' results saved in out_dir. `compute` must be a
+    module-level function (the ranks import it)."""
     cache = {}
 
     def results(tp: int):
@@ -104,7 +114,8 @@ def results_by_tp(out_dir: str, compute, *args):
             if tp == 1:
                 cache[1] = [compute(0, 1, None, DEVICE, *args)]
             else:
-                run_ranks(tp, _save_results, out_dir, compute, args)
+                run_ranks(tp, _save_results, out_dir, compute, args, one_gpu,
+                          backend="gloo" if one_gpu else DIST_BACKEND, one_gpu=one_gpu)
                 cache[tp] = [torch.load(os.path.join(out_dir, f"tp{tp}_rank{r}.pt")) for r in range(tp)]
         return cache[tp]
 
