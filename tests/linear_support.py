@@ -131,3 +131,67 @@ def assert_within(name, got, ref_and_tol):
     assert bool((err <= tol).all()), (
         f"{name}: error {err.flatten()[worst]:.3e} over its bound {tol.flatten()[worst]:.3e} at flat index "
         f"{int(worst)} (max relative to bound {float((err / tol.clamp(min=1e-300)).max()):.2f})")
+
+
+# --- TP > 1 of the compiled kernels at Qwen3's shapes, on one GPU (gloo ranks on cuda:0, tests/ranks.py) ---
+
+QWEN3_VOCAB, QWEN3_TOKENS = 151936, 151669  # Qwen3's LM head: 151936 columns, 267 of them padding
+# name -> (H, rows): Qwen3-0.6B's head past one token-loss block (8192 rows) and the general op's held rows (3328),
+# over two dW groups; Qwen3-8B's past the held rows, the token loss as one block of at least 2 H rows (dW in the
+# probabilities' storage).
+QWEN3_TP_SHAPES = {"qwen3_0.6b_head": (1024, 12000), "qwen3_8b_head": (4096, 9000)}
+QWEN3_TP_SIZES = (2, 4)
+QWEN3_TEMPERATURE = 0.7
+QWEN3_DROP_EVERY = 97  # the row mask drops every 97th row: kept rows move between blocks and groups
+# dX at TP > 1 adds the same per-segment fp32 products in another order (each rank's segments, then the ranks) and
+# rounds once to bf16, as TP = 1 does: one bf16 rounding each side (2 x 2^-8 of the largest entry); the fp32
+# reassociation of 8 segment sums is orders of magnitude below it.
+DX_ACROSS_TP_MAX_REL = 2.0**-7
+
+
+def qwen3_inputs(width, n_rows, device, seed=91):
+    """bf16 hidden [n_rows, H] and weight [QWEN3_VOCAB, H] (logits of O(3)), tokens of the real vocabulary with
+    -100 on dropped rows, the row mask, and upstream weights for log-probs and entropies; drawn on `device` from a
+    seeded generator, so every process on that kind of GPU draws the same values."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    hidden = torch.randn((n_rows, width), generator=gen, device=device).to(torch.bfloat16)
+    weight = (torch.randn((QWEN3_VOCAB, width), generator=gen, device=device) * (WEIGHT_SCALE / width**0.5)).to(
+        torch.bfloat16)
+    tokens = torch.randint(0, QWEN3_TOKENS, (n_rows,), generator=gen, device=device)
+    row_mask = torch.arange(n_rows, device=device) % QWEN3_DROP_EVERY != QWEN3_DROP_EVERY - 1
+    g_lp = torch.rand((n_rows,), generator=gen, device=device) + 0.5
+    g_ent = torch.rand((n_rows,), generator=gen, device=device) * 2 - 1
+    return hidden, weight, torch.where(row_mask, tokens, -100), row_mask, g_lp, g_ent
+
+
+def digest(t: torch.Tensor) -> str:
+    """SHA-256 of a tensor's bytes: bitwise equality of large shards without saving them."""
+    import hashlib
+
+    raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
+
+
+def tp_record(world_size, values: dict, dx, dw) -> dict:
+    """What one rank of one case keeps for assert_tp_invariant: its values and dX on the CPU, the digest of its dW
+    shard; at TP = 1 the digests of dW's slices as each rank of QWEN3_TP_SIZES holds them."""
+    record = dict(values={k: v.detach().cpu() for k, v in values.items()}, dx=dx.cpu(), dw=digest(dw))
+    if world_size == 1:
+        record["dw_slices"] = {tp: [digest(piece) for piece in dw.chunk(tp)] for tp in QWEN3_TP_SIZES}
+    return record
+
+
+def assert_tp_invariant(tp1: dict, ranks: list, what: str):
+    """Every rank's values bitwise TP = 1's, its dW shard bitwise TP = 1's slice, dX the same on every rank and within
+    DX_ACROSS_TP_MAX_REL of TP = 1's."""
+    tp = len(ranks)
+    for rank, record in enumerate(ranks):
+        for name, value in tp1["values"].items():
+            assert torch.equal(record["values"][name], value), f"{what} TP={tp} rank {rank}: {name} differs from TP=1"
+        assert torch.equal(record["dx"], ranks[0]["dx"]), f"{what} TP={tp}: dX differs between ranks 0 and {rank}"
+    shards = [record["dw"] for record in ranks]
+    bad = [r for r, (got, want) in enumerate(zip(shards, tp1["dw_slices"][tp])) if got != want]
+    assert not bad, f"{what} TP={tp}: the dW shards of ranks {bad} differ bitwise from TP=1's slices"
+    dx, dx1 = ranks[0]["dx"].double(), tp1["dx"].double()
+    worst = float((dx - dx1).abs().max() / dx1.abs().max())
+    assert worst <= DX_ACROSS_TP_MAX_REL, f"{what} TP={tp}: dX off TP=1's by {worst:.2e} of its largest entry"

@@ -7,7 +7,8 @@ What is checked, per backend ("torch"; "triton" under TRITON_INTERPRET=1 on CPU,
 - values and both gradients against a float64 reference, within bounds derived per element from the rounding of the
   GEMMs (see `_bounds`);
 - bitwise TP invariance of log-probs, entropies and dW at TP = 1, 2, 4 (gloo on CPU, NCCL on GPUs), dX within its
-  bound, and reduce_dx=False returning per-rank contributions that sum to dX;
+  bound, and reduce_dx=False returning per-rank contributions that sum to dX; on CUDA also the compiled kernels at
+  Qwen3's shapes at TP = 2 and 4 with every rank on one GPU (gloo), so a one-GPU runner checks TP > 1 too;
 - row mask (dropped rows: zeros, no gradient; kept rows bitwise as without the mask), run-to-run determinism,
   caller's tensors untouched, empty input, argument errors, NumPy scalars as numbers;
 - the value checks read the device once per call with validate=True and never with validate=False (counted at
@@ -28,7 +29,8 @@ import ppo_ops
 from ppo_ops.core import agreement, layout as _layout, shell
 from ppo_ops.lm_head import chunked as _linear_chunked
 from tests.core_support import (CaseFailures, backend_params, compile_check_report, make_weights, triton_skip_reason)
-from tests.linear_support import HIDDEN, UNIT_ROUNDOFF, V_GLOBAL
+from tests.linear_support import (HIDDEN, QWEN3_TEMPERATURE, QWEN3_TOKENS, QWEN3_TP_SHAPES, QWEN3_TP_SIZES,
+                                  UNIT_ROUNDOFF, V_GLOBAL, assert_tp_invariant, qwen3_inputs, tp_record)
 from tests.linear_support import assert_within as _assert_within
 from tests.linear_support import bounds as _bounds
 from tests.linear_support import inputs as _inputs
@@ -688,6 +690,36 @@ def test_tp_bitwise_invariant(tp_results, backend, tp, name):
     ref, tol = bounds["dx"]
     assert bool(((partial_sum - ref).abs() <= tol + UNIT_ROUNDOFF[dtype] * contributions).all()), (
         "reduce_dx=False: the ranks' contributions do not sum to dX")
+
+
+def _qwen3_tp_results(rank, world_size, group, device):
+    """Each Qwen3 shape through the general op with both gradients on this rank's vocabulary shard."""
+    results = {}
+    for name, (width, n_rows) in QWEN3_TP_SHAPES.items():
+        hidden, weight, tokens, row_mask, g_lp, g_ent = qwen3_inputs(width, n_rows, device)
+        h = hidden.requires_grad_(True)
+        w = weight.chunk(world_size)[rank].clone().requires_grad_(True)
+        out = ppo_ops.linear_log_probs_and_entropy(h, w, tokens, tp_group=group, entropy="grad",
+                                                   temperature=QWEN3_TEMPERATURE, vocab_size=QWEN3_TOKENS,
+                                                   row_mask=row_mask)
+        dx, dw = torch.autograd.grad((out.log_probs, out.entropy), (h, w), (g_lp, g_ent))
+        results[name] = tp_record(world_size, dict(log_probs=out.log_probs, entropy=out.entropy), dx, dw)
+    return results
+
+
+@pytest.fixture(scope="module")
+def qwen3_tp_results(tmp_path_factory):
+    return results_by_tp(str(tmp_path_factory.mktemp("linear_qwen3_tp")), _qwen3_tp_results, one_gpu=True)
+
+
+@pytest.mark.device("cuda")
+@pytest.mark.parametrize("name", list(QWEN3_TP_SHAPES))
+@pytest.mark.parametrize("tp", QWEN3_TP_SIZES)
+def test_tp_bitwise_invariant_at_qwen3_shapes_on_one_gpu(qwen3_tp_results, tp, name):
+    """The compiled kernels at TP = 2 and 4 with Qwen3's vocabulary (padding, temperature, a row mask; past the held
+    rows, over two dW groups), every rank on the one GPU over gloo: log-probs, entropies and dW bitwise TP = 1's, dX
+    the same on every rank and within a bf16 rounding of TP = 1's."""
+    assert_tp_invariant(qwen3_tp_results(1)[0][name], [r[name] for r in qwen3_tp_results(tp)], name)
 
 
 # --- compiled code (no GPU needed: a child process without the interpreter compiles for sm_90) ---

@@ -14,7 +14,8 @@ passes, under TRITON_INTERPRET=1 on CPU with an fp32 matmul standing in for cuBL
   (and none with validate=False), NaN / +inf logits on the one-GEMM blocks; on 2 gloo ranks a bad token_loss or
   token on ONE rank makes both raise, naming the rank and the argument;
 - TP = 2 and 4 (gloo on CPU, NCCL on GPUs): loss, log-probs, entropies and the concatenated dW bitwise equal to TP = 1,
-  dX within its bound, reduce_dx=False giving per-rank contributions.
+  dX within its bound, reduce_dx=False giving per-rank contributions; on CUDA also the compiled kernels at Qwen3's
+  shapes with the shipped PPO loss at TP = 2 and 4, every rank on one GPU (gloo), so a one-GPU runner checks TP > 1.
 """
 
 import os
@@ -29,7 +30,9 @@ from ppo_ops.core import layout as _layout
 from ppo_ops.core import scale as _scale
 from ppo_ops.lm_head import chunked as _linear_chunked
 from tests.core_support import backend_params, make_weights, triton_skip_reason
-from tests.linear_support import HIDDEN, UNIT_ROUNDOFF, V_GLOBAL, assert_within, bounds, inputs
+from tests.linear_support import (HIDDEN, QWEN3_TEMPERATURE, QWEN3_TOKENS, QWEN3_TP_SHAPES, QWEN3_TP_SIZES,
+                                  UNIT_ROUNDOFF, V_GLOBAL, assert_tp_invariant, assert_within, bounds, inputs,
+                                  qwen3_inputs, tp_record)
 from tests.ranks import DEVICE, results_by_tp, world_size_param
 
 # The loss is a sum of per-row terms: its fp32 value errs by the terms' errors (each the term's gradient times the
@@ -616,6 +619,45 @@ def test_tp_bitwise_invariant(tp_results, backend, tp, name):
     contributions = sum(per_rank[(backend, name, False)][3].double().abs() for per_rank in ranks)
     ref, tol = b["dx"]
     assert bool(((partial_sum - ref).abs() <= tol + UNIT_ROUNDOFF[dtype] * contributions).all())
+
+
+def _qwen3_tp_results(rank, world_size, group, device):
+    """Each Qwen3 shape through the token loss with the shipped PPO loss (clip-higher, dual clip, entropy bonus, k3
+    KL, token mean over the kept rows) on this rank's vocabulary shard."""
+    from ppo_ops import token_losses
+
+    results = {}
+    for name, (width, n_rows) in QWEN3_TP_SHAPES.items():
+        hidden, weight, tokens, row_mask, _, _ = qwen3_inputs(width, n_rows, device)
+        gen = torch.Generator(device=device).manual_seed(92)
+        old, ref = (-3.0 + torch.randn((n_rows,), generator=gen, device=device) for _ in range(2))
+        ppo = token_losses.policy_loss(old, torch.randn((n_rows,), generator=gen, device=device), clip_low=0.2,
+                                       clip_high=0.28, dual_clip=3.0, entropy_coef=0.01, kl_coef=0.05,
+                                       ref_log_probs=ref, kl_type="k3", loss_mask=row_mask)
+        h = hidden.requires_grad_(True)
+        w = weight.chunk(world_size)[rank].clone().requires_grad_(True)
+        loss, out = ppo_ops.linear_token_loss(h, w, tokens, ppo, tp_group=group, entropy="grad",
+                                              temperature=QWEN3_TEMPERATURE, vocab_size=QWEN3_TOKENS,
+                                              row_mask=row_mask)
+        dx, dw = torch.autograd.grad(loss, (h, w))
+        results[name] = tp_record(world_size, dict(loss=loss, log_probs=out.log_probs, entropy=out.entropy), dx, dw)
+    return results
+
+
+@pytest.fixture(scope="module")
+def qwen3_tp_results(tmp_path_factory):
+    return results_by_tp(str(tmp_path_factory.mktemp("token_loss_qwen3_tp")), _qwen3_tp_results, one_gpu=True)
+
+
+@pytest.mark.device("cuda")
+@pytest.mark.parametrize("name", list(QWEN3_TP_SHAPES))
+@pytest.mark.parametrize("tp", QWEN3_TP_SIZES)
+def test_tp_bitwise_invariant_at_qwen3_shapes_on_one_gpu(qwen3_tp_results, tp, name):
+    """The compiled kernels at TP = 2 and 4 with Qwen3's vocabulary (padding, temperature, a row mask; two blocks
+    beside the fp32 dW accumulator, and one block with dW in its probabilities' storage), every rank on the one GPU
+    over gloo: loss, log-probs, entropies and dW bitwise TP = 1's, dX the same on every rank and within a bf16
+    rounding of TP = 1's."""
+    assert_tp_invariant(qwen3_tp_results(1)[0][name], [r[name] for r in qwen3_tp_results(tp)], name)
 
 
 

@@ -3,7 +3,8 @@
 The same GLOBAL logits (V_global = 8 * 40, so the vocabulary splits into the eight fixed segments of
 ppo_ops/core/layout.py) go through `ppo_ops.log_probs_and_entropy` at TP = 1 (no process group) and on 2, 4 and 8
 spawned ranks, each rank holding its contiguous vocabulary shard: gloo on CPU (the CPU target), NCCL with one GPU per
-rank on CUDA (the `_gpu` targets: TP = 2 on two GPUs, TP = 4 and 8 in `_gpu4` / `_gpu8` on hosts with that many). For
+rank on CUDA (the `_gpu` targets: TP = 2 on two GPUs, TP = 4 and 8 in `_gpu4` / `_gpu8` on hosts with that many), and
+on CUDA also every rank on one GPU over gloo (so a one-GPU runner checks the compiled kernels at TP > 1). For
 each backend ("torch" and "triton", the latter under TRITON_INTERPRET=1 on CPU, compiled on CUDA) and each case, the
 log-probs and entropy of every rank and the concatenated gradient shards must equal the TP=1 result bit for bit
 (`torch.equal`). The TP=1 result is also held to the float64 reference, so the bits compared are right ones.
@@ -115,9 +116,28 @@ def test_tp1_matches_float64_reference(results_by_tp, backend, case):
 @pytest.mark.parametrize("tp", [world_size_param(tp) for tp in TP_SIZES[1:]])
 @pytest.mark.parametrize("backend", backend_params(DEVICE))
 def test_bitwise_identical_to_tp1(results_by_tp, backend, tp, case):
+    _assert_bitwise_tp1(results_by_tp, backend, tp, case)
+
+
+@pytest.fixture(scope="module")
+def results_on_one_gpu(tmp_path_factory):
+    """As results_by_tp, the ranks of TP > 1 all on the one GPU over gloo (tests/ranks.py, one_gpu)."""
+    return results_by_tp(str(tmp_path_factory.mktemp("tp_invariance_one_gpu")), _all_results, one_gpu=True)
+
+
+@pytest.mark.device("cuda")
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("tp", TP_SIZES[1:])
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+def test_bitwise_identical_to_tp1_on_one_gpu(results_on_one_gpu, backend, tp, case):
+    """The compiled kernels at TP = 2, 4 and 8 on a one-GPU runner: every rank on the GPU, gloo between them."""
+    _assert_bitwise_tp1(results_on_one_gpu, backend, tp, case)
+
+
+def _assert_bitwise_tp1(results, backend, tp, case):
     key = (backend, case.name)
-    log_probs, entropy, grad = results_by_tp(1)[0][key]
-    ranks = [per_rank[key] for per_rank in results_by_tp(tp)]
+    log_probs, entropy, grad = results(1)[0][key]
+    ranks = [per_rank[key] for per_rank in results(tp)]
     for rank, (lp, ent, _) in enumerate(ranks):
         assert torch.equal(lp, log_probs), f"TP={tp} rank {rank}: log_probs differ bitwise from TP=1"
         if entropy is not None:
