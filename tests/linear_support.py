@@ -164,6 +164,11 @@ def qwen3_inputs(width, n_rows, device, seed=91):
     return hidden, weight, torch.where(row_mask, tokens, -100), row_mask, g_lp, g_ent
 
 
+def qwen3_kept_rows(n_rows: int) -> int:
+    """The rows qwen3_inputs' row mask keeps."""
+    return n_rows - n_rows // QWEN3_DROP_EVERY
+
+
 def digest(t: torch.Tensor) -> str:
     """SHA-256 of a tensor's bytes: bitwise equality of large shards without saving them."""
     import hashlib

@@ -30,7 +30,8 @@ from ppo_ops.core import agreement, layout as _layout, shell
 from ppo_ops.lm_head import chunked as _linear_chunked
 from tests.core_support import (CaseFailures, backend_params, compile_check_report, make_weights, triton_skip_reason)
 from tests.linear_support import (HIDDEN, QWEN3_TEMPERATURE, QWEN3_TOKENS, QWEN3_TP_SHAPES, QWEN3_TP_SIZES,
-                                  UNIT_ROUNDOFF, V_GLOBAL, assert_tp_invariant, qwen3_inputs, tp_record)
+                                  QWEN3_VOCAB, UNIT_ROUNDOFF, V_GLOBAL, assert_tp_invariant, qwen3_inputs,
+                                  qwen3_kept_rows, tp_record)
 from tests.linear_support import assert_within as _assert_within
 from tests.linear_support import bounds as _bounds
 from tests.linear_support import inputs as _inputs
@@ -710,6 +711,16 @@ def _qwen3_tp_results(rank, world_size, group, device):
 @pytest.fixture(scope="module")
 def qwen3_tp_results(tmp_path_factory):
     return results_by_tp(str(tmp_path_factory.mktemp("linear_qwen3_tp")), _qwen3_tp_results, one_gpu=True)
+
+
+def test_qwen3_tp_shapes_pass_the_held_rows_and_one_dw_group():
+    # What the one-GPU TP cases below claim to cover on CUDA: rows held as probabilities and rows recomputed, two dW
+    # groups.
+    cuda, seg_len = torch.device("cuda"), QWEN3_VOCAB // _layout.NUM_FIXED_SEGMENTS
+    for _, n_rows in QWEN3_TP_SHAPES.values():
+        kept = qwen3_kept_rows(n_rows)
+        assert 0 < _linear_chunked.held_rows(kept, seg_len, cuda) < kept
+        assert _linear_chunked.CUDA_SHAPE.dw_rows < kept <= 2 * _linear_chunked.CUDA_SHAPE.dw_rows
 
 
 @pytest.mark.device("cuda")

@@ -31,8 +31,8 @@ from ppo_ops.core import scale as _scale
 from ppo_ops.lm_head import chunked as _linear_chunked
 from tests.core_support import backend_params, make_weights, triton_skip_reason
 from tests.linear_support import (HIDDEN, QWEN3_TEMPERATURE, QWEN3_TOKENS, QWEN3_TP_SHAPES, QWEN3_TP_SIZES,
-                                  UNIT_ROUNDOFF, V_GLOBAL, assert_tp_invariant, assert_within, bounds, inputs,
-                                  qwen3_inputs, tp_record)
+                                  QWEN3_VOCAB, UNIT_ROUNDOFF, V_GLOBAL, assert_tp_invariant, assert_within, bounds,
+                                  inputs, qwen3_inputs, qwen3_kept_rows, tp_record)
 from tests.ranks import DEVICE, results_by_tp, world_size_param
 
 # The loss is a sum of per-row terms: its fp32 value errs by the terms' errors (each the term's gradient times the
@@ -647,6 +647,22 @@ def _qwen3_tp_results(rank, world_size, group, device):
 @pytest.fixture(scope="module")
 def qwen3_tp_results(tmp_path_factory):
     return results_by_tp(str(tmp_path_factory.mktemp("token_loss_qwen3_tp")), _qwen3_tp_results, one_gpu=True)
+
+
+def test_qwen3_tp_shapes_take_both_block_layouts():
+    # What the one-GPU TP cases below claim to cover on CUDA: Qwen3-0.6B's head in blocks beside the fp32 dW
+    # accumulator, Qwen3-8B's as one block whose dW lies in its probabilities' storage.
+    from ppo_ops.lm_head import gemm_partials
+
+    cuda, seg_len = torch.device("cuda"), QWEN3_VOCAB // _layout.NUM_FIXED_SEGMENTS
+    for name, (width, n_rows) in QWEN3_TP_SHAPES.items():
+        kept = qwen3_kept_rows(n_rows)
+        held = -(-kept // gemm_partials.GPU_CONFIG.block_m) * gemm_partials.GPU_CONFIG.block_m
+        one_block = _linear_chunked.one_prob_block(kept, held, width, seg_len, cuda)
+        if name == "qwen3_8b_head":
+            assert one_block and _linear_chunked.dw_in_probs(held, width), name
+        else:
+            assert not one_block and kept > _linear_chunked.prob_block_rows(width, seg_len, cuda), name
 
 
 @pytest.mark.device("cuda")
