@@ -714,36 +714,105 @@ GLOO_TIMEOUT_S = 30  # a collective that waits this long fails the rank: a hang 
 DEADLINE_S = 180  # both ranks done by then, or the test fails as a hang
 
 
+class LossOfItsOwn(Exception):
+    """What a caller's token_loss raises in the collective-failure cases (an exception type ppo_ops never uses)."""
+
+
+def _failing_loss(kind, failing_ranks, rank, n_rows, from_row=0):
+    """A good loss, except on `failing_ranks` for blocks holding a row >= from_row, where it fails as `kind` says."""
+    good = _weighted(n_rows, 108)
+
+    def token_loss(lp, ent, rows):
+        if rank not in failing_ranks or int(rows.max()) < from_row:
+            return good(lp, ent, rows)
+        if kind == "raises":
+            raise LossOfItsOwn(f"the caller's own failure on rank {rank}")
+        if kind == "float64":
+            return good(lp, ent, rows).double()
+        if kind == "wrong_shape":
+            return good(lp, ent, rows)[:-1]
+        if kind == "nan":
+            return good(lp, ent, rows) * float("nan")
+        raise AssertionError(kind)
+    return token_loss
+
+
+# name -> (kind, failing ranks (None: every rank), rows, from_row, options): the caller's loss fails on some ranks
+# only; on CPU 5 rows are one block of the chunk layout (8 rows), 20 rows three, the failure in the second.
+COLLECTIVE_CASES = {
+    "raises_on_rank_1": ("raises", (1,), 5, 0, {}),
+    "float64_on_rank_1": ("float64", (1,), 5, 0, {}),
+    "wrong_shape_on_rank_1": ("wrong_shape", (1,), 5, 0, {}),
+    "nan_on_rank_1": ("nan", (1,), 5, 0, {}),
+    "raises_on_rank_1_one_block_megatron_dx": ("raises", (1,), 5, 0, {"reduce_dx": False}),
+    "raises_on_rank_1_in_a_middle_block": ("raises", (1,), 20, 8, {}),
+    "raises_on_every_rank": ("raises", None, 5, 0, {}),
+}
+# What every rank raises, and what the faulty ranks keep as the cause.
+COLLECTIVE_EXPECTED = {"raises": ("RuntimeError", "LossOfItsOwn"), "float64": ("TypeError", "TypeError"),
+                       "wrong_shape": ("ValueError", "ValueError"), "nan": ("ValueError", None)}
+
+
 def _collective_worker(rank, world_size, out_dir):
-    hidden, weight, tokens = inputs((5,), torch.float32, seed=107)
     v_local = V_GLOBAL // world_size
-    shard = weight[rank * v_local:(rank + 1) * v_local]
-    cases = {
-        "not_callable_on_rank_1": dict(token_loss=3.0 if rank == 1 else _weighted(5, 108)),
-        "bad_token_on_rank_0": dict(
-            token_loss=_weighted(5, 108),
-            tokens=torch.where(torch.arange(5) == 2, V_GLOBAL, tokens) if rank == 0 else tokens),
-    }
     record = {}
-    for name, args in cases.items():
+    for name, (kind, failing, n_rows, from_row, options) in COLLECTIVE_CASES.items():
+        hidden, weight, tokens = inputs((n_rows,), torch.float32, seed=107)
+        shard = weight[rank * v_local:(rank + 1) * v_local]
+        failing = tuple(range(world_size)) if failing is None else failing
         try:
-            ppo_ops.linear_token_loss(hidden.clone().requires_grad_(True), shard, args.get("tokens", tokens),
-                                      args["token_loss"], tp_group=dist.group.WORLD, backend="torch")
-            record[name] = ("no error", "")
-        except (TypeError, ValueError) as exc:
-            record[name] = (type(exc).__name__, str(exc))
+            ppo_ops.linear_token_loss(hidden.clone().requires_grad_(True), shard, tokens,
+                                      _failing_loss(kind, failing, rank, n_rows, from_row),
+                                      tp_group=dist.group.WORLD, backend="torch", **options)
+            record[name] = ("no error", "", None)
+        except Exception as exc:  # noqa: BLE001 - the test records whatever each rank raised
+            cause = exc.__cause__
+            record[name] = (type(exc).__name__, str(exc), None if cause is None else type(cause).__name__)
+    if world_size == 2:
+        cases = {
+            "not_callable_on_rank_1": dict(token_loss=3.0 if rank == 1 else _weighted(5, 108)),
+            "bad_token_on_rank_0": dict(
+                token_loss=_weighted(5, 108),
+                tokens=torch.where(torch.arange(5) == 2, V_GLOBAL, tokens) if rank == 0 else tokens),
+        }
+        hidden, weight, tokens = inputs((5,), torch.float32, seed=107)
+        shard = weight[rank * v_local:(rank + 1) * v_local]
+        for name, args in cases.items():
+            try:
+                ppo_ops.linear_token_loss(hidden.clone().requires_grad_(True), shard, args.get("tokens", tokens),
+                                          args["token_loss"], tp_group=dist.group.WORLD, backend="torch")
+                record[name] = ("no error", "", None)
+            except (TypeError, ValueError) as exc:
+                record[name] = (type(exc).__name__, str(exc), None)
     torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def test_failure_is_collective(tmp_path):
+@pytest.mark.parametrize("tp", [2, 4])
+def test_failure_is_collective(tmp_path, tp):
+    """A failure of the caller's loss on some ranks raises on every rank, the same error naming the faulty ranks
+    (each of which keeps its own exception as the cause), instead of a wait until the group's timeout or a rank
+    returning normally."""
     from tests.ranks import run_gloo
 
-    run_gloo(2, _collective_worker, str(tmp_path), timeout_s=GLOO_TIMEOUT_S, deadline_s=DEADLINE_S)
-    records = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    expected = {"not_callable_on_rank_1": ("TypeError", ("token_loss", "rank 1 of 2")),
-                "bad_token_on_rank_0": ("ValueError", ("tokens", "rank 0 of 2"))}
-    for name, (exc_type, needles) in expected.items():
-        for rank, record in enumerate(records):
-            got_type, message = record[name]
+    run_gloo(tp, _collective_worker, str(tmp_path), timeout_s=GLOO_TIMEOUT_S, deadline_s=DEADLINE_S)
+    records = [torch.load(tmp_path / f"rank{r}.pt") for r in range(tp)]
+    for name, (kind, failing, *_rest) in COLLECTIVE_CASES.items():
+        failing = tuple(range(tp)) if failing is None else failing
+        exc_type, cause_type = COLLECTIVE_EXPECTED[kind]
+        where = ("rank " if len(failing) == 1 else "ranks ") + ", ".join(map(str, failing)) + f" of {tp}"
+        messages = set()
+        for rank, (got_type, message, cause) in enumerate(records[rank][name] for rank in range(tp)):
             assert got_type == exc_type, f"{name}: rank {rank} raised {got_type}: {message}"
-            assert all(n in message for n in needles), f"{name}: rank {rank}: {message}"
+            assert "token_loss" in message and where in message, f"{name}: rank {rank}: {message}"
+            expected_cause = cause_type if rank in failing else None
+            assert cause == expected_cause, f"{name}: rank {rank}'s cause is {cause}, expected {expected_cause}"
+            messages.add(message.split(" This rank's error:")[0].split(" See ")[0])
+        assert len(messages) == 1, f"{name}: the ranks raised different errors: {messages}"
+    if tp == 2:
+        expected = {"not_callable_on_rank_1": ("TypeError", ("token_loss", "rank 1 of 2")),
+                    "bad_token_on_rank_0": ("ValueError", ("tokens", "rank 0 of 2"))}
+        for name, (exc_type, needles) in expected.items():
+            for rank, record in enumerate(records):
+                got_type, message, _ = record[name]
+                assert got_type == exc_type, f"{name}: rank {rank} raised {got_type}: {message}"
+                assert all(n in message for n in needles), f"{name}: rank {rank}: {message}"

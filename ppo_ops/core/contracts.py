@@ -182,14 +182,15 @@ class BlockGrads:
     grad_entropy: Optional[torch.Tensor]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class LossHooks:
-    """The Function's side of loss_forward: communication, the caller's loss and the dX epilogue, per row block
-    (rows r0 .. r1 of the kept rows)."""
+class LossHooks(Protocol):
+    """The Function's side of loss_forward (lm_head/loss_function.py, BlockLoop): communication, the caller's loss
+    and the dX epilogue, per row block (rows r0 .. r1 of the kept rows)."""
 
-    merge: Callable[[torch.Tensor], RowStats]  # [local segments, 5, n] partials -> global RowStats of the block
-    block_grads: Callable[[RowStats, int, int], BlockGrads]  # (stats, r0, r1) -> upstream gradients
-    finish_dx: Callable[[torch.Tensor, int, int], None]  # (fp32 [n, H] dX rows of this rank, r0, r1)
+    def merge(self, partials: torch.Tensor) -> RowStats: ...  # [local segments, 5, n] -> the block's global stats
+
+    def block_grads(self, stats: RowStats, r0: int, r1: int) -> BlockGrads: ...  # -> upstream gradients
+
+    def finish_dx(self, dx32: torch.Tensor, r0: int, r1: int) -> None: ...  # fp32 [n, H] dX rows of this rank
 
 
 @runtime_checkable

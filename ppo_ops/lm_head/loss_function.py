@@ -1,130 +1,89 @@
 """linear_token_loss as one autograd Function: the loss's gradient formed inside the forward, logits formed once.
 
 Forward (under no_grad for autograd; the caller's loss runs under enable_grad on small per-row tensors), per row
-block of the chunked backend (lm_head/chunked.py, `loss_forward`): the block's fp32 logits over this rank's
-segments -> per-segment partials -> (TP > 1) all-gather -> fixed-order merge -> the caller's token_loss on the block's
-global log-probs and entropies -> torch.autograd.grad of its values w.r.t. those two -> dlogits (input dtype) -> dX
-rows of the block (fp32 accumulation over the segments; with reduce_dx at TP > 1 all-reduced in fp32; one rounding)
-and dW accumulated in fp32 over the blocks. Returned: the loss (sum over the kept rows, fp32, 0-d), and the
-log-probs and entropies (detached: metrics). Saved: dX [T, H] in the input dtype and dW [V_local, H], finished in
-the input dtype where one block held every row, else its fp32 accumulator. Backward: scales dX (and a finished dW)
-by the upstream scalar in place, nothing where it is 1; an accumulator in the same pass as its one rounding to the
-input dtype (in place too: core/scale.py; these are this op's own buffers), and hands them out; a second backward
-raises (the saved gradients are gone).
+block of the backend's `loss_forward` (lm_head/token_loss_blocks.py): the block's fp32 logits over this rank's
+segments -> per-segment partials -> (TP > 1) all-gather -> fixed-order merge -> the caller's token_loss on the
+block's global log-probs and entropies -> torch.autograd.grad of its values w.r.t. those two -> dlogits (input dtype)
+-> dX rows of the block (fp32 accumulation over the segments; with reduce_dx at TP > 1 all-reduced in fp32; one
+rounding) and dW. Returned: the loss (sum over the kept rows, fp32, 0-d), and the log-probs and entropies
+(detached: metrics). Saved: dX [T, H] in the input dtype and dW [V_local, H], finished in the input dtype or its
+fp32 accumulator (the backend says which). Backward: scales dX (and a finished dW) by the upstream scalar in place,
+nothing where it is 1; an accumulator in the same pass as its one rounding to the input dtype (in place too:
+core/scale.py; these are this op's own buffers), and hands them out; a second backward raises (the saved gradients
+are gone).
+
+`BlockLoop` holds one forward's state (outputs, flags, the end read, this rank's failure) and is the backend's
+`LossHooks`: merge, block_grads and finish_dx are its methods.
 
 Row-separable losses only: a row's term may depend on its own log-prob, entropy and constants (indexed by the row
 ids the loss is given), never on other rows' values, because the loss sees one row block at a time. TP > 1: every
-rank calls token_loss with the same global values (merged statistics), so a deterministic loss gives the same values,
-gradients and errors on every rank.
+rank calls token_loss with the same global values (merged statistics).
 
 Validation (validate=True): at TP > 1 the logits op's header exchange runs before the first block's all-gather
 (ranks agreeing on rows, tokens and options; the NaN / +inf flag from this rank's first block); every block adds
 device-side flags for NaN / +inf logits (merged statistics) and for non-finite loss values or gradients; one host
 read raises on them before the forward returns, and at TP = 1 also on out-of-range tokens. That read starts as soon
-as the last block's flags are formed (an asynchronous copy and an event: agreement.HostRead), so the host waits
-while the GPU still runs that block's dlogits, dX and dW and queues what comes next, instead of the GPU idling
-while the host returns from a sync. Host reads: TP = 1, one; TP > 1, two (the header table, the end flags; both
-identical on every rank, so every rank raises the same error). Checked always, on each block: token_loss returns
-a float32 tensor of shape [n] on hidden's device.
+as the last block's flags are formed (an asynchronous copy and an event: agreement.HostRead), so the host waits while
+the GPU still runs that block's dlogits, dX and dW. Host reads: TP = 1, one; TP > 1, two (the header table, the end
+table).
+
+Failure of the caller's loss is collective at TP > 1 with validate=True. The caller's code runs between
+collectives (after a block's all-gather, before its dX all-reduce), so a rank must not raise there alone: its first
+failure (an exception of token_loss's own, or a return that is not float32 [n] on hidden's device) is kept, the
+rank goes on with zero gradients for that block and every later one (so it still takes part in every collective,
+with the same shapes), and the ranks all-gather their end flags (NaN / +inf logits, non-finite loss values or
+gradients, the failure's kind) as an [tp, 3] int64 table: one small all-gather where the end flags were read before,
+no extra host read. Every rank then raises the same error naming the rank(s) at fault; a faulty rank raises it from
+its own exception (__cause__). TP = 1 (no other rank to wait) and validate=False: the failure raises at once, on its
+rank only (validate=False: the other ranks wait in their next collective until the group's timeout).
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ppo_ops.core import agreement, checks, shell
 from ppo_ops.core.scale import scale_in_place, scale_round_in_place
-from ppo_ops.core.contracts import BlockGrads, LossHooks
+from ppo_ops.core.contracts import BlockGrads, RowStats
 from ppo_ops.core.shell import Plan, refuse_double_backward
 from ppo_ops.lm_head.function import kept, kept_row_indices, scatter_rows
+
+# The end flags, one int64 each per rank: NaN / +inf logits (merged statistics), non-finite loss values or
+# gradients, and how token_loss failed on this rank (FAILURES index + 1; 0: it did not).
+_BAD_LOGITS, _NON_FINITE, _FAILURE = 0, 1, 2
+# How token_loss can fail, each with the exception type that every rank raises for it.
+FAILURES = (("raised an exception", RuntimeError), ("returned values of the wrong type", TypeError),
+            ("returned values of the wrong shape or device", ValueError))
 
 
 class LinearTokenLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, tokens, row_mask, plan: Plan, token_loss):
-        layout = plan.layout
-        device = hidden.device
         n_rows, width = hidden.shape
         rows = kept_row_indices(row_mask)
         h = kept(hidden, rows).contiguous()
-        t = kept(tokens, rows)
-        row_ids = rows if rows is not None else torch.arange(n_rows, device=device)
-        n_kept = h.shape[0]
         need_dx = plan.needs_grad and ctx.needs_input_grad[0]
         need_dw = plan.needs_grad and ctx.needs_input_grad[1]
-        with_entropy = plan.entropy_mode != "none"
-
-        log_prob = torch.zeros(n_kept, dtype=torch.float32, device=device)
-        entropy = torch.zeros(n_kept, dtype=torch.float32, device=device) if with_entropy else None
-        loss = torch.zeros((), dtype=torch.float32, device=device)
-        flags = torch.zeros(2, dtype=torch.bool, device=device)  # NaN / +inf logits; non-finite loss or gradient
-        dx = None
-        if need_dx:
-            dx = (torch.zeros if rows is not None else torch.empty)((n_rows, width), dtype=hidden.dtype,
-                                                                   device=device)
-        headers_done = [layout.group is None or not plan.validate]
-        end_read = []  # the value checks' host read, started once the last block's flags are formed
-
-        def merge(partials):
-            stats = shell.merge_row_stats(plan, partials, tokens, row_mask, validate=not headers_done[0])
-            headers_done[0] = True
-            return stats
-
-        def block_grads(stats, r0, r1):
-            log_prob[r0:r1] = stats.log_prob
-            ent = None
-            if with_entropy:
-                entropy[r0:r1] = stats.entropy
-                ent = stats.entropy
-            value, g_lp, g_ent = _call_loss(plan.fn_name, token_loss, stats.log_prob, ent, row_ids[r0:r1],
-                                            need_grad=need_dx or need_dw,
-                                            entropy_grad=plan.entropy_mode == "grad")
-            loss.add_(value.sum())
-            if plan.validate:
-                flags[0] |= stats.bad_input.any()
-                finite = torch.isfinite(value).all()
-                for g in (g_lp, g_ent):
-                    if g is not None:
-                        finite = finite & torch.isfinite(g).all()
-                flags[1] |= ~finite
-                if r1 == n_kept:
-                    end_read.append(_start_end_read(plan, tokens, row_mask, flags))
-            # No gradient where the quantity has none (log-prob -inf: no mass in its set; entropy of an empty row).
-            if g_lp is not None:
-                g_lp = torch.where(stats.log_prob_defined, g_lp, torch.zeros_like(g_lp)).contiguous()
-            if g_ent is not None:
-                g_ent = torch.where(stats.row_has_mass, g_ent, torch.zeros_like(g_ent)).contiguous()
-            return BlockGrads(g_lp, g_ent)
-
-        def finish_dx(dx32, r0, r1):
-            if plan.reduce_dx and layout.group is not None:
-                dist.all_reduce(dx32, group=layout.group)  # fp32: one rounding to the input dtype, after the sum
-            if rows is None:
-                dx[r0:r1].copy_(dx32)
-            else:
-                dx.index_copy_(0, rows[r0:r1], dx32.to(dx.dtype))
-
-        dw = plan.backend.loss_forward(h, weight, t, plan.shard, with_entropy,
-                                       LossHooks(merge=merge, block_grads=block_grads, finish_dx=finish_dx),
+        loop = BlockLoop(plan, token_loss, hidden, tokens, row_mask, rows, n_kept=h.shape[0], need_dx=need_dx,
+                         need_grad=need_dx or need_dw)
+        dw = plan.backend.loss_forward(h, weight, kept(tokens, rows), plan.shard, loop.with_entropy, loop,
                                        need_dx=need_dx, need_dw=need_dw)
-        if not headers_done[0]:  # no kept row on this rank: it still takes part in the header exchange
-            shell.check_across_ranks(plan, tokens, row_mask, torch.zeros((), dtype=torch.bool, device=device))
-        if plan.validate:
-            _check_end(plan, row_mask, end_read[0] if end_read else _start_end_read(plan, tokens, row_mask, flags))
+        loop.finish()
 
         ctx.plan = plan
         ctx.consumed = False
         ctx.set_materialize_grads(False)
         ctx.dw_dtype = weight.dtype
-        ctx.save_for_backward(dx, dw)  # dW finished in weight's dtype, or its fp32 accumulator
-        lp_out = scatter_rows(log_prob, rows, n_rows)
+        ctx.save_for_backward(loop.dx, dw)  # dW finished in weight's dtype, or its fp32 accumulator
+        lp_out = scatter_rows(loop.log_prob, rows, n_rows)
         # entropy="none": an empty placeholder (the wrapper returns None), so every output is a tensor.
-        ent_out = log_prob.new_empty(0) if entropy is None else scatter_rows(entropy, rows, n_rows)
+        ent_out = loop.log_prob.new_empty(0) if loop.entropy is None else scatter_rows(loop.entropy, rows, n_rows)
         ctx.mark_non_differentiable(lp_out, ent_out)
-        return loss, lp_out, ent_out
+        return loop.loss, lp_out, ent_out
 
     @staticmethod
     def backward(ctx, grad_loss, grad_log_prob=None, grad_entropy=None):
@@ -150,6 +109,179 @@ class LinearTokenLossFunction(torch.autograd.Function):
         return dx, dw, None, None, None, None
 
 
+class BlockLoop:
+    """One forward's row blocks, seen from the Function: the outputs they fill, the value checks' flags and end
+    read, this rank's failure of token_loss, and the backend's hooks (core/contracts.py, LossHooks) as methods.
+    Rows r0 .. r1 are indices into the kept rows."""
+
+    def __init__(self, plan: Plan, token_loss, hidden, tokens, row_mask, rows: Optional[torch.Tensor], *,
+                 n_kept: int, need_dx: bool, need_grad: bool):
+        device = hidden.device
+        self.plan, self.token_loss = plan, token_loss
+        self.tokens, self.row_mask, self.rows = tokens, row_mask, rows  # the call's (all T rows), the kept indices
+        self.n_kept, self.need_grad = n_kept, need_grad
+        self.row_ids = rows if rows is not None else torch.arange(n_kept, device=device)
+        self.with_entropy = plan.entropy_mode != "none"
+        self.log_prob = torch.zeros(n_kept, dtype=torch.float32, device=device)
+        self.entropy = torch.zeros(n_kept, dtype=torch.float32, device=device) if self.with_entropy else None
+        self.loss = torch.zeros((), dtype=torch.float32, device=device)
+        self.flags = torch.zeros(3, dtype=torch.int64, device=device)  # _BAD_LOGITS, _NON_FINITE, _FAILURE
+        self.dx = None
+        if need_dx:  # dropped rows keep zeros; without a row mask every row is written
+            self.dx = (torch.zeros if rows is not None else torch.empty)(hidden.shape, dtype=hidden.dtype,
+                                                                         device=device)
+        self.headers_done = plan.layout.group is None or not plan.validate
+        # TP > 1 with validate: a failure of token_loss on this rank is kept until every rank knows of it (finish).
+        self.collective_failure = plan.layout.group is not None and plan.validate
+        self.failure: Optional[BaseException] = None
+        self.end_read: Optional[agreement.HostRead] = None
+
+    # ---- the backend's hooks ----
+
+    def merge(self, partials: torch.Tensor) -> RowStats:
+        """[local segments, 5, n] partials -> the block's global RowStats (the header exchange before the first)."""
+        stats = shell.merge_row_stats(self.plan, partials, self.tokens, self.row_mask,
+                                      validate=not self.headers_done)
+        self.headers_done = True
+        return stats
+
+    def block_grads(self, stats: RowStats, r0: int, r1: int) -> BlockGrads:
+        """The caller's loss on the block: its values summed into the loss, its gradients for dlogits."""
+        self.log_prob[r0:r1] = stats.log_prob
+        ent = None
+        if self.with_entropy:
+            self.entropy[r0:r1] = stats.entropy
+            ent = stats.entropy
+        value, g_lp, g_ent = self._loss_of_block(stats.log_prob, ent, self.row_ids[r0:r1])
+        self.loss.add_(value.sum())
+        if self.plan.validate:
+            self.flags[_BAD_LOGITS] |= stats.bad_input.any()
+            finite = torch.isfinite(value).all()
+            for g in (g_lp, g_ent):
+                if g is not None:
+                    finite = finite & torch.isfinite(g).all()
+            self.flags[_NON_FINITE] |= ~finite
+            if r1 == self.n_kept:
+                self.end_read = self._start_end_read()
+        # No gradient where the quantity has none (log-prob -inf: no mass in its set; entropy of an empty row).
+        if g_lp is not None:
+            g_lp = torch.where(stats.log_prob_defined, g_lp, torch.zeros_like(g_lp)).contiguous()
+        if g_ent is not None:
+            g_ent = torch.where(stats.row_has_mass, g_ent, torch.zeros_like(g_ent)).contiguous()
+        return BlockGrads(g_lp, g_ent)
+
+    def finish_dx(self, dx32: torch.Tensor, r0: int, r1: int) -> None:
+        """The block's fp32 dX rows of this rank: reduced over the ranks (reduce_dx), rounded once, stored."""
+        layout = self.plan.layout
+        if self.plan.reduce_dx and layout.group is not None:
+            dist.all_reduce(dx32, group=layout.group)  # fp32: one rounding to the input dtype, after the sum
+        if self.rows is None:
+            self.dx[r0:r1].copy_(dx32)
+        else:
+            self.dx.index_copy_(0, self.rows[r0:r1], dx32.to(self.dx.dtype))
+
+    # ---- the end of the forward ----
+
+    def finish(self) -> None:
+        """After the last block: a rank without kept rows still takes part in the header exchange; then the value
+        checks' read (started by the last block where there was one) and their errors, on every rank together."""
+        plan = self.plan
+        if not self.headers_done:
+            shell.check_across_ranks(plan, self.tokens, self.row_mask,
+                                     torch.zeros((), dtype=torch.bool, device=self.loss.device))
+        if plan.validate:
+            self._raise_end(self.end_read if self.end_read is not None else self._start_end_read())
+
+    def _start_end_read(self) -> agreement.HostRead:
+        """The value checks' one host read, started: at TP = 1 the logits op's values (token range, NaN / +inf
+        logits) with the loss's flags; at TP > 1 every rank's flags, all-gathered (the same table on every rank)."""
+        layout = self.plan.layout
+        if layout.group is None:
+            return agreement.HostRead(agreement.single_rank_values(self.flags[_BAD_LOGITS:_BAD_LOGITS + 1],
+                                                                   self.tokens, self.row_mask,
+                                                                   extra_flags=self.flags[_NON_FINITE:]))
+        table = torch.empty((layout.world_size * self.flags.numel(),), dtype=torch.int64, device=self.flags.device)
+        agreement.all_gather_into(table, self.flags, layout.group)  # rank-major: [tp, 3] when read
+        return agreement.HostRead(table)
+
+    def _raise_end(self, read: agreement.HostRead) -> None:
+        """Waits for the value checks' read and raises on it; every rank decides from the same table."""
+        plan = self.plan
+        fn, layout = plan.fn_name, plan.layout
+        if layout.group is None:
+            bad_loss, _ = agreement.raise_single_rank_values(fn, read.values(), self.row_mask, layout.vocab_size,
+                                                             naming=plan.naming)
+            table = [[0, bad_loss, 0]]
+            where = ""
+        else:
+            table = [list(row) for row in zip(*[iter(read.values())] * self.flags.numel())]
+            where = f" (merged over the {layout.world_size} tensor-parallel ranks)"
+        mine = self.failure
+        if any(row[_BAD_LOGITS] for row in table):
+            raise checks.argument_error(ValueError, fn, plan.naming.bad_logits_argument,
+                                        plan.naming.bad_logits.format(where=where)) from mine
+        failed = [r for r, row in enumerate(table) if row[_FAILURE]]
+        if failed:
+            raise _collective_failure(fn, table, failed, mine) from mine
+        non_finite = [r for r, row in enumerate(table) if row[_NON_FINITE]]
+        if non_finite:
+            at = (f" on tensor-parallel {_ranks(non_finite)} of {len(table)}" if layout.group is not None else "")
+            raise checks.argument_error(
+                ValueError, fn, "token_loss",
+                f"token_loss returned a non-finite value or gradient (NaN or inf) on some row{at}; check the loss's "
+                "inputs (e.g. ratios exp(log_prob - old_log_prob) overflowing) or pass validate=False to skip this "
+                "check")
+
+    # ---- the caller's loss ----
+
+    def _loss_of_block(self, log_prob, entropy, rows):
+        """(values, g_lp, g_ent) of the caller's loss on a block. TP > 1 with validate: a failure is kept (the first
+        one) and the block, like every later one, gets zero values and gradients, so this rank goes on through the
+        collectives; elsewhere it raises here."""
+        need_grad, entropy_grad = self.need_grad, self.plan.entropy_mode == "grad"
+        if not self.collective_failure:
+            return _call_loss(self.plan.fn_name, self.token_loss, log_prob, entropy, rows, need_grad=need_grad,
+                              entropy_grad=entropy_grad)
+        if self.failure is None:
+            try:
+                return _call_loss(self.plan.fn_name, self.token_loss, log_prob, entropy, rows, need_grad=need_grad,
+                                  entropy_grad=entropy_grad)
+            except Exception as exc:  # noqa: BLE001 - any failure of the caller's code is reported collectively
+                self.failure = exc
+                self.flags[_FAILURE] = 1 + _failure_kind(exc)
+        zeros = torch.zeros_like(log_prob)
+        g_ent = zeros if (need_grad and entropy_grad and entropy is not None) else None
+        return zeros, (zeros if need_grad else None), g_ent
+
+
+def _failure_kind(exc: BaseException) -> int:
+    """Index into FAILURES: the op's own checks of the return (TypeError / ValueError naming token_loss), or the
+    caller's exception."""
+    if getattr(exc, "ppo_ops_argument", None) == "token_loss":
+        return 1 if isinstance(exc, TypeError) else 2
+    return 0
+
+
+def _ranks(ranks) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+def _collective_failure(fn: str, table, failed, mine: Optional[BaseException]) -> Exception:
+    """The one error every rank raises when token_loss failed on some rank(s): the type of the first faulty rank's
+    kind of failure, naming every faulty rank and what it saw; the faulty rank adds its own error."""
+    world = len(table)
+    kinds = [table[r][_FAILURE] - 1 for r in failed]
+    what = "; ".join(f"rank {r}: token_loss {FAILURES[k][0]}" for r, k in zip(failed, kinds))
+    if mine is not None:
+        detail = f" This rank's error: {type(mine).__name__}: {mine}"
+    else:
+        detail = f" See {_ranks(failed)}'s own error for the details."
+    return checks.argument_error(
+        FAILURES[kinds[0]][1], fn, "token_loss",
+        f"token_loss failed on tensor-parallel {_ranks(failed)} of {world} ({what}); every rank raises this error "
+        f"(the ranks went on to the end of the forward with zero gradients, so none waits in a collective).{detail}")
+
+
 def _call_loss(fn_name, token_loss, log_prob, entropy, rows, *, need_grad, entropy_grad):
     """(values [n] fp32, d sum / d log_prob or None, d sum / d entropy or None) of the caller's loss on a block."""
     lp_in = log_prob.detach().requires_grad_(need_grad)
@@ -159,6 +291,7 @@ def _call_loss(fn_name, token_loss, log_prob, entropy, rows, *, need_grad, entro
     with torch.enable_grad() if need_grad else contextlib.nullcontext():
         value = token_loss(lp_in, ent_in, rows)
     n = log_prob.shape[0]
+
     def fail(exc_type, detail):
         raise checks.argument_error(exc_type, fn_name, "token_loss", f"token_loss must return {detail}")
 
@@ -180,32 +313,3 @@ def _call_loss(fn_name, token_loss, log_prob, entropy, rows, *, need_grad, entro
     g_lp = None if grads[0] is None else grads[0].to(torch.float32)
     g_ent = None if len(grads) < 2 or grads[1] is None else grads[1].to(torch.float32)
     return value.detach(), g_lp, g_ent
-
-
-def _start_end_read(plan: Plan, tokens, row_mask, flags) -> agreement.HostRead:
-    """The value checks' one host read (module docstring), started: at TP = 1 the logits op's values (token range,
-    NaN / +inf logits) with this op's loss flag; at TP > 1 both flags (the merged statistics: the same on every
-    rank)."""
-    if plan.layout.group is None:
-        return agreement.HostRead(agreement.single_rank_values(flags[:1], tokens, row_mask, extra_flags=flags[1:]))
-    return agreement.HostRead(flags.to(torch.int64))
-
-
-def _check_end(plan: Plan, row_mask, read: agreement.HostRead) -> None:
-    """Waits for the value checks' read and raises on them."""
-    fn = plan.fn_name
-    if plan.layout.group is None:
-        (bad_loss,) = agreement.raise_single_rank_values(fn, read.values(), row_mask, plan.layout.vocab_size,
-                                                         naming=plan.naming)
-        bad_logits, where = False, ""
-    else:
-        bad_logits, bad_loss = read.values()
-        where = f" (merged over the {plan.layout.world_size} tensor-parallel ranks)"
-    if bad_logits:
-        raise checks.argument_error(ValueError, fn, plan.naming.bad_logits_argument,
-                                    plan.naming.bad_logits.format(where=where))
-    if bad_loss:
-        raise checks.argument_error(
-            ValueError, fn, "token_loss",
-            "token_loss returned a non-finite value or gradient (NaN or inf) on some row; check the loss's inputs "
-            "(e.g. ratios exp(log_prob - old_log_prob) overflowing) or pass validate=False to skip this check")
