@@ -21,7 +21,8 @@ REQUIREMENTS_IN = "requirements.in"
 VENV_STAMP = ".ppo_ops_lock.sha256"  # written by tools/bootstrap.sh into .venv
 TOOLCHAIN_STAMP = "../ppo_python/lock_stamp.txt"  # runfiles of @ppo_python, relative to the workspace root
 PINNED_TORCH = "2.13.0+cpu"
-EXACT_PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^=;\s]+)$")
+# A pin's first line; its indented `--hash=` lines and file-name comments follow (tests/test_build_lock.py).
+EXACT_PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^=;\s\\]+)( \\)?$")
 
 under_bazel = pytest.mark.skipif(
     "TEST_SRCDIR" not in os.environ,
@@ -35,8 +36,7 @@ def _normalize(name):
 def _lock_pins():
     pins = {}
     for line in pathlib.Path(LOCK_FILE).read_text().splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
+        if not line.strip() or line.startswith(("#", " ")):
             continue
         match = EXACT_PIN.match(line)
         assert match, f"{LOCK_FILE}: not an exact pin `name==version`: {line!r}"

@@ -3,19 +3,24 @@
 #
 #   1. Bazel: Debian's bazel-bootstrap (Bazel 4.2.3), only when `bazel` is missing (apt-get update first).
 #   2. A Python 3.11 with the venv module (the torch wheel is cp311): python3-venv from Debian if ensurepip is missing.
-#   3. .venv at the repository root, from requirements.lock with -c constraints.txt (torch stays the CPU wheel
-#      2.13.0+cpu). Skipped when .venv/.ppo_ops_lock.sha256 holds the lock's hash; written after a good install.
-#      An existing .venv is updated in place, never deleted.
+#   3. .venv at the repository root, from requirements.lock with --require-hashes and -c constraints.txt (torch
+#      stays the CPU wheel 2.13.0+cpu): pip installs no file whose sha256 the lock does not carry. Skipped when
+#      .venv/.ppo_ops_lock.sha256 holds the lock's hash; written after a good install. An existing .venv is updated
+#      in place, never deleted.
 #
-#   tools/bootstrap.sh --freeze   rewrites requirements.lock from what .venv holds now (after adding a package).
+#   tools/bootstrap.sh --freeze   rewrites requirements.lock from what .venv holds now (after adding a package), with
+#                                 the hashes of every file pip could install for each pin (tools/lock_hashes.py;
+#                                 needs the indexes pip is configured with).
 #
 # Environment: PPO_OPS_PYTHON  base interpreter for a new venv (default: python3 on PATH).
+#              PPO_OPS_VENV, PPO_OPS_LOCK  another venv and lock than .venv and requirements.lock (the build tests
+#              run this script on a scratch venv and lock: tests/test_build_lock.py).
 # Safe to run again at any time; runs with no terminal (CI=true, as root).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="$ROOT/.venv"
-LOCK="$ROOT/requirements.lock"
+VENV="${PPO_OPS_VENV:-$ROOT/.venv}"
+LOCK="${PPO_OPS_LOCK:-$ROOT/requirements.lock}"
 CONSTRAINTS="$ROOT/constraints.txt"
 STAMP="$VENV/.ppo_ops_lock.sha256"  # also read by tools/python_toolchain.bzl and tests/test_build_env.py
 BASE_PYTHON="${PPO_OPS_PYTHON:-python3}"
@@ -57,14 +62,26 @@ sha256_of() { sha256sum "$1" | cut -d' ' -f1; }
 
 LOCK_HEADER="# Exact versions of every package in .venv (Python $REQUIRED_PYTHON), written by tools/bootstrap.sh --freeze.
 # Add a direct dependency to requirements.in, pip install it into .venv with -c constraints.txt, then --freeze.
-# torch is the CPU wheel (constraints.txt holds it). sglang is not here: it pins a CUDA torch (README.md)."
+# torch is the CPU wheel (constraints.txt holds it). sglang is not here: it pins a CUDA torch (README.md).
+# Hashes: tools/bootstrap.sh installs with --require-hashes. Each pin carries the sha256 of every file of that version
+# pip could install on CPython $REQUIRED_PYTHON, Linux x86_64 (glibc): wheels for cp311 / abi3 / py3 on any manylinux
+# x86_64 or any platform, and the sdist where there is one, taken from every index and find-links pip is configured
+# with (PyPI; torch's +cpu wheel from find-links); the comments under a pin name its files in the hashes' order."
+
+# The pins NAME==VERSION of a lock (each first line of a pin; --hash lines and comments left out).
+lock_pins() { sed -nE 's/^([A-Za-z0-9][^ =]*==[^ \\]+).*/\1/p' "$1"; }
 
 if [[ "${1:-}" == "--freeze" ]]; then
   [[ -x "$VENV/bin/python3" ]] || die "no $VENV to freeze" "tools/bootstrap.sh"
   frozen="$("$VENV/bin/python3" -m pip freeze --all --exclude-editable --disable-pip-version-check | LC_ALL=C sort -f)"
-  printf '%s\n%s\n' "$LOCK_HEADER" "$frozen" >"$LOCK"
+  say "hashing the files of $(echo "$frozen" | wc -l) pins (every index and find-links pip is configured with)"
+  pinned="$("$VENV/bin/python3" "$ROOT/tools/lock_hashes.py" <<<"$frozen")" \
+    || die "could not collect the hashes (tools/lock_hashes.py says why above); $LOCK is unchanged" \
+      "$VENV/bin/pip config list   (the indexes and find-links the hashes come from)"
+  printf '%s\n%s\n' "$LOCK_HEADER" "$pinned" >"$LOCK.tmp"
+  mv "$LOCK.tmp" "$LOCK"
   sha256_of "$LOCK" >"$STAMP"
-  say "wrote requirements.lock ($(echo "$frozen" | wc -l) packages) and the venv stamp"
+  say "wrote $(basename "$LOCK") ($(echo "$frozen" | wc -l) packages, $(grep -c -- '--hash=' "$LOCK") hashes) and the venv stamp"
   exit 0
 fi
 [[ $# -eq 0 ]] || die "unknown argument: $1" "tools/bootstrap.sh" "tools/bootstrap.sh --freeze"
@@ -80,7 +97,7 @@ fi
 LOCK_HASH="$(sha256_of "$LOCK")"
 
 if [[ -x "$VENV/bin/python3" && -f "$STAMP" && "$(cat "$STAMP")" == "$LOCK_HASH" ]]; then
-  say "ready: bazel, and .venv matches requirements.lock"
+  say "ready: bazel, and $(basename "$VENV") matches $(basename "$LOCK")"
   exit 0
 fi
 
@@ -93,7 +110,7 @@ if [[ ! -e "$VENV" ]]; then
   if ! "$BASE_PYTHON" -c 'import ensurepip, venv' 2>/dev/null; then
     apt_install "python$REQUIRED_PYTHON-venv"
   fi
-  say "creating .venv with $("$BASE_PYTHON" -c 'import sys; print(sys.executable)')"
+  say "creating $(basename "$VENV") with $("$BASE_PYTHON" -c 'import sys; print(sys.executable)')"
   "$BASE_PYTHON" -m venv "$VENV" || die "python -m venv $VENV failed" "apt-get install python$REQUIRED_PYTHON-venv"
 elif ! "$VENV/bin/python3" -c 'import sys' 2>/dev/null; then
   die "$VENV exists but its python3 does not run (moved, or its base Python is gone)" \
@@ -104,22 +121,38 @@ venv_version="$("$VENV/bin/python3" -c 'import sys; print("%d.%d" % sys.version_
 [[ "$venv_version" == "$REQUIRED_PYTHON" ]] || die ".venv runs Python $venv_version; the lock needs $REQUIRED_PYTHON" \
   "rm -rf $VENV && PPO_OPS_PYTHON=/path/to/python$REQUIRED_PYTHON tools/bootstrap.sh"
 
-say "installing requirements.lock into .venv (first time: a few minutes; torch is the CPU wheel)"
+say "installing $(basename "$LOCK") into $(basename "$VENV") (first time: a few minutes; torch is the CPU wheel)"
 rm -f "$STAMP"  # a failed install must not leave an old stamp that claims the venv is ready
-"$VENV/bin/python3" -m pip install --disable-pip-version-check --no-input --progress-bar off -qq \
-  -r "$LOCK" -c "$CONSTRAINTS" </dev/null \
-  || die "pip could not install requirements.lock (the package is named in pip's message above)" \
+# Hash-checking mode: every pin carries its files' sha256 (the lock pins the whole tree, so no dependency comes
+# unhashed), and pip refuses any download that matches none. -c constraints.txt stays: pip takes unhashed constraints
+# in this mode (a constraint installs nothing by itself; whatever it selects still needs a hash from the lock).
+# pip's messages go to stderr and to a log, so a refused hash gets its own explanation below.
+pip_log="$(mktemp "${TMPDIR:-/tmp}/ppo_ops_pip.XXXXXX")"
+trap 'rm -f "$pip_log"' EXIT
+if ! "$VENV/bin/python3" -m pip install --require-hashes --disable-pip-version-check --no-input --progress-bar off -qq \
+    -r "$LOCK" -c "$CONSTRAINTS" </dev/null 2>&1 | tee "$pip_log" >&2; then
+  if grep -q "DO NOT MATCH THE HASHES" "$pip_log"; then
+    refused="$(grep -m1 -oE '^ +[A-Za-z0-9][^ ]*==[^ ]+ from [^ ]+' "$pip_log" | sed 's/^ *//' || true)"
+    die "pip refused ${refused:-a download}: the file does not match $(basename "$LOCK")'s sha256 for it, so nothing was installed; find out where that file came from (pip config list), and re-freeze only if the package changed on purpose" \
+      "$VENV/bin/pip config list   (the indexes and find-links pip used; a mirror or cache may hold another file)" \
+      "tools/bootstrap.sh --freeze   (only after installing a new version into .venv on purpose: it re-hashes every pin)"
+  elif grep -q "Hashes are required in --require-hashes mode" "$pip_log"; then
+    die "$(basename "$LOCK") has no hash for a package pip needs (named above): the lock must pin the whole tree, hashed" \
+      "install it into .venv with -c $CONSTRAINTS, then tools/bootstrap.sh --freeze"
+  fi
+  die "pip could not install $(basename "$LOCK") (the package is named in pip's message above)" \
     "if it is torch (the CPU wheel 2.13.0+cpu, from pip's find-links or the PyTorch CPU index): PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu tools/bootstrap.sh" \
     "$VENV/bin/pip install -c $CONSTRAINTS PACKAGE==VERSION   (to see one package's error alone)"
+fi
 
 # Packages installed by hand that the lock does not name stay (other work may use them); say so, the build
 # test //tests:test_build_env fails on them until they are added to the lock or removed.
 extra="$("$VENV/bin/python3" -m pip freeze --all --exclude-editable --disable-pip-version-check \
-  | LC_ALL=C sort | LC_ALL=C comm -23 - <(grep -v "^#" "$LOCK" | LC_ALL=C sort) || true)"
+  | LC_ALL=C sort | LC_ALL=C comm -23 - <(lock_pins "$LOCK" | LC_ALL=C sort) || true)"
 if [[ -n "$extra" ]]; then
-  say "warning: installed but not in requirements.lock (add them to the lock, or pip uninstall):"
+  say "warning: installed but not in $(basename "$LOCK") (add them to the lock, or pip uninstall):"
   echo "$extra" | sed 's/^/[bootstrap]     /'
 fi
 
 echo "$LOCK_HASH" >"$STAMP"
-say "ready: bazel, and .venv built from requirements.lock"
+say "ready: bazel, and $(basename "$VENV") built from $(basename "$LOCK") (hash-checked)"
