@@ -41,7 +41,7 @@ from sglang_checks import check, cli, controls, layouts as layouts_lib, metrics,
 from sglang_checks import rollout as rollout_lib, trainer
 from sglang_checks.engines import hf_engine
 from sglang_checks.errors import CheckError
-from tools import cli_contract
+from ppo_ops.runtime import cli as runtime_cli
 
 flags.adopt_module_key_flags(cli)  # --help lists the check's flags too (calibrate takes all of them)
 
@@ -414,12 +414,12 @@ def main(argv):
             seeds = [int(x) for x in _SEEDS.value]
         except ValueError as exc:
             raise CheckError(f"--seeds: expected integers, got {_SEEDS.value}") from exc
-        out = cli_contract.caller_path(_OUT_DIR.value)
+        out = runtime_cli.caller_path(_OUT_DIR.value)
         check.check_writable("--out_dir", out)
         with report.folder_lock("--out_dir", out):  # one calibration at a time writes a folder
             return _calibrate(dataclasses.replace(s, report_dir=os.path.join(out, "logs")), out, seeds)
     except CheckError as exc:
-        print(f"calibrate: error: {cli_contract.one_line(exc)}", file=sys.stderr, flush=True)
+        print(f"calibrate: error: {runtime_cli.one_line(exc)}", file=sys.stderr, flush=True)
         return check.EXIT_BAD_INPUT
 
 
@@ -451,7 +451,7 @@ def _calibrate(s: check.Settings, out: str, seeds: List[int]) -> int:
 def _read_included(paths: List[str], dtype: str) -> List[dict]:
     """The measurements.json files of --include, each checked to be of `dtype`."""
     included = []
-    for path in map(cli_contract.caller_path, paths):
+    for path in map(runtime_cli.caller_path, paths):
         try:
             with open(path) as f:
                 included.append(json.load(f))
@@ -502,5 +502,5 @@ def _install(calibration: dict, dtype: str) -> None:
 
 
 if __name__ == "__main__":
-    # --help exits 0; a bad flag is one line and exit 2; Ctrl-C is one line and exit 130 (tools/cli_contract.py).
-    cli_contract.run(main, program="calibrate")
+    # --help exits 0; a bad flag is one line and exit 2; Ctrl-C is one line and exit 130 (ppo_ops/runtime/cli.py).
+    runtime_cli.run(main, program="calibrate")

@@ -15,8 +15,8 @@ from absl import flags
 
 from sglang_checks import check, controls, logprob_kinds, models, tolerances, trainer
 from sglang_checks.engines import sglang_engine
+from ppo_ops.runtime import cli as runtime_cli
 from sglang_checks.errors import CheckError
-from tools import cli_contract
 
 _MODEL = flags.DEFINE_string(
     "model", "tiny", "`tiny` (small Qwen3 from --seed, CPU), `qwen3-0.6b-random` (Qwen3-0.6B architecture, seeded "
@@ -127,12 +127,12 @@ def default_report_dir() -> str:
 
 def _path(value: Optional[str]) -> Optional[str]:
     """A path flag's value as the caller meant it: relative to where they ran the command (also under bazel run)."""
-    return None if value is None else cli_contract.caller_path(value)
+    return None if value is None else runtime_cli.caller_path(value)
 
 
 def _executable(value: str) -> str:
     """An interpreter: a bare name is looked up on PATH by the OS; a relative path is the caller's."""
-    return value if os.sep not in value else cli_contract.caller_path(value)
+    return value if os.sep not in value else runtime_cli.caller_path(value)
 
 
 def _server_args(value: str) -> Tuple[str, ...]:
@@ -149,7 +149,7 @@ def _value(holder):
 
 def settings(**overrides) -> check.Settings:
     """The check's settings from the flag holders, then `overrides` (field names as in check.Settings). Relative
-    paths, in flags and overrides alike, are the caller's (cli_contract.caller_path)."""
+    paths, in flags and overrides alike, are the caller's (runtime_cli.caller_path)."""
     explicit = tuple(name for name in flags.FLAGS if flags.FLAGS[name].present)
     values = dict(
         report_dir=_value(_REPORT_DIR) or default_report_dir(),

@@ -23,7 +23,7 @@ from absl import flags
 from sglang_checks import layer_diff, models, on_policy, report, rollout as rollout_lib
 from sglang_checks.engines import sglang_engine
 from sglang_checks.errors import CheckError
-from tools import cli_contract
+from ppo_ops.runtime import cli as runtime_cli
 
 _REPORT_DIR = flags.DEFINE_string("report_dir", None, "Report folder of a check run with --sglang_dump_tensors.",
                                   required=True)
@@ -40,7 +40,7 @@ def _read_json(path: str) -> dict:
         with open(path) as f:
             return json.load(f)
     except (OSError, ValueError) as exc:
-        raise cli_contract.BadInput(f"--report_dir: cannot read {path} ({exc})") from exc
+        raise runtime_cli.BadInput(f"--report_dir: cannot read {path} ({exc})") from exc
 
 
 def _line(t: dict) -> str:
@@ -54,14 +54,14 @@ def main(argv) -> int:
     try:
         return _main()
     except CheckError as exc:  # a rollout, model or interpreter the check itself would refuse
-        raise cli_contract.BadInput(str(exc)) from exc
+        raise runtime_cli.BadInput(str(exc)) from exc
 
 
 def _main() -> int:
-    folder = cli_contract.caller_path(_REPORT_DIR.value)
+    folder = runtime_cli.caller_path(_REPORT_DIR.value)
     dump = os.path.join(folder, "engine_dump", _ENGINE_LAYOUT.value)
     if not layer_diff.pass_files(dump):
-        raise cli_contract.BadInput(f"--engine_layout={_ENGINE_LAYOUT.value}: no PassNNNNN.pt under {dump} (run "
+        raise runtime_cli.BadInput(f"--engine_layout={_ENGINE_LAYOUT.value}: no PassNNNNN.pt under {dump} (run "
                                     f"the check with --engine=sglang --sglang_dump_tensors)")
     settings = _read_json(os.path.join(folder, report.JSON_NAME)).get("settings", {})
     rollout = rollout_lib.load(os.path.join(folder, report.ROLLOUT_NAME))
@@ -91,4 +91,4 @@ def _main() -> int:
 
 
 if __name__ == "__main__":
-    cli_contract.run(main, program="layer_diff_main")
+    runtime_cli.run(main, program="layer_diff_main")

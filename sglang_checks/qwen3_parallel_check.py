@@ -31,7 +31,7 @@ from absl import flags
 
 from sglang_checks import check, cli
 from sglang_checks.errors import CheckError
-from tools import cli_contract
+from ppo_ops.runtime import cli as runtime_cli
 
 flags.adopt_module_key_flags(cli)  # --help lists the check's flags (defined in cli.py), not only this module's
 
@@ -46,10 +46,10 @@ def main(argv):
     try:
         return check.run(cli.settings_from_flags())
     except CheckError as exc:
-        print(f"qwen3_parallel_check: error: {cli_contract.one_line(exc)}", file=sys.stderr, flush=True)
+        print(f"qwen3_parallel_check: error: {runtime_cli.one_line(exc)}", file=sys.stderr, flush=True)
         return check.EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":
-    # --help exits 0; a bad flag is one line and exit 2; Ctrl-C is one line and exit 130 (tools/cli_contract.py).
-    cli_contract.run(main, program="qwen3_parallel_check")
+    # --help exits 0; a bad flag is one line and exit 2; Ctrl-C is one line and exit 130 (ppo_ops/runtime/cli.py).
+    runtime_cli.run(main, program="qwen3_parallel_check")

@@ -39,7 +39,6 @@ import dataclasses
 import os
 import queue as queue_lib
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -51,8 +50,8 @@ import torch
 import torch.distributed as dist
 
 from sglang_checks.controls import VOCAB_OFFSET_ROWS
+from ppo_ops.runtime import ranks as runtime_ranks
 from sglang_checks.layouts import Layout
-from tools import rank_exit
 
 VARIANTS = ("token_mean", "seq_mean")
 HF = "hf"  # transformers' forward in the model's dtype; ppo_ops' own reduction order
@@ -129,12 +128,6 @@ def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, numerics: str = H
     return torch.matmul(hidden, weight.t())
 
 
-def free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclasses.dataclass
 class Job:
     """One set of inputs scored under some layouts; `vocab_offset_layouts` names layouts given the vocab_offset
@@ -166,7 +159,7 @@ def run_jobs(jobs: List[Job], *, backend: str, threads: int = 1, timeout_s: floa
         payload = os.path.join(tmp, "inputs.pt")
         torch.save([dataclasses.asdict(job.inputs) for job in jobs], payload)
         messages = ctx.Queue()
-        port = free_loopback_port()
+        port = runtime_ranks.free_port()
         procs = [ctx.Process(target=_rank_main, daemon=True,
                              args=(rank, world, port, backend, payload, plan, messages, threads))
                  for rank in range(world)]
@@ -311,8 +304,8 @@ def _rank_main(rank, world, port, backend, payload_path, plan, messages, threads
             dist.destroy_process_group()
         return
     # Destroy the group, flush the queue, exit without interpreter finalization, where gloo's threads can abort a
-    # finished rank (tools/rank_exit.py); the barrier above already synchronised the ranks.
-    rank_exit.leave(messages, barrier=False)
+    # finished rank (ppo_ops/runtime/ranks.py); the barrier above already synchronised the ranks.
+    runtime_ranks.leave(messages, barrier=False)
 
 
 @dataclasses.dataclass

@@ -108,7 +108,7 @@ def run_op(logits, tokens, *, grad_log_probs=None, grad_entropy=None, device=DEV
 
 
 # --- process groups: tests/ranks.py (re-exported here for the suites that import them from this module) ---
-from tests.ranks import free_port, run_gloo, run_ranks  # noqa: E402,F401
+from tests.ranks import run_gloo, run_ranks  # noqa: E402,F401
 
 
 class CaseFailures:

@@ -1,4 +1,5 @@
-"""Multi-rank test plumbing: one place for the device, the rendezvous port and spawning a process group.
+"""Multi-rank test plumbing: one place for the device and spawning a process group (its rendezvous port and how a
+rank leaves: ppo_ops/runtime/ranks.py, shared with the check and the bench).
 
 - `DEVICE`: cuda when a GPU is visible (GPU targets, or plain pytest on a GPU machine), else cpu. CPU Bazel targets
   hide GPUs (CUDA_VISIBLE_DEVICES=""), so a file runs on the CPU there and on the GPU in its `_gpu` target.
@@ -17,7 +18,6 @@
 
 import datetime
 import os
-import socket
 import time
 from typing import Optional
 
@@ -26,18 +26,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tools import rank_exit
+from ppo_ops.runtime import ranks as runtime_ranks
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DIST_BACKEND = "nccl" if DEVICE.type == "cuda" else "gloo"
 RANK_TIMEOUT = datetime.timedelta(seconds=120)  # a rank stuck in a collective fails the test instead of hanging CI
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (MASTER_PORT of a rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def rank_device(rank: int, backend: str = DIST_BACKEND, one_gpu: bool = False) -> torch.device:
@@ -57,9 +50,10 @@ def _entry(rank, world_size, port, backend, one_gpu, timeout_s, worker, args):
     timeout = RANK_TIMEOUT if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timeout)
-    with rank_exit.destroy_on_error():  # a failure propagates to torch.multiprocessing with its traceback
+    with runtime_ranks.destroy_on_error():  # a failure propagates to torch.multiprocessing with its traceback
         worker(rank, world_size, *args)
-    rank_exit.leave()  # barrier, destroy the group, flush, exit without interpreter finalization (tools/rank_exit.py)
+    # Barrier, destroy the group, flush, exit without interpreter finalization (ppo_ops/runtime/ranks.py).
+    runtime_ranks.leave()
 
 
 def run_ranks(world_size: int, worker, *args, backend: str = DIST_BACKEND, one_gpu: bool = False,
@@ -74,7 +68,7 @@ def run_ranks(world_size: int, worker, *args, backend: str = DIST_BACKEND, one_g
     if one_gpu and (backend != "gloo" or not torch.cuda.is_available()):
         raise RuntimeError(f"one_gpu: gloo ranks on a visible GPU, got backend {backend!r}, "
                            f"{torch.cuda.device_count()} GPU(s) visible")
-    spawn_args = (world_size, free_port(), backend, one_gpu, timeout_s, worker, args)
+    spawn_args = (world_size, runtime_ranks.free_port(), backend, one_gpu, timeout_s, worker, args)
     if deadline_s is None:
         mp.spawn(_entry, args=spawn_args, nprocs=world_size, join=True)
         return

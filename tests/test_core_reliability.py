@@ -32,11 +32,11 @@ import torch.distributed as dist
 
 import ppo_ops
 from ppo_ops.core import agreement, checks
+from ppo_ops.runtime import ranks as runtime_ranks
 from tests.core_support import (DEVICE, CaseFailures, backend_params, make_logits, make_tokens, make_weights,
                                 run_gloo, run_op, triton_skip_reason)
 from tests.reference import (assert_entropy_close, assert_grad_close, assert_log_probs_close,
                              reference_log_probs_and_entropy, shard_vocab)
-from tools import rank_exit
 
 FLT_MAX = torch.finfo(torch.float32).max
 BF16_MAX = torch.finfo(torch.bfloat16).max
@@ -192,7 +192,7 @@ def _nccl_sync_worker(rank, world_size, port, out_dir):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
-    with rank_exit.destroy_on_error():
+    with runtime_ranks.destroy_on_error():
         v_global = 4096 * world_size
         logits = shard_vocab(make_logits((64, v_global)), rank, world_size).cuda()
         tokens = make_tokens((64,), v_global).cuda()
@@ -203,7 +203,7 @@ def _nccl_sync_worker(rank, world_size, port, out_dir):
             torch.cuda.synchronize()
             counts[validate] = _count_cuda_syncs(call)
         torch.save(counts, f"{out_dir}/rank{rank}.pt")
-    rank_exit.leave()
+    runtime_ranks.leave()
 
 
 # Two NCCL ranks: it runs in the _gpu2 target (conftest places it by world size); on CPU it is deselected, since the
@@ -213,9 +213,8 @@ def _nccl_sync_worker(rank, world_size, port, out_dir):
 def test_cuda_synchronisations_per_call_tp2(tmp_path):
     """TP=2 over NCCL: one synchronising call per forward + backward with validate=True (the header table's read),
     none with validate=False, on every rank."""
-    from tests.core_support import free_port
-
-    torch.multiprocessing.spawn(_nccl_sync_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    torch.multiprocessing.spawn(_nccl_sync_worker, args=(2, runtime_ranks.free_port(), str(tmp_path)), nprocs=2,
+                                join=True)
     for rank in range(2):
         assert torch.load(tmp_path / f"rank{rank}.pt") == {True: 1, False: 0}, f"rank {rank}"
 

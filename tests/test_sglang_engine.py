@@ -99,6 +99,7 @@ if __name__ == "__main__":
 # imports pull in torch through sglang_checks and add seconds to every start-up.
 import pytest  # noqa: E402
 
+from ppo_ops.runtime import ranks as runtime_ranks  # noqa: E402
 from sglang_checks.engines import SamplingSettings, sglang_engine  # noqa: E402
 from sglang_checks.errors import CheckError  # noqa: E402
 from sglang_checks.layouts import Layout  # noqa: E402
@@ -232,7 +233,7 @@ def _fake_python(tmp_path, mode):
 
 
 def _server(tmp_path, mode, **kw):
-    port = sglang_engine.free_port("127.0.0.1")
+    port = runtime_ranks.free_port()
     command = [sys.executable, THIS_FILE, "--fake-server", mode, "--state", str(tmp_path), "--port", str(port)]
     env = dict(os.environ, PYTHONPATH=REPO_ROOT)
     return sglang_engine.Server(command, host="127.0.0.1", port=port, log_path=str(tmp_path / "server.log"),

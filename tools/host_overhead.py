@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-from tools import cli_contract  # noqa: E402
+from ppo_ops.runtime import cli  # noqa: E402
 
 _ROWS = flags.DEFINE_integer("rows", 8192, "T")
 _VOCAB = flags.DEFINE_integer("vocab", 151936, "V")
@@ -103,4 +103,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli_contract.run(main, program="host_overhead")
+    cli.run(main, program="host_overhead")

@@ -1,6 +1,8 @@
-"""The command-line contract of the absl programs here (the Qwen3 check, its calibration, the bench).
+"""The command-line contract of the absl programs here (the Qwen3 check, its calibration, layer_diff_main, the bench and
+the developer tools).
 
-    cli_contract.run(main, program="qwen3_parallel_check")   # instead of app.run(main)
+    from ppo_ops.runtime import cli
+    cli.run(main, program="qwen3_parallel_check")   # instead of app.run(main)
 
 - `--help` (and `--helpshort`, `--helpfull`, `--helpxml`) prints the usage, with the program's own flags, and exits 0
   (absl alone exits 1, which for the check is its FAIL code).

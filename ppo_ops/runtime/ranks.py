@@ -1,7 +1,11 @@
-"""The one way a spawned rank leaves after its work: barrier, destroy the group, flush, `os._exit(0)`.
+"""Spawned torch.distributed ranks: the one rendezvous port helper and the one way a rank leaves after its work.
 
-Every program here that spawns torch.distributed ranks (the bench's TP runner, the Qwen3 check's trainer and so its
-calibration, the test suite's rank groups) ends a rank that finished its work with `leave()`:
+`free_port(host="127.0.0.1")`: a TCP port that was free a moment ago, for a rendezvous (MASTER_PORT, tcp://) or a
+server (the check's SGLang engines).
+
+`leave()`: barrier, destroy the group, flush, `os._exit(0)`. Every program here that spawns torch.distributed ranks
+(the bench's TP runner, the Qwen3 check's trainer and so its calibration, the test suite's rank groups) ends a rank
+that finished its work with it:
 
   1. `dist.barrier()`: every rank is done before any tears the group down (a peer's early exit can abort gloo);
   2. `dist.destroy_process_group()`;
@@ -18,8 +22,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import sys
 from typing import NoReturn
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that was free a moment ago (the OS picks it; another process may take it before use)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def leave(*queues, barrier: bool = True) -> NoReturn:

@@ -61,6 +61,7 @@ import urllib.error
 import urllib.request
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ppo_ops.runtime import ranks as runtime_ranks
 from sglang_checks import logprob_kinds
 from sglang_checks.engines import SamplingSettings
 from sglang_checks.errors import CheckError
@@ -187,12 +188,6 @@ def site_dir(python: str) -> str:
         raise CheckError(f"--sglang_python={python}: cannot find the sglang package's folder ({tail[0]}). "
                          f"{INSTALL_HINT}")
     return proc.stdout.strip().splitlines()[-1]
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -404,7 +399,7 @@ class SGLangEngine:
         self.options = options
         self.sampled_logprob_kind = options.logprob_kind
         self.costs: Dict[str, float] = {}  # _add_cost
-        port = options.port or free_port(options.host)
+        port = options.port or runtime_ranks.free_port(options.host)
         if options.port:
             check_port_free(options.host, port)
         os.makedirs(options.log_dir, exist_ok=True)

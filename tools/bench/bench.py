@@ -6,11 +6,11 @@
     python3 tools/bench/bench.py --device=cpu --suite=smoke --out_dir=/tmp/b    # plumbing only (tests)
     python3 tools/bench/bench.py --suite=whole_step --out_dir=/tmp/bench        # RL step through random Qwen3-0.6B
     bazel run //tools:bench -- --suite=lm_head --out_dir=...   # the fused LM head from hidden states (lm_head.py)
-    python3 tools/bench/bench.py --suite=lm_head_pieces --out_dir=/tmp/bench    # its chunked path's pieces, CUDA
+    python3 tools/bench/bench.py --suite=lm_head_pieces --out_dir=/tmp/bench    # the segment GEMMs' pieces, CUDA
 
 Families: a suite belongs to the logits op's family (logits.py: results.csv / .md / .png, named by --csv, --md,
 --png) or the LM head's (lm_head.py: lm_head.csv and lm_head.md); one run measures suites of one family, each the
-same way (runner.py). lm_head_pieces is no case list: it times the chunked path's pieces alone (lm_head_pieces.py) at
+same way (runner.py). lm_head_pieces is no case list: it times the segment GEMMs' pieces alone (lm_head_pieces.py) at
 T = 8192, or at each --tokens value given, into pieces.csv.
 
 Flow: build the case list (named suites in priority order, or --suite=custom: the cross product of the list flags);
@@ -42,7 +42,7 @@ if __package__ in (None, ""):
 
 from absl import app, flags
 
-from tools import cli_contract
+from ppo_ops.runtime import cli
 
 PIECES_SUITE = "lm_head_pieces"
 # The LM head's record has fixed names (its docs and tables link them).
@@ -92,7 +92,7 @@ def main(argv):
     if _SUITE.value == [PIECES_SUITE]:
         return _pieces()
     try:
-        # Before importing torch, so that a usage error is reported at once.
+        # Before the runner and its providers are imported, so that a usage error comes before any of them loads.
         family, cases = (_family(), None) if _RENDER_ONLY.value else _cases()
     except ValueError as error:
         raise app.UsageError(str(error)) from error
@@ -161,7 +161,7 @@ def _pieces() -> int:
 def _writable_folder(path: str) -> str:
     """--out_dir as an absolute path, made and shown to take a file; else a usage error naming the flag. Relative
     paths are where the user ran the command (bazel run changes the working directory)."""
-    out_dir = cli_contract.caller_path(path)
+    out_dir = cli.caller_path(path)
     try:
         os.makedirs(out_dir, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write_test_"):
@@ -248,5 +248,5 @@ def _fraction(value):
 
 
 if __name__ == "__main__":
-    # --help exits 0; a bad flag is one line and exit 2; Ctrl-C is one line and exit 130 (tools/cli_contract.py).
-    cli_contract.run(main, program="bench")
+    # --help exits 0; a bad flag is one line and exit 2; Ctrl-C is one line and exit 130 (ppo_ops/runtime/cli.py).
+    cli.run(main, program="bench")

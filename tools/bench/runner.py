@@ -17,14 +17,13 @@ import gc
 import importlib.metadata
 import os
 import platform
-import socket
 import time
 import traceback
 
 import torch
 import torch.distributed as dist
 
-from tools import rank_exit
+from ppo_ops.runtime import ranks
 from tools.bench import lm_head, logits, measure
 from tools.bench.contract import Family, RankResult, RunInfo, preload
 
@@ -95,7 +94,7 @@ def _spawn_ranks(config: BenchConfig) -> None:
     """Runs `config.tp` ranks and waits for them. Whatever ends the wait (a rank's failure, Ctrl-C in this process)
     ends every rank first: torch.multiprocessing's ranks are not daemons, so the interpreter's exit would otherwise
     wait for them to finish the whole bench."""
-    context = torch.multiprocessing.spawn(_worker, args=(config, _free_port()), nprocs=config.tp, join=False)
+    context = torch.multiprocessing.spawn(_worker, args=(config, ranks.free_port()), nprocs=config.tp, join=False)
     try:
         while not context.join():
             pass
@@ -109,12 +108,6 @@ def _spawn_ranks(config: BenchConfig) -> None:
                 proc.kill()
                 proc.join()
         raise
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, config: BenchConfig, port: int) -> None:
@@ -132,11 +125,11 @@ def _worker(rank: int, config: BenchConfig, port: int) -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         device = torch.device("cpu")
         dist.init_process_group("gloo", rank=rank, world_size=config.tp, timeout=_DIST_TIMEOUT)
-    with rank_exit.destroy_on_error():  # a failure reaches torch.multiprocessing with its traceback
+    with ranks.destroy_on_error():  # a failure reaches torch.multiprocessing with its traceback
         _run_rank(config, device, group=dist.group.WORLD, rank=rank)
     # Barrier, destroy the group, flush, exit without interpreter finalization: a CI run saw a finished gloo rank
     # abort there ("terminate called without an active exception") and fail a passing bench.
-    rank_exit.leave()
+    ranks.leave()
 
 
 def environment(device: torch.device) -> dict:
