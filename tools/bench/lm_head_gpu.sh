@@ -1,7 +1,9 @@
 #!/bin/bash
 # One GPU session of the fused LM head, in one call (docs/performance.md, "The fused LM head"): a sanity check of both
 # ops against float64 at a small shape, the LM-head bench (lm_head_own) with its float64 columns, the chunked path's
-# pieces alone, the whole step (lm_head_step), then the GPU tests of both LM-head test files.
+# pieces alone, the whole step (lm_head_step), then the GPU tests of both LM-head test files through their Bazel GPU
+# targets (GPU tests run only there: the runner's interpreter probed against requirements_gpu.lock, a GPU target fails
+# when a case inside skips). The interpreter is PPO_OPS_GPU_PYTHON, by default the python3 on PATH.
 #   tools/bench/lm_head_gpu.sh OUT_DIR LABEL [SKIP]   (SKIP: words among sanity bench pieces whole tests)
 # Everything it prints goes to OUT_DIR/run.log; CSVs and tables to OUT_DIR/b. Limits are per step, so one that
 # hangs or runs long leaves time to the rest.
@@ -53,7 +55,8 @@ timeout 200 python3 tools/bench/bench.py --suite=lm_head_step --providers=qwen3_
   rm -f "$OUT/b/whole_step.png"
 fi
 if step tests; then
-timeout 240 python3 -m pytest tests/test_linear_log_probs.py tests/test_linear_token_loss.py -q -p no:cacheprovider \
-  2>&1 | tail -40 | tee -a "$LOG"
+GPU_PYTHON=${PPO_OPS_GPU_PYTHON:-$(command -v python3)}
+timeout 900 bazel test --config=gpu --repo_env=PPO_OPS_GPU_PYTHON="$GPU_PYTHON" //tests:test_linear_log_probs_gpu \
+  //tests:test_linear_token_loss_gpu 2>&1 | tail -40 | tee -a "$LOG"
 fi
 echo "== done $(date -u +%T)" | tee -a "$LOG"
