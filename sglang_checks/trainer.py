@@ -159,10 +159,9 @@ def run_jobs(jobs: List[Job], *, backend: str, threads: int = 1, timeout_s: floa
         payload = os.path.join(tmp, "inputs.pt")
         torch.save([dataclasses.asdict(job.inputs) for job in jobs], payload)
         messages = ctx.Queue()
-        port = runtime_ranks.free_port()
-        procs = [ctx.Process(target=_rank_main, daemon=True,
-                             args=(rank, world, port, backend, payload, plan, messages, threads))
-                 for rank in range(world)]
+        group = _RankGroup(world=world, port=runtime_ranks.free_port(), backend=backend, payload_path=payload,
+                           plan=plan, messages=messages, threads=threads)
+        procs = [ctx.Process(target=_rank_main, daemon=True, args=(rank, group)) for rank in range(world)]
         try:
             for p in procs:
                 with _interrupts_held():
@@ -277,18 +276,32 @@ def _assemble(layout: Layout, by_rank: Dict[int, dict], inputs: TrainerInputs) -
 # ----------------------------------------------------------------------------------------------- inside each rank
 
 
-def _rank_main(rank, world, port, backend, payload_path, plan, messages, threads) -> None:
-    current = None
+@dataclasses.dataclass(frozen=True)
+class _RankGroup:
+    """What every spawned trainer rank is given besides its rank (run_jobs)."""
+
+    world: int  # ranks spawned: the largest layout's world size
+    port: int  # the rendezvous on 127.0.0.1
+    backend: str  # "gloo" | "nccl"
+    payload_path: str  # the torch.save file of every job's TrainerInputs (as dicts)
+    plan: list  # [(job index, [(layout, vocab_offset fault)])], in the order the ranks run them
+    messages: object  # the parent's multiprocessing queue: results, "done", errors
+    threads: int  # torch threads per rank
+
+
+def _rank_main(rank: int, group: _RankGroup) -> None:
+    current, messages = None, group.messages
     try:
-        torch.set_num_threads(max(threads, 1))
-        if backend == "nccl":
+        torch.set_num_threads(max(group.threads, 1))
+        if group.backend == "nccl":
             torch.cuda.set_device(rank)
             device = torch.device("cuda", rank)
         else:
             device = torch.device("cpu")
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        all_inputs = torch.load(payload_path, mmap=True, weights_only=True)
-        for j, layouts in plan:
+        dist.init_process_group(group.backend, init_method=f"tcp://127.0.0.1:{group.port}", rank=rank,
+                                world_size=group.world)
+        all_inputs = torch.load(group.payload_path, mmap=True, weights_only=True)
+        for j, layouts in group.plan:
             for layout, vocab_offset_fault in layouts:
                 current = layout.name
                 groups = _layout_groups(layout, rank)  # collective over the whole spawned group

@@ -16,10 +16,11 @@ rank leaves: ppo_ops/runtime/ranks.py, shared with the check and the bench).
   it only where n GPUs are declared (tests/conftest.py), plain pytest on a GPU machine skips it with the reason.
 """
 
+import dataclasses
 import datetime
 import os
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import pytest
 import torch
@@ -40,18 +41,31 @@ def rank_device(rank: int, backend: str = DIST_BACKEND, one_gpu: bool = False) -
     return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
 
 
-def _entry(rank, world_size, port, backend, one_gpu, timeout_s, worker, args):
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    """What every spawned rank of one run_ranks call is given (its rank comes from torch.multiprocessing)."""
+
+    world_size: int
+    port: int  # the rendezvous on 127.0.0.1
+    backend: str  # "gloo" | "nccl"
+    one_gpu: bool  # gloo ranks that all compute on cuda:0
+    timeout_s: Optional[float]  # the group's collective timeout (None: RANK_TIMEOUT)
+    worker: Callable  # worker(rank, world_size, *args)
+    args: tuple
+
+
+def _entry(rank: int, group: _Group):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    if backend == "nccl" or one_gpu:
-        torch.cuda.set_device(rank_device(rank, backend, one_gpu))
+    if group.backend == "nccl" or group.one_gpu:
+        torch.cuda.set_device(rank_device(rank, group.backend, group.one_gpu))
     else:
         torch.set_num_threads(1)  # world_size processes share the CI machine's 2 cores
-    timeout = RANK_TIMEOUT if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timeout)
+    timeout = RANK_TIMEOUT if group.timeout_s is None else datetime.timedelta(seconds=group.timeout_s)
+    dist.init_process_group(group.backend, init_method=f"tcp://127.0.0.1:{group.port}", rank=rank,
+                            world_size=group.world_size, timeout=timeout)
     with runtime_ranks.destroy_on_error():  # a failure propagates to torch.multiprocessing with its traceback
-        worker(rank, world_size, *args)
+        group.worker(rank, group.world_size, *group.args)
     # Barrier, destroy the group, flush, exit without interpreter finalization (ppo_ops/runtime/ranks.py).
     runtime_ranks.leave()
 
@@ -68,7 +82,7 @@ def run_ranks(world_size: int, worker, *args, backend: str = DIST_BACKEND, one_g
     if one_gpu and (backend != "gloo" or not torch.cuda.is_available()):
         raise RuntimeError(f"one_gpu: gloo ranks on a visible GPU, got backend {backend!r}, "
                            f"{torch.cuda.device_count()} GPU(s) visible")
-    spawn_args = (world_size, runtime_ranks.free_port(), backend, one_gpu, timeout_s, worker, args)
+    spawn_args = (_Group(world_size, runtime_ranks.free_port(), backend, one_gpu, timeout_s, worker, args),)
     if deadline_s is None:
         mp.spawn(_entry, args=spawn_args, nprocs=world_size, join=True)
         return

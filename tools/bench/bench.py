@@ -192,8 +192,8 @@ def _cases() -> tuple[str, list]:
     if unknown:
         raise ValueError(f"--providers: unknown {unknown}; expected some of {list(known)}")
     if _SUITE.value == ["custom"]:
-        cases = cases_lib.cross_product(
-            providers,
+        cases = cases_lib.cross_product(cases_lib.CustomGrid(
+            providers=providers,
             tokens=_ints("tokens", _TOKENS.value),
             vocab=_ints("vocab", _VOCAB.value),
             dtypes=_choices("dtypes", _DTYPES.value, cases_lib.DTYPES),
@@ -203,7 +203,7 @@ def _cases() -> tuple[str, list]:
             validate=_bools("validate", _VALIDATE.value),
             inplace_grad=_bools("inplace_grad", _INPLACE.value),
             tp=tp,
-        )
+        ))
     else:
         cases = [c for c in cases_lib.suite_cases(_SUITE.value) if not filtering or c.provider in providers]
     cases = [c for c in cases if c.tp == tp]

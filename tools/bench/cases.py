@@ -317,25 +317,31 @@ def suite_cases(names: Iterable[str], tp: Optional[int] = None) -> list:
     return out
 
 
-def cross_product(
-    providers: Sequence[str],
-    tokens: Sequence[int],
-    vocab: Sequence[int],
-    dtypes: Sequence[str],
-    entropy: Sequence[str],
-    keep_mask: Sequence[bool],
-    row_frac: Sequence[float],
-    validate: Sequence[bool],
-    inplace_grad: Sequence[bool],
-    tp: int,
-) -> list[Case]:
+@dataclasses.dataclass(frozen=True)
+class CustomGrid:
+    """The axes of a custom run (--suite=custom, one list flag each): every combination is a case at TP = `tp`."""
+
+    providers: Sequence[str]
+    tokens: Sequence[int]
+    vocab: Sequence[int]
+    dtypes: Sequence[str]
+    entropy: Sequence[str]
+    keep_mask: Sequence[bool]
+    row_frac: Sequence[float]
+    validate: Sequence[bool]  # varies only for the ppo_ops providers
+    inplace_grad: Sequence[bool]  # likewise
+    tp: int
+
+
+def cross_product(grid: CustomGrid) -> list[Case]:
     """The cases of a custom run (--suite=custom). validate / inplace_grad vary only for the ppo_ops providers."""
     out, seen = [], set()
-    grid = itertools.product(providers, tokens, vocab, dtypes, entropy, keep_mask, row_frac)
-    for p, T, V, dt, ent, keep, row in grid:
-        extra = itertools.product(validate, inplace_grad) if p in PPO_OPS_PROVIDERS else [(None, None)]
+    axes = itertools.product(grid.providers, grid.tokens, grid.vocab, grid.dtypes, grid.entropy, grid.keep_mask,
+                             grid.row_frac)
+    for p, T, V, dt, ent, keep, row in axes:
+        extra = itertools.product(grid.validate, grid.inplace_grad) if p in PPO_OPS_PROVIDERS else [(None, None)]
         for val, inp in extra:
-            case = Case(p, T=T, V=V, dtype=dt, entropy=ent, keep_mask=keep, row_frac=row, tp=tp, validate=val,
+            case = Case(p, T=T, V=V, dtype=dt, entropy=ent, keep_mask=keep, row_frac=row, tp=grid.tp, validate=val,
                         inplace_grad=inp)
             if case not in seen:
                 seen.add(case)
