@@ -59,6 +59,10 @@ def main(argv) -> int:
 
 def _main() -> int:
     folder = runtime_cli.caller_path(_REPORT_DIR.value)
+    if not os.path.isdir(folder):  # said as such, not as a dump missing inside it
+        where = "" if folder == _REPORT_DIR.value else f" {folder}"  # a relative path: where it was looked for
+        what = "is not a folder" if os.path.exists(folder) else "does not exist"
+        raise runtime_cli.BadInput(f"--report_dir={_REPORT_DIR.value}: the report folder{where} {what}")
     dump = os.path.join(folder, "engine_dump", _ENGINE_LAYOUT.value)
     if not layer_diff.pass_files(dump):
         raise runtime_cli.BadInput(f"--engine_layout={_ENGINE_LAYOUT.value}: no PassNNNNN.pt under {dump} (run "

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from sglang_checks import layer_diff, models, on_policy, report, rollout as rollout_lib
+from tests import processes
 
 pytestmark = pytest.mark.device("cpu")
 
@@ -257,3 +258,12 @@ def test_layer_diff_main_names_the_first_difference(tmp_path):
 def test_layer_diff_main_without_a_dump_is_bad_input(tmp_path):
     proc = _run_main(tmp_path)
     assert proc.returncode == 2 and "no PassNNNNN.pt under" in proc.stderr
+
+
+def test_layer_diff_main_says_the_report_folder_does_not_exist(tmp_path):
+    """A --report_dir that is not there is said to be that, in one line with exit 2, not as a dump missing under it."""
+    path = tmp_path / "nonexistent"
+    proc = _run_main(path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = processes.only_line(proc.stderr)
+    assert line == f"layer_diff_main: error: --report_dir={path}: the report folder does not exist", line
