@@ -3,8 +3,8 @@
 #
 #   1. Bazel: Debian's bazel-bootstrap (Bazel 4.2.3), only when `bazel` is missing (apt-get update first).
 #   2. A Python 3.11 with the venv module (the torch wheel is cp311): python3-venv from Debian if ensurepip is missing.
-#   3. .venv at the repository root, from requirements.lock with --require-hashes and -c constraints.txt (torch
-#      stays the CPU wheel 2.13.0+cpu): pip installs no file whose sha256 the lock does not carry. Skipped when
+#   3. .venv at the repository root, from requirements.lock with --require-hashes, wheels only, and -c constraints.txt
+#      (torch stays the CPU wheel 2.13.0+cpu): pip installs no file whose sha256 the lock does not carry. Skipped when
 #      .venv/.ppo_ops_lock.sha256 holds the lock's hash; written after a good install. An existing .venv is updated
 #      in place, never deleted.
 #
@@ -81,7 +81,8 @@ if [[ "${1:-}" == "--freeze" ]]; then
   printf '%s\n%s\n' "$LOCK_HEADER" "$pinned" >"$LOCK.tmp"
   mv "$LOCK.tmp" "$LOCK"
   sha256_of "$LOCK" >"$STAMP"
-  say "wrote $(basename "$LOCK") ($(echo "$frozen" | wc -l) packages, $(grep -c -- '--hash=' "$LOCK") hashes) and the venv stamp"
+  say "wrote $(basename "$LOCK") ($(echo "$frozen" | wc -l) packages, $(grep -c -- '--hash=' "$LOCK") hashes)" \
+    "and the venv stamp"
   exit 0
 fi
 [[ $# -eq 0 ]] || die "unknown argument: $1" "tools/bootstrap.sh" "tools/bootstrap.sh --freeze"
@@ -126,11 +127,14 @@ rm -f "$STAMP"  # a failed install must not leave an old stamp that claims the v
 # Hash-checking mode: every pin carries its files' sha256 (the lock pins the whole tree, so no dependency comes
 # unhashed), and pip refuses any download that matches none. -c constraints.txt stays: pip takes unhashed constraints
 # in this mode (a constraint installs nothing by itself; whatever it selects still needs a hash from the lock).
+# Wheels only (every pin has one): building an sdist would install its build dependencies without any hash check,
+# and where an index lists a wheel whose hash is not in the lock, pip would quietly build the sdist instead of
+# refusing. The sdists' hashes stay in the lock for a pip run by hand that builds one.
 # pip's messages go to stderr and to a log, so a refused hash gets its own explanation below.
 pip_log="$(mktemp "${TMPDIR:-/tmp}/ppo_ops_pip.XXXXXX")"
 trap 'rm -f "$pip_log"' EXIT
-if ! "$VENV/bin/python3" -m pip install --require-hashes --disable-pip-version-check --no-input --progress-bar off -qq \
-    -r "$LOCK" -c "$CONSTRAINTS" </dev/null 2>&1 | tee "$pip_log" >&2; then
+if ! "$VENV/bin/python3" -m pip install --require-hashes --only-binary :all: --disable-pip-version-check --no-input \
+    --progress-bar off -qq -r "$LOCK" -c "$CONSTRAINTS" </dev/null 2>&1 | tee "$pip_log" >&2; then
   if grep -q "DO NOT MATCH THE HASHES" "$pip_log"; then
     refused="$(grep -m1 -oE '^ +[A-Za-z0-9][^ ]*==[^ ]+ from [^ ]+' "$pip_log" | sed 's/^ *//' || true)"
     die "pip refused ${refused:-a download}: the file does not match $(basename "$LOCK")'s sha256 for it, so nothing was installed; find out where that file came from (pip config list), and re-freeze only if the package changed on purpose" \
