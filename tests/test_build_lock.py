@@ -10,7 +10,7 @@
 - tools/lock_hashes.py on a local index and find-links folder: which files count, a conflict and a missing file fail.
 
 Run by Bazel (`//tests:test_build_lock`, sandboxed without network) and by plain pytest from the repository root.
-About 20 s: two scratch venvs.
+About 30 s under Bazel on 2 cores (20 s under plain pytest): two scratch venvs.
 """
 
 import base64
