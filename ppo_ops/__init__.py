@@ -10,14 +10,30 @@ Two ops, their public functions all in api.py:
     the losses themselves in token_losses.py).
 
 Reading order, for either op: api.py (arguments) -> core/shell.py (the one call shell: local checks, layout, backend
-choice, and partials -> TP all-gather -> fixed-order merge) -> the op's autograd Function -> its backends -> their
-kernels. The logits op: logits/function.py -> logits/torch_backend.py, logits/triton_backend.py (->
-logits/triton_kernels.py). The LM head: lm_head/function.py and lm_head/loss_function.py -> lm_head/torch_backend.py
-(fixed fp32 tiles), lm_head/triton_backend.py (Triton GEMM tiles, fp32), lm_head/chunked.py (library GEMMs + the logits
-op's passes: half precision, and the token loss). The shared core beside them: core/checks.py (local argument checks),
-core/agreement.py (cross-rank agreement, the one host read), core/contracts.py (the backend contracts of both ops),
-core/layout.py (vocabulary shards and segments), core/row_stats.py (merge math), core/triton_common.py (what the
-Triton kernels of both ops share).
+choice, and partials -> TP all-gather -> fixed-order merge) -> the op's autograd Function -> its backend -> kernels.
+Which modules run, per op, backend and dtype (core/shell.py, select_backend, decides):
+
+  logits op        logits/function.py, then
+    backend torch    logits/torch_backend.py (any device, any float dtype)
+    backend triton   logits/triton_backend.py -> logits/triton_kernels.py (CUDA, or CPU under TRITON_INTERPRET=1)
+    reduction_order  "sglang": logits/sglang_order.py -> logits/sglang_order_kernels.py instead
+  LM head, general op (linear_log_probs_and_entropy): lm_head/function.py, then
+    backend torch    lm_head/torch_backend.py (fixed fp32 tiles through torch.matmul, the logits op's torch code)
+    triton, bf16/fp16  lm_head/segment_gemms.py over the logits op's Triton passes: on CUDA with aligned rows
+                     lm_head/gemm_partials.py (forward GEMM, statistics in its epilogue), lm_head/gemm_dlogits.py
+                     (the recompute, gradient in its epilogue), lm_head/prob_dlogits.py (the held rows' dlogits),
+                     cuBLAS dX / dW; elsewhere chunk GEMMs and logits/triton_kernels.py's passes
+    triton, fp32     lm_head/triton_backend.py (Triton GEMM tiles with the statistics fused in)
+  LM head, token loss (linear_token_loss): lm_head/loss_function.py -> lm_head/segment_gemms.py ->
+                     lm_head/token_loss_blocks.py (its row blocks), over the Triton passes as above (triton) or the
+                     logits op's torch code (torch); the shipped losses: token_losses.py
+
+The shared core beside them: core/checks.py (local argument checks), core/agreement.py (cross-rank agreement, the
+one host read), core/contracts.py (the backend contracts of both ops, as types), core/layout.py (vocabulary shards
+and segments), core/row_stats.py (merge math), core/scale.py and core/scale_kernel.py (scaling the gradients a
+token loss formed in its forward), core/triton_common.py (what the Triton kernels of both ops share).
+Not imported by `import ppo_ops`: legacy/ (the yardstick: Megatron's cross entropy + an entropy Function) and
+runtime/ (what the product's programs share: the CLI contract, rank groups).
 """
 
 from ppo_ops.api import (LogProbsEntropy, calculate_log_probs_and_entropy, linear_log_probs_and_entropy,

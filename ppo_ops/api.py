@@ -164,26 +164,28 @@ def linear_log_probs_and_entropy(
     Same semantics and outputs as `log_probs_and_entropy(hidden @ weight.T, tokens, ...)` with the logits accumulated
     in fp32 (never rounded to the input dtype): per-token log-probs and entropies in fp32, gradients for `hidden` and
     `weight` in their dtype. Guarantees:
+      - accuracy against float64 on the same inputs: the logits op's error plus what the fp32 accumulation of
+        H products costs (the logits move by at most ~2 H u32 |x| . |w|); dlogits are rounded once to the input
+        dtype before the dX and dW GEMMs (bf16: 2^-8 of each term), except the rows whose probabilities the forward
+        held (below), whose dlogits carry an fp16 rounding of their probabilities (2^-11) before that;
       - bitwise deterministic run to run (fixed tile shapes and reduction orders, no atomics);
-      - bitwise identical log-probs, entropies and dW at every TP size: a column's logit never depends on which rank
-        computes it (tiles start at the fixed global segments, the K loop over H is fixed), and the per-segment
-        partials go through the logits op's all-gather and fixed-order merge;
-      - bitwise identical log-probs and entropies for every row count, backend="torch" and backend="triton" with
-        bf16/fp16 (the GEMMs run on fixed-shape chunks: a row's logits do not depend on the other rows of the call,
-        nor on a row mask that moves it; the fp32 Triton GEMM kernels place rows in tiles by their index);
-      - backend="torch": bitwise identical to `log_probs_and_entropy(logits, ..., backend="torch")` on the fp32 logits
-        its tiles produce (it runs that op's own code on each tile). backend="triton" with bf16/fp16 (the CUDA path):
-        cuBLAS GEMMs on fixed-shape chunks [1024 rows x one vocabulary segment], the logits op's own Triton kernels
-        on each fp32 chunk, so bitwise identical to `log_probs_and_entropy(logits, ..., backend="triton")` on the
-        logits those GEMMs produce; its backward rounds dlogits to the input dtype before the dX and dW GEMMs.
-        backend="triton" with fp32: Triton GEMM tiles with the statistics fused in (the logits op's tolerances).
-    The logits exist only as bounded chunks in forward and are recomputed chunk by chunk in backward: 4 GEMMs' worth
-    of work instead of the unfused path's 3 (forward, recompute, dX, dW), so the fused op cannot beat 4/3 of the
-    three GEMMs' time; it saves the [T, V] logits and their gradient. Under torch.no_grad it keeps nothing and costs
-    one GEMM plus one pass over each fp32 chunk. Extra memory (CUDA, half precision): one fp32 chunk (78 MB at
-    Qwen3's vocabulary), and in backward an fp32 dX accumulator [rows, H], a dlogits buffer of 8192 rows x one
-    segment and, past 8192 rows, one segment's fp32 dW accumulator. To form the gradient of an RL loss in the forward
-    instead (three GEMMs), see ppo_ops.linear_token_loss.
+      - bitwise identical log-probs, entropies and dW at every TP size, and log-probs and entropies for every row
+        count and row mask, under the logits op's vocabulary condition (V_global % 8 == 0): a column's logit never
+        depends on which rank computes it or on the other rows (tiles start at the fixed global segments, the K loop
+        over H is fixed per GEMM shape), and the per-segment partials go through the logits op's all-gather and
+        fixed-order merge; with the same dtype and backend (the backends' GEMMs differ);
+      - dX is deterministic; at TP > 1 its fp32 sum runs in another order than at TP = 1 (within fp32 rounding);
+      - memory: never [T, V] logits nor their gradient. Under torch.no_grad it keeps nothing and costs one GEMM's
+        work. With a gradient the forward holds the first rows' logits as fp16 probabilities (at most 1 GiB at the
+        global vocabulary: 3328 rows at Qwen3's), whose backward needs no second GEMM; the other rows' logits are
+        formed again in the backward (four GEMMs' work for them: forward, recompute, dX, dW). Working memory beyond
+        dX and dW (CUDA, half precision): an fp32 dX accumulator [R, H], a dlogits buffer of 8192 rows x one
+        vocabulary segment and, past 8192 rows, one segment's fp32 dW accumulator.
+    Backends (backend="auto" picks triton on CUDA): "triton" with bf16 / fp16, the segment-GEMM backend (a Triton GEMM
+    whose epilogue reduces each logit tile, the same GEMM with the gradient in its epilogue, cuBLAS dX and dW); with
+    fp32, Triton GEMM tiles with IEEE fp32 dots; "torch", fixed fp32 tiles through torch.matmul and the logits op's
+    own code (bitwise equal to log_probs_and_entropy(logits, ..., backend="torch") on the logits its tiles produce).
+    To form the gradient of an RL loss in the forward instead (three GEMMs' work), see ppo_ops.linear_token_loss.
 
     Args:
       hidden: [..., H] float32/bfloat16/float16, the same on every rank of tp_group (the LM head's input).
@@ -286,26 +288,36 @@ def linear_token_loss(
         loss.backward(), costs nothing and returns them as formed, another value may add one rounding: fold
         constant factors into token_loss) and can run once.
       log_probs, entropy: fp32, shaped like tokens, detached (for metrics); entropy None with entropy="none".
-        Bitwise equal to linear_log_probs_and_entropy's on the same chunked backend (the same GEMM chunks, passes and
-        merge; TP- and row-count invariant, as there).
+        Bitwise equal to linear_log_probs_and_entropy's with backend="triton" on CUDA half precision with 16-byte
+        aligned rows (the same one-GEMM forward; TP- and row-count invariant, as there); elsewhere equal to the logits
+        op's on the same chunk GEMMs' logits.
 
     Arguments as in linear_log_probs_and_entropy (tp_group, entropy, temperature, row_mask, vocab_size, reduce_dx,
     backend, validate); row_mask False rows get log-prob 0, entropy 0, no loss term and zero gradient, and are never
-    passed to token_loss. backend="triton" (the default on CUDA): cuBLAS GEMMs and the logits op's Triton passes;
-    "torch": the same chunks with the logits op's PyTorch code (any device).
+    passed to token_loss. backend="triton" (the default on CUDA): the segment-GEMM backend's one-GEMM blocks on half
+    precision (Triton GEMMs, cuBLAS dX / dW), chunk GEMMs with the logits op's Triton passes otherwise; "torch": the
+    chunk GEMMs with the logits op's PyTorch code (any device).
 
     Gradients: dX [T, H] in hidden's dtype (fp32 accumulation over this rank's segments, all-reduced in fp32 over
     tp_group when reduce_dx, one rounding); dW [V_local, H] in weight's dtype, fp32 accumulation, rounded once (for
     an upstream 1), TP-invariant bit for bit.
     Memory held from forward to backward: dX and dW. Working memory (CUDA, half precision, 16-byte aligned rows):
-    the logits of a row block as fp16 probabilities, then its dlogits in place (2 bytes per logit). Where the rows'
-    probabilities, their fp32 dX rows and dW fit 3.125 GiB (every T up to 9984 at Qwen3's vocabulary and H = 4096,
-    except 6529-8064) they are one block: dW is one GEMM per vocabulary segment written in weight's dtype in the
-    forward, from 2 H rows on into the block's own storage, which it keeps until released (T x V_local x 2 bytes:
-    2.3 GiB at T = 8192, peak 2.7 GiB in all). Else blocks of 2816 rows (at H = 4096; a function of H and the
-    segment length only; 0.80 GiB) beside an fp32 dW accumulator (V_local x H x 4 bytes: 2.3 GiB), rounded in
-    backward into its own storage, which dW keeps (2x dW's size). Other inputs: 1024-row blocks whose fp32 logits
-    are held (1024 x V_local x 4 bytes, 0.58 GiB) with their dlogits (half that).
+    the logits of a row block as fp16 probabilities, then its dlogits in place (2 bytes per logit). Every row is one
+    block where its probabilities, its fp32 dX rows and dW (in the probabilities' own storage once the block has 2 H
+    rows, else beside them) fit 3.125 GiB: dW is then one GEMM per vocabulary segment written in weight's dtype in
+    the forward, and keeps the storage it was written into until released (T x V_local x 2 bytes). Else blocks of a
+    fixed number of rows (a function of H and the segment length only: 2816 at Qwen3-8B's shape) beside an fp32 dW
+    accumulator (V_local x H x 4 bytes), rounded in backward into its own storage, which dW keeps (2x dW's size).
+    Other inputs: 1024-row blocks whose fp32 logits are held (1024 x V_local x 4 bytes) with their dlogits (half
+    that). The figures at Qwen3's shapes: docs/performance.md.
+
+    Failure of token_loss (validate=True): at TP = 1 it raises at once (the loss's own exception, or the TypeError /
+    ValueError naming token_loss). At TP > 1 the loss runs between collectives, so a rank never raises there alone:
+    it keeps its failure, goes on to the end of the forward with zero gradients, and the ranks all-gather their end
+    flags (one more small all-gather, no extra host read); every rank then raises the same error naming the ranks at
+    fault, each faulty rank from its own exception (raised: RuntimeError; wrong type or dtype: TypeError; wrong
+    shape or device, or non-finite values or gradients: ValueError). validate=False: a failure raises on its rank at
+    once and the others wait in their next collective until the group's timeout; non-finite values go unchecked.
 
     Host syncs on CUDA with validate=True: one at TP = 1 (the end-of-forward value read), two at TP > 1 (the header
     exchange before the first all-gather, the end flags); a row_mask adds one (the kept-row count). validate=False:

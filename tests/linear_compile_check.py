@@ -5,7 +5,7 @@ compile). Triton's bundled ptxas compiles for a fixed target.
 
 Prints one JSON object:
 - "forward_keys": {"<dtype>": distinct forward binaries over every rank of TP = 1, 2, 4, 8 at Qwen3's vocabulary
-  (V_local 151936 ... 18992) with padding on the last rank}, "gemm_partials bf16" for the chunked backend's
+  (V_local 151936 ... 18992) with padding on the last rank}, "gemm_partials bf16" for the segment-GEMM backend's
   one-GEMM forward, "gemm_partials probs bf16" for its token-loss form (which also stores fp16 probabilities) and
   "gemm_dlogits bf16" for its fused backward recompute over every segment: 1 means every TP size runs the same code
   on a segment.
@@ -107,8 +107,8 @@ def _gemm_args(dtype, transposed_a, n_rows=8192, chunk=4096):
 
 
 def _gemm_partials_args(n_rows, v_local, n_valid, inv_t=1.5, store_probs=False, prob_rows=2048):
-    """The chunked backend's one-GEMM forward (bf16 only: the path is half precision); store_probs: the token loss's
-    form, which also stores fp16 probabilities into [segments x prob_rows, seg_len]."""
+    """The segment-GEMM backend's one-GEMM forward (bf16 only: the path is half precision); store_probs: the token
+    loss's form, which also stores fp16 probabilities into [segments x prob_rows, seg_len]."""
     cfg = gp.GPU_CONFIG
     seg_len = V_QWEN3 // 8
     hidden = torch.empty((n_rows, H_QWEN3_8B), dtype=torch.bfloat16)
@@ -127,7 +127,7 @@ def _gemm_partials_args(n_rows, v_local, n_valid, inv_t=1.5, store_probs=False, 
 
 
 def _gemm_dlogits_args(n_rows, seg_n_valid, inv_t=1.5):
-    """The chunked backend's fused backward recompute on one segment (bf16)."""
+    """The segment-GEMM backend's fused backward recompute on one segment (bf16)."""
     cfg = gp.GPU_CONFIG
     seg_len = V_QWEN3 // 8
     hidden = torch.empty((n_rows, H_QWEN3_8B), dtype=torch.bfloat16)

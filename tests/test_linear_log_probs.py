@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 import ppo_ops
-from ppo_ops.core import agreement, layout as _layout, shell
-from ppo_ops.lm_head import chunked as _linear_chunked
+from ppo_ops.core import agreement, layout as _layout
+from ppo_ops.lm_head import segment_gemms as _segment_gemms
 from tests.core_support import (CaseFailures, backend_params, compile_check_report, make_weights, triton_skip_reason)
 from tests.linear_support import (HIDDEN, QWEN3_TEMPERATURE, QWEN3_TOKENS, QWEN3_TP_SHAPES, QWEN3_TP_SIZES,
                                   QWEN3_VOCAB, UNIT_ROUNDOFF, V_GLOBAL, assert_tp_invariant, qwen3_inputs,
@@ -41,15 +41,15 @@ from tests.reference import ENTROPY_TOL, LOG_PROB_TOL
 HALF = (torch.bfloat16, torch.float16)
 
 
-def _chunked(backend, dtype):
-    """Whether the op takes the chunked path (library GEMMs + the logits op's passes): Triton with half precision."""
-    return backend == "triton" and dtype in HALF and shell.HALF_PRECISION_PATH == "chunked"
+def _segment_path(backend, dtype):
+    """Whether the op takes the segment-GEMM backend (lm_head/segment_gemms.py): Triton with half precision."""
+    return backend == "triton" and dtype in HALF
 
 
 def _tile_logits(backend, dtype):
     """The tile_logits of the path the op takes for (backend, dtype)."""
-    if _chunked(backend, dtype):
-        return _linear_chunked.tile_logits
+    if _segment_path(backend, dtype):
+        return _segment_gemms.tile_logits
     if backend == "torch":
         from ppo_ops.lm_head import torch_backend
         return torch_backend.tile_logits
@@ -104,7 +104,7 @@ def _check_matches_logits_op_once(backend, dtype, temperature, vocab_size, row_m
         assert torch.equal(got.log_probs, want.log_probs), "log_probs differ bitwise from the logits op"
         assert torch.equal(got.entropy, want.entropy), "entropy differs bitwise from the logits op"
     else:
-        # The Triton GEMM kernels (fp32 inputs: lm_head/triton_backend.py; half precision: the chunked backend's
+        # The Triton GEMM kernels (fp32 inputs: lm_head/triton_backend.py; half precision: the segment-GEMM backend's
         # one-GEMM forward) reduce [rows x BLOCK_N] GEMM tiles, the logits op's kernel lanes of one row: reductions in
         # another order, so the logits op's own fp32 tolerances apply, which bound any correct fp32 reduction order.
         lp_err = (got.log_probs - want.log_probs).abs()
@@ -133,18 +133,19 @@ def _dl_roundoff(backend, dtype):
 
 
 def _held_rows(backend, dtype, hidden, weight, row_mask=None):
-    """[rows] bool over the flattened rows: those whose dlogits the chunked path forms from the fp16 probabilities
-    its forward held (the first chunked.held_rows of the kept rows, where the one-GEMM forward applies)."""
+    """[rows] bool over the flattened rows: those whose dlogits the segment-GEMM backend forms from the fp16
+    probabilities its forward held (the first segment_gemms.held_rows of the kept rows, where the one-GEMM forward
+    applies)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     kept = torch.ones(flat.shape[0], dtype=torch.bool) if row_mask is None else row_mask.reshape(-1).cpu()
     held = torch.zeros_like(kept)
-    if not _chunked(backend, dtype) or triton_skip_reason(DEVICE) is not None:
+    if not _segment_path(backend, dtype) or triton_skip_reason(DEVICE) is not None:
         return held
     from ppo_ops.lm_head import gemm_partials  # triton: present here
     if not gemm_partials.applies(flat.to(DEVICE).contiguous(), weight.to(DEVICE)):
         return held
     rows = torch.nonzero(kept).squeeze(1)
-    held[rows[:_linear_chunked.held_rows(rows.numel(), _segment_len(weight.shape[0]), DEVICE)]] = True
+    held[rows[:_segment_gemms.held_rows(rows.numel(), _segment_len(weight.shape[0]), DEVICE)]] = True
     return held
 
 
@@ -193,9 +194,9 @@ def test_values_and_gradients_vs_float64(backend, dtype, temperature, vocab_size
 
 @pytest.mark.parametrize("backend", [p for p in backend_params(DEVICE) if p.id == "triton"])
 def test_chunked_path_crosses_blocks_and_groups_vs_float64(backend):
-    """Rows over several row blocks and dW groups of the chunked path (on CPU its blocks are 16 rows, groups 32): the
-    last block padded, dW accumulated in fp32 across groups."""
-    shape = _linear_chunked.chunk_shape(DEVICE)
+    """Rows over several row blocks and dW groups of the segment-GEMM backend (on CPU its blocks are 16 rows, groups
+    32): the last block padded, dW accumulated in fp32 across groups."""
+    shape = _segment_gemms.chunk_shape(DEVICE)
     _check_vs_float64_once(backend, torch.bfloat16, 1.0, 230, True, lead=(shape.dw_rows + shape.rows // 2 + 3,))
 
 
@@ -210,24 +211,17 @@ def test_segments_of_any_width_take_the_fused_recompute_vs_float64(backend):
     _check_vs_float64_once(backend, torch.bfloat16, 1.3, 100, True, lead=(3, 7), v=v)
 
 
-@pytest.mark.parametrize("backend", [p for p in backend_params(DEVICE) if p.id == "triton"])
-def test_triton_gemm_path_vs_float64(backend, monkeypatch):
-    """The Triton GEMM kernels on half precision (the path the chunked one replaced; kept for fp32 and comparisons)."""
-    monkeypatch.setattr(shell, "HALF_PRECISION_PATH", "triton-gemm")
-    _check_vs_float64_once(backend, torch.bfloat16, 1.3, 200, True)
-
-
 def test_held_rows_at_qwen3_shape():
     """How many rows the chunked forward holds as probabilities: 1 GiB at the global vocabulary, rounded down to 256
     rows, never more than the call's rows or one dW group; the interpreter's cap is one row block."""
     cuda, seg_len = torch.device("cuda"), 151936 // 8
-    assert _linear_chunked.held_rows(32768, seg_len, cuda) == 3328
-    assert 3328 * 151936 * 2 <= _linear_chunked.HOLD_BYTES < 3584 * 151936 * 2
-    assert _linear_chunked.held_rows(3000, seg_len, cuda) == 3000
-    assert _linear_chunked.held_rows(32768, 4096 // 8, cuda) == _linear_chunked.CUDA_SHAPE.dw_rows
+    assert _segment_gemms.held_rows(32768, seg_len, cuda) == 3328
+    assert 3328 * 151936 * 2 <= _segment_gemms.HOLD_BYTES < 3584 * 151936 * 2
+    assert _segment_gemms.held_rows(3000, seg_len, cuda) == 3000
+    assert _segment_gemms.held_rows(32768, 4096 // 8, cuda) == _segment_gemms.CUDA_SHAPE.dw_rows
     cpu = torch.device("cpu")
-    assert _linear_chunked.held_rows(43, 32, cpu) == _linear_chunked.HOST_HOLD_ROWS == _linear_chunked.HOST_SHAPE.rows
-    assert _linear_chunked.held_rows(5, 32, cpu) == 5
+    assert _segment_gemms.held_rows(43, 32, cpu) == _segment_gemms.HOST_HOLD_ROWS == _segment_gemms.HOST_SHAPE.rows
+    assert _segment_gemms.held_rows(5, 32, cpu) == 5
 
 
 def _saved_half_tensors(out):
@@ -245,7 +239,7 @@ def test_held_probabilities_vs_float64_freed_and_reread(backend, hold, monkeypat
     of a call over two dW groups, or every row of a call): log-probs and entropies bitwise those of a call holding none,
     gradients within their float64 bound (the held rows' with the probabilities' rounding), the buffer among the
     saved tensors and freed by the backward, and a second backward under retain_graph bitwise the first."""
-    shape = _linear_chunked.chunk_shape(DEVICE)
+    shape = _segment_gemms.chunk_shape(DEVICE)
     lead = (shape.rows + 5,) if hold == "all" else (shape.dw_rows + shape.rows // 2 + 3,)
     cap = {"none": 0, "one_block": shape.rows, "all": lead[0]}[hold]
     hidden, weight, tokens = _inputs(lead, torch.bfloat16, seed=27)
@@ -254,7 +248,7 @@ def test_held_probabilities_vs_float64_freed_and_reread(backend, hold, monkeypat
     opts = dict(entropy="grad", temperature=1.3, vocab_size=230, backend=backend)
 
     def call(rows_cap):
-        monkeypatch.setattr(_linear_chunked, "held_rows", lambda n, seg_len, device: min(n, rows_cap))
+        monkeypatch.setattr(_segment_gemms, "held_rows", lambda n, seg_len, device: min(n, rows_cap))
         h = hidden.to(DEVICE).requires_grad_(True)
         w = weight.to(DEVICE).requires_grad_(True)
         return h, w, ppo_ops.linear_log_probs_and_entropy(h, w, tokens.to(DEVICE), **opts)
@@ -290,21 +284,21 @@ def test_held_rows_change_no_value_at_qwen3_vocabulary():
     hidden, weight, tokens = _inputs((n_rows,), torch.bfloat16, seed=33, v=vocab, h=width)
     hidden, weight, tokens = hidden.cuda(), weight.cuda(), tokens.cuda()
     g_lp, g_ent = make_weights((n_rows,), 34).cuda(), make_weights((n_rows,), 35, low=-1.0, high=1.0).cuda()
-    k = _linear_chunked.held_rows(n_rows, vocab // 8, DEVICE)
+    k = _segment_gemms.held_rows(n_rows, vocab // 8, DEVICE)
     assert 0 < k < n_rows
     with torch.no_grad():
         plain = ppo_ops.linear_log_probs_and_entropy(hidden, weight, tokens, entropy="grad")
     runs = []
     for rows_cap in (None, 0):
-        real = _linear_chunked.held_rows
+        real = _segment_gemms.held_rows
         if rows_cap == 0:
-            _linear_chunked.held_rows = lambda n, seg_len, device: 0
+            _segment_gemms.held_rows = lambda n, seg_len, device: 0
         try:
             h = hidden.detach().requires_grad_(True)
             out = ppo_ops.linear_log_probs_and_entropy(h, weight, tokens, entropy="grad")
             (dx,) = torch.autograd.grad((out.log_probs, out.entropy), (h,), (g_lp, g_ent))
         finally:
-            _linear_chunked.held_rows = real
+            _segment_gemms.held_rows = real
         runs.append((out.log_probs.detach(), out.entropy.detach(), dx))
     for name, (lp, ent, _) in zip(("held", "none held"), runs):
         assert torch.equal(lp, plain.log_probs), f"{name}: log-probs differ from no_grad's"
@@ -315,14 +309,14 @@ def test_held_rows_change_no_value_at_qwen3_vocabulary():
 @pytest.mark.parametrize("backend,dtype", [
     pytest.param("torch", torch.float32, id="torch-fp32"),  # fixed fp32 tiles
     pytest.param("torch", torch.bfloat16, id="torch-bf16"),
-    *[pytest.param("triton", torch.bfloat16, id="triton-bf16", marks=p.marks)  # the chunked path
+    *[pytest.param("triton", torch.bfloat16, id="triton-bf16", marks=p.marks)  # the segment-GEMM backend
       for p in backend_params(DEVICE) if p.id == "triton"],
 ])
 def test_row_count_invariance_bitwise(backend, dtype):
     """A row's log-prob and entropy do not depend on how many rows the call has nor where the row sits in it: the
     GEMMs run on fixed-shape, zero-padded row blocks (or fixed tiles) and every reduction is per row. (The fp32
     Triton GEMM kernels do not promise this: a row's position in their tiles follows the call's rows.)"""
-    shape = _linear_chunked.chunk_shape(DEVICE)
+    shape = _segment_gemms.chunk_shape(DEVICE)
     n = 2 * shape.rows + 5  # three blocks, the last one partial
     hidden, weight, tokens = _inputs((n,), dtype, seed=25)
     opts = dict(entropy="value", temperature=0.9, backend=backend)
@@ -464,8 +458,8 @@ def test_nan_hidden_raises():
 @pytest.mark.parametrize("backend", backend_params(DEVICE))
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_half_precision_logits_raise(backend, bad):
-    """bf16 takes the chunked backend's one-GEMM forward on "triton": a NaN or +inf logit must still reach the core's
-    check through the segment partials (its tl.max may drop a NaN; the sums keep it)."""
+    """bf16 takes the segment-GEMM backend's one-GEMM forward on "triton": a NaN or +inf logit must still reach the
+    core's check through the segment partials (its tl.max may drop a NaN; the sums keep it)."""
     h, w, t = _inputs((6,), torch.bfloat16, seed=64)
     w[int(t[4])] = bad  # one whole weight row: the target column of row 4 is non-finite in every row's logits
     with pytest.raises(ValueError, match="NaN or \\+inf logits"):
@@ -621,7 +615,8 @@ TP_CASES = {
     # name: (dtype, temperature, vocab_size, masked, rows)
     "bf16_rows_padding": (torch.bfloat16, 0.9, 230, True, 6),  # padding: at TP=4 the last rank holds 26 padding columns
     "fp32_plain": (torch.float32, 1.0, None, False, 6),
-    # on CPU: the chunked path's first 16 rows from held probabilities, the next 16 recomputed, then a second group
+    # on CPU: the segment-GEMM backend's first 16 rows from held probabilities, the next 16 recomputed, then a second
+    # group
     "bf16_beyond_held": (torch.bfloat16, 1.0, None, False, 40),
 }
 
@@ -719,8 +714,8 @@ def test_qwen3_tp_shapes_pass_the_held_rows_and_one_dw_group():
     cuda, seg_len = torch.device("cuda"), QWEN3_VOCAB // _layout.NUM_FIXED_SEGMENTS
     for _, n_rows in QWEN3_TP_SHAPES.values():
         kept = qwen3_kept_rows(n_rows)
-        assert 0 < _linear_chunked.held_rows(kept, seg_len, cuda) < kept
-        assert _linear_chunked.CUDA_SHAPE.dw_rows < kept <= 2 * _linear_chunked.CUDA_SHAPE.dw_rows
+        assert 0 < _segment_gemms.held_rows(kept, seg_len, cuda) < kept
+        assert _segment_gemms.CUDA_SHAPE.dw_rows < kept <= 2 * _segment_gemms.CUDA_SHAPE.dw_rows
 
 
 @pytest.mark.device("cuda")
@@ -763,7 +758,7 @@ def test_half_precision_kernels_use_wgmma_on_sm90(compile_report, kernel):
 @pytest.mark.device("any")
 @pytest.mark.parametrize("kernel", ["gemm_partials", "gemm_partials probs", "gemm_dlogits"])
 def test_one_gemm_kernels_move_tiles_with_tma(compile_report, kernel):
-    # The chunked backend's one-GEMM forward and fused recompute feed wgmma from TMA loads (the bulk tensor copy
+    # The segment-GEMM backend's one-GEMM forward and fused recompute feed wgmma from TMA loads (the bulk tensor copy
     # engine); the recompute also stores its dlogits tiles by TMA, the token loss's forward its probabilities.
     assert compile_report["kernels"][f"{kernel} bf16"]["tma"], f"{kernel}: no cp.async.bulk.tensor in the sm_90 PTX"
 

@@ -1,7 +1,8 @@
 """ppo_ops.linear_token_loss: the fused LM head with a per-token loss's gradient formed inside its forward.
 
-What is checked, per backend ("torch": the chunked path over the logits op's PyTorch passes; "triton": over its Triton
-passes, under TRITON_INTERPRET=1 on CPU with an fp32 matmul standing in for cuBLAS, compiled with cuBLAS on CUDA):
+What is checked, per backend ("torch": the segment-GEMM backend over the logits op's PyTorch passes; "triton": over
+its Triton passes, under TRITON_INTERPRET=1 on CPU with an fp32 matmul standing in for cuBLAS, compiled with cuBLAS
+on CUDA):
 - the loss, log-probs, entropies, dX and dW against float64 (autograd through the same closure on float64 logits),
   within the bounds of tests/linear_support.py with the closure's float64 gradients as the upstream weights, for
   simple closures and for the PPO closure of the bench (clipped surrogate, entropy bonus, k3 KL);
@@ -12,7 +13,9 @@ passes, under TRITON_INTERPRET=1 on CPU with an fp32 matmul standing in for cuBL
 - one gradient asked (dX or dW) gives the bits of both asked; a loss without the log-probs gives exact zeros;
 - errors: a non-callable token_loss, a loss of the wrong shape or dtype, non-finite values with validate=True
   (and none with validate=False), NaN / +inf logits on the one-GEMM blocks; on 2 gloo ranks a bad token_loss or
-  token on ONE rank makes both raise, naming the rank and the argument;
+  token on ONE rank makes both raise, naming the rank and the argument; at TP = 2 and 4 a caller's loss that raises,
+  returns the wrong dtype or shape, or NaN on some ranks (one block, a middle block, reduce_dx=False, every rank)
+  makes every rank raise the same error naming the faulty ranks, each keeping its own exception as the cause;
 - TP = 2 and 4 (gloo on CPU, NCCL on GPUs): loss, log-probs, entropies and the concatenated dW bitwise equal to TP = 1,
   dX within its bound, reduce_dx=False giving per-rank contributions; on CUDA also the compiled kernels at Qwen3's
   shapes with the shipped PPO loss at TP = 2 and 4, every rank on one GPU (gloo), so a one-GPU runner checks TP > 1.
@@ -28,7 +31,8 @@ import ppo_ops
 from ppo_ops.core import agreement as _agreement
 from ppo_ops.core import layout as _layout
 from ppo_ops.core import scale as _scale
-from ppo_ops.lm_head import chunked as _linear_chunked
+from ppo_ops.lm_head import segment_gemms as _segment_gemms
+from ppo_ops.lm_head import token_loss_blocks as _token_loss_blocks
 from tests.core_support import backend_params, make_weights, triton_skip_reason
 from tests.linear_support import (HIDDEN, QWEN3_TEMPERATURE, QWEN3_TOKENS, QWEN3_TP_SHAPES, QWEN3_TP_SIZES,
                                   QWEN3_VOCAB, UNIT_ROUNDOFF, V_GLOBAL, assert_tp_invariant, assert_within, bounds,
@@ -167,7 +171,7 @@ def _keeps_probs(backend, hidden, weight):
     if backend != "triton" or triton_skip_reason(DEVICE) is not None:
         return False
     h = hidden.reshape(-1, hidden.shape[-1]).to(DEVICE)
-    return _linear_chunked.backend("triton").loss_keeps_probs(h, weight.to(DEVICE))
+    return _token_loss_blocks.keeps_probs(_segment_gemms.backend("triton").passes, h, weight.to(DEVICE))
 
 
 def _check_vs_float64_once(backend, dtype, loss_name, temperature, vocab_size, masked, entropy="grad", lead=(3, 7),
@@ -188,7 +192,7 @@ def _check_vs_float64_once(backend, dtype, loss_name, temperature, vocab_size, m
     loss, lp, ent, dx, dw = _run(hidden, weight, tokens, token_loss, **opts)
     ref_loss, ref_abs, g_lp, g_ent = _float64(hidden, weight, tokens, token_loss, temperature=temperature,
                                               vocab_size=vocab_size, row_mask=row_mask, entropy=entropy)
-    half = backend == "triton" or dtype != torch.float32  # the chunked path rounds dlogits to the input dtype
+    half = backend == "triton" or dtype != torch.float32  # the segment-GEMM backend rounds dlogits to the input dtype
     b = bounds(hidden, weight, tokens, g_lp.float().reshape(lead),
                None if g_ent is None else g_ent.float().reshape(lead), temperature=temperature,
                vocab_size=vocab_size, row_mask=row_mask, dl_roundoff=UNIT_ROUNDOFF[dtype] if half else 0.0,
@@ -240,7 +244,7 @@ def test_shipped_losses_vs_float64(backend, loss_name, dtype, masked):
 def test_many_blocks_and_dw_groups_vs_float64(backend, blocks):
     """Rows over several loss blocks and dW groups (on CPU: chunk blocks of 8 rows, dW every 16; one-GEMM blocks of
     16), the last block partial."""
-    shape = _linear_chunked.chunk_shape(DEVICE)
+    shape = _segment_gemms.chunk_shape(DEVICE)
     _check_vs_float64_once(backend, torch.bfloat16, "ppo", 1.0, None, True,
                            lead=(2 * shape.loss_dw_rows + shape.loss_rows + 3,))
 
@@ -256,11 +260,12 @@ def test_one_block_vs_float64(backend, blocks, width, n_rows, vocab_size):
     """Every row one one-GEMM block: dW_s = dl_s^T X in one GEMM per segment, in the input dtype, finished in the
     forward; where the block holds 2 H rows, into the storage of dlogits already read (the first segment's through a
     temporary), else its own buffer. Values and gradients against float64, padding rows of dW zero."""
-    c = _linear_chunked
+    c = _token_loss_blocks
     hidden, weight, tokens = inputs((n_rows,), torch.bfloat16, seed=0, h=width)
     assert _keeps_probs(backend, hidden, weight)
     seg_len = _layout.segment_length(V_GLOBAL, 1)
-    rows, held, one = c.backend("triton").loss_blocks(n_rows, width, seg_len, torch.device(DEVICE))
+    rows, held, one = c.prob_blocks(_segment_gemms.backend("triton").passes, n_rows, width, seg_len,
+                                    torch.device(DEVICE))
     assert one and rows == n_rows and held >= n_rows
     h = hidden.to(DEVICE).requires_grad_(True)
     w = weight.to(DEVICE).requires_grad_(True)
@@ -290,13 +295,13 @@ def test_log_probs_bitwise_as_the_general_op_or_the_logits_op(backend, blocks):
     the probabilities' store): log-probs and entropies bit for bit the general op's, with a gradient asked and
     under no_grad (the GEMM without the store), and the loss value the same either way. Elsewhere (chunk blocks)
     they are the logits op's on the chunks' own logits, bit for bit."""
-    n = 2 * _linear_chunked.HOST_PROB_ROWS + 13  # several blocks where "many" on CPU
+    n = 2 * _token_loss_blocks.HOST_PROB_ROWS + 13  # several blocks where "many" on CPU
     hidden, weight, tokens = inputs((n,), torch.bfloat16, seed=94)
     h, w, t = hidden.to(DEVICE), weight.to(DEVICE), tokens.to(DEVICE)
     if _keeps_probs(backend, h, w):
         want = ppo_ops.linear_log_probs_and_entropy(h, w, t, entropy="value", temperature=0.9, backend=backend)
     else:
-        logits = _linear_chunked.tile_logits(h, w, _layout.segment_length(V_GLOBAL, 1))
+        logits = _segment_gemms.tile_logits(h, w, _layout.segment_length(V_GLOBAL, 1))
         want = ppo_ops.log_probs_and_entropy(logits, t, entropy="value", temperature=0.9, backend=backend)
     losses = []
     for grad in (True, False):
@@ -330,8 +335,8 @@ def blocks(request, monkeypatch):
     """Forces the token loss's one-GEMM layout: "one" (every row one block, dW finished in the forward) or "many"
     (blocks beside the fp32 dW accumulator), by the memory allowance the choice reads."""
     allowance = {"one": 2**40, "many": 0}[request.param]
-    monkeypatch.setattr(_linear_chunked, "TOKEN_LOSS_BYTES", allowance)
-    monkeypatch.setattr(_linear_chunked, "HOST_TOKEN_LOSS_BYTES", allowance)
+    monkeypatch.setattr(_token_loss_blocks, "TOKEN_LOSS_BYTES", allowance)
+    monkeypatch.setattr(_token_loss_blocks, "HOST_TOKEN_LOSS_BYTES", allowance)
     return request.param
 
 
@@ -344,7 +349,7 @@ def test_upstream_scalar_scales_the_gradients(backend, blocks, dtype, scale):
     it (one block): like dX. 1/3 is not a bf16 number: a product that first rounded the scalar to bf16 (as a CUDA
     mul_ by a 0-d fp32 tensor does), or rounded an fp32 accumulator before scaling, fails. An upstream 1 returns the
     saved gradients' bits."""
-    n = 3 * _linear_chunked.HOST_PROB_ROWS + 2  # several blocks where "many" on CPU
+    n = 3 * _token_loss_blocks.HOST_PROB_ROWS + 2  # several blocks where "many" on CPU
     hidden, weight, tokens = inputs((n,), dtype, seed=96)
     token_loss = _ppo(n, 97)
     plain = _run(hidden, weight, tokens, token_loss, entropy="grad", backend=backend)
@@ -461,7 +466,7 @@ def test_one_gradient_asked_equals_both_asked_bitwise(backend):
     """dX alone (the weight frozen) and dW alone (the hidden states frozen) are the same bits as when both are
     asked, and a loss that does not depend on the log-probs gives exact zeros (bf16: the one-GEMM blocks on
     "triton")."""
-    n = 2 * _linear_chunked.HOST_PROB_ROWS + 5  # several blocks on CPU
+    n = 2 * _token_loss_blocks.HOST_PROB_ROWS + 5  # several blocks on CPU
     hidden, weight, tokens = inputs((n,), torch.bfloat16, seed=106)
     token_loss = _ppo(n, 107)
     _, _, _, dx, dw = _run(hidden, weight, tokens, token_loss, entropy="grad", backend=backend)
@@ -482,7 +487,7 @@ def test_probability_block_rows_fill_the_allowance(width, seg_len):
     """The one-GEMM blocks' rows on CUDA (a function of H and the segment length only): a multiple of the step
     within [min, max], the block's fp16 probabilities and the fp32 dW accumulator within the allowance, and one
     step more either over it or past the maximum (the most rows that fit). Qwen3-8B's shape gets 2816."""
-    c = _linear_chunked
+    c = _token_loss_blocks
     rows = c.prob_block_rows(width, seg_len, torch.device("cuda"))
     vocab = seg_len * _layout.NUM_FIXED_SEGMENTS
     held = lambda r: r * vocab * 2 + vocab * width * 4  # noqa: E731
@@ -506,7 +511,7 @@ def test_one_block_where_it_fits_the_allowance(n_rows, one, in_probs):
     as one block where its probabilities, fp32 dX rows and dW (or, in the block's storage, one segment's temporary)
     fit the allowance: T = 8192 does, holding less than the many-block layout (2816 rows beside the fp32
     accumulator); T = 32768 does not."""
-    c = _linear_chunked
+    c = _token_loss_blocks
     width, seg_len = 4096, 18992
     held = -(-n_rows // 128) * 128
     assert c.one_prob_block(n_rows, held, width, seg_len, torch.device("cuda")) == one
@@ -658,11 +663,11 @@ def test_qwen3_tp_shapes_take_both_block_layouts():
     for name, (width, n_rows) in QWEN3_TP_SHAPES.items():
         kept = qwen3_kept_rows(n_rows)
         held = -(-kept // gemm_partials.GPU_CONFIG.block_m) * gemm_partials.GPU_CONFIG.block_m
-        one_block = _linear_chunked.one_prob_block(kept, held, width, seg_len, cuda)
+        one_block = _token_loss_blocks.one_prob_block(kept, held, width, seg_len, cuda)
         if name == "qwen3_8b_head":
-            assert one_block and _linear_chunked.dw_in_probs(held, width), name
+            assert one_block and _token_loss_blocks.dw_in_probs(held, width), name
         else:
-            assert not one_block and kept > _linear_chunked.prob_block_rows(width, seg_len, cuda), name
+            assert not one_block and kept > _token_loss_blocks.prob_block_rows(width, seg_len, cuda), name
 
 
 @pytest.mark.device("cuda")

@@ -113,14 +113,18 @@ class Backend(Protocol):
 # (lm_head/function.py: log-probs and entropy; lm_head/loss_function.py: a token loss with its gradient
 # formed in the forward) ask of a backend. The logits op meets its backends the same way (above).
 #
-# Three backends implement `LinearBackend`:
-#   lm_head/torch_backend.py  fixed fp32 tiles through torch.matmul and the logits op's PyTorch code (any device);
-#   lm_head/triton_backend.py Triton GEMM-tile kernels with the softmax statistics fused in (fp32 inputs on CUDA);
-#   lm_head/chunked.py        library GEMMs (cuBLAS on CUDA; an fp32 matmul elsewhere) on fixed-shape chunks, with
-#                             the logits op's own passes (Triton, or PyTorch) over a bounded fp32 logits chunk: the
-#                             half-precision CUDA path, and the only one that also implements `FusedLossBackend`.
+# Three backends implement `LinearBackend` (core/shell.py picks one per call):
+#   lm_head/segment_gemms.py  the half-precision path (every bf16 / fp16 call, and every token loss): GEMMs over the
+#                             fixed vocabulary segments. On CUDA a Triton GEMM whose epilogue reduces each logit tile
+#                             to partials (gemm_partials.py), the same GEMM with the gradient in its epilogue for the
+#                             backward's dlogits (gemm_dlogits.py), cuBLAS for dX and dW; elsewhere, or where those
+#                             kernels do not apply, library GEMMs on fixed-shape chunks and the logits op's passes.
+#                             The only backend that also implements `FusedLossBackend` (lm_head/token_loss_blocks.py).
+#   lm_head/torch_backend.py  fixed fp32 tiles through torch.matmul and the logits op's PyTorch code (the general op
+#                             with backend="torch", any device);
+#   lm_head/triton_backend.py Triton GEMM-tile kernels with the softmax statistics fused in (fp32 inputs on CUDA).
 #
-# Per call the Functions ask for (rows are the kept rows, compacted; weight is this rank's [V_local, H] slice):
+# Per call the Functions ask for (`HeadRows`: the kept rows, compacted, and this rank's [V_local, H] weight slice):
 #
 #     forward_partials(hidden [R, H], weight, tokens [R], shard, with_entropy) -> [V_local // seg_len, 5, R] fp32:
 #         the logits op's five per-segment partials (channels in core/row_stats.py) of z = (hidden @ weight.T) * inv_t,
@@ -131,15 +135,15 @@ class Backend(Protocol):
 #         bit, and what the backend holds for its backward beyond the row statistics (None: nothing). What it holds
 #         is bounded by a constant (never [R, V_local]) and the same on every rank for the same call.
 #     merge_partials(partials in global segment order, has_keep_mask=False) -> RowStats: the logits op's merge.
-#     backward(hidden, weight, tokens, shard, saved, upstream, need_dx, need_dw) -> (dX fp32 [R, H] or None: this
-#         rank's contribution; dW [V_local, H] in weight's dtype or None). dlogits = inv_t * (g_lp * (onehot - p)
+#     backward(head: HeadRows, saved, upstream, wanted: GradsWanted) -> (dX fp32 [R, H] or None: this rank's
+#         contribution; dW [V_local, H] in weight's dtype or None). dlogits = inv_t * (g_lp * (onehot - p)
 #         + g_ent * p * (mean_shifted - d)), d = z - shift, p = exp(d - log_sum); the upstream gradients arrive zeroed
 #         where their quantity has none. saved.held is what forward_for_backward returned (read, never written: a
 #         second backward under retain_graph gets the same gradients).
 #
 # `FusedLossBackend` adds, for ppo_ops.linear_token_loss:
 #
-#     loss_forward(hidden, weight, tokens, shard, with_entropy, hooks, need_dx, need_dw) -> dW or None: per row block,
+#     loss_forward(head: HeadRows, with_entropy, hooks: LossHooks, wanted: GradsWanted) -> dW or None: per row block,
 #         the block's logits over every local segment, their partials, `hooks.merge` (TP all-gather + merge: global
 #         RowStats of the block), `hooks.block_grads` (the caller's loss on those stats: upstream gradients of the
 #         block), dlogits, `hooks.finish_dx` (the block's fp32 dX rows, to be reduced and rounded by the caller) and
@@ -152,8 +156,26 @@ class Backend(Protocol):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class HeadRows:
+    """The LM head's operands as a backend sees them."""
+
+    hidden: torch.Tensor  # [R, H] the kept rows' hidden states, READ-ONLY
+    weight: torch.Tensor  # [V_local, H] this rank's vocabulary slice, READ-ONLY
+    tokens: torch.Tensor  # [R] integer global token ids of those rows
+    shard: ShardOptions
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GradsWanted:
+    """Which gradients the caller asked for (autograd's needs_input_grad of hidden and weight)."""
+
+    dx: bool
+    dw: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class HeldProbs:
-    """What the chunked backend's forward holds for its backward: the logits of the call's first `rows` rows (of
+    """What the segment-GEMM backend's forward holds for its backward: the logits of the call's first `rows` rows (of
     the kept ones) as fp16 probabilities within their GEMM tiles (lm_head/gemm_partials.forward_probs), so their
     dlogits need no second GEMM."""
 
@@ -195,7 +217,7 @@ class LossHooks(Protocol):
 
 @runtime_checkable
 class LinearBackend(Protocol):
-    name: str  # "torch" | "triton" | "chunked-triton" | "chunked-torch"
+    name: str  # "torch" | "triton" | "segments-triton" | "segments-torch"
 
     def forward_partials(self, hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor,
                          shard: ShardOptions, with_entropy: bool) -> torch.Tensor: ...
@@ -205,8 +227,7 @@ class LinearBackend(Protocol):
 
     def merge_partials(self, partials: torch.Tensor, has_keep_mask: bool) -> RowStats: ...
 
-    def backward(self, hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, shard: ShardOptions,
-                 saved: LinearSaved, upstream: UpstreamGrads, need_dx: bool, need_dw: bool) -> tuple: ...
+    def backward(self, head: HeadRows, saved: LinearSaved, upstream: UpstreamGrads, wanted: GradsWanted) -> tuple: ...
 
 
 def holds_nothing(forward_partials: Callable[..., torch.Tensor]) -> Callable[..., tuple]:
@@ -218,6 +239,5 @@ def holds_nothing(forward_partials: Callable[..., torch.Tensor]) -> Callable[...
 
 @runtime_checkable
 class FusedLossBackend(LinearBackend, Protocol):
-    def loss_forward(self, hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, shard: ShardOptions,
-                     with_entropy: bool, hooks: LossHooks, need_dx: bool,
-                     need_dw: bool) -> Optional[torch.Tensor]: ...
+    def loss_forward(self, head: HeadRows, with_entropy: bool, hooks: LossHooks,
+                     wanted: GradsWanted) -> Optional[torch.Tensor]: ...

@@ -11,13 +11,12 @@ Backends (`select_backend`; the contracts are core/contracts.py), by kind (`back
 for both ops):
   logits op: "torch" -> logits/torch_backend.py; "triton" -> logits/triton_backend.py.
   LM head, backend="torch" (or "auto" on CPU tensors): lm_head/torch_backend.py (fixed fp32 tiles) for the general op;
-      the chunked backend over the logits op's PyTorch passes for the token loss.
-  LM head, backend="triton" (or "auto" on CUDA tensors): half-precision inputs, and every token loss, take the chunked
-      backend over the logits op's Triton passes (cuBLAS GEMMs on CUDA; under TRITON_INTERPRET=1 on CPU an fp32 matmul
-      stands in for cuBLAS and the passes run in the interpreter); fp32 inputs of the general op take
-      lm_head/triton_backend.py's GEMM kernels (IEEE fp32 dots).
-  `HALF_PRECISION_PATH` switches half precision of the LM head's general op to "triton-gemm" (the Triton GEMM kernels):
-  for the bench's before/after rows only; results differ from the chunked path's within the documented tolerances.
+      the segment-GEMM backend over the logits op's PyTorch passes for the token loss.
+  LM head, backend="triton" (or "auto" on CUDA tensors): half-precision inputs, and every token loss, take the
+      segment-GEMM backend over the logits op's Triton passes (lm_head/segment_gemms.py: Triton GEMMs with the
+      statistics in their epilogues and cuBLAS on CUDA; under TRITON_INTERPRET=1 on CPU an fp32 matmul stands in for
+      cuBLAS and the passes run in the interpreter); fp32 inputs of the general op take lm_head/triton_backend.py's
+      GEMM kernels (IEEE fp32 dots).
 
 Row statistics (`merge_row_stats`): at TP > 1 with validate=True the ranks' fixed-size headers first (the value checks'
 one host read), then the all-gather of the partials (rank-major along dim 0 is the global segment order), then the
@@ -38,7 +37,6 @@ from ppo_ops.core import agreement, checks
 from ppo_ops.core.contracts import Backend, LinearBackend, RowStats, ShardOptions
 from ppo_ops.core.layout import VocabLayout, make_layout
 
-HALF_PRECISION_PATH = "chunked"  # or "triton-gemm": see the module docstring
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -230,14 +228,14 @@ def select_backend(fn_name: str, backend: str, rows: torch.Tensor, op: str, fuse
             return torch_backend.BACKEND
         from ppo_ops.logits import triton_backend
         return triton_backend.BACKEND
-    from ppo_ops.lm_head import chunked
+    from ppo_ops.lm_head import segment_gemms
     if kind == "torch":
         if fused_loss:
-            return chunked.backend("torch")
+            return segment_gemms.backend("torch")
         from ppo_ops.lm_head import torch_backend
         return torch_backend.BACKEND
-    if fused_loss or (rows.dtype in _HALF and HALF_PRECISION_PATH == "chunked"):
-        return chunked.backend("triton")
+    if fused_loss or rows.dtype in _HALF:
+        return segment_gemms.backend("triton")
     from ppo_ops.lm_head import triton_backend
     return triton_backend.BACKEND
 

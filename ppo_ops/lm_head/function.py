@@ -2,11 +2,12 @@
 recomputes logit tiles and returns dX and dW. No [T, V] tensor is ever held.
 
 The backend contract is a type: `LinearBackend` in core/contracts.py, implemented by lm_head/torch_backend.py,
-lm_head/triton_backend.py and lm_head/chunked.py; the call is prepared by the shell both ops share (core/shell.py).
+lm_head/triton_backend.py and lm_head/segment_gemms.py; the call is prepared by the shell both ops share
+(core/shell.py).
 
 No grad (torch.no_grad, or neither hidden nor weight requires grad): the forward keeps nothing for a backward (no
 saved tensors, no row statistics beyond the outputs), so an old-policy or reference pass costs the forward alone.
-With a gradient the backend may keep more for its backward (`forward_for_backward`: the chunked backend's fp16
+With a gradient the backend may keep more for its backward (`forward_for_backward`: the segment-GEMM backend's fp16
 probabilities of the first rows, at most 1 GiB), saved with the row statistics, so autograd frees them after the
 backward (or keeps them for another one under retain_graph).
 
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ppo_ops.core import shell
-from ppo_ops.core.contracts import HeldProbs, LinearSaved, UpstreamGrads
+from ppo_ops.core.contracts import GradsWanted, HeadRows, HeldProbs, LinearSaved, UpstreamGrads
 from ppo_ops.core.shell import Plan, forward_outputs, refuse_double_backward
 
 
@@ -87,8 +88,9 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         if g_lp is None and g_ent is None:
             return None, None, None, None, None
         held = None if probs is None else HeldProbs(probs, tiles, ctx.held_rows)
-        dx, dw = plan.backend.backward(h, weight, t, plan.shard, LinearSaved(shift, log_sum, mean_shifted, held),
-                                       UpstreamGrads(g_lp, g_ent), need_dx=need_dx, need_dw=need_dw)
+        dx, dw = plan.backend.backward(HeadRows(h, weight, t, plan.shard),
+                                       LinearSaved(shift, log_sum, mean_shifted, held), UpstreamGrads(g_lp, g_ent),
+                                       GradsWanted(dx=need_dx, dw=need_dw))
         if dx is not None:
             if plan.reduce_dx and plan.layout.group is not None:
                 dist.all_reduce(dx, group=plan.layout.group)  # fp32: one rounding to the input dtype, after the sum

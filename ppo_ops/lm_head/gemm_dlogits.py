@@ -1,12 +1,12 @@
 """The LM head's backward recompute as one GEMM: the forward's tile loop (gemm_partials.logit_tile) with the logits
 op's gradient in its epilogue, writing dlogits in the input dtype, so no fp32 logit reaches memory.
 
-Used by the chunked backend's backward (ppo_ops/lm_head/chunked.py) wherever the one-GEMM forward applies: per
-segment and group of rows, one launch fills the [rows, seg_len] dlogits buffer that the library's dX and dW GEMMs
-then read. The buffer is vocabulary-major (each column's rows contiguous; the epilogue stores transposed tiles), so
-dW_s = dl^T X reads its A operand K-major, which cuBLAS runs faster than an M-major one (docs/performance.md), and
-its columns are 16-byte aligned whatever the segment width. The chunk path it replaces there wrote each chunk's
-fp32 logits and read them back in the gradient pass.
+Used by the segment-GEMM backend's backward (ppo_ops/lm_head/segment_gemms.py) wherever the one-GEMM forward
+applies: per segment and group of rows, one launch fills the [rows, seg_len] dlogits buffer that the library's dX
+and dW GEMMs then read. The buffer is vocabulary-major (each column's rows contiguous; the epilogue stores
+transposed tiles), so dW_s = dl^T X reads its A operand K-major, which cuBLAS runs faster than an M-major one, and
+its columns are 16-byte aligned whatever the segment width. No fp32 logit is written or read back, unlike the chunk
+path.
 
 Kernels:
     gemm_dlogits_kernel  persistent over the tiles of rows x (one segment's column tiles), GROUP_M row blocks at a
@@ -16,8 +16,8 @@ Kernels:
         masks):
             p = e^(z - M - log S),  g = p (g_ent (E_p[z] - M - (z - M)) - g_lp),  g / T,
         0 on columns past the segment or the vocabulary; stored transposed by TMA, clipped at the buffer's edges.
-        Picking out the target column per element (a compare and a select per logit) measured ~7% of the GEMM in the
-        forward.
+        Picking out the target column per element would cost a compare and a select per logit (a visible share of
+        the GEMM: docs/performance.md); the target's element is O(R * H) work on its own instead.
     target_dlogits_kernel  then, per row whose target is in the segment, the target's element g_lp (1 - p_t) + the
         entropy term, from the forward's own target logit (gemm_partials.target_logit), rounded once. O(R * H).
 

@@ -1,7 +1,7 @@
 """The LM head's forward as one GEMM: a Triton tensor-core GEMM whose epilogue reduces each logit tile to softmax
 partials, so no logit reaches memory.
 
-Used by the chunked backend (ppo_ops/lm_head/chunked.py) for the forward of linear_log_probs_and_entropy on
+Used by the segment-GEMM backend (ppo_ops/lm_head/segment_gemms.py) for the forward of linear_log_probs_and_entropy on
 half-precision inputs whose rows are 16-byte aligned (the TMA loads need it); other inputs keep the chunk GEMM and
 the logits op's partials pass. The forward is then one GEMM's work plus O(R * V / BLOCK_N) bytes of tile partials,
 where the chunk path writes and reads R * V fp32 logits: under torch.no_grad (the old-policy and reference passes)
@@ -21,8 +21,8 @@ Kernels:
         library's dW GEMM reads them fastest), for the dlogits pass once the row statistics are global
         (prob_dlogits.py).
     target_logits_kernel  per row, the target's logit x . w_target in fp32 (-inf when the target is not in this
-        shard), in a fixed order of its own. Picking it out of the GEMM tile costs a compare and a select per logit,
-        which measured 7-9% of the GEMM on an H200; this is O(R * H).
+        shard), in a fixed order of its own. Picking it out of the GEMM tile would cost a compare and a select per
+        logit (a visible share of the GEMM: docs/performance.md); this is O(R * H).
     merge_tiles_kernel  grid: (local segment, row block): per row, merges the segment's tiles in column order with
         the online form of core/row_stats.py's formulas into the five partials of the segment (the backend contract's
         [segments, 5, R]), the target logit going to the segment that holds it; the core's all-gather and fixed-order
@@ -70,10 +70,9 @@ class GemmConfig(NamedTuple):
     num_stages: Optional[int]
 
 
-# The fastest of the tile shapes, stage counts, group sizes and loop forms timed on one H200 at Qwen3's shape
-# (docs/performance.md, "The fused LM head"): persistent, not flattened; 2 stages, 4 warps, 128 x 128 or 64 x 256
-# tiles and groups of 4, 8 or 32 measured slower. The epilogue keeps few [BLOCK_M, BLOCK_N] tiles live: masking d and
-# p separately (two more live tiles) measured slower there.
+# The fastest of the tile shapes, stage counts, group sizes and loop forms timed at Qwen3's shape on Hopper
+# (docs/performance.md, "The fused LM head", has the alternatives and their times): persistent, not flattened. The
+# epilogue keeps few [BLOCK_M, BLOCK_N] tiles live, since every live tile costs registers the mainloop needs.
 GPU_CONFIG = GemmConfig(128, 256, 64, 16, 8, 3)
 # Interpreter: the smallest tiles tl.dot takes (every program runs in Python).
 INTERPRET_CONFIG = GemmConfig(16, 32, 16, 2, None, None)

@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from ppo_ops.core import agreement, checks, shell
 from ppo_ops.core.scale import scale_in_place, scale_round_in_place
-from ppo_ops.core.contracts import BlockGrads, RowStats
+from ppo_ops.core.contracts import BlockGrads, GradsWanted, HeadRows, RowStats
 from ppo_ops.core.shell import Plan, refuse_double_backward
 from ppo_ops.lm_head.function import kept, kept_row_indices, scatter_rows
 
@@ -70,8 +70,8 @@ class LinearTokenLossFunction(torch.autograd.Function):
         need_dw = plan.needs_grad and ctx.needs_input_grad[1]
         loop = BlockLoop(plan, token_loss, hidden, tokens, row_mask, rows, n_kept=h.shape[0], need_dx=need_dx,
                          need_grad=need_dx or need_dw)
-        dw = plan.backend.loss_forward(h, weight, kept(tokens, rows), plan.shard, loop.with_entropy, loop,
-                                       need_dx=need_dx, need_dw=need_dw)
+        dw = plan.backend.loss_forward(HeadRows(h, weight, kept(tokens, rows), plan.shard), loop.with_entropy, loop,
+                                       GradsWanted(dx=need_dx, dw=need_dw))
         loop.finish()
 
         ctx.plan = plan

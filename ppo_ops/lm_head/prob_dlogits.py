@@ -1,10 +1,10 @@
 """dlogits from the probabilities a one-GEMM forward kept: no second GEMM over those rows.
 
 Two users: the token loss (in place, below) and the general op's backward on the rows its forward held
-(lm_head/chunked.py, `held_rows`), which writes them into its own vocabulary-major dlogits buffer (`out`) beside
+(lm_head/segment_gemms.py, `held_rows`), which writes them into its own vocabulary-major dlogits buffer (`out`) beside
 the rows it recomputes, so its dX and dW GEMMs stay one per segment and group.
 
-linear_token_loss forms the loss's gradient inside its forward (lm_head/chunked.py, `loss_forward`). Where the
+linear_token_loss forms the loss's gradient inside its forward (lm_head/token_loss_blocks.py). Where the
 one-GEMM forward applies, a row block's forward (gemm_partials.forward_probs) leaves every logit as
 e = fl16(e^(z - m)) in a segment-major [n_seg, B, seg_len] fp16 buffer (vocabulary-major: a column's rows are
 contiguous), m the max of the element's row over its GEMM tile (BLOCK_N columns from a segment start), beside the
@@ -44,7 +44,7 @@ from ppo_ops.lm_head import gemm_dlogits, gemm_partials
 # Rows and columns per step of a program (the columns within one forward tile, BLOCK_N, so one tile max per row),
 # steps per program (each program walks PASS_STEPS column groups of one tile, loading its rows' statistics and tile
 # max once) and warps; the buffer is vocabulary-major, so a program's rows are its contiguous axis: tall programs,
-# the fastest of 64-1024 rows and 1-16 steps on an H200 (docs/performance.md, runs M1 and N1-N4).
+# the fastest of the row counts and steps timed on Hopper (docs/performance.md, "The fused LM head").
 PASS_ROWS = 256
 PASS_COLS = 16
 PASS_STEPS = 4

@@ -31,8 +31,8 @@ import torch
 
 from ppo_ops.logits import torch_backend as logits_torch
 from ppo_ops.core import row_stats
-from ppo_ops.core.contracts import (BackwardStats, LinearSaved, RowInputs, ShardOptions, UpstreamGrads,
-                                    holds_nothing)
+from ppo_ops.core.contracts import (BackwardStats, GradsWanted, HeadRows, LinearSaved, RowInputs, ShardOptions,
+                                    UpstreamGrads, holds_nothing)
 
 ROW_TILE = 128  # rows per GEMM tile (hidden rows zero-padded to a multiple)
 VOCAB_TILE = 256  # weight rows (vocabulary columns) per GEMM tile; tiles restart at every segment start
@@ -115,11 +115,12 @@ def forward_partials(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.T
     return out
 
 
-def backward(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, shard: ShardOptions,
-             saved: LinearSaved, upstream: UpstreamGrads, need_dx: bool = True, need_dw: bool = True) -> tuple:
+def backward(head: HeadRows, saved: LinearSaved, upstream: UpstreamGrads, wanted: GradsWanted) -> tuple:
     """(dX fp32 [R, H], this rank's contribution summed over its vocabulary; dW [V_local, H] in weight's dtype) of
     the loss sum(grad_log_prob * log_prob + grad_entropy * entropy) (the contract's backward). Either is None when
     not needed."""
+    hidden, weight, tokens, shard = head.hidden, head.weight, head.tokens, head.shard
+    need_dx, need_dw = wanted.dx, wanted.dw
     n_rows, width = hidden.shape
     v_local = weight.shape[0]
     x = _padded_rows_fp32(hidden)

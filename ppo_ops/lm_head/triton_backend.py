@@ -1,7 +1,7 @@
 """Triton backend of the fused LM head (linear_log_probs_and_entropy): GEMM tiles on tensor cores, no [T, V] logits.
 
-Implements the LinearBackend contract of core/contracts.py for fp32 inputs (half precision takes lm_head/chunked.py;
-core/shell.HALF_PRECISION_PATH routes it here for before/after measurements) with three kernels:
+Implements the LinearBackend contract of core/contracts.py for fp32 inputs on CUDA (half precision takes
+lm_head/segment_gemms.py) with three kernels:
 
 Forward, `forward_partials_kernel`, grid (local segment, row block): one program sweeps its segment's vocabulary in
 tiles of BLOCK_N columns starting at the segment start; per tile it forms the [BLOCK_M, BLOCK_N] logit tile with a K
@@ -42,7 +42,7 @@ import triton.language as tl
 
 from ppo_ops.core import row_stats
 from ppo_ops.core.checks import argument_error
-from ppo_ops.core.contracts import LinearSaved, ShardOptions, UpstreamGrads, holds_nothing
+from ppo_ops.core.contracts import GradsWanted, HeadRows, LinearSaved, ShardOptions, UpstreamGrads, holds_nothing
 from ppo_ops.core.triton_common import (FLT_MAX, cdiv, interpreting, options, round_bf16_by_bits, scaled,
                                         empty_row_state, grouped_tile, store_rounded, store_row_partials)
 from ppo_ops.logits.triton_backend import merge_partials  # the logits op's fused merge: the partials are the same
@@ -369,9 +369,10 @@ def _chunk_columns(n_rows, itemsize, block_n):
     return max(block_n, DL_CHUNK_BYTES // max(1, n_rows * itemsize) // block_n * block_n)
 
 
-def backward(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, shard: ShardOptions,
-             saved: LinearSaved, upstream: UpstreamGrads, need_dx: bool = True, need_dw: bool = True) -> tuple:
+def backward(head: HeadRows, saved: LinearSaved, upstream: UpstreamGrads, wanted: GradsWanted) -> tuple:
     """(dX fp32 [R, H] this rank's contribution, dW [V_local, H] in weight's dtype) (the contract's backward)."""
+    hidden, weight, tokens, shard = head.hidden, head.weight, head.tokens, head.shard
+    need_dx, need_dw = wanted.dx, wanted.dw
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     _check(hidden, weight)
     n_rows, width = hidden.shape

@@ -58,7 +58,7 @@ HEAD_STEP_PROVIDERS = WHOLE_STEP_PROVIDERS[1:]  # with checkpointing; the logits
 LM_HEAD_HIDDEN = 4096
 LM_HEAD_TOKENS = (8192, 32768)
 LM_HEAD_TP = (1, 2, 4, 8)  # the TP sizes whose ranks split V = 151936 into the 8 equal segments
-LM_HEAD_PROVIDERS = ("gemms", "gemm1", "unfused", "fused", "fused_novalidate", "fused_gemm", "fused_nograd",
+LM_HEAD_PROVIDERS = ("gemms", "gemm1", "unfused", "fused", "fused_novalidate", "fused_nograd",
                      "token_loss", "token_loss_novalidate", "liger", "liger_flsce", "liger_flsce_nograd", "cce",
                      "cce_exact", "verl")
 LM_HEAD_PEERS = ("liger", "liger_flsce", "liger_flsce_nograd", "cce", "cce_exact", "verl")  # other projects' kernels

@@ -14,9 +14,8 @@ target. Providers:
   unfused   logits = X W^T (cuBLAS), ppo_ops.log_probs_and_entropy (Triton) with entropy="grad", autograd's GEMMs
             back; at TP > 1 dX is all-reduced (as Megatron's column-parallel layer does)
   fused     ppo_ops.linear_log_probs_and_entropy(backend="triton", entropy="grad"), validate on (default) and off
-            (fused_novalidate): cuBLAS GEMMs on fixed-shape chunks, the logits op's Triton passes over each fp32 chunk
-  fused_gemm the same op on its Triton GEMM kernels (internals.half_precision_path("triton-gemm")): the path the
-            chunked one replaced, for before/after in one run
+            (fused_novalidate): the segment-GEMM backend (a Triton GEMM with the statistics in its epilogue, the
+            recompute with the gradient in its epilogue, cuBLAS dX and dW GEMMs)
   fused_nograd the fused op's forward under torch.no_grad (old-policy / reference passes), against gemm1
   token_loss ppo_ops.linear_token_loss with ppo_ops.token_losses.policy_loss (clipped surrogate with DAPO's clip
             range, entropy bonus, k3 KL to a reference, token mean), validate on and off (token_loss_novalidate): the
@@ -44,7 +43,7 @@ last CHECK_ROWS / 2: the float64 reference over all T rows would cost a [T, V] f
 computed from the same bf16 inputs in float64 (for token_loss: autograd through the same closure in float64);
 --check_rows=0 turns the float64 columns off. Results go to lm_head.csv and lm_head.md in --out_dir, with the targets'
 verdicts (lm_head_report.py). An error of another project's kernel is a row of the table; one of ppo_ops' fails the
-run. `--suite=lm_head_pieces` times the chunked path's pieces alone (lm_head_pieces.py).
+run. `--suite=lm_head_pieces` times the segment-GEMM backend's chunk-path pieces alone (lm_head_pieces.py).
 """
 
 from __future__ import annotations
@@ -212,32 +211,27 @@ def build_unfused(case: HeadCase, inp: HeadInputs) -> HeadClosure:
 
 
 def build_fused(case: HeadCase, inp: HeadInputs) -> HeadClosure:
-    """fused, fused_novalidate and fused_gemm."""
+    """fused and fused_novalidate."""
     import ppo_ops
-    from tools.bench import internals
 
     validate = case.provider != "fused_novalidate"
-    path = "triton-gemm" if case.provider == "fused_gemm" else "chunked"
 
     def forward(x, w):
         return ppo_ops.linear_log_probs_and_entropy(x, w, inp.tokens, tp_group=inp.group, entropy="grad",
                                                     backend=inp.backend, validate=validate)
 
     def step():
-        with internals.half_precision_path(path):
-            x, w = inp.leaves()
-            return _logits_grads(forward(x, w), [x, w], inp)
+        x, w = inp.leaves()
+        return _logits_grads(forward(x, w), [x, w], inp)
 
     def log_probs():
-        with internals.half_precision_path(path):
-            return forward(*inp.leaves()).log_probs.detach()
+        return forward(*inp.leaves()).log_probs.detach()
 
     def values():
-        with internals.half_precision_path(path):
-            x = _leaf(inp.hidden)
-            out = forward(x, inp.weight)
-            dx, = _logits_grads(out, [x], inp)
-            return Values(out.log_probs.detach(), out.entropy.detach(), dx)
+        x = _leaf(inp.hidden)
+        out = forward(x, inp.weight)
+        dx, = _logits_grads(out, [x], inp)
+        return Values(out.log_probs.detach(), out.entropy.detach(), dx)
 
     return HeadClosure(step, log_probs, values)
 
@@ -434,7 +428,7 @@ PROVIDERS = registry(
     Provider("gemm1", build_gemm1, _runs_anywhere),
     Provider("unfused", build_unfused, _needs_ppo_ops, modules=PPO_OPS_MODULES),
     *(Provider(name, build_fused, _needs_ppo_ops, modules=PPO_OPS_MODULES)
-      for name in ("fused", "fused_novalidate", "fused_gemm")),
+      for name in ("fused", "fused_novalidate")),
     Provider("fused_nograd", build_fused_nograd, _needs_ppo_ops, modules=PPO_OPS_MODULES),
     *(Provider(name, build_token_loss, _needs_ppo_ops, modules=PPO_OPS_MODULES)
       for name in ("token_loss", "token_loss_novalidate")),

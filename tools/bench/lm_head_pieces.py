@@ -1,4 +1,4 @@
-"""The fused LM head's chunked path, piece by piece (--suite=lm_head_pieces; CUDA only).
+"""The fused LM head's segment-GEMM backend (its chunk path), piece by piece (--suite=lm_head_pieces; CUDA only).
 
 At (T, H, V) = (T, 4096, 151936), bf16, TP = 1, T = 8192 unless --tokens names others: one cuBLAS GEMM of the whole
 logits; the chunk GEMMs, the partials pass and the forward-only op at several row-block sizes; the gradient pass; the
