@@ -178,6 +178,24 @@ def test_second_backward_after_inplace_grad_raises(backend):
         loss.backward()
 
 
+@pytest.mark.parametrize("backend", backend_params())
+def test_inplace_grad_views_as_the_readme_says(backend):
+    """inplace_grad=True takes a view sliced along the first dim (logits[0, :-1] of [1, S, V]) and writes the
+    gradient into the caller's logits; it refuses the shifted view logits[:, :-1] of [B > 1, S, V] (its rows do not
+    flatten without a copy) with an error naming inplace_grad."""
+    gen = torch.Generator().manual_seed(5)
+    full = torch.randn((2, 6, V_LOCAL), generator=gen).to(DEVICE)
+    tokens = torch.randint(0, V_LOCAL, (2, 5), generator=gen).to(DEVICE)
+    one = full[:1].clone()
+    leaf = one[0, :-1].clone().requires_grad_(True)
+    ppo_ops.log_probs_and_entropy(leaf, tokens[0], backend=backend).log_probs.sum().backward()
+    view = one[0, :-1].requires_grad_(True)  # a view of the caller's [1, S, V] logits
+    ppo_ops.log_probs_and_entropy(view, tokens[0], inplace_grad=True, backend=backend).log_probs.sum().backward()
+    assert torch.equal(one[0, :-1], leaf.grad), "the gradient was not written into the caller's logits"
+    with pytest.raises(ValueError, match="inplace_grad"):
+        ppo_ops.log_probs_and_entropy(full[:, :-1], tokens, inplace_grad=True, backend=backend)
+
+
 # --- before any collective that could mismatch (gloo, 2 ranks) ---
 
 _COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "all_reduce",
