@@ -1,0 +1,261 @@
+"""Next-token log-probs (and entropies, or a per-token RL loss) of a Hugging Face transformers causal LM, through
+ppo_ops' fused LM head: the model's [B, S, V] logits are never formed.
+
+    from ppo_ops.hf import token_log_probs
+    out = token_log_probs(model, input_ids, attention_mask=attention_mask, entropy="grad")
+    out.log_probs[b, i]  # log p(input_ids[b, i + 1] | input_ids[b, :i + 1]), fp32
+
+The model's body (its base model, `model.base_model`: e.g. `Qwen3ForCausalLM.model`) runs once and returns the last
+hidden states (after its final norm); its output embedding, an nn.Linear without bias whose weight is [V, H], is the
+head's weight. That is exactly what the causal LM's own forward does for Qwen3, Qwen2, Llama, Mistral, Gemma 2 with
+final_logit_softcapping=None and most decoder-only models, so the results are the log-softmax of the model's own
+logits, computed by `ppo_ops.linear_log_probs_and_entropy` (or `linear_token_loss`) in the model's dtype (fp32, bf16
+or fp16; fp32 logit accumulation). One difference: where the output embedding has more rows than the config's
+vocab_size (a padded vocabulary), the extra columns get no probability mass (ppo_ops' vocab_size).
+
+Models that change the logits after the head, or the hidden states before it, cannot be served this way and are
+refused with an error naming the model class: a non-neutral value of one of the config settings in
+LOGIT_TRANSFORMS (logit soft-capping as Gemma 2/3's, Cohere's logit_scale, Granite's and MiniCPM3's logits_scaling,
+...) or a `final_logits_bias`; a model without a base model or output embedding, an output embedding that is not an
+nn.Linear, or one with a bias. A model that does something else between its body and its head, under another name,
+is not detected: compare a batch against its own logits once before relying on it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+import ppo_ops
+from ppo_ops.core.checks import FLOAT_DTYPES, argument_error
+
+_FN = "hf.token_log_probs"
+
+# Config settings that change a causal LM's logits (or the hidden states its head sees) beyond lm_head(h), each with
+# the values that leave them unchanged. Read from the model's config and its text config (multimodal models), and
+# from the model object itself (some copy the setting onto it).
+LOGIT_TRANSFORMS = {
+    "final_logit_softcapping": (None,),  # Gemma 2/3, PaliGemma, T5Gemma: cap * tanh(logits / cap)
+    "logits_soft_cap": (None,),  # RecurrentGemma: the same soft-capping
+    "output_logit_soft_cap": (None,),  # xLSTM: the same soft-capping
+    "logit_scale": (None, 1.0),  # Cohere, Cohere2: logits * logit_scale
+    "logits_scaling": (None, 1.0),  # Granite (logits / s), MiniCPM3 (hidden states / s before the head)
+    "lm_head_multiplier": (None, 1.0),  # Falcon-H1: logits * m
+    "output_multiplier": (None, 1.0),  # MuseGlimmer / MuseSpark: logits * m before their soft-capping
+    "logits_mup_width_multiplier": (None, 1.0),  # Inkling: hidden states / m before the head
+}
+
+
+def token_log_probs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    attention_mask: Optional[torch.Tensor] = None,
+    position_ids: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    entropy: str = "none",
+    row_mask: Optional[torch.Tensor] = None,
+    keep=None,
+    token_loss: Optional[Callable] = None,
+    validate: bool = True,
+):
+    """Log-prob of each next token (and the entropy of each position's distribution) under a transformers causal LM.
+
+    Runs the model's base model once on (input_ids, attention_mask, position_ids) without a cache, then the fused LM
+    head (`ppo_ops.linear_log_probs_and_entropy`, or `ppo_ops.linear_token_loss` when `token_loss` is given) on its
+    last hidden states and the output embedding's weight. Gradients reach every parameter of the model as through
+    its own logits; with tied embeddings (the output embedding's weight is the input embedding's Parameter) autograd
+    accumulates the head's and the embedding's contributions into that one Parameter's .grad.
+
+    Position i of the results is about the token after it: log_probs[b, i] = log p(input_ids[b, i + 1]) under the
+    model's distribution at position i, with logits / temperature. Position i counts where
+      - attention_mask (if given) is non-zero at both i and i + 1 (padding, left or right, counts nowhere),
+      - position_ids (if given) continue there: position_ids[b, i + 1] == position_ids[b, i] + 1. Where they do not,
+        a packed row starts its next sequence at i + 1, whose first token is not a continuation of position i
+        (transformers' own rule for finding packed sequences),
+      - row_mask (if given) is True at i,
+    and never at the last position (it has no next token). Elsewhere log-prob and entropy are 0 with zero gradient,
+    and the position costs no head compute (ppo_ops' row_mask).
+
+    Args:
+      model: a transformers causal LM (e.g. Qwen3ForCausalLM) in any float dtype ppo_ops takes (fp32, bf16, fp16).
+        Its base model must return the last hidden states (`last_hidden_state`, after the final norm) and its output
+        embedding must be an nn.Linear without bias; models that transform the logits are refused (module
+        docstring). Dropout and train/eval mode are the model's own.
+      input_ids: [B, S] integer token ids on the model's device, S >= 1.
+      attention_mask: [B, S] (bool or integer, non-zero: a real token) or None (no padding). Passed to the model.
+      position_ids: [B, S] or [1, S] integer, or None (0..S-1). Passed to the model. Packed batches (several
+        sequences in one row, positions restarting at each) must come without an attention_mask: transformers
+        builds the per-sequence causal mask from position_ids only when attention_mask is None.
+      temperature: both outputs use logits / temperature (ppo_ops' rule: the gradient carries 1 / temperature).
+      entropy: "none", "value" (no gradient) or "grad", as in ppo_ops.linear_log_probs_and_entropy.
+      row_mask: [B, S] bool or None: False positions do not count (e.g. the prompt).
+      keep: a sparse top-p / top-k keep set passed to the head unchanged (only when not None), as ppo_ops' `keep`
+        argument takes it; its rows are the flattened [B * S] positions (row b * S + i is position i of sequence
+        b, predicting input_ids[b, i + 1]).
+      token_loss: None, or a row-separable per-token loss `token_loss(log_probs, entropy, rows) -> [R] fp32`, e.g.
+        ppo_ops.policy_loss(...) built over [B, S] per-token constants aligned with the results (position i: the
+        token input_ids[b, i + 1]); `rows` index the flattened [B * S] positions. Positions that do not count are
+        never passed to it: give the TokenLoss a loss_mask that does not count them either (its normalisation).
+      validate: ppo_ops' value checks (token range, NaN logits): one host sync per call. On CUDA the head's row mask
+        costs one more (the kept-row count), either way.
+
+    Returns:
+      token_loss None: LogProbsEntropy(log_probs [B, S] fp32, entropy [B, S] fp32 or None with entropy="none").
+      token_loss given: (loss, LogProbsEntropy): the 0-d fp32 sum of the counted positions' terms (loss.backward()
+        reaches every parameter), and the detached log-probs and entropies, as ppo_ops.linear_token_loss returns.
+
+    Errors: a model it cannot serve raises TypeError (not a causal LM with a base model and an nn.Linear output
+    embedding) or ValueError (a bias, or a logit transform), naming the model class; bad arguments raise TypeError or
+    ValueError naming the argument, before the model runs.
+    """
+    weight, vocab_size = _head(model)
+    _check_ids(input_ids, weight.device)
+    attention_mask = _check_rows("attention_mask", attention_mask, input_ids, allow_int=True)
+    row_mask = _check_rows("row_mask", row_mask, input_ids, allow_int=False)
+    _check_positions(position_ids, input_ids)
+
+    targets, counted = _targets(input_ids, attention_mask, position_ids, row_mask)
+
+    out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           use_cache=False)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    hidden = hidden.to(weight.dtype)  # a no-op for a model in one dtype; else the cast such models make before the head
+
+    opts = dict(entropy=entropy, temperature=temperature, row_mask=counted, vocab_size=vocab_size,
+                validate=validate, **({"keep": keep} if keep is not None else {}))
+    if token_loss is None:
+        return ppo_ops.linear_log_probs_and_entropy(hidden, weight, targets, **opts)
+    return ppo_ops.linear_token_loss(hidden, weight, targets, token_loss, **opts)
+
+
+def _head(model):
+    """The output embedding's weight [V, H] and the true vocabulary (None: every row), after refusing what the
+    fused head cannot compute."""
+    name = type(model).__name__
+    if not isinstance(model, nn.Module):
+        raise argument_error(TypeError, _FN, "model", f"model must be a transformers causal LM (an nn.Module), got "
+                                                      f"{name}")
+    base = getattr(model, "base_model", None)
+    if not isinstance(base, nn.Module) or base is model:
+        raise argument_error(TypeError, _FN, "model",
+                             f"{name} has no base model (model.base_model) to run for the last hidden states: pass "
+                             "the causal LM (e.g. Qwen3ForCausalLM), not its body")
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if head is None:
+        raise argument_error(TypeError, _FN, "model", f"{name} has no output embedding (get_output_embeddings() is "
+                                                      "None): not a causal LM with an LM head")
+    if not isinstance(head, nn.Linear):
+        raise argument_error(TypeError, _FN, "model", f"{name}'s output embedding is a {type(head).__name__}, not an "
+                                                      "nn.Linear: its logits are not hidden @ weight.T")
+    if head.bias is not None:
+        raise argument_error(ValueError, _FN, "model", f"{name}'s output embedding has a bias, which the fused head "
+                                                       "does not add")
+    configs = [getattr(model, "config", None)]
+    text_config = getattr(configs[0], "get_text_config", None)
+    if callable(text_config):
+        configs.append(text_config())
+    for setting, neutral in LOGIT_TRANSFORMS.items():
+        for where, holder in [("config", c) for c in configs if c is not None] + [("model", model)]:
+            value = getattr(holder, setting, None)
+            if not _neutral(value, neutral):
+                raise argument_error(ValueError, _FN, "model",
+                                     f"{name} transforms its logits ({where}.{setting}={_show(value)}; the fused head "
+                                     f"computes hidden @ weight.T only, and serves only {_show(neutral)} there)")
+    if getattr(model, "final_logits_bias", None) is not None:
+        raise argument_error(ValueError, _FN, "model", f"{name} adds final_logits_bias to its logits, which the fused "
+                                                       "head does not add")
+    weight = head.weight
+    if weight.dtype not in FLOAT_DTYPES:
+        raise argument_error(TypeError, _FN, "model", f"{name} is in {weight.dtype}: ppo_ops' head takes "
+                                                      "float32, bfloat16 or float16 models")
+    vocab = None
+    for config in reversed(configs):  # the text config's vocabulary where there is one
+        size = getattr(config, "vocab_size", None)
+        if isinstance(size, int) and not isinstance(size, bool):
+            vocab = size
+            break
+    return weight, (vocab if vocab is not None and vocab < weight.shape[0] else None)
+
+
+def _neutral(value, neutral) -> bool:
+    if isinstance(value, torch.Tensor):
+        return False  # a learnt or buffered scale: never known to be neutral
+    return any(value is None if n is None else (value is not None and not isinstance(value, bool)
+                                                and isinstance(value, (int, float)) and value == n) for n in neutral)
+
+
+def _show(value) -> str:
+    if isinstance(value, tuple):
+        return " or ".join(repr(v) for v in value)
+    return "a tensor" if isinstance(value, torch.Tensor) else repr(value)
+
+
+def _check_ids(input_ids, device):
+    if not isinstance(input_ids, torch.Tensor):
+        raise argument_error(TypeError, _FN, "input_ids",
+                             f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise argument_error(TypeError, _FN, "input_ids",
+                             f"input_ids must hold integer token ids, got {input_ids.dtype}")
+    if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+        raise argument_error(ValueError, _FN, "input_ids",
+                             f"input_ids must have shape [B, S] with S >= 1, got {tuple(input_ids.shape)}")
+    if input_ids.device != device:
+        raise argument_error(ValueError, _FN, "input_ids",
+                             f"input_ids must be on the model's device {device}, got {input_ids.device}")
+
+
+def _check_rows(name, mask, input_ids, allow_int):
+    if mask is None:
+        return None
+    kinds = "a bool or integer" if allow_int else "a bool"
+    if not isinstance(mask, torch.Tensor):
+        raise argument_error(TypeError, _FN, name, f"{name} must be {kinds} tensor or None, got {type(mask).__name__}")
+    if not (mask.dtype == torch.bool or (allow_int and not mask.dtype.is_floating_point and not mask.dtype.is_complex)):
+        raise argument_error(TypeError, _FN, name, f"{name} must be {kinds} tensor, got {mask.dtype}")
+    if mask.shape != input_ids.shape:
+        raise argument_error(ValueError, _FN, name, f"{name} must have input_ids' shape {tuple(input_ids.shape)}, got "
+                                                    f"{tuple(mask.shape)}")
+    if mask.device != input_ids.device:
+        raise argument_error(ValueError, _FN, name, f"{name} must be on {input_ids.device} like input_ids, got "
+                                                    f"{mask.device}")
+    return mask
+
+
+def _check_positions(position_ids, input_ids):
+    if position_ids is None:
+        return
+    batch, seq = input_ids.shape
+    if (not isinstance(position_ids, torch.Tensor) or position_ids.dtype.is_floating_point
+            or position_ids.dtype.is_complex or position_ids.dtype == torch.bool):
+        got = position_ids.dtype if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
+        raise argument_error(TypeError, _FN, "position_ids",
+                             f"position_ids must be an integer tensor or None, got {got}")
+    if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch) or position_ids.shape[1] != seq:
+        raise argument_error(ValueError, _FN, "position_ids", f"position_ids must have shape [{batch}, {seq}] or "
+                             f"[1, {seq}] (input_ids' [B, S]), got {tuple(position_ids.shape)}")
+    if position_ids.device != input_ids.device:
+        raise argument_error(ValueError, _FN, "position_ids",
+                             f"position_ids must be on {input_ids.device} like input_ids, got {position_ids.device}")
+
+
+def _targets(input_ids, attention_mask, position_ids, row_mask):
+    """The next token of each position ([B, S], 0 at the last) and which positions count ([B, S] bool); no host
+    sync."""
+    targets = torch.zeros_like(input_ids)
+    targets[:, :-1] = input_ids[:, 1:]
+    counted = torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+    counted[:, -1] = False
+    if attention_mask is not None:
+        real = attention_mask != 0
+        counted[:, :-1] &= real[:, :-1] & real[:, 1:]
+    if position_ids is not None:
+        pos = position_ids.expand(input_ids.shape)
+        counted[:, :-1] &= pos[:, 1:] == pos[:, :-1] + 1
+    if row_mask is not None:
+        counted &= row_mask
+    return torch.where(counted, targets, 0), counted
