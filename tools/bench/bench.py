@@ -186,7 +186,7 @@ def _cases() -> tuple[str, list]:
     providers = _PROVIDERS.value
     family = _family()
     known = (cases_lib.LM_HEAD_PROVIDERS if family == "lm_head"
-             else cases_lib.ALL_PROVIDERS + cases_lib.WHOLE_STEP_PROVIDERS)
+             else cases_lib.ALL_PROVIDERS + cases_lib.WHOLE_STEP_PROVIDERS + cases_lib.MCORE_STEP_PROVIDERS)
     filtering = family == "logits" or _PROVIDERS.present
     unknown = sorted(set(providers) - set(known)) if filtering else []
     if unknown:

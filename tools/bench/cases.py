@@ -18,6 +18,10 @@ stops on its time budget (bench --time_budget_s) has measured the headline befor
             (--suite=whole_step --providers=qwen3_step). whole_step_smoke: the same on a tiny model, on CPU.
   lm_head_step  the whole step at T = 8192 and 32768 with the logits path, the fused head and linear_token_loss
             (--suite=lm_head_step --providers=qwen3_step_ckpt,qwen3_step_head,qwen3_step_loss); its _smoke on CPU.
+  megatron_step  one RL step through a megatron-core GPTModel (Qwen3-0.6B's shape) at T = 8192 and 32768: the body
+            alone, Megatron's output layer + the logits op, the output processor with the fused head and with the
+            token loss, and a 64-id nucleus as dense mask or sparse keep set (--suite=megatron_step
+            --providers=mcore_body,...; CUDA, megatron-core >= 0.18).
 
 The LM head's suites (`HeadCase`: hidden states [T, H] and a weight shard [V_local, H] in, see lm_head.py):
   lm_head       T in (8192, 32768), H = 4096, V = 151936, bf16: ppo_ops' fused paths, the unfused path, the GEMMs
@@ -52,6 +56,9 @@ SGLANG_ORDER_PROVIDERS = ("triton", "triton_sglang", "sglang", "naive")
 # A whole training step through a model that calls ppo_ops (tools/bench/whole_step.py): only in its own suites.
 WHOLE_STEP_PROVIDERS = ("qwen3_step", "qwen3_step_ckpt", "qwen3_step_head", "qwen3_step_loss")
 HEAD_STEP_PROVIDERS = WHOLE_STEP_PROVIDERS[1:]  # with checkpointing; the logits path, the fused head, the loss
+# A whole step through a megatron-core GPTModel (tools/bench/megatron_step.py): only in the megatron_step suite.
+MCORE_STEP_PROVIDERS = ("mcore_body", "mcore_logits", "mcore_head", "mcore_loss", "mcore_logits_dense_keep",
+                        "mcore_logits_sparse_keep", "mcore_head_keep", "mcore_loss_keep")
 
 
 # The LM head's shape and providers (lm_head.py says what each one runs).
@@ -81,7 +88,7 @@ class Case:
     inplace_grad: Optional[bool] = None  # ppo_ops providers only
 
     def __post_init__(self):
-        if self.provider in PPO_OPS_PROVIDERS + WHOLE_STEP_PROVIDERS:
+        if self.provider in PPO_OPS_PROVIDERS + WHOLE_STEP_PROVIDERS + MCORE_STEP_PROVIDERS:
             # ppo_ops defaults, spelled out so equal cases compare equal.
             if self.validate is None:
                 object.__setattr__(self, "validate", True)
@@ -237,6 +244,13 @@ def _lm_head_step() -> list[Case]:
             for T in (HEADLINE_TOKENS, 32768) for p in HEAD_STEP_PROVIDERS]
 
 
+def _megatron_step() -> list[Case]:
+    """One RL step through a megatron-core GPTModel of Qwen3-0.6B's shape, each way to the loss and with a 64-id
+    nucleus as a dense mask or a sparse keep set (tools/bench/megatron_step.py)."""
+    return [Case(p, T=T, V=QWEN3_VOCAB, dtype="bf16", entropy="grad")
+            for T in (HEADLINE_TOKENS, 32768) for p in MCORE_STEP_PROVIDERS]
+
+
 def _lm_head_step_smoke() -> list[Case]:
     return [Case(p, T=8, V=256, dtype="fp32", entropy="grad") for p in HEAD_STEP_PROVIDERS]
 
@@ -285,6 +299,7 @@ SUITES = {
     "whole_step_smoke": Suite("logits", _whole_step_smoke),
     "lm_head_step": Suite("logits", _lm_head_step),
     "lm_head_step_smoke": Suite("logits", _lm_head_step_smoke),
+    "megatron_step": Suite("logits", _megatron_step),
     "lm_head": Suite("lm_head", _lm_head),
     "lm_head_own": Suite("lm_head", _lm_head_own),
     "lm_head_smoke": Suite("lm_head", _lm_head_smoke),

@@ -17,6 +17,7 @@ Providers:
   naive   log_softmax + gather + softmax entropy in fp32 (TP=1)
   qwen3_step  one RL step through a random Qwen3-0.6B with ppo_ops (tools/bench/whole_step.py; its own suites);
             qwen3_step_ckpt / _head / _loss: with checkpointing, the logits path / the fused head / linear_token_loss
+  mcore_*  one RL step through a megatron-core GPTModel (tools/bench/megatron_step.py; the megatron_step suite)
   liger   Liger-Kernel's cross entropy, reduction="none" (TP=1, log-prob only, no keep mask). Its forward writes the
           gradient into its input, so the step clones the logits first; the clone is timed, as any caller pays it.
           Rows dropped by the row mask are passed as its ignore_index (-100), which it skips.
@@ -32,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from tools.bench import whole_step
+from tools.bench import megatron_step, whole_step
 from tools.bench.cases import Case
 from tools.bench.contract import Closure, Provider, first_import_problem, registry
 from tools.bench.inputs import IGNORED_TOKEN, Inputs
@@ -293,4 +294,5 @@ PROVIDERS = registry(
     Provider("naive", build_naive, _unsupported_naive),
     Provider("liger", build_liger, _unsupported_liger, modules=LIGER_MODULES),
     *whole_step.PROVIDERS,
+    *megatron_step.PROVIDERS,
 )

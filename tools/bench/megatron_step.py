@@ -1,0 +1,188 @@
+"""The Megatron whole-step bench providers: one RL step through a megatron-core GPTModel of Qwen3-0.6B's shape.
+
+The model: megatron-core's GPTModel with its local layer spec (no TransformerEngine; its unfused attention forms
+[S, S] scores, which dominate the body's peak), Qwen3-0.6B's shape (hidden 1024, 28 layers, 16 heads, 8 query
+groups, head_dim 128, FFN 3072 with SwiGLU, RMSNorm, QK norm, rotary base 1e6, vocabulary 151936), tied embeddings,
+bf16 parameters, full activation recompute of every layer, seeded random weights, TP = 1 on one GPU. One packed
+sequence of T tokens (B = 1); labels are the next tokens, the last position masked out by loss_mask.
+
+The timed step is what a trainer does per micro-batch: the model's forward, the log-prob of every next token and
+its entropy (with gradient), ppo_ops.policy_loss (clipped surrogate with DAPO's clip range, entropy bonus, k3 KL to
+a reference, token mean) and the backward through the model into every parameter's .grad. The ways to the loss (the
+provider name):
+  mcore_body     a trivial output processor, a function of the hidden states alone: the body's own time and peak
+  mcore_logits   Megatron's output layer ([B, S, V] bf16 logits), then ppo_ops.log_probs_and_entropy: the drop-in path
+  mcore_head     GPTModel.forward(..., output_processor=ppo_ops.megatron.output_processor): the fused head
+  mcore_loss     the same with Context(token_loss=...): ppo_ops.linear_token_loss, the gradient formed in the forward
+and with a 64-id nucleus per row (the target among them, as a sampled token is), as top-p replay has it:
+  mcore_logits_dense_keep   the logits path with the dense [T, V] keep_mask built from the nucleus in the step
+  mcore_logits_sparse_keep  the logits path with the sparse keep=(ids, offsets)
+  mcore_head_keep           the fused head with Context(keep=...)
+  mcore_loss_keep           the token loss with Context(keep=...)
+
+The output processor needs megatron-core >= 0.18 (GPTModel.forward's output_processor); CUDA only (megatron-core's
+attention runs on CUDA). No reference check: the logits come from the model (the head's own suites check the ops).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from typing import Optional
+
+import torch
+
+from tools.bench.cases import MCORE_STEP_PROVIDERS, QWEN3_VOCAB, Case
+from tools.bench.contract import Closure, Provider, first_import_problem
+from tools.bench.inputs import Inputs
+
+MODULES = ("megatron.core", "ppo_ops")
+MODEL_SEED = 1234  # the random weights: the same model in every run
+NUCLEUS = 64  # kept ids per row of the keep variants
+QWEN3_0_6B = dict(num_layers=28, hidden_size=1024, num_attention_heads=16, num_query_groups=8, kv_channels=128,
+                  ffn_hidden_size=3072)
+ROTARY_BASE = 1_000_000
+KEEP_PROVIDERS = tuple(p for p in MCORE_STEP_PROVIDERS if p.endswith("_keep"))
+
+
+def _init_megatron() -> None:
+    """A one-rank process group and megatron-core's parallel state (TP = PP = CP = 1), once per process."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                                timeout=datetime.timedelta(minutes=5))
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    model_parallel_cuda_manual_seed(MODEL_SEED)
+
+
+def build_model(tokens: int):
+    """Qwen3-0.6B's shape as a megatron-core GPTModel (module docstring), bf16, on the current CUDA device."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    _init_megatron()
+    config = TransformerConfig(
+        **QWEN3_0_6B, normalization="RMSNorm", layernorm_epsilon=1e-6, qk_layernorm=True, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=False, bf16=True,
+        params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, attention_dropout=0.0, hidden_dropout=0.0,
+        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
+        torch.manual_seed(MODEL_SEED)
+        model = GPTModel(config, get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"),
+                         vocab_size=QWEN3_VOCAB, max_sequence_length=tokens, position_embedding_type="rope",
+                         rotary_base=ROTARY_BASE, share_embeddings_and_output_weights=True)
+    return model.cuda().train()
+
+
+def nucleus(targets: torch.Tensor, vocab: int, seed: int) -> tuple:
+    """(ids, offsets): NUCLEUS distinct-enough ids per row, the row's target first, CSR over the rows."""
+    gen = torch.Generator(device=targets.device).manual_seed(seed)
+    rest = torch.randint(0, vocab, (targets.numel(), NUCLEUS - 1), generator=gen, device=targets.device)
+    ids = torch.cat([targets.reshape(-1, 1).to(torch.int64), rest], dim=1).reshape(-1)
+    offsets = torch.arange(targets.numel() + 1, device=targets.device, dtype=torch.int64) * NUCLEUS
+    return ids, offsets
+
+
+def _body_only(*, hidden_states, **unused):
+    """The trivial output processor: a scalar of the hidden states alone (the body's gradient, no head)."""
+    return hidden_states.float().square().mean()
+
+
+def build(case: Case, inp: Inputs) -> Closure:
+    """prepare() clears the parameters' gradients; step() runs the whole step and returns the loss."""
+    import ppo_ops
+    import ppo_ops.megatron as pm
+
+    model = build_model(case.T)
+    device = inp.tokens.device
+    tokens = inp.tokens.reshape(1, -1)
+    position_ids = torch.arange(case.T, device=device).reshape(1, -1)
+    labels = torch.roll(tokens, -1, dims=1)
+    loss_mask = torch.ones_like(tokens, dtype=torch.float32)
+    loss_mask[0, -1] = 0.0  # the last position has no next token
+    gen = torch.Generator(device=device).manual_seed(7)
+    old = -5.0 + torch.randn(tokens.shape, generator=gen, device=device)
+    ppo = ppo_ops.policy_loss(old, torch.randn(tokens.shape, generator=gen, device=device), clip_low=0.2,
+                              clip_high=0.28, entropy_coef=0.01, kl_coef=0.01,
+                              ref_log_probs=old + 0.1 * torch.randn(tokens.shape, generator=gen, device=device),
+                              kl_type="k3", loss_mask=loss_mask != 0, normalization="token_mean")
+    keep = nucleus(labels, QWEN3_VOCAB, seed=11) if case.provider in KEEP_PROVIDERS else None
+    kind = case.provider.removeprefix("mcore_").removesuffix("_keep")
+    validate = case.validate
+
+    def logits_path(keep_args: dict):
+        logits = model(tokens, position_ids, None)  # [B, S, V] bf16: Megatron's output layer
+        out = ppo_ops.log_probs_and_entropy(logits, labels, entropy="grad", row_mask=loss_mask != 0,
+                                            validate=validate, **keep_args)
+        return ppo.total(out.log_probs, out.entropy)
+
+    def processor(token_loss):
+        context = pm.Context(entropy="grad", token_loss=token_loss, keep=keep, validate=validate)
+        return model(tokens, position_ids, None, labels=labels, loss_mask=loss_mask,
+                     output_processor=pm.output_processor, output_processor_context=context)
+
+    def loss_of_step():
+        if kind == "body":
+            return model(tokens, position_ids, None, labels=labels, loss_mask=loss_mask,
+                         output_processor=_body_only, output_processor_context=None)
+        if kind == "logits_dense":
+            dense = torch.zeros((1, case.T, QWEN3_VOCAB), dtype=torch.bool, device=device)
+            dense.view(case.T, QWEN3_VOCAB).scatter_(1, keep[0].view(case.T, NUCLEUS), True)
+            return logits_path({"keep_mask": dense})
+        if kind == "logits_sparse":
+            return logits_path({"keep": keep})
+        if kind == "logits":
+            return logits_path({})
+        if kind == "head":
+            out = processor(None)
+            return ppo.total(out.log_probs, out.entropy)
+        loss, _ = processor(ppo)  # "loss"
+        return loss
+
+    def prepare():
+        model.zero_grad(set_to_none=True)
+
+    def step(_):
+        loss = loss_of_step()
+        loss.backward()
+        return loss
+
+    return Closure(prepare=prepare, step=step)
+
+
+def unsupported(case: Case, device: torch.device) -> Optional[str]:
+    if device.type != "cuda":
+        return "megatron-core's attention runs on CUDA only"
+    if case.tp > 1:
+        return "the Megatron step runs one model on one rank"
+    problem = first_import_problem(MODULES)
+    if problem:
+        return problem
+    import inspect
+
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    if "output_processor" not in inspect.signature(GPTModel.forward).parameters:
+        import megatron.core
+
+        return f"megatron-core {megatron.core.__version__} has no output_processor hook (>= 0.18 has)"
+    if case.provider in KEEP_PROVIDERS and case.provider != "mcore_logits_dense_keep":
+        import ppo_ops
+
+        if "keep" not in inspect.signature(ppo_ops.log_probs_and_entropy).parameters:
+            return "this ppo_ops has no sparse keep set"
+    return None
+
+
+# Their logits come from a model, not from the case's inputs: no reference check (see the module docstring).
+PROVIDERS = tuple(Provider(name, build, unsupported, checked=False, modules=MODULES) for name in MCORE_STEP_PROVIDERS)
