@@ -270,9 +270,8 @@ def _trainer_rows(s: check.Settings, plan: check.Plan, packed, views, keys: List
     rows: List[Row] = []
     for key, job_results in zip(keys, results):
         mask = packed[key].row_mask.numpy()
-        base = job_results[0]
         for result in job_results[1:]:
-            comparisons = metrics.trainer_comparisons(base, result, mask, tol)
+            comparisons = metrics.trainer_comparisons(result.baseline or job_results[0], result, mask, tol)
             if result.layout.name == VOCAB_OFFSET_LAYOUT:
                 rows += _rows("control", controls.VOCAB_OFFSET, s.engine, _config(plan.engine_layouts[0].name, key0),
                               comparisons)

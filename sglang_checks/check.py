@@ -222,6 +222,12 @@ def _check_numerics(s: Settings) -> None:
             if value != needed:
                 raise CheckError(f"--trainer_numerics={s.trainer_numerics}: mirrors SGLang's on-policy forward with "
                                  f"its triton kernels in bf16; expected {flag}={needed}, got {flag}={value}")
+        fused = [layout.name for layout in layouts_lib.parse_layouts(
+            s.trainer_layouts, flag="--trainer_layouts", allowed_dims=("tp", "cp", "dp"), fused=True) if layout.fused]
+        if fused:
+            raise CheckError(f"--trainer_layouts: {', '.join(fused)} score with ppo_ops' fused LM head, which forms "
+                             f"fp32 logits and has no SGLang order; --trainer_numerics={s.trainer_numerics} scores "
+                             f"SGLang's bf16 logits: leave the -fused layouts out")
     if s.sglang_dump_tensors and s.engine != "sglang":
         raise CheckError(f"--sglang_dump_tensors: dumps an SGLang server's tensors; expected --engine=sglang, got "
                          f"--engine={s.engine}")
@@ -236,7 +242,7 @@ def _parse_trainer_layouts(s: Settings, backend: str) -> List[layouts_lib.Layout
     else:
         rank_limit, limit_reason = s.max_ranks, f"--max_ranks={s.max_ranks}"
     trainer_layouts = layouts_lib.with_baseline(layouts_lib.parse_layouts(
-        s.trainer_layouts, flag="--trainer_layouts", allowed_dims=("tp", "cp", "dp")))
+        s.trainer_layouts, flag="--trainer_layouts", allowed_dims=("tp", "cp", "dp"), fused=True))
     for layout in trainer_layouts:
         layouts_lib.check_rank_budget(layout, flag="--trainer_layouts", max_ranks=rank_limit, what=limit_reason)
         layouts_lib.check_trainer_layout(layout, flag="--trainer_layouts", seq_len=s.seq_len or None)
@@ -475,12 +481,23 @@ def _summary(s: Settings, plan: Plan, *, info: models.ModelInfo, rollout: rollou
         "negative_control": s.negative_control,
         "expect_bitwise": s.expect_bitwise,
         "calibration": tolerances.source(s.dtype),
-        "trainer_layouts": {r.layout.name: r.losses for r in scores.results},
+        "trainer_layouts": trainer_losses(scores.results),
         "trainer_error": None if error is None else {"message": str(error), "layout": error.layout,
                                                      "rank": error.rank, "detail": error.detail},
         "tolerances": {name: {"value": tol[name], "reason": tolerances.reason(name, s.dtype)} for name in tol},
         "timings_s": timings,
     }
+
+
+def trainer_losses(results: List[trainer.LayoutResult]) -> Dict[str, dict]:
+    """report.json's trainer_layouts: each layout's losses and gradient norms by loss variant, in order; a fused
+    layout's baseline (tp1-unfused) is listed before the first fused layout."""
+    out = {}
+    for r in results:
+        if r.baseline is not None:
+            out.setdefault(r.baseline.layout.name, r.baseline.losses)
+        out[r.layout.name] = r.losses
+    return out
 
 
 def _verdict(comparisons: List[metrics.Comparison], paths: Dict[str, str],
@@ -601,8 +618,10 @@ def compare(rollout, packed, results, engine_scores, view: TrainerView, tol, *, 
     comparisons: List[metrics.Comparison] = []
     layout_hist = {}
     for result in results[1:]:
-        comparisons += metrics.trainer_comparisons(results[0], result, mask, tol)
-        layout_hist[result.layout.name] = (result.log_probs - results[0].log_probs)[mask]
+        base = result.baseline or results[0]  # a fused layout's own baseline (trainer.py), else tp1
+        comparisons += metrics.trainer_comparisons(base, result, mask, tol)
+        label = result.layout.name if base is results[0] else f"{result.layout.name} - {base.layout.name}"
+        layout_hist[label] = (result.log_probs - base.log_probs)[mask]
     scored = {name: to_rows(values, rollout, packed.targets.shape[1]) for name, values in engine_scores.items()}
     for name in scored:
         if name != first_layout:

@@ -35,9 +35,12 @@ _ENGINE = flags.DEFINE_enum("engine", "hf", ["hf", "sglang"], "Rollout engine: h
                             "sglang (a launched SGLang server per engine layout).")
 _ENGINE_LAYOUTS = flags.DEFINE_string("engine_layouts", "tp1", "Engine layouts, e.g. tp1,tp2,dp2 (hf: tp1 and dpN "
                                       "only). The first samples the rollout; each teacher-force scores it.")
-_TRAINER_LAYOUTS = flags.DEFINE_string("trainer_layouts", "tp1,tp2,tp4,cp2,dp2",
+_TRAINER_LAYOUTS = flags.DEFINE_string("trainer_layouts", "tp1,tp2,tp4,cp2,dp2,tp2-fused",
                                        "Trainer layouts: tpN (vocabulary), cpN (sequence), dpN (batch), combined "
-                                       "like tp2cp2; each is compared with tp1 (added when missing).")
+                                       "like tp2cp2; each is compared with tp1 (added when missing). A name ending "
+                                       "in -fused scores with ppo_ops' fused LM head (linear_token_loss, no logits) "
+                                       "and is compared with tp1-unfused, the same head unfused (fp32 logits, no "
+                                       "keep mask; sglang_checks/trainer.py); --trainer_numerics=hf only.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "Rollout sampling temperature.")
 _TOP_P = flags.DEFINE_float("top_p", 0.95, "Rollout top-p.")
 _TRAINER_TEMPERATURE = flags.DEFINE_float("trainer_temperature", None, "Temperature the trainer scores at (default: "

@@ -1,8 +1,10 @@
 """The comparisons of the check, each a value against a tolerance, and the statistics behind them.
 
 Three sections:
-  trainer layouts         each layout vs tp1: max |d log-prob| and max |d entropy| over the completion tokens, and the
-                          relative difference of the loss and of the gradient norms (logits, LM head), per loss variant
+  trainer layouts         each layout vs tp1 (a fused-head layout vs tp1-unfused, trainer.py): max |d log-prob| and
+                          max |d entropy| over the completion tokens, and the relative difference of the loss and of
+                          the gradient norms (logits, hidden states, LM head; a fused layout has no logits), per loss
+                          variant
   engine layouts          each engine layout's teacher-forced log-probs vs the first layout's: mean |d| (max, p99
                           reported)
   train-rollout mismatch  trainer vs engine log-probs of the same kind (logprob_kinds.py): mean |d| (p99, max
@@ -63,7 +65,8 @@ def relative_diff(value: float, reference: float) -> float:
 
 
 def trainer_comparisons(baseline, result, mask: np.ndarray, tol: Dict[str, float]) -> List[Comparison]:
-    """One layout's result (trainer.LayoutResult) against the tp1 baseline."""
+    """One layout's result (trainer.LayoutResult) against its baseline (tp1, or tp1-unfused for a fused layout).
+    A gradient norm that either side lacks (None: the fused head forms no logits) is not compared."""
     subject = f"{result.layout.name} vs {baseline.layout.name}"
     lp = diff_stats(result.log_probs, baseline.log_probs, mask)
     ent = diff_stats(result.entropy, baseline.entropy, mask)
@@ -71,8 +74,10 @@ def trainer_comparisons(baseline, result, mask: np.ndarray, tol: Dict[str, float
     out = [Comparison(TRAINER, subject, "max |d log-prob|", lp["max_abs"], tol[atol], lp, atol),
            Comparison(TRAINER, subject, "max |d entropy|", ent["max_abs"], tol[atol], ent, atol)]
     for variant, values in result.losses.items():
-        for key in ("loss", "logits_grad_norm", "lm_head_grad_norm"):
+        for key in ("loss", "logits_grad_norm", "hidden_grad_norm", "lm_head_grad_norm"):
             ref = baseline.losses[variant][key]
+            if values[key] is None or ref is None:
+                continue
             out.append(Comparison(TRAINER, subject, f"{variant} {key} rel diff", relative_diff(values[key], ref),
                                   tol[rtol], {"value": values[key], "baseline": ref}, rtol))
     return out

@@ -4,20 +4,39 @@ The parent runs the model once: final hidden states h [B, S, H] (after the last 
 the model's logits are h @ W^T (what Qwen3ForCausalLM.forward does). Each rank of a layout with factors
 (tp, cp, dp) gets, by its coordinates (d, c, t) (layouts.py), the sequences of batch part d, the positions of sequence
 part c, and the LM-head rows of vocabulary part t, and computes its own shard of the logits, h_part @ W_t^T, with W_t
-as a leaf so the LM-head gradient exists, just as a Megatron output layer does. Then per rank:
+as a leaf so the LM-head gradient exists, just as a Megatron output layer does (h_part is a leaf too). Then per rank:
 
   log_probs, entropy = ppo_ops.log_probs_and_entropy(logits_shard, targets, tp_group=<its TP group>, row_mask=...,
                                                      temperature=T_trainer, keep_mask=<top-p set shard or None>)
-  ratio = exp(lp - lp.detach());  per-token loss = -(ratio * advantage) - entropy_coef * entropy  (on completion rows)
-  token_mean: sum / (completion tokens in the whole batch)
-  seq_mean:   sum over each sequence / its completion tokens, summed, / (sequences with a completion)
+  loss = ppo_loss(log_probs, entropy, rows=<its tokens' indices into the batch>).sum()
 
-Each rank's loss is its share of the global loss (denominators are global), so the global loss is the sum over the
-ranks of one vocabulary part (the "data group": same t), and the gradient of the local loss is the global gradient of
-the local tensors: no collective in the loss. Reported, in float64: the loss (all-reduced over the data group), the
-norm of the gradient w.r.t. the logits (every element has one owner: squared norms all-reduced over the layout), and
-the norm of the LM-head gradient (W_t's gradients all-reduced over the data group, then squared norms over the TP
-group). Log-probs and entropy come back from the t = 0 ranks and are reassembled to [B, S].
+with `ppo_loss` the library's own, ppo_ops.policy_loss over the whole batch [B, S] (PPO's clipped surrogate with an
+entropy bonus, loss_mask = the completion rows, normalization "token_mean" or "seq_mean" with seq_ids = the sequence):
+
+  per-token term = weight_t * (max(-A_b r, -A_b clip(r, 1 - CLIP_LOW, 1 + CLIP_HIGH)) - entropy_coef * entropy)
+  with r = exp(lp - old), A_b the sequence's advantage,
+  token_mean: weight_t = 1 / (completion tokens in the whole batch)
+  seq_mean:   weight_t = 1 / (its sequence's completion tokens * sequences with a completion)
+
+old = the layout's own log-probs from a forward before the step (no gradient), as a trainer recomputes them: the
+first minibatch of a PPO step, every ratio 1 up to rounding, so the clip never binds and the gradient is
+-A * d lp - entropy_coef * d entropy, weighted. A TokenLoss is row-separable: each rank calls it on its own tokens
+(`rows`), with the global weights, so each rank's loss is its share of the global loss, the global loss is the sum over
+the ranks of one vocabulary part (the "data group": same t), and the gradient of the local loss is the global gradient
+of the local tensors: no collective in the loss. Reported, in float64: the loss (all-reduced over the data group), the
+norm of the gradient w.r.t. the logits (every element has one owner: squared norms all-reduced over the layout), the
+norm of the gradient w.r.t. the hidden states (each TP rank's part summed over the TP group, then squared norms over
+the data group) and the norm of the LM-head gradient (W_t's gradients all-reduced over the data group, then squared
+norms over the TP group). Log-probs and entropy come back from the t = 0 ranks and are reassembled to [B, S].
+
+The fused LM head (a layout named `...-fused`, layouts.FUSED): the rank never forms logits; ppo_ops.linear_token_loss
+takes h_part, W_t, the targets and the same `ppo_loss` (its rows mapped to the batch's), forms the loss's gradient in
+its forward, and loss.backward() hands dX and dW over (dX all-reduced over the TP group by the op). There is no
+logits gradient to report. The fused head has no keep mask and forms the logits in fp32, never rounding them to the
+model's dtype (README: linear_log_probs_and_entropy), so a fused layout is compared with its own baseline, not tp1:
+`tp1-unfused` (layouts.UNFUSED), the logits op on h @ W^T formed in fp32 from leaves in fp32, without the keep mask,
+at TP = 1. run_jobs adds it to every job with a fused layout; LayoutResult.baseline points to it. Fused layouts run
+under the `hf` numerics only (the fused head has no SGLang order).
 
 Trainer numerics (--trainer_numerics): `hf` is the above, in the model's dtype. `sglang_on_policy` mirrors SGLang's
 --rl-on-policy-target path (on_policy.py): h is the fp32 output of its final norm, W the bf16 head, and each rank
@@ -49,11 +68,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from sglang_checks.controls import VOCAB_OFFSET_ROWS
 from ppo_ops.runtime import ranks as runtime_ranks
+from sglang_checks import layouts as layouts_lib
+from sglang_checks.controls import VOCAB_OFFSET_ROWS
 from sglang_checks.layouts import Layout
 
-VARIANTS = ("token_mean", "seq_mean")
+VARIANTS = ("token_mean", "seq_mean")  # ppo_ops.policy_loss normalizations the check scores
+# The PPO clip (DAPO's clip-higher, the README's example). The ratios here are 1 up to rounding (old = the layout's
+# own forward), so it never binds: it is there because a trainer has it.
+CLIP_LOW, CLIP_HIGH = 0.2, 0.28
+# The baseline every fused layout is compared with (module docstring).
+UNFUSED_BASELINE = Layout("tp1-unfused", head=layouts_lib.UNFUSED)
 HF = "hf"  # transformers' forward in the model's dtype; ppo_ops' own reduction order
 SGLANG_ON_POLICY = "sglang_on_policy"  # SGLang's on-policy forward and kernels (on_policy.py); its log_softmax order
 NUMERICS = (HF, SGLANG_ON_POLICY)
@@ -80,7 +105,9 @@ class LayoutResult:
     layout: Layout
     log_probs: np.ndarray  # [B, S] fp32 (0 off the completion rows)
     entropy: np.ndarray  # [B, S] fp32
-    losses: Dict[str, Dict[str, float]]  # variant -> {"loss", "logits_grad_norm", "lm_head_grad_norm"}
+    # variant -> {"loss", "logits_grad_norm" (None: fused, no logits), "hidden_grad_norm", "lm_head_grad_norm"}
+    losses: Dict[str, Dict[str, Optional[float]]]
+    baseline: Optional["LayoutResult"] = None  # what a fused layout is compared with (tp1-unfused); None: tp1
 
 
 class TrainerRankError(RuntimeError):
@@ -148,7 +175,17 @@ def run_layouts(inputs: TrainerInputs, layouts: List[Layout], *, backend: str, t
 
 def run_jobs(jobs: List[Job], *, backend: str, threads: int = 1, timeout_s: float = 900.0,
              progress=None) -> List[List[LayoutResult]]:
-    """Runs every job's layouts, job after job, on one spawned group of ranks (one start-up for all)."""
+    """Runs every job's layouts, job after job, on one spawned group of ranks (one start-up for all). A job with a
+    fused layout also runs UNFUSED_BASELINE, given to its fused layouts' results as `baseline` (not listed itself)."""
+    for job in jobs:
+        fused = [layout.name for layout in job.layouts if layout.fused]
+        if fused and job.inputs.numerics != HF:
+            raise ValueError(f"fused-head layouts {fused} score in the {HF} numerics only (ppo_ops' fused LM head has "
+                             f"no SGLang order), got {job.inputs.numerics}")
+    jobs = [_with_unfused_baseline(job) for job in jobs]
+    if progress is not None:
+        shown = progress
+        progress = lambda layout: None if layout.head == layouts_lib.UNFUSED else shown(layout)  # noqa: E731
     world = max(layout.world_size for job in jobs for layout in job.layouts)
     ctx = torch.multiprocessing.get_context("spawn")
     results: Dict[Tuple[int, str], Dict[int, dict]] = {(j, layout.name): {} for j, job in enumerate(jobs)
@@ -168,14 +205,39 @@ def run_jobs(jobs: List[Job], *, backend: str, threads: int = 1, timeout_s: floa
                     p.start()
             _collect(procs, messages, jobs, results, timeout_s, progress)
         except TrainerRankError as exc:
-            exc.finished = [_assemble(layout, results[(0, layout.name)], jobs[0].inputs)
-                            for layout in jobs[0].layouts if len(results[(0, layout.name)]) == layout.world_size]
+            exc.finished = _job_results(jobs[0], {name: by_rank for (j, name), by_rank in results.items() if j == 0})
             raise
         finally:
             _reap(procs)
             messages.close()
-    return [[_assemble(layout, results[(j, layout.name)], job.inputs) for layout in job.layouts]
+    return [_job_results(job, {name: by_rank for (i, name), by_rank in results.items() if i == j})
             for j, job in enumerate(jobs)]
+
+
+def _with_unfused_baseline(job: Job) -> Job:
+    """The job with UNFUSED_BASELINE before its first fused layout (the job as is without one)."""
+    first = next((i for i, layout in enumerate(job.layouts) if layout.fused), None)
+    if first is None:
+        return job
+    return dataclasses.replace(job, layouts=job.layouts[:first] + [UNFUSED_BASELINE] + job.layouts[first:])
+
+
+def _job_results(job: Job, by_name: Dict[str, Dict[int, dict]]) -> List[LayoutResult]:
+    """The job's finished layouts in order, UNFUSED_BASELINE not among them but each fused one's `baseline` (a fused
+    layout whose baseline did not finish is left out)."""
+    done = {layout.name: _assemble(layout, by_name[layout.name], job.inputs) for layout in job.layouts
+            if len(by_name[layout.name]) == layout.world_size}
+    out = []
+    for layout in job.layouts:
+        if layout.head == layouts_lib.UNFUSED or layout.name not in done:
+            continue
+        result = done[layout.name]
+        if layout.fused:
+            if UNFUSED_BASELINE.name not in done:
+                continue
+            result.baseline = done[UNFUSED_BASELINE.name]
+        out.append(result)
+    return out
 
 
 def _first_unfinished(jobs, results):
@@ -352,6 +414,8 @@ def _sum(value: torch.Tensor, group, size: int) -> torch.Tensor:
 
 def _run_rank(layout: Layout, rank: int, groups: _Groups, inputs: dict, device: torch.device,
               vocab_offset_fault: bool = False) -> dict:
+    import ppo_ops
+
     numerics = inputs.get("numerics", HF)
     if numerics == SGLANG_ON_POLICY:  # as SGLang's model runner does, for the rest of this rank's life
         from sglang_checks import on_policy
@@ -369,40 +433,93 @@ def _run_rank(layout: Layout, rank: int, groups: _Groups, inputs: dict, device: 
 
     hidden = inputs["hidden"][rows, cols].to(device)
     weight = inputs["lm_head"][vocab_part].to(device)
-    targets = inputs["targets"][rows, cols].to(device)
-    row_mask = inputs["row_mask"][rows, cols].to(device)
-    keep = inputs["keep_mask"]
-    keep = None if keep is None else keep[rows, cols, vocab_part].to(device)
-    advantages = inputs["advantages"][rows].to(device)
-    # Global denominators: every rank's loss is its exact share of the batch loss.
-    full_mask = inputs["row_mask"]
-    total_tokens = float(full_mask.sum())
-    seq_tokens = full_mask.sum(dim=1)[rows].to(device=device, dtype=torch.float32)
-    sequences_with_tokens = float((full_mask.sum(dim=1) > 0).sum())
-    coef = float(inputs["entropy_coef"])
+    keep = inputs["keep_mask"] if layout.head == layouts_lib.LOGITS else None  # the other heads take none
+    head = _Head(layout.head, numerics, groups.tp, targets=inputs["targets"][rows, cols].to(device),
+                 row_mask=inputs["row_mask"][rows, cols].to(device), temperature=float(inputs["temperature"]),
+                 entropy="grad" if float(inputs["entropy_coef"]) else "value",
+                 keep=None if keep is None else keep[rows, cols, vocab_part].to(device))
+    leaf_dtype = torch.float32 if layout.head == layouts_lib.UNFUSED else hidden.dtype
+    # The loss's constants over the whole batch (its weights need the global counts); this rank's tokens are `index`.
+    full_mask = inputs["row_mask"].to(device)
+    advantages = inputs["advantages"].to(device=device, dtype=torch.float32)[:, None].expand(batch, seq)
+    seq_ids = torch.arange(batch, device=device)[:, None].expand(batch, seq)
+    index = torch.arange(batch * seq, device=device).reshape(batch, seq)[rows, cols].reshape(-1)
+    with torch.no_grad():  # PPO's old log-probs: this layout's own forward before the step (module docstring)
+        old = torch.zeros(batch, seq, device=device)
+        old[rows, cols] = head.log_probs(hidden, weight)
 
     out = {"losses": {}}
     for variant in VARIANTS:
-        leaf = weight.clone().requires_grad_(True)
-        logits = lm_head_logits(hidden, leaf, numerics)
-        logits.retain_grad()
-        log_probs, entropy = log_probs_and_entropy(
-            logits, targets, numerics=numerics, tp_group=groups.tp, entropy="grad" if coef else "value",
-            keep_mask=keep, temperature=float(inputs["temperature"]), row_mask=row_mask)
-        ratio = torch.exp(log_probs - log_probs.detach())
-        per_token = (-(ratio * advantages[:, None]) - coef * entropy) * row_mask
-        if variant == "token_mean":
-            loss = per_token.sum() / total_tokens
-        else:
-            loss = (per_token.sum(dim=1) / seq_tokens.clamp(min=1)).sum() / sequences_with_tokens
+        ppo_loss = ppo_ops.policy_loss(old, advantages, clip_low=CLIP_LOW, clip_high=CLIP_HIGH,
+                                       entropy_coef=float(inputs["entropy_coef"]), loss_mask=full_mask,
+                                       normalization=variant, seq_ids=seq_ids)
+        x = hidden.detach().to(leaf_dtype).clone().requires_grad_(True)
+        w = weight.detach().to(leaf_dtype).clone().requires_grad_(True)
+        loss, scores, logits = head.loss(x, w, ppo_loss, index)
         loss.backward()
-        total_loss = _sum(loss.detach().double(), groups.data, groups.data_size)
-        logits_sq = _sum(logits.grad.double().square().sum(), groups.layout, groups.layout_size)
-        head_grad = _sum(leaf.grad.double(), groups.data, groups.data_size)
+        # dX: the fused op all-reduced it over the TP group already; the logits path holds each TP rank's part.
+        dx = x.grad.double() if layout.fused else _sum(x.grad.double(), groups.tp, groups.tp_size)
+        hidden_sq = _sum(dx.square().sum(), groups.data, groups.data_size)
+        head_grad = _sum(w.grad.double(), groups.data, groups.data_size)
         head_sq = _sum(head_grad.square().sum(), groups.tp, groups.tp_size)
-        out["losses"][variant] = {"loss": float(total_loss), "logits_grad_norm": float(logits_sq.sqrt()),
+        logits_norm = None
+        if logits is not None:
+            logits_norm = float(_sum(logits.grad.double().square().sum(), groups.layout, groups.layout_size).sqrt())
+        out["losses"][variant] = {"loss": float(_sum(loss.detach().double(), groups.data, groups.data_size)),
+                                  "logits_grad_norm": logits_norm, "hidden_grad_norm": float(hidden_sq.sqrt()),
                                   "lm_head_grad_norm": float(head_sq.sqrt())}
         if variant == VARIANTS[0]:
-            out["log_probs"] = log_probs.detach().float().cpu().numpy()
-            out["entropy"] = entropy.detach().float().cpu().numpy()
+            out["log_probs"] = scores.log_probs.detach().float().cpu().numpy()
+            out["entropy"] = scores.entropy.detach().float().cpu().numpy()
     return out
+
+
+@dataclasses.dataclass
+class _Head:
+    """How one rank of a layout scores (layouts.LOGITS, FUSED, UNFUSED; module docstring), on its tokens."""
+
+    kind: str
+    numerics: str
+    tp_group: object
+    targets: torch.Tensor  # [b, s] this rank's
+    row_mask: torch.Tensor  # [b, s]
+    temperature: float
+    entropy: str  # "grad" | "value"
+    keep: Optional[torch.Tensor]  # [b, s, V_t]: LOGITS only (the others have none)
+
+    def _logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.kind == layouts_lib.UNFUSED:  # fp32, never rounded: the fused head's specification
+            return torch.matmul(hidden.float(), weight.float().t())
+        return lm_head_logits(hidden, weight, self.numerics)
+
+    def _scores(self, logits: torch.Tensor):
+        numerics = self.numerics if self.kind == layouts_lib.LOGITS else HF
+        return log_probs_and_entropy(logits, self.targets, numerics=numerics, tp_group=self.tp_group,
+                                     entropy=self.entropy, keep_mask=self.keep, temperature=self.temperature,
+                                     row_mask=self.row_mask)
+
+    def log_probs(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """[b, s] fp32 log-probs (a forward without the loss)."""
+        import ppo_ops
+
+        if self.kind == layouts_lib.FUSED:
+            return ppo_ops.linear_log_probs_and_entropy(hidden, weight, self.targets, tp_group=self.tp_group,
+                                                        temperature=self.temperature, row_mask=self.row_mask).log_probs
+        return self._scores(self._logits(hidden, weight)).log_probs
+
+    def loss(self, hidden: torch.Tensor, weight: torch.Tensor, ppo_loss, index: torch.Tensor):
+        """(this rank's share of the loss, its LogProbsEntropy, the logits with their gradient kept or None) from the
+        leaves hidden [b, s, H] and weight [V_t, H]; `ppo_loss` a TokenLoss over the batch, `index` [b * s] where this
+        rank's tokens are in it."""
+        import ppo_ops
+
+        if self.kind == layouts_lib.FUSED:
+            loss, scores = ppo_ops.linear_token_loss(
+                hidden, weight, self.targets, lambda lp, ent, rows: ppo_loss(lp, ent, index[rows]),
+                tp_group=self.tp_group, entropy=self.entropy, temperature=self.temperature, row_mask=self.row_mask)
+            return loss, scores, None
+        logits = self._logits(hidden, weight)
+        logits.retain_grad()
+        scores = self._scores(logits)
+        entropy = scores.entropy.reshape(-1) if ppo_loss.needs_entropy else None
+        return ppo_loss(scores.log_probs.reshape(-1), entropy, index).sum(), scores, logits

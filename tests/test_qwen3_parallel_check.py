@@ -31,9 +31,11 @@ from tests.check_support import run_calibrate
 pytestmark = pytest.mark.device("cpu")  # the CUDA runs at the end are marked cuda (tests/conftest.py places them)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_TRAINER_LAYOUTS = ["tp1", "tp2", "tp4", "cp2", "dp2"]
-# Per trainer layout vs tp1: max |d log-prob|, max |d entropy|, then loss and 2 gradient norms for 2 loss variants.
-COMPARISONS_PER_TRAINER_LAYOUT = 2 + 2 * 3
+DEFAULT_TRAINER_LAYOUTS = ["tp1", "tp2", "tp4", "cp2", "dp2", "tp2-fused"]
+# Per trainer layout vs tp1: max |d log-prob|, max |d entropy|, then the loss and 3 gradient norms (logits, hidden
+# states, LM head) for 2 loss variants. A fused-head layout (vs tp1-unfused) has no logits, so no logits gradient.
+COMPARISONS_PER_TRAINER_LAYOUT = 2 + 2 * 4
+COMPARISONS_PER_FUSED_LAYOUT = 2 + 2 * 3
 
 # fp32 trainer vs the float64 reference: log-probs of magnitude <= ~20 after a few fp32 ops (eps 1.2e-7 each).
 FP32_LOGPROB_ATOL = 2e-5
@@ -77,13 +79,24 @@ def test_default_run_passes_and_writes_the_report(default_run):
     assert "PASS" in proc.stdout and os.path.join(report_dir, "report.md") in proc.stdout
     report = _report(report_dir)
     assert report["passed"] is True
-    assert list(report["trainer_layouts"]) == DEFAULT_TRAINER_LAYOUTS
+    # The fused layout's baseline is listed before it (the losses of every layout are in the report).
+    assert list(report["trainer_layouts"]) == DEFAULT_TRAINER_LAYOUTS[:-1] + ["tp1-unfused", "tp2-fused"]
     assert report["settings"]["engine"] == "hf" and report["settings"]["model"] == "tiny"
     assert report["trainer"]["backend"] == "gloo"
     comparisons = report["comparisons"]
-    for name in DEFAULT_TRAINER_LAYOUTS[1:]:
+    for name in DEFAULT_TRAINER_LAYOUTS[1:-1]:
         mine = [c for c in comparisons if c["section"] == "trainer layouts" and c["subject"] == f"{name} vs tp1"]
         assert len(mine) == COMPARISONS_PER_TRAINER_LAYOUT
+    # The main job scores with the fused LM head (linear_token_loss with ppo_ops' policy_loss) and it matches its
+    # unfused specification: log-probs, entropies, loss, dX and dW norms within the trainer tolerances.
+    fused = [c for c in comparisons if c["section"] == "trainer layouts" and c["subject"] == "tp2-fused vs tp1-unfused"]
+    assert len(fused) == COMPARISONS_PER_FUSED_LAYOUT and all(c["passed"] for c in fused)
+    assert {c["tolerance_name"] for c in fused} == {"trainer_logprob_atol", "trainer_rtol"}
+    metrics = {c["metric"] for c in fused}
+    assert {"token_mean hidden_grad_norm rel diff", "seq_mean lm_head_grad_norm rel diff"} <= metrics
+    assert not any("logits_grad_norm" in m for m in metrics)
+    losses = report["trainer_layouts"]["tp2-fused"]["token_mean"]
+    assert losses["logits_grad_norm"] is None and losses["hidden_grad_norm"] > 0 and losses["lm_head_grad_norm"] > 0
     mismatch = [c for c in comparisons if c["section"] == "train-rollout mismatch"]
     assert {c["subject"] for c in mismatch} == {"hf tp1 sampled (sampler)", "hf tp1 teacher-forced (raw)"}
     assert all(c["passed"] and c["value"] <= c["tolerance"] for c in comparisons)
@@ -144,7 +157,7 @@ def test_negative_control_fails_with_the_metric_that_should_catch_it(control, de
     failures (controls.CAUGHT_BY); run on the default run's saved rollout, with only the layouts each fault needs."""
     _, first_dir = default_run
     s = _settings(tmp_path, cache_dir, rollout_data=os.path.join(first_dir, "rollout.json"), negative_control=control,
-                  trainer_layouts="tp1,tp2" if control == controls.VOCAB_OFFSET else "tp1",
+                  trainer_layouts="tp1,tp2,tp2-fused" if control == controls.VOCAB_OFFSET else "tp1",
                   engine_layouts="tp1,dp2" if control == controls.ENGINE_LAYOUT_WEIGHTS else "tp1")
     assert check.run(s) == 1
     report = _report(s.report_dir)
@@ -154,6 +167,9 @@ def test_negative_control_fails_with_the_metric_that_should_catch_it(control, de
     for c in report["comparisons"]:  # and far out, not by rounding
         if not c["passed"] and c["tolerance_name"] in controls.CONTROLS[control][1]:
             assert c["value"] > 10 * c["tolerance"], c
+    if control == controls.VOCAB_OFFSET:  # the fused head's shard with the wrong offset is caught too
+        assert any(c["subject"] == "tp2-fused vs tp1-unfused" and c["metric"] == "max |d log-prob|" and not c["passed"]
+                   for c in report["comparisons"])
 
 
 @pytest.mark.parametrize("control, overrides, message", [
@@ -201,17 +217,20 @@ def _synthetic_inputs():
                                  entropy_coef=0.05)
 
 
-def _reference(inputs, variant):
-    """float64 autograd: log-probs over keep ∪ {target}, full entropy, the surrogate loss and gradient norms."""
+def _reference(inputs, variant, keep=True):
+    """float64 autograd: log-probs over keep ∪ {target} (keep=False: over the whole vocabulary, what the fused head
+    and its tp1-unfused baseline score), full entropy, the surrogate loss and gradient norms. The surrogate's ratio
+    is exp(lp - old) with old = lp itself (the trainer's old log-probs are its own forward before the step)."""
     w = inputs.lm_head.double().requires_grad_(True)
-    logits = inputs.hidden.double() @ w.t()
+    h = inputs.hidden.double().requires_grad_(True)
+    logits = h @ w.t()
     logits.retain_grad()
     z = logits / inputs.temperature
     mask = inputs.row_mask
     t = inputs.targets.clamp(min=0)
-    keep = inputs.keep_mask.clone()
-    keep.scatter_(-1, t[..., None], True)
-    lp = z.gather(-1, t[..., None])[..., 0] - torch.logsumexp(z.masked_fill(~keep, -math.inf), dim=-1)
+    kept = inputs.keep_mask.clone() if keep else torch.ones_like(inputs.keep_mask)
+    kept.scatter_(-1, t[..., None], True)
+    lp = z.gather(-1, t[..., None])[..., 0] - torch.logsumexp(z.masked_fill(~kept, -math.inf), dim=-1)
     p = torch.softmax(z, dim=-1)
     entropy = torch.logsumexp(z, dim=-1) - (p * z).sum(-1)
     per_token = (-(torch.exp(lp - lp.detach()) * inputs.advantages.double()[:, None])
@@ -222,24 +241,39 @@ def _reference(inputs, variant):
         counts = mask.sum(1)
         loss = (per_token.sum(1) / counts.clamp(min=1)).sum() / (counts > 0).sum()
     loss.backward()
-    return {"loss": loss.item(), "logits_grad_norm": logits.grad.norm().item(),
-            "lm_head_grad_norm": w.grad.norm().item()}, (lp * mask).detach(), (entropy * mask).detach()
+    norms = {"logits_grad_norm": logits.grad.norm().item(), "hidden_grad_norm": h.grad.norm().item(),
+             "lm_head_grad_norm": w.grad.norm().item()}
+    return {"loss": loss.item(), **norms}, (lp * mask).detach(), (entropy * mask).detach()
 
 
 def test_trainer_layouts_match_a_float64_reference():
+    """Every layout's log-probs, entropies, loss (ppo_ops.policy_loss) and gradient norms against float64; the fused
+    layouts (ppo_ops.linear_token_loss) and their tp1-unfused baseline against the reference without the keep mask."""
     inputs = _synthetic_inputs()
-    names = ["tp1", "tp2", "cp2", "dp2", "tp2cp2"]
-    results = trainer.run_layouts(inputs, [layouts.parse_layout(n, flag="test", allowed_dims=("tp", "cp", "dp"))
-                                           for n in names], backend="gloo", timeout_s=300)
+    names = ["tp1", "tp2", "cp2", "dp2", "tp2cp2", "tp2-fused", "tp2cp2-fused"]
+    results = trainer.run_layouts(inputs, [layouts.parse_layout(n, flag="test", allowed_dims=("tp", "cp", "dp"),
+                                                                fused=True) for n in names],
+                                  backend="gloo", timeout_s=300)
     assert [r.layout.name for r in results] == names
-    refs = {v: _reference(inputs, v) for v in trainer.VARIANTS}
-    assert abs(refs["token_mean"][0]["loss"] - refs["seq_mean"][0]["loss"]) > 1e-3  # the variants really differ
-    for result in results:
-        _, ref_lp, ref_ent = refs["token_mean"]
+    refs = {(v, keep): _reference(inputs, v, keep) for v in trainer.VARIANTS for keep in (True, False)}
+    assert abs(refs["token_mean", True][0]["loss"] - refs["seq_mean", True][0]["loss"]) > 1e-3  # variants differ
+    # Without the keep mask the log-probs, and so the gradients, are others: the fused layouts need their baseline.
+    assert abs(refs["token_mean", True][0]["lm_head_grad_norm"] / refs["token_mean", False][0]["lm_head_grad_norm"]
+               - 1) > 100 * FP32_NORM_RTOL
+    baselines = {id(r.baseline) for r in results if r.layout.fused}
+    assert len(baselines) == 1 and all((r.baseline is None) != r.layout.fused for r in results)
+    checked = results + [results[-1].baseline]
+    assert checked[-1].layout.name == "tp1-unfused"
+    for result in checked:
+        keep = result.layout.head == layouts.LOGITS
+        _, ref_lp, ref_ent = refs["token_mean", keep]
         torch.testing.assert_close(torch.from_numpy(result.log_probs).double(), ref_lp, atol=FP32_LOGPROB_ATOL, rtol=0)
         torch.testing.assert_close(torch.from_numpy(result.entropy).double(), ref_ent, atol=FP32_LOGPROB_ATOL, rtol=0)
         for variant in trainer.VARIANTS:
-            for key, value in refs[variant][0].items():
+            for key, value in refs[variant, keep][0].items():
+                if key == "logits_grad_norm" and result.layout.fused:
+                    assert result.losses[variant][key] is None  # the fused head forms no logits
+                    continue
                 assert result.losses[variant][key] == pytest.approx(value, rel=FP32_NORM_RTOL), (result.layout, key)
 
 
@@ -465,6 +499,8 @@ def test_binary_bad_input_exits_2_with_a_message_and_no_traceback(tmp_path):
     (["--negative_control=typo"], "flag --negative_control=typo"),
     (["stray"], "unexpected arguments: stray"),
     (["--trainer_layouts=tp1,pp2"], "--trainer_layouts: unknown layout name 'pp2'"),
+    (["--engine_layouts=tp1-fused"], "--engine_layouts: layout 'tp1-fused' asks for the fused LM head (-fused), which "
+                                     "only trainer layouts have"),
     (["--report_dir={file}/sub"], "--report_dir={file}/sub: not a writable folder"),
     (["--cache_dir={file}/sub"], "--cache_dir={file}/sub: not a writable folder"),
     (["--rollout_data={tmp}/missing.json"], "cannot read a rollout from the file"),
@@ -670,7 +706,7 @@ def test_qwen3_0_6b_random_trainer_layouts_on_two_gpus(tmp_path, cache_dir):
     assert code == 0, failed
     assert list(report["trainer_layouts"]) == ["tp1", "tp2", "cp2", "dp2"]
     trainer_rows = [c for c in report["comparisons"] if c["section"] == "trainer layouts"]
-    assert len(trainer_rows) == 3 * 8 and all(c["passed"] for c in trainer_rows)
+    assert len(trainer_rows) == 3 * COMPARISONS_PER_TRAINER_LAYOUT and all(c["passed"] for c in trainer_rows)
     print(json.dumps({c["subject"] + " / " + c["metric"]: c["value"] for c in report["comparisons"]}, indent=1))
 
 
