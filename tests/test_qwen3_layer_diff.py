@@ -260,10 +260,16 @@ def test_layer_diff_main_without_a_dump_is_bad_input(tmp_path):
     assert proc.returncode == 2 and "no PassNNNNN.pt under" in proc.stderr
 
 
-def test_layer_diff_main_says_the_report_folder_does_not_exist(tmp_path):
-    """A --report_dir that is not there is said to be that, in one line with exit 2, not as a dump missing under it."""
+def test_layer_diff_main_says_the_report_folder_does_not_exist(tmp_path, monkeypatch, capsys):
+    """A --report_dir that is not there is said to be that, in one line with exit 2, not as a dump missing under it.
+    In this process (the program's own entry, as its __main__ runs it): a subprocess would add its start-up."""
+    from ppo_ops.runtime import cli as runtime_cli
+    from sglang_checks import layer_diff_main
+
     path = tmp_path / "nonexistent"
-    proc = _run_main(path)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    line = processes.only_line(proc.stderr)
+    monkeypatch.setattr(sys, "argv", ["layer_diff_main", f"--report_dir={path}", "--kernels=torch"])
+    with pytest.raises(SystemExit) as exited:
+        runtime_cli.run(layer_diff_main.main, program="layer_diff_main")
+    assert exited.value.code == 2
+    line = processes.only_line(capsys.readouterr().err)
     assert line == f"layer_diff_main: error: --report_dir={path}: the report folder does not exist", line
