@@ -419,7 +419,7 @@ def _lengths(fn, total_lengths, response_lengths, n_tokens):
     lengths = as_list("total_lengths", total_lengths)
     if n_tokens is not None and sum(lengths) > n_tokens:
         raise argument_error(ValueError, fn, "total_lengths",
-                             f"the samples' total {sum(lengths)} exceeds the {n_tokens} tokens given")
+                             f"total_lengths add up to {sum(lengths)}, more than the {n_tokens} tokens given")
     if response_lengths is None:
         return lengths, None
     responses = as_list("response_lengths", response_lengths)
