@@ -16,6 +16,7 @@ log_probs_and_entropy on them, then the same token loss (TokenLoss.total) or the
 """
 
 import dataclasses
+import inspect
 import os
 
 import torch
@@ -357,5 +358,7 @@ def run_zigzag_vs_megatron(device):
     attention = (torch.rand(2, 1, 16, 16, generator=gen) < 0.5).to(device)
     ours = {"tokens": pm.zigzag_split(tokens, dist.get_world_size(), dist.get_rank(), dim=1),
             "attention_mask": pm.zigzag_split(attention, dist.get_world_size(), dist.get_rank(), dim=2)}
-    theirs = get_batch_on_this_cp_rank({"tokens": tokens, "attention_mask": attention}, cp_group=dist.group.WORLD)
+    extra = {"is_hybrid_cp": False} if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters else {}
+    theirs = get_batch_on_this_cp_rank({"tokens": tokens, "attention_mask": attention}, cp_group=dist.group.WORLD,
+                                       **extra)  # 0.19 added is_hybrid_cp
     return {"ours": _cpu(ours), "megatron": _cpu(theirs)}

@@ -456,6 +456,39 @@ def test_gpt_log_probs_calls_the_hook_where_the_model_has_one():
     assert torch.equal(out.log_probs, want.log_probs) and torch.equal(out.entropy, want.entropy)
 
 
+def _preprocess_0_15(input_ids, position_ids, decoder_input=None, inference_context=None, packed_seq_params=None):
+    raise AssertionError("not called")
+
+
+def _preprocess_0_16(input_ids, position_ids, decoder_input=None, inference_context=None, packed_seq_params=None,
+                     padding_mask=None):
+    raise AssertionError("not called")
+
+
+class _PreHookGPT(torch.nn.Module):
+    """A GPTModel of a megatron-core without the hook: 0.15's or 0.16's _preprocess, with or without MTP."""
+
+    post_process = True
+
+    def __init__(self, with_padding_mask, mtp_process=False):
+        super().__init__()
+        self.mtp_process = mtp_process
+        self.config = types.SimpleNamespace()
+        self._preprocess = _preprocess_0_16 if with_padding_mask else _preprocess_0_15
+
+    def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None, **kwargs):
+        raise AssertionError("not called")
+
+
+@pytest.mark.parametrize("model, error, match", [
+    (_PreHookGPT(with_padding_mask=False), RuntimeError, "needs 0.16 or 0.17 .* or >= 0.18"),
+    (_PreHookGPT(with_padding_mask=True, mtp_process=True), NotImplementedError, "multi-token prediction"),
+])
+def test_gpt_log_probs_refuses_what_it_cannot_run(model, error, match):
+    with pytest.raises(error, match=match):
+        pm.gpt_log_probs(model, None, None, None, None, None, pm.Context())
+
+
 # --- the keep set ---
 
 def _head_takes_keep():
