@@ -2,19 +2,22 @@
 GPTModel's output layer, so a Megatron trainer gets per-token log-probs, entropies or an RL loss without [T, V] logits.
 
     import ppo_ops.megatron as pm
-    ctx = pm.Context(entropy="grad", temperature=0.7, vocab_size=151936, token_loss=ppo)
+    ctx = pm.Context(entropy="grad", temperature=0.7, vocab_size=151936, token_loss=ppo)  # ppo: ppo_ops.policy_loss
     loss, out = model(tokens, position_ids, None, labels=labels, loss_mask=loss_mask,   # megatron-core >= 0.18
                       output_processor=pm.output_processor, output_processor_context=ctx)
     loss, out = pm.gpt_log_probs(model, tokens, position_ids, None, labels, loss_mask, ctx)  # any supported version
 
 Two ways in, one computation (`output_processor`):
-  - megatron-core >= 0.18 (tested against 0.18.0's and 0.19.0's call): GPTModel.forward takes `output_processor` and
-    `output_processor_context`; its _postprocess calls the processor with the final hidden states (after the final
-    norm and any MTP step) instead of running the output layer, on the last pipeline stage only.
+  - megatron-core >= 0.18: GPTModel.forward takes `output_processor` and `output_processor_context`; its
+    _postprocess calls the processor (with the keywords of 0.18.0 and 0.19.0) on the final hidden states, after the
+    final norm and any MTP step, instead of running the output layer, on the last pipeline stage only. (HybridModel,
+    which 0.19 recommends over GPTModel, has no such hook.)
   - megatron-core 0.16 and 0.17 (no hook): `gpt_log_probs` runs the model's own embedding (`_preprocess`) and decoder
     exactly as their GPTModel.forward does, then calls `output_processor` itself on the last stage; earlier stages
     get the decoder's hidden states back, as from model(...). On >= 0.18 `gpt_log_probs` simply calls
     model(..., output_processor=...). Versions before 0.16 (another `_preprocess` layout) are refused by name.
+  tests/test_megatron.py runs on the installed megatron-core (0.16.1 in the venv and on the GPU runners); it has also
+  passed on 0.17.1, 0.18.0 and 0.19.0.
 
 What the processor does with what the hook hands it (hidden_states [S, B, H], labels [B, S], loss_mask [B, S]):
   - weight: `output_weight` (the shared embedding weight when embeddings are tied; its gradient reaches the
@@ -65,8 +68,9 @@ class Context:
 
     entropy: "none" | "value" | "grad", as in ppo_ops.linear_log_probs_and_entropy.
     temperature: the rollout's sampling temperature (both outputs use logits / temperature).
-    vocab_size: the true vocabulary (the tokenizer's); the columns Megatron pads the output layer with, at and past
-      it, get no probability mass and no gradient. None: every column of the output layer is a token.
+    vocab_size: the true vocabulary, the one the rollout engine samples from (the Hugging Face config's vocab_size:
+      151936 for Qwen3); the columns Megatron pads the output layer with (to a multiple of 128 x TP), at and past it,
+      get no probability mass and no gradient. None: every column of the output layer is a token.
     keep: the sparse top-p / top-k keep set, passed as `keep=` to the head unchanged; its rows are the flattened
       [B * S] label-layout positions (row b * S + s), as the head's rows are. Needs a ppo_ops head that takes `keep`.
     token_loss: a row-separable per-token loss as for ppo_ops.linear_token_loss (e.g. ppo_ops.policy_loss(...), its
@@ -94,7 +98,8 @@ def output_processor(*, hidden_states: torch.Tensor, labels: torch.Tensor, conte
 
     Takes the hook's keyword arguments; those not named here (input_ids, position_ids, attention_mask, decoder_input,
     inference_context, packed_seq_params, runtime_gather_output, compute_language_model_loss, scale_logits) are
-    accepted and not used (no logits are formed, so there is nothing to gather or to hand Megatron's loss).
+    accepted and not used: no logits are formed, so there is nothing to gather, scale or hand Megatron's loss (MuP's
+    logit scale is read from config and folded into the temperature).
 
     Args:
       hidden_states: [S, B, H] ([S / tp, B, H] under sequence parallelism), the output layer's input.
