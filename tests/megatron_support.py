@@ -98,6 +98,7 @@ def run_all(rank, world_size, out_dir):
         results["gpt-pipeline-stage"] = run_gpt_pipeline_stage(device)
     else:
         results["zigzag-vs-megatron"] = run_zigzag_vs_megatron(device)
+        results["gather-vs-megatron"] = run_gather_vs_megatron(device)
     torch.save(results, results_path(out_dir, world_size, rank))
 
 
@@ -362,3 +363,23 @@ def run_zigzag_vs_megatron(device):
     theirs = get_batch_on_this_cp_rank({"tokens": tokens, "attention_mask": attention}, cp_group=dist.group.WORLD,
                                        **extra)  # 0.19 added is_hybrid_cp
     return {"ours": _cpu(ours), "megatron": _cpu(theirs)}
+
+
+def run_gather_vs_megatron(device):
+    """pm.gather_sequence_parallel against megatron-core's gather_from_sequence_parallel_region: the same [S, B, H]
+    forward and the same reduce-scattered gradient for one upstream gradient (different on each rank)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    gen = torch.Generator().manual_seed(SEED + 13 + dist.get_rank())
+    local = torch.randn(3, 2, HIDDEN, generator=gen).to(device)
+    upstream = torch.randn(3 * dist.get_world_size(), 2, HIDDEN, generator=gen).to(device)
+    out = {}
+    for name, gather in (("ours", pm.gather_sequence_parallel),
+                         ("megatron", lambda x, g: gather_from_sequence_parallel_region(x, group=g))):
+        x = local.clone().requires_grad_(True)
+        y = gather(x, group)
+        (y * upstream).sum().backward()
+        out[name] = _cpu({"gathered": y, "grad": x.grad})
+    return out

@@ -295,6 +295,16 @@ def test_zigzag_split_is_megatrons_cp_split(ranks_results):
             assert torch.equal(record["ours"][key], record["megatron"][key]), key
 
 
+@pytest.mark.world_size(2)
+def test_sequence_parallel_gather_is_megatrons(ranks_results):
+    """The processor's own sequence-parallel gather (any device and backend) against megatron-core's mapping: the
+    same gathered rows and the same reduce-scattered gradient on each rank."""
+    for rank, calls in enumerate(ranks_results(2)):
+        record = calls["gather-vs-megatron"]
+        for key in ("gathered", "grad"):
+            assert torch.equal(record["ours"][key], record["megatron"][key]), f"rank {rank} {key}"
+
+
 # --- the hook's call in this process (one rank, no Megatron parallel state) ---
 
 class _Layer(torch.nn.Module):
@@ -496,6 +506,7 @@ def _head_takes_keep():
                for f in (ppo_ops.linear_log_probs_and_entropy, ppo_ops.linear_token_loss))
 
 
+@pytest.mark.device("cpu")  # skips once the head takes keep; a GPU target may not skip
 def test_keep_without_a_head_that_takes_it_is_refused():
     if _head_takes_keep():
         pytest.skip("the head takes keep: test_keep_reaches_the_head_in_label_layout checks it")
