@@ -1,0 +1,435 @@
+"""Megatron-core integration: the fused LM head (ppo_ops.linear_log_probs_and_entropy / linear_token_loss) in place of
+GPTModel's output layer, so a Megatron trainer gets per-token log-probs, entropies or an RL loss without [T, V] logits.
+
+    import ppo_ops.megatron as pm
+    ctx = pm.Context(entropy="grad", temperature=0.7, vocab_size=151936, token_loss=ppo)  # ppo: ppo_ops.policy_loss
+    loss, out = model(tokens, position_ids, None, labels=labels, loss_mask=loss_mask,   # megatron-core >= 0.18
+                      output_processor=pm.output_processor, output_processor_context=ctx)
+    loss, out = pm.gpt_log_probs(model, tokens, position_ids, None, labels, loss_mask, ctx)  # any supported version
+
+Two ways in, one computation (`output_processor`):
+  - megatron-core >= 0.18: GPTModel.forward takes `output_processor` and `output_processor_context`; its
+    _postprocess calls the processor (with the keywords of 0.18.0 and 0.19.0) on the final hidden states, after the
+    final norm and any MTP step, instead of running the output layer, on the last pipeline stage only. (HybridModel,
+    which 0.19 recommends over GPTModel, has no such hook.)
+  - megatron-core 0.16 and 0.17 (no hook): `gpt_log_probs` runs the model's own embedding (`_preprocess`) and decoder
+    exactly as their GPTModel.forward does, then calls `output_processor` itself on the last stage; earlier stages
+    get the decoder's hidden states back, as from model(...). On >= 0.18 `gpt_log_probs` simply calls
+    model(..., output_processor=...). Versions before 0.16 (another `_preprocess` layout) are refused by name.
+  tests/test_megatron.py runs on the installed megatron-core (0.16.1 in the venv and on the GPU runners); it has also
+  passed on 0.17.1, 0.18.0 and 0.19.0.
+
+What the processor does with what the hook hands it (hidden_states [S, B, H], labels [B, S], loss_mask [B, S]):
+  - weight: `output_weight` (the shared embedding weight when embeddings are tied; its gradient reaches the
+    embedding through autograd) or else `output_layer.weight`: this rank's vocabulary shard [V_local, H].
+  - TP group: Context.tp_group, else `output_layer.tp_group`, else parallel_state's tensor-parallel group, else one
+    rank (no Megatron parallel state at all).
+  - sequence parallel (`output_layer.sequence_parallel`, else config.sequence_parallel; off at TP = 1, as Megatron
+    turns it off): the hidden states arrive as [S/tp, B, H]; they are all-gathered along S over the TP group (ranks
+    in order, as Megatron scatters them) and the backward reduce-scatters dX, as Megatron's column-parallel layer
+    does; the head then runs with reduce_dx=False. Without it, dX is all-reduced by the head (reduce_dx=True, in
+    fp32), as the layer's `allreduce_dgrad` does, unless the layer has `disable_grad_reduce` (then no reduction).
+  - rows: hidden_states.transpose(0, 1), [B, S, H] in the labels' layout; a view, and the head reads it without a
+    copy when B == 1 (packed sequences); B > 1 costs one copy of the hidden states into row order. Outputs are [B, S]
+    fp32. loss_mask == 0 rows are the op's row_mask False rows: log-prob 0, entropy 0, no loss term, zero gradient,
+    no GEMM work, labels not checked (loss_mask's values are not weights: fold weights into the token loss).
+  - context parallel: each CP rank calls the processor with its own rows (its hidden states, labels and loss_mask
+    after the CP split); the processor issues no CP collective. Build targets before the split
+    (`zigzag_packed_targets`): a chunk's last position predicts a token another rank holds.
+  - MuP (megatron-core's `use_mup`): the logits' scale `mup_output_mult` is folded into the temperature.
+  Refused by name: an output layer with a bias (GPTModel's has none) and `defer_embedding_wgrad_compute` (Megatron
+  computes that weight gradient later from buffers only its output layer fills).
+
+Helpers for a trainer's batches (host-side lengths, Python ints or tensors):
+  packed_targets: next-token targets and the response-row mask of packed samples;
+  zigzag_split: Megatron's load-balanced context-parallel split of a dense [.., S, ..] tensor;
+  zigzag_packed_index / zigzag_packed_targets: the same split of packed samples, per sample, as TransformerEngine's
+    THD context parallelism takes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from ppo_ops import api
+from ppo_ops.core.checks import argument_error
+
+Lengths = Union[Sequence[int], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Context:
+    """The options of one `output_processor` call (GPTModel.forward's `output_processor_context`).
+
+    entropy: "none" | "value" | "grad", as in ppo_ops.linear_log_probs_and_entropy.
+    temperature: the rollout's sampling temperature (both outputs use logits / temperature).
+    vocab_size: the true vocabulary, the one the rollout engine samples from (the Hugging Face config's vocab_size:
+      151936 for Qwen3); the columns Megatron pads the output layer with (to a multiple of 128 x TP), at and past it,
+      get no probability mass and no gradient. None: every column of the output layer is a token.
+    keep: the sparse top-p / top-k keep set, passed as `keep=` to the head unchanged; its rows are the flattened
+      [B * S] label-layout positions (row b * S + s), as the head's rows are. Needs a ppo_ops head that takes `keep`.
+    token_loss: a row-separable per-token loss as for ppo_ops.linear_token_loss (e.g. ppo_ops.policy_loss(...), its
+      constants in the labels' [B, S] layout); the processor then returns (loss, LogProbsEntropy). None: log-probs.
+    validate: the head's value checks and collective failure (one host sync per call; False: none).
+    tp_group: the tensor-parallel group, when not the output layer's or parallel_state's.
+    backend: the head's backend ("auto": Triton on CUDA tensors, PyTorch elsewhere).
+    """
+
+    entropy: str = "none"
+    temperature: Any = 1.0
+    vocab_size: Optional[int] = None
+    keep: Optional[tuple] = None
+    token_loss: Optional[Callable] = None
+    validate: bool = True
+    tp_group: Optional[Any] = None
+    backend: str = "auto"
+
+
+def output_processor(*, hidden_states: torch.Tensor, labels: torch.Tensor, context: Context, output_layer=None,
+                     output_weight: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None,
+                     config=None, **unused):
+    """GPTModel's output processor (megatron-core >= 0.18, or `gpt_log_probs`): log-probs of `labels` (and
+    entropies, or a token loss) from the final hidden states, through ppo_ops' fused head; see the module docstring.
+
+    Takes the hook's keyword arguments; those not named here (input_ids, position_ids, attention_mask, decoder_input,
+    inference_context, packed_seq_params, runtime_gather_output, compute_language_model_loss, scale_logits) are
+    accepted and not used: no logits are formed, so there is nothing to gather, scale or hand Megatron's loss (MuP's
+    logit scale is read from config and folded into the temperature).
+
+    Args:
+      hidden_states: [S, B, H] ([S / tp, B, H] under sequence parallelism), the output layer's input.
+      labels: [B, S] integer next-token targets (global ids), as Megatron's loss path takes them.
+      context: a Context.
+      output_layer: the model's output layer (ColumnParallelLinear): its weight, TP group, sequence parallelism.
+      output_weight: the shared embedding weight when input and output embeddings are tied, else None.
+      loss_mask: [B, S]; rows where it is 0 are skipped (None: every row counts).
+      config: the model's TransformerConfig (sequence_parallel, MuP, deferred weight gradients).
+
+    Returns LogProbsEntropy(log_probs [B, S] fp32, entropy [B, S] fp32 or None), or (loss, LogProbsEntropy) when
+    context.token_loss is set (loss: 0-d fp32, the sum of the token loss over the kept rows; log-probs and entropies
+    detached then).
+    """
+    del unused
+    fn = "megatron.output_processor"
+    if not isinstance(context, Context):
+        raise argument_error(TypeError, fn, "context",
+                             f"output_processor_context must be a ppo_ops.megatron.Context, got "
+                             f"{type(context).__name__}")
+    if labels is None:
+        raise argument_error(ValueError, fn, "labels", "labels are required: the [B, S] next-token targets to score")
+    weight = output_weight if output_weight is not None else getattr(output_layer, "weight", None)
+    if weight is None:
+        raise argument_error(ValueError, fn, "output_weight",
+                             "no weight: output_weight is None and the output layer has none")
+    _check_unsupported(fn, output_layer, config)
+
+    group = _tp_group(context, output_layer)
+    sequence_parallel = group is not None and dist.get_world_size(group) > 1 and _sequence_parallel(output_layer,
+                                                                                                    config)
+    if sequence_parallel:
+        hidden_states = gather_sequence_parallel(hidden_states, group)
+        reduce_dx = False  # the gather's backward reduce-scatters dX over the group
+    else:
+        reduce_dx = not getattr(output_layer, "disable_grad_reduce", False)  # the layer's allreduce_dgrad
+    _check_layout(fn, hidden_states, labels, sequence_parallel)
+
+    options = dict(tp_group=group, entropy=context.entropy, temperature=_temperature(context.temperature, config),
+                   row_mask=None if loss_mask is None else loss_mask != 0, vocab_size=context.vocab_size,
+                   reduce_dx=reduce_dx, backend=context.backend, validate=context.validate)
+    head = api.linear_log_probs_and_entropy if context.token_loss is None else api.linear_token_loss
+    if context.keep is not None:
+        if "keep" not in inspect.signature(head).parameters:
+            raise argument_error(NotImplementedError, fn, "keep",
+                                 f"Context.keep needs ppo_ops.{head.__name__} with a `keep` argument; this ppo_ops "
+                                 f"has none")
+        options["keep"] = context.keep
+    hidden = hidden_states.transpose(0, 1)  # [B, S, H]: the labels' layout
+    if context.token_loss is None:
+        return head(hidden, weight, labels, **options)
+    return head(hidden, weight, labels, context.token_loss, **options)
+
+
+def gpt_log_probs(model, input_ids, position_ids, attention_mask, labels, loss_mask, context: Context, *,
+                  packed_seq_params=None, decoder_input=None, extra_block_kwargs=None, padding_mask=None):
+    """GPTModel.forward with `output_processor` on any supported megatron-core: >= 0.18 through the model's hook
+    (model(..., output_processor=output_processor, output_processor_context=context)); 0.16 and 0.17 by running the
+    model's own `_preprocess` and decoder as their forward does and calling `output_processor` on the result.
+
+    `model` is a GPTModel or a wrapper of one reached through `.module` (DDP, Float16Module): the hook path calls
+    the wrapper; the path without the hook runs the GPTModel's modules directly (a wrapper's input casts do not
+    apply: input_ids are integers, and decoder_input, on a later pipeline stage, arrives in the model's dtype).
+    Multi-token prediction on the path without the hook is refused (its _postprocess needs the output layer).
+
+    Returns what output_processor returns on the last pipeline stage (LogProbsEntropy [B, S], or (loss,
+    LogProbsEntropy) with a token loss); on an earlier stage the decoder's hidden states for the next stage, as
+    model(...) returns them.
+    """
+    fn = "megatron.gpt_log_probs"
+    gpt = _unwrap(model)
+    if "output_processor" in inspect.signature(gpt.forward).parameters:
+        extra = {} if padding_mask is None else {"padding_mask": padding_mask}
+        out = model(input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,
+                    packed_seq_params=packed_seq_params, extra_block_kwargs=extra_block_kwargs, loss_mask=loss_mask,
+                    output_processor=output_processor, output_processor_context=context, **extra)
+        return _as_outputs(out, gpt, context)
+    if "padding_mask" not in inspect.signature(gpt._preprocess).parameters:
+        import megatron.core
+
+        raise argument_error(
+            RuntimeError, fn, "model",
+            f"megatron-core {getattr(megatron.core, '__version__', '?')} is not supported: gpt_log_probs needs 0.16 "
+            "or 0.17 (GPTModel._preprocess with padding_mask) or >= 0.18 (the output_processor hook)")
+    if getattr(gpt, "mtp_process", False):
+        raise argument_error(NotImplementedError, fn, "model",
+                             "multi-token prediction needs megatron-core >= 0.18 (the output_processor hook)")
+    if getattr(gpt.config, "fine_grained_activation_offloading", False):
+        gpt.preprocess_for_fine_grained_offloading()
+    pre = gpt._preprocess(input_ids=input_ids, position_ids=position_ids, decoder_input=decoder_input,
+                          inference_context=None, packed_seq_params=packed_seq_params, padding_mask=padding_mask)
+    decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset, padding_mask = pre[:6]
+    hidden_states = gpt.decoder(
+        hidden_states=decoder_input, attention_mask=attention_mask, inference_context=None,
+        rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
+        rotary_pos_cos_sin=pre[6] if len(pre) == 7 else None, packed_seq_params=packed_seq_params,
+        sequence_len_offset=sequence_len_offset, padding_mask=padding_mask, **(extra_block_kwargs or {}))
+    if not gpt.post_process:
+        return hidden_states
+    output_weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
+    return output_processor(
+        hidden_states=hidden_states, output_layer=gpt.output_layer, output_weight=output_weight, labels=labels,
+        loss_mask=loss_mask, input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+        decoder_input=decoder_input, packed_seq_params=packed_seq_params, context=context, config=gpt.config)
+
+
+# ---- sequence parallelism ----
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along dim 0 over a group (rank order); backward: reduce-scatter along dim 0 (the sum of every
+    rank's gradient, each rank keeping its own rows), as Megatron's gather_from_sequence_parallel_region does."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.new_empty((x.shape[0] * dist.get_world_size(group),) + tuple(x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        out = grad.new_empty((grad.shape[0] // dist.get_world_size(ctx.group),) + tuple(grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+        return out, None
+
+
+def gather_sequence_parallel(hidden_states: torch.Tensor, group) -> torch.Tensor:
+    """[S / tp, B, H] on each rank of `group` -> [S, B, H] (rank r's rows at [r S / tp, (r + 1) S / tp)); the backward
+    reduce-scatters the gradient. Any device and backend with all_gather_into_tensor / reduce_scatter_tensor (NCCL,
+    gloo): Megatron's own mapping allocates on torch.cuda.current_device(), which a CPU tensor is not on."""
+    return _GatherSequence.apply(hidden_states, group)
+
+
+# ---- the processor's pieces ----
+
+def _unwrap(model):
+    """The GPTModel inside wrappers that hold it as `.module` (DDP, Float16Module)."""
+    inner = model
+    while not hasattr(inner, "_preprocess") and hasattr(inner, "module"):
+        inner = inner.module
+    return inner
+
+
+def _as_outputs(out, gpt, context: Context):
+    """The processor's result through a wrapper's output conversion (Float16Module turns tuples into plain ones)."""
+    if not gpt.post_process or isinstance(out, (torch.Tensor, api.LogProbsEntropy)):
+        return out
+    if context.token_loss is None:
+        return api.LogProbsEntropy(*out)
+    loss, values = out
+    return loss, api.LogProbsEntropy(*values)
+
+
+def _tp_group(context: Context, output_layer):
+    if context.tp_group is not None:
+        return context.tp_group
+    group = getattr(output_layer, "tp_group", None)
+    if group is not None:
+        return group
+    try:
+        from megatron.core import parallel_state
+    except ImportError:
+        return None
+    return parallel_state.get_tensor_model_parallel_group(check_initialized=False)
+
+
+def _sequence_parallel(output_layer, config) -> bool:
+    flag = getattr(output_layer, "sequence_parallel", None)
+    return bool(getattr(config, "sequence_parallel", False) if flag is None else flag)
+
+
+def _temperature(temperature, config):
+    """The sampling temperature with MuP's logit multiplier folded in: (z * m) / t = z / (t / m)."""
+    if getattr(config, "use_mup", False) and getattr(config, "mup_output_mult", 1.0) != 1.0:
+        return temperature / config.mup_output_mult
+    return temperature
+
+
+def _check_unsupported(fn, output_layer, config):
+    if getattr(output_layer, "bias", None) is not None and not getattr(output_layer, "skip_bias_add", False):
+        raise argument_error(NotImplementedError, fn, "output_layer",
+                             "the output layer has a bias; the fused head computes hidden @ weight.T only")
+    if getattr(config, "defer_embedding_wgrad_compute", False):
+        raise argument_error(NotImplementedError, fn, "config",
+                             "defer_embedding_wgrad_compute: Megatron forms that weight gradient later from buffers "
+                             "only its own output layer fills; turn it off to use the fused head")
+
+
+def _check_layout(fn, hidden_states, labels, gathered):
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
+        raise argument_error(ValueError, fn, "hidden_states",
+                             f"hidden_states must be [S, B, H], got {_shape(hidden_states)}")
+    if not isinstance(labels, torch.Tensor) or labels.dim() != 2 or (
+            tuple(labels.shape) != tuple(hidden_states.shape[1::-1])):
+        note = " after the sequence-parallel gather" if gathered else " (sequence parallelism is off)"
+        raise argument_error(ValueError, fn, "labels",
+                             f"labels must be [B, S] = {tuple(hidden_states.shape[1::-1])} for hidden_states "
+                             f"[S, B, H] = {tuple(hidden_states.shape)}{note}, got {_shape(labels)}")
+
+
+def _shape(t):
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+# ---- batches: packed samples, context-parallel splits ----
+
+def packed_targets(tokens: torch.Tensor, total_lengths: Lengths, response_lengths: Lengths):
+    """Next-token targets and the row mask of packed samples.
+
+    tokens: [T] the packed stream: sample k occupies [start_k, start_k + total_lengths[k]), start_k the sum of the
+      lengths before it; positions past the last sample are padding. The last response_lengths[k] tokens of sample k
+      are its response (response_lengths[k] <= total_lengths[k]).
+    Returns (targets [T] tokens' dtype, row_mask [T] bool): position i predicts tokens[i + 1] (targets[i]) wherever
+    i + 1 is in the same sample, else target 0; row_mask[i] is True iff tokens[i + 1] is a response token of i's
+    sample. So a sample's last position counts for no target, and a response's first token is scored at the prompt's
+    last position. Pass them as labels [1, T] and loss_mask [1, T] (or multiply row_mask by a per-token mask).
+    """
+    fn = "megatron.packed_targets"
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
+        raise argument_error(ValueError, fn, "tokens", f"tokens must be a 1-D tensor [T], got {_shape(tokens)}")
+    lengths, responses = _lengths(fn, total_lengths, response_lengths, tokens.numel())
+    n, device = tokens.numel(), tokens.device
+    if not lengths or n == 0:
+        return torch.zeros_like(tokens), torch.zeros(n, dtype=torch.bool, device=device)
+    ends = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(device)
+    first_response = ends - torch.tensor(responses, dtype=torch.int64, device=device)
+    pos = torch.arange(n, device=device)
+    sample = torch.searchsorted(ends, pos, right=True)  # len(lengths) on the padding past the last sample
+    inside = sample < len(lengths)
+    sample = sample.clamp(max=len(lengths) - 1)
+    nxt = pos + 1
+    same_sample = inside & (nxt < ends[sample])
+    row_mask = same_sample & (nxt >= first_response[sample])
+    targets = torch.where(same_sample, tokens[nxt.clamp(max=n - 1)], torch.zeros_like(tokens))
+    return targets, row_mask
+
+
+def zigzag_split(x: torch.Tensor, cp_size: int, cp_rank: int, dim: int = 0) -> torch.Tensor:
+    """Megatron's load-balanced context-parallel split (get_batch_on_this_cp_rank) of `x` along `dim` (the sequence:
+    1 for [B, S] labels and masks, 0 for [S, B, H] hidden states): the length splits into 2 * cp_size equal chunks
+    and rank r keeps chunks r and 2 * cp_size - 1 - r, in that order. The length must be divisible by 2 * cp_size.
+    Split targets and masks built on the whole sequence, never targets built after the split."""
+    fn = "megatron.zigzag_split"
+    _check_cp(fn, cp_size, cp_rank)
+    if cp_size == 1:
+        return x
+    length = x.shape[dim]
+    if length % (2 * cp_size):
+        raise argument_error(ValueError, fn, "x", f"x.shape[{dim}] = {length} must be divisible by 2 * cp_size = "
+                                                  f"{2 * cp_size} (pad the sequence first)")
+    chunk = length // (2 * cp_size)
+    return torch.cat([x.narrow(dim, cp_rank * chunk, chunk), x.narrow(dim, (2 * cp_size - 1 - cp_rank) * chunk, chunk)],
+                     dim=dim)
+
+
+def zigzag_packed_index(total_lengths: Lengths, cp_size: int, cp_rank: int, *, multiple_of: int = 1,
+                        device=None) -> torch.Tensor:
+    """Which positions of a packed stream context-parallel rank `cp_rank` holds, in its local order: int64 [T_local],
+    -1 where it holds padding.
+
+    Packed samples are split one by one (TransformerEngine's THD layout, as slime packs them): sample k is padded to
+    P_k = total_lengths[k] rounded up to a multiple of 2 * cp_size, split into 2 * cp_size chunks, and the rank keeps
+    chunks r and 2 * cp_size - 1 - r; the samples' pieces follow each other, and the end is padded to a multiple of
+    `multiple_of` (e.g. the TP size under sequence parallelism). cp_size == 1: the stream itself (no per-sample
+    padding). The attention's padded cu_seqlens are the prefix sums of P_k. Gather any per-token tensor of the
+    packed stream with it (x[index.clamp(min=0)], then the padding's value where index < 0): the loss's constants
+    must follow the rows this rank scores.
+    """
+    fn = "megatron.zigzag_packed_index"
+    _check_cp(fn, cp_size, cp_rank)
+    if not isinstance(multiple_of, int) or multiple_of < 1:
+        raise argument_error(ValueError, fn, "multiple_of", f"multiple_of must be an int >= 1, got {multiple_of!r}")
+    lengths, _ = _lengths(fn, total_lengths, None, None)
+    pieces, start = [], 0
+    for length in lengths:
+        if cp_size == 1:
+            pieces.append(torch.arange(start, start + length))
+        else:
+            chunk = -(-length // (2 * cp_size))
+            local = torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk),
+                               torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk)])
+            pieces.append(torch.where(local < length, local + start, -1))
+        start += length
+    index = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+    pad = -index.numel() % multiple_of
+    index = torch.cat([index, torch.full((pad,), -1, dtype=torch.int64)])
+    return index if device is None else index.to(device)
+
+
+def zigzag_packed_targets(tokens: torch.Tensor, total_lengths: Lengths, response_lengths: Lengths, cp_size: int,
+                          cp_rank: int, *, multiple_of: int = 1):
+    """packed_targets on the whole packed stream, then this context-parallel rank's rows (zigzag_packed_index):
+    (tokens_local, targets_local, row_mask_local), each [T_local]; padding rows hold token 0, target 0, mask False.
+    The targets come from the whole stream, so a chunk's last position predicts the next token even where another
+    rank holds it."""
+    targets, row_mask = packed_targets(tokens, total_lengths, response_lengths)
+    index = zigzag_packed_index(total_lengths, cp_size, cp_rank, multiple_of=multiple_of, device=tokens.device)
+    held = index >= 0
+    at = index.clamp(min=0)
+    zero = torch.zeros((), dtype=tokens.dtype, device=tokens.device)
+    return (torch.where(held, tokens[at], zero), torch.where(held, targets[at], zero), held & row_mask[at])
+
+
+def _check_cp(fn, cp_size, cp_rank):
+    if not isinstance(cp_size, int) or cp_size < 1:
+        raise argument_error(ValueError, fn, "cp_size", f"cp_size must be an int >= 1, got {cp_size!r}")
+    if not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
+        raise argument_error(ValueError, fn, "cp_rank", f"cp_rank must be an int in [0, {cp_size}), got {cp_rank!r}")
+
+
+def _lengths(fn, total_lengths, response_lengths, n_tokens):
+    """Lists of Python ints (a tensor is read once: lengths are host-side metadata), checked."""
+    def as_list(name, values):
+        if isinstance(values, torch.Tensor):
+            values = values.tolist()
+        values = list(values)
+        if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in values):
+            raise argument_error(ValueError, fn, name, f"{name} must be non-negative ints, got {values}")
+        return values
+
+    lengths = as_list("total_lengths", total_lengths)
+    if n_tokens is not None and sum(lengths) > n_tokens:
+        raise argument_error(ValueError, fn, "total_lengths",
+                             f"total_lengths add up to {sum(lengths)}, more than the {n_tokens} tokens given")
+    if response_lengths is None:
+        return lengths, None
+    responses = as_list("response_lengths", response_lengths)
+    if len(responses) != len(lengths) or any(r > t for r, t in zip(responses, lengths)):
+        raise argument_error(ValueError, fn, "response_lengths",
+                             f"response_lengths must pair with total_lengths, each at most its sample's length: "
+                             f"got {responses} for {lengths}")
+    return lengths, responses
