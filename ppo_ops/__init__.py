@@ -32,8 +32,10 @@ The shared core beside them: core/checks.py (local argument checks), core/agreem
 one host read), core/contracts.py (the backend contracts of both ops, as types), core/layout.py (vocabulary shards
 and segments), core/row_stats.py (merge math), core/scale.py and core/scale_kernel.py (scaling the gradients a
 token loss formed in its forward), core/triton_common.py (what the Triton kernels of both ops share).
-Not imported by `import ppo_ops`: legacy/ (the yardstick: Megatron's cross entropy + an entropy Function) and
-runtime/ (what the product's programs share: the CLI contract, rank groups).
+Inside trainers' models, on top of the LM head: megatron.py (GPTModel's output processor, gpt_log_probs, packed and
+context-parallel batch helpers) and hf.py (a transformers causal LM's next-token log-probs).
+Not imported by `import ppo_ops`: megatron.py, hf.py, legacy/ (the yardstick: Megatron's cross entropy + an entropy
+Function) and runtime/ (what the product's programs share: the CLI contract, rank groups).
 """
 
 from ppo_ops.api import (LogProbsEntropy, calculate_log_probs_and_entropy, linear_log_probs_and_entropy,
