@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from typing import Optional
 
 import torch
 
+from ppo_ops.runtime import ranks
 from tools.bench.cases import MCORE_STEP_PROVIDERS, QWEN3_VOCAB, Case
 from tools.bench.contract import Closure, Provider, first_import_problem
 from tools.bench.inputs import Inputs
@@ -53,11 +53,8 @@ def _init_megatron() -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{ranks.free_port()}", rank=0, world_size=1,
                                 timeout=datetime.timedelta(minutes=5))
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
