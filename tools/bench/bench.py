@@ -185,8 +185,9 @@ def _cases() -> tuple[str, list]:
     tp = _TP.value
     providers = _PROVIDERS.value
     family = _family()
-    known = (cases_lib.LM_HEAD_PROVIDERS if family == "lm_head"
-             else cases_lib.ALL_PROVIDERS + cases_lib.WHOLE_STEP_PROVIDERS + cases_lib.MCORE_STEP_PROVIDERS)
+    known = (cases_lib.LM_HEAD_PROVIDERS + cases_lib.LM_HEAD_KEEP_PROVIDERS if family == "lm_head"
+             else cases_lib.ALL_PROVIDERS + cases_lib.KEEP_SET_PROVIDERS + cases_lib.WHOLE_STEP_PROVIDERS
+             + cases_lib.MCORE_STEP_PROVIDERS)
     filtering = family == "logits" or _PROVIDERS.present
     unknown = sorted(set(providers) - set(known)) if filtering else []
     if unknown:

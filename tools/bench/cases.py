@@ -29,6 +29,9 @@ The LM head's suites (`HeadCase`: hidden states [T, H] and a weight shard [V_loc
             providers on a TP = 2 rank's local shape (V = 75968), the reference of the TP = 2 target.
   lm_head_own   the same without the other projects' kernels; its local-shape rows are gemms, fused, token_loss.
   lm_head_smoke  every LM-head provider on a tiny shape, for the CPU tests.
+  lm_head_keep  fused and token_loss with and without a 64-id sparse keep set per row (T = 8192); keep_set, in the
+            logits family: the triton provider without one, with it, and with the dense mask built from it
+            (--suite=keep_set --providers=triton,triton_keep_sparse,triton_keep_dense).
 
 A suite belongs to one family (its case type); one run measures the suites of one family. Every suite lists its
 cases for the TP sizes it runs at; a run keeps those of its --tp. Duplicates across suites are dropped (first
@@ -49,8 +52,9 @@ ENTROPY_MODES = ("none", "value", "grad")
 ROW_FRACTION = 0.1  # the row-mask cases keep 10% of the rows
 
 # Providers whose options include validate / inplace_grad (the ppo_ops API); others have no such switch.
-PPO_OPS_PROVIDERS = ("triton", "torch", "triton_sglang")
+PPO_OPS_PROVIDERS = ("triton", "torch", "triton_sglang", "triton_keep_sparse", "triton_keep_dense")  # keep_set.py
 ALL_PROVIDERS = ("triton", "torch", "legacy", "naive", "liger", "triton_sglang", "sglang")
+KEEP_SET_PROVIDERS = ("triton_keep_sparse", "triton_keep_dense")  # the keep_set suite (pass --providers)
 # SGLang's log_softmax order beside ppo_ops' own and SGLang's kernel (the sglang_order suite; pass --providers)
 SGLANG_ORDER_PROVIDERS = ("triton", "triton_sglang", "sglang", "naive")
 # A whole training step through a model that calls ppo_ops (tools/bench/whole_step.py): only in its own suites.
@@ -68,6 +72,8 @@ LM_HEAD_TP = (1, 2, 4, 8)  # the TP sizes whose ranks split V = 151936 into the 
 LM_HEAD_PROVIDERS = ("gemms", "gemm1", "unfused", "fused", "fused_novalidate", "fused_nograd",
                      "token_loss", "token_loss_novalidate", "liger", "liger_flsce", "liger_flsce_nograd", "cce",
                      "cce_exact", "verl")
+LM_HEAD_KEEP_PROVIDERS = ("fused_keep", "token_loss_keep")  # fused / token_loss with a sparse keep set (keep_set.py)
+LM_HEAD_KEEP = ("fused", "fused_keep", "token_loss", "token_loss_keep")  # the lm_head_keep suite: keep set vs none
 LM_HEAD_PEERS = ("liger", "liger_flsce", "liger_flsce_nograd", "cce", "cce_exact", "verl")  # other projects' kernels
 LM_HEAD_OWN = tuple(p for p in LM_HEAD_PROVIDERS if p != "unfused" and p not in LM_HEAD_PEERS)  # ppo_ops + GEMMs
 LM_HEAD_LOCAL_SHAPE = ("gemms", "unfused", "fused", "fused_novalidate")  # lm_head's rows on a TP = 2 rank's shape
@@ -229,6 +235,8 @@ def _smoke() -> list[Case]:
         Case("triton", dtype="bf16", entropy="grad", **s),
         Case("triton", dtype="fp32", entropy="none", keep_mask=True, row_frac=ROW_FRACTION, **s),
         Case("triton", dtype="bf16", entropy="grad", inplace_grad=True, **s),
+        Case("triton_keep_sparse", dtype="bf16", entropy="grad", **s),
+        Case("triton_keep_dense", dtype="bf16", entropy="grad", **s),
     ]
     return cases
 
@@ -276,8 +284,20 @@ def _lm_head_own() -> list[HeadCase]:
     return _lm_head_suite(LM_HEAD_OWN, LM_HEAD_OWN_LOCAL_SHAPE)
 
 
+def _lm_head_keep() -> list[HeadCase]:
+    """The fused head and the token loss with and without a 64-id sparse keep set per row, T = 8192."""
+    return [HeadCase(p, HEADLINE_TOKENS, LM_HEAD_HIDDEN, QWEN3_VOCAB) for p in LM_HEAD_KEEP]
+
+
+def _keep_set() -> list[Case]:
+    """The logits op without a keep set, with a 64-id sparse keep set per row and with the dense mask built from it
+    (T = 8192, bf16, entropy with gradient)."""
+    return [Case(p, T=HEADLINE_TOKENS, V=QWEN3_VOCAB, dtype="bf16", entropy="grad", validate=v)
+            for v in (True, False) for p in ("triton",) + KEEP_SET_PROVIDERS]
+
+
 def _lm_head_smoke() -> list[HeadCase]:
-    return [HeadCase(p, 16, 64, 256, tp) for tp in (1, 2) for p in LM_HEAD_PROVIDERS]
+    return [HeadCase(p, 16, 64, 256, tp) for tp in (1, 2) for p in LM_HEAD_PROVIDERS + LM_HEAD_KEEP_PROVIDERS]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,6 +323,8 @@ SUITES = {
     "lm_head": Suite("lm_head", _lm_head),
     "lm_head_own": Suite("lm_head", _lm_head_own),
     "lm_head_smoke": Suite("lm_head", _lm_head_smoke),
+    "lm_head_keep": Suite("lm_head", _lm_head_keep),
+    "keep_set": Suite("logits", _keep_set),
 }
 
 

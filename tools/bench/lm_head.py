@@ -17,6 +17,8 @@ target. Providers:
             (fused_novalidate): the segment-GEMM backend (a Triton GEMM with the statistics in its epilogue, the
             recompute with the gradient in its epilogue, cuBLAS dX and dW GEMMs)
   fused_nograd the fused op's forward under torch.no_grad (old-policy / reference passes), against gemm1
+  fused_keep, token_loss_keep  fused and token_loss with a 64-id nucleus per row as the sparse keep set (top-p replay;
+            keep_set.py), set against fused and token_loss on the same case (the lm_head_keep suite)
   token_loss ppo_ops.linear_token_loss with ppo_ops.token_losses.policy_loss (clipped surrogate with DAPO's clip
             range, entropy bonus, k3 KL to a reference, token mean), validate on and off (token_loss_novalidate): the
             gradient formed in the forward
@@ -55,8 +57,8 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from tools.bench import lm_head_report
-from tools.bench.cases import LM_HEAD_PEERS, LM_HEAD_PROVIDERS, HeadCase
+from tools.bench import keep_set, lm_head_report
+from tools.bench.cases import LM_HEAD_KEEP_PROVIDERS, LM_HEAD_PEERS, LM_HEAD_PROVIDERS, HeadCase
 from tools.bench.contract import Closure, Provider, RankResult, RunInfo, first_import_problem, registry
 
 PEERS = LM_HEAD_PEERS
@@ -279,6 +281,29 @@ def build_token_loss(case: HeadCase, inp: HeadInputs) -> HeadClosure:
     return HeadClosure(step, log_probs, values)
 
 
+def build_keep(case: HeadCase, inp: HeadInputs) -> HeadClosure:
+    """fused_keep and token_loss_keep: fused and token_loss with a 64-id nucleus per row as the sparse keep set
+    (keep_set.py), given with the inputs as a rollout gives it. Not checked against float64 here (the tests do)."""
+    import ppo_ops
+
+    keep = keep_set.nucleus(inp.tokens, case.V, seed=17)
+    options = dict(tp_group=inp.group, entropy="grad", backend=inp.backend, keep=keep)
+    closure = inp.ppo_loss() if case.provider == "token_loss_keep" else None
+
+    def step():
+        x, w = inp.leaves()
+        if closure is None:
+            return _logits_grads(ppo_ops.linear_log_probs_and_entropy(x, w, inp.tokens, **options), [x, w], inp)
+        loss, _ = ppo_ops.linear_token_loss(x, w, inp.tokens, closure, **options)
+        return torch.autograd.grad(loss, [x, w])
+
+    return HeadClosure(step)
+
+
+def _needs_keep(case: HeadCase, device: torch.device) -> Optional[str]:
+    return _needs_ppo_ops(case, device) or keep_set.missing()
+
+
 def build_liger(case: HeadCase, inp: HeadInputs) -> HeadClosure:
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
@@ -437,8 +462,9 @@ PROVIDERS = registry(
       for name in ("liger_flsce", "liger_flsce_nograd")),
     *(Provider(name, build_cce, _CCE_UNSUPPORTED, modules=CCE_MODULES) for name in ("cce", "cce_exact")),
     Provider("verl", build_verl, _unsupported_verl),
+    *(Provider(name, build_keep, _needs_keep, modules=PPO_OPS_MODULES) for name in LM_HEAD_KEEP_PROVIDERS),
 )
-assert tuple(PROVIDERS) == LM_HEAD_PROVIDERS, "the registry lists cases.LM_HEAD_PROVIDERS in their order"
+assert tuple(PROVIDERS) == LM_HEAD_PROVIDERS + LM_HEAD_KEEP_PROVIDERS, "the registry lists cases' providers in order"
 
 
 # --- the float64 check ---

@@ -34,12 +34,12 @@ import torch
 
 from ppo_ops.runtime import ranks
 from tools.bench.cases import MCORE_STEP_PROVIDERS, QWEN3_VOCAB, Case
+from tools.bench import keep_set
 from tools.bench.contract import Closure, Provider, first_import_problem
 from tools.bench.inputs import Inputs
 
 MODULES = ("megatron.core", "ppo_ops")
 MODEL_SEED = 1234  # the random weights: the same model in every run
-NUCLEUS = 64  # kept ids per row of the keep variants
 QWEN3_0_6B = dict(num_layers=28, hidden_size=1024, num_attention_heads=16, num_query_groups=8, kv_channels=128,
                   ffn_hidden_size=3072)
 ROTARY_BASE = 1_000_000
@@ -81,15 +81,6 @@ def build_model(tokens: int):
     return model.cuda().train()
 
 
-def nucleus(targets: torch.Tensor, vocab: int, seed: int) -> tuple:
-    """(ids, offsets): NUCLEUS distinct-enough ids per row, the row's target first, CSR over the rows."""
-    gen = torch.Generator(device=targets.device).manual_seed(seed)
-    rest = torch.randint(0, vocab, (targets.numel(), NUCLEUS - 1), generator=gen, device=targets.device)
-    ids = torch.cat([targets.reshape(-1, 1).to(torch.int64), rest], dim=1).reshape(-1)
-    offsets = torch.arange(targets.numel() + 1, device=targets.device, dtype=torch.int64) * NUCLEUS
-    return ids, offsets
-
-
 def _body_only(*, hidden_states, **unused):
     """The trivial output processor: a scalar of the hidden states alone (the body's gradient, no head)."""
     return hidden_states.float().square().mean()
@@ -113,7 +104,7 @@ def build(case: Case, inp: Inputs) -> Closure:
                               clip_high=0.28, entropy_coef=0.01, kl_coef=0.01,
                               ref_log_probs=old + 0.1 * torch.randn(tokens.shape, generator=gen, device=device),
                               kl_type="k3", loss_mask=loss_mask != 0, normalization="token_mean")
-    keep = nucleus(labels, QWEN3_VOCAB, seed=11) if case.provider in KEEP_PROVIDERS else None
+    keep = keep_set.nucleus(labels, QWEN3_VOCAB, seed=11) if case.provider in KEEP_PROVIDERS else None
     kind = case.provider.removeprefix("mcore_").removesuffix("_keep")
     validate = case.validate
 
@@ -133,8 +124,7 @@ def build(case: Case, inp: Inputs) -> Closure:
             return model(tokens, position_ids, None, labels=labels, loss_mask=loss_mask,
                          output_processor=_body_only, output_processor_context=None)
         if kind == "logits_dense":
-            dense = torch.zeros((1, case.T, QWEN3_VOCAB), dtype=torch.bool, device=device)
-            dense.view(case.T, QWEN3_VOCAB).scatter_(1, keep[0].view(case.T, NUCLEUS), True)
+            dense = keep_set.dense_mask(keep, case.T, QWEN3_VOCAB).view(1, case.T, QWEN3_VOCAB)
             return logits_path({"keep_mask": dense})
         if kind == "logits_sparse":
             return logits_path({"keep": keep})
@@ -174,10 +164,7 @@ def unsupported(case: Case, device: torch.device) -> Optional[str]:
 
         return f"megatron-core {megatron.core.__version__} has no output_processor hook (>= 0.18 has)"
     if case.provider in KEEP_PROVIDERS and case.provider != "mcore_logits_dense_keep":
-        import ppo_ops
-
-        if "keep" not in inspect.signature(ppo_ops.log_probs_and_entropy).parameters:
-            return "this ppo_ops has no sparse keep set"
+        return keep_set.missing()
     return None
 
 

@@ -10,6 +10,9 @@ Providers:
   triton  ppo_ops.log_probs_and_entropy(backend="triton"), with the case's validate / inplace_grad
   torch   ppo_ops.log_probs_and_entropy(backend="torch")
   triton_sglang  the triton provider with reduction_order="sglang" (SGLang's log_softmax order, bit for bit)
+  triton_keep_sparse / triton_keep_dense  the triton provider with a 64-id nucleus per row as the sparse keep set /
+          as the dense keep_mask built from it in the step (keep_set.py; the keep_set suite; not checked here: the
+          tests check the keep set against float64)
   sglang  SGLang's batch-invariant log_softmax (sglang.srt.batch_invariant_ops) of logits.float() + gather: what its
           deterministic / on-policy inference scores with (TP=1, log-prob only). FORWARD ONLY: its kernel has no
           backward, so its step is the forward (its bytes and GB/s columns still count a backward: read its ms)
@@ -33,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from tools.bench import megatron_step, whole_step
+from tools.bench import keep_set, megatron_step, whole_step
 from tools.bench.cases import Case
 from tools.bench.contract import Closure, Provider, first_import_problem, registry
 from tools.bench.inputs import IGNORED_TOKEN, Inputs
@@ -116,6 +119,39 @@ def build_torch(case: Case, inp: Inputs) -> Closure:
 
 def build_triton_sglang(case: Case, inp: Inputs) -> Closure:
     return _build_ppo_ops("triton", case, inp, reduction_order="sglang")
+
+
+def build_triton_keep(case: Case, inp: Inputs) -> Closure:
+    """triton_keep_sparse / triton_keep_dense: the triton provider with a 64-id nucleus per row (keep_set.py) as the
+    sparse keep set, or as the dense keep_mask built from it inside the step (what a trainer without the sparse form
+    builds per step, so its memory counts at the peak)."""
+    import ppo_ops
+
+    keep = keep_set.nucleus(inp.tokens, case.V, seed=17)
+    v_local = inp.logits.shape[-1]
+    vocab_start = inp.rank * v_local
+    kwargs = dict(tp_group=inp.group, entropy=case.entropy, row_mask=inp.row_mask, backend="triton",
+                  validate=case.validate)
+
+    def keep_args():
+        if case.provider == "triton_keep_sparse":
+            return {"keep": keep}
+        return {"keep_mask": keep_set.dense_mask(keep, case.T, v_local, vocab_start)}
+
+    def step(logits):
+        out = ppo_ops.log_probs_and_entropy(logits, inp.tokens, **kwargs, **keep_args())
+        return _grad(*_outputs_and_grads(case, inp, out.log_probs, out.entropy), logits)
+
+    return Closure(prepare=lambda: inp.logits, step=step)
+
+
+def _unsupported_triton_keep(case: Case, device: torch.device) -> Optional[str]:
+    if case.keep_mask:
+        return "the keep-set rows bring their own nucleus (no random keep_mask)"
+    problem = _unsupported_triton(case, device)
+    if problem or case.provider == "triton_keep_dense":
+        return problem
+    return keep_set.missing()
 
 
 def _unsupported_triton(case: Case, device: torch.device) -> Optional[str]:
@@ -289,6 +325,8 @@ PROVIDERS = registry(
     Provider("triton", build_triton, _unsupported_triton, modules=TRITON_MODULES),
     Provider("torch", build_torch, _unsupported_torch, modules=TORCH_MODULES),
     Provider("triton_sglang", build_triton_sglang, _unsupported_triton_sglang, modules=TRITON_MODULES),
+    *(Provider(name, build_triton_keep, _unsupported_triton_keep, checked=False, modules=TRITON_MODULES)
+      for name in ("triton_keep_sparse", "triton_keep_dense")),
     Provider("sglang", build_sglang, _unsupported_sglang, modules=SGLANG_MODULES),
     Provider("legacy", build_legacy, _unsupported_legacy, modules=LEGACY_MODULES),
     Provider("naive", build_naive, _unsupported_naive),

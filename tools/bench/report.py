@@ -268,10 +268,12 @@ _PLOT_LABELS = ("triton", "triton inplace", "torch", "torch inplace", "legacy", 
 def plot_series(all_rows: list[dict]) -> tuple[Optional[str], dict]:
     """What the plot shows: (V, {(dtype, entropy): {label: [(T, p20, p50, p80, peak MiB or None)] sorted by T}}).
 
-    TP=1, no keep mask, no row mask, validate on, measured rows only."""
+    TP=1, no keep mask (nor a keep set: the keep_set rows), no row mask, validate on, measured rows only."""
+    from tools.bench.cases import KEEP_SET_PROVIDERS
+
     rows = [r for r in latest_per_case(all_rows)
             if r["status"] == "ok" and r["tp"] == "1" and r["keep_mask"] == "off" and r["row_frac"] == "1.0"
-            and r.get("validate") != "off"]
+            and r.get("validate") != "off" and r["provider"] not in KEEP_SET_PROVIDERS]
     vocab = _plot_vocab(rows)
     series = {}
     for dtype, entropy in PLOT_PANELS:
