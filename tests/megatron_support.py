@@ -266,8 +266,11 @@ def _gpt(case_tp, tied, device, dtype=torch.float32, **kwargs):
     config = _config(case_tp, False, dtype, num_layers=GPT_LAYERS, hidden_size=GPT_HIDDEN,
                      num_attention_heads=GPT_HEADS, init_method_std=0.3)
     torch.manual_seed(SEED)
+    # Every parameter in the model's dtype, as Megatron's Float16Module casts it (the local spec's norms are torch
+    # modules created in fp32)
     return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=V_PAD, max_sequence_length=64,
-                    position_embedding_type="rope", share_embeddings_and_output_weights=tied, **kwargs).to(device)
+                    position_embedding_type="rope", share_embeddings_and_output_weights=tied,
+                    **kwargs).to(device=device, dtype=dtype)
 
 
 def gpt_batch(device):

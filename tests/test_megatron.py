@@ -69,11 +69,12 @@ def _rounding(with_loss, hidden, weight):
     rounds dlogits to the input dtype and may keep probabilities as fp16; fp32 log-probs take the Triton tiles."""
     if DEVICE.type != "cuda" or not with_loss:
         return dict(dl_roundoff=0.0, prob_storage=False)
-    from ppo_ops.lm_head import chunked
+    from ppo_ops.lm_head import segment_gemms, token_loss_blocks
 
     h = hidden.reshape(-1, hidden.shape[-1]).to(DEVICE)
+    passes = segment_gemms.backend("triton").passes
     return dict(dl_roundoff=UNIT_ROUNDOFF[hidden.dtype],
-                prob_storage=chunked.backend("triton").loss_keeps_probs(h, weight.to(DEVICE)))
+                prob_storage=token_loss_blocks.keeps_probs(passes, h, weight.to(DEVICE)))
 
 
 def _reference(record, with_loss, n_counted):

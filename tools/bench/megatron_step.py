@@ -3,8 +3,9 @@
 The model: megatron-core's GPTModel with its local layer spec (no TransformerEngine; its unfused attention forms
 [S, S] scores, which dominate the body's peak), Qwen3-0.6B's shape (hidden 1024, 28 layers, 16 heads, 8 query
 groups, head_dim 128, FFN 3072 with SwiGLU, RMSNorm, QK norm, rotary base 1e6, vocabulary 151936), tied embeddings,
-bf16 parameters, full activation recompute of every layer, seeded random weights, TP = 1 on one GPU. One packed
-sequence of T tokens (B = 1); labels are the next tokens, the last position masked out by loss_mask.
+bf16 parameters (the norms too, as Megatron's Float16Module casts them), full activation recompute of every layer,
+seeded random weights, TP = 1 on one GPU. One packed sequence of T tokens (B = 1); labels are the next tokens, the
+last position masked out by loss_mask.
 
 The timed step is what a trainer does per micro-batch: the model's forward, the log-prob of every next token and
 its entropy (with gradient), ppo_ops.policy_loss (clipped surrogate with DAPO's clip range, entropy bonus, k3 KL to
@@ -78,7 +79,9 @@ def build_model(tokens: int):
         model = GPTModel(config, get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"),
                          vocab_size=QWEN3_VOCAB, max_sequence_length=tokens, position_embedding_type="rope",
                          rotary_base=ROTARY_BASE, share_embeddings_and_output_weights=True)
-    return model.cuda().train()
+    # Every parameter in bf16, as Megatron's Float16Module casts a bf16 model: the local spec's norms are torch
+    # modules created in fp32, which would carry the activations in fp32 through every layer
+    return model.to(device="cuda", dtype=torch.bfloat16).train()
 
 
 def _body_only(*, hidden_states, **unused):
