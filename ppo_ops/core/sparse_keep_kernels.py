@@ -9,9 +9,9 @@ Fixed orders (what makes the results deterministic and, for z and dW, TP-invaria
               entries mostly share a weight row (read once, from L1 / L2).
   keep_dx     one program per (row, H block): the row's entries in CSR order, BLOCK_J at a time, then its target;
               dX's row is this program's alone (read, add, write).
-  keep_dw     persistent programs over the runs of equal ids (this rank's ids, in (id, row) order); per run an fp32
-              sum from 0 over its entries, BLOCK_J at a time from the run's start, then dW[id] = round(dW[id] + sum):
-              each dW row is written by one program. The run's entries are the same at every TP size.
+  keep_dw     fixed tiles of the entries in (id, row) order (the same order at every TP size): per tile a segmented
+              scan over its entries sums each run of equal ids that starts in it, the tile's last run summed on past
+              the tile; then dW[id] = round(dW[id] + sum): each dW row is written by the program owning its run.
 No atomics anywhere.
 """
 
@@ -25,8 +25,8 @@ from ppo_ops.core.triton_common import cdiv, interpreting, round_bf16_by_bits, s
 # the call but H's dtype); the interpreter takes larger tiles (each loop step costs about a millisecond there).
 _DOT_BLOCK_E, _DOT_BLOCK_K, _DOT_WARPS = 32, 128, 4
 _SUM_BLOCK_J, _SUM_BLOCK_H, _SUM_WARPS = 16, 256, 4
+_DW_BLOCK_J = 32
 _SCATTER_BLOCK = 1024
-_DW_PROGRAMS_PER_SM = 8
 _INTERPRET_BLOCK_J, _INTERPRET_MAX_H = 64, 1 << 12
 
 
@@ -116,59 +116,82 @@ def keep_dx(dx, weight, coef, col, local, row_start, row_end, n_ids, r0, r1) -> 
 
 
 @triton.jit
-def _keep_dw_kernel(dw_ptr, h_ptr, coef_ptr, order_ptr, row_ptr, col_ptr, local_ptr, starts_ptr, n_runs_ptr, width,
-                    stride_dw, stride_h, num_programs, BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr,
+def _segment_sum(a, a_start, b, b_start):
+    """Combine of a segmented inclusive scan: a run restarts where its start flag is set."""
+    return tl.where(b_start != 0, b, a + b), a_start | b_start
+
+
+@triton.jit
+def _sorted_entries(order_ptr, gid_ptr, j, n_entries, vocab_start, shard_end):
+    """The entries at sorted positions j: their index and id, and whether the id is this rank's."""
+    m = (j >= 0) & (j < n_entries)
+    e = tl.load(order_ptr + j, mask=m, other=0)
+    gid = tl.load(gid_ptr + e, mask=m, other=-1)
+    return e, gid, m & (gid >= vocab_start) & (gid < shard_end)
+
+
+@triton.jit
+def _keep_dw_kernel(dw_ptr, h_ptr, coef_ptr, order_ptr, row_ptr, col_ptr, gid_ptr, local_ptr, n_entries, vocab_start,
+                    shard_end, width, stride_dw, stride_h, BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr,
                     ROUND_BF16_BY_BITS: tl.constexpr):
+    # The runs of equal ids that start in this tile of the sorted entries: an in-tile segmented scan, and the tile's
+    # last run summed on past the tile (its owner); the tile's leading entries of an earlier run are its owner's.
+    first = tl.program_id(0) * BLOCK_J
+    j = first + tl.arange(0, BLOCK_J)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = h < width
-    n_runs = tl.load(n_runs_ptr)
-    for k in range(tl.program_id(0), n_runs, num_programs):
-        start = tl.load(starts_ptr + k)
-        end = tl.load(starts_ptr + k + 1)
-        col = tl.load(col_ptr + tl.load(order_ptr + start))
-        acc = tl.zeros([BLOCK_H], tl.float32)
-        for j0 in range(start, end, BLOCK_J):
-            j = j0 + tl.arange(0, BLOCK_J)
-            jm = j < end
-            e = tl.load(order_ptr + j, mask=jm, other=0)
-            use = (tl.load(local_ptr + e, mask=jm, other=0) != 0) & jm
-            c = tl.load(coef_ptr + e, mask=use, other=0.0)
-            r = tl.load(row_ptr + e, mask=use, other=0)
-            x = tl.load(h_ptr + r[:, None] * stride_h + h[None, :], mask=use[:, None] & hm[None, :], other=0.0)
-            acc += tl.sum(c[:, None] * x.to(tl.float32), axis=0)
-        ptr = dw_ptr + col.to(tl.int64) * stride_dw + h
-        store_rounded(ptr, tl.load(ptr, mask=hm, other=0.0).to(tl.float32) + acc, hm, ROUND_BF16_BY_BITS)
+    e, gid, in_shard = _sorted_entries(order_ptr, gid_ptr, j, n_entries, vocab_start, shard_end)
+    _, prev_gid, _ = _sorted_entries(order_ptr, gid_ptr, j - 1, n_entries, vocab_start, shard_end)
+    _, next_gid, _ = _sorted_entries(order_ptr, gid_ptr, j + 1, n_entries, vocab_start, shard_end)
+    start = in_shard & ((j == 0) | (gid != prev_gid))
+    owned = in_shard & (tl.cumsum(start.to(tl.int32), 0) > 0)
+    use = owned & (tl.load(local_ptr + e, mask=owned, other=0) != 0)
+    c = tl.load(coef_ptr + e, mask=use, other=0.0)
+    r = tl.load(row_ptr + e, mask=use, other=0)
+    x = tl.load(h_ptr + r[:, None] * stride_h + h[None, :], mask=use[:, None] & hm[None, :], other=0.0)
+    flags = start.to(tl.int32)[:, None] + tl.zeros([BLOCK_J, BLOCK_H], tl.int32)
+    run_sum, _ = tl.associative_scan((c[:, None] * x.to(tl.float32), flags), 0, _segment_sum)
+    ends = owned & (gid != next_gid)
+    last = j == first + BLOCK_J - 1
+    carry = tl.sum((owned & last & (gid == next_gid)).to(tl.int32), 0) != 0
+    run_gid = tl.sum(tl.where(last, gid, 0), 0)
+    more = tl.zeros([BLOCK_H], tl.float32)
+    k = first + BLOCK_J
+    while carry:
+        j2 = k + tl.arange(0, BLOCK_J)
+        e2, gid2, _ = _sorted_entries(order_ptr, gid_ptr, j2, n_entries, vocab_start, shard_end)
+        same = (j2 < n_entries) & (gid2 == run_gid)
+        use2 = same & (tl.load(local_ptr + e2, mask=same, other=0) != 0)
+        c2 = tl.load(coef_ptr + e2, mask=use2, other=0.0)
+        r2 = tl.load(row_ptr + e2, mask=use2, other=0)
+        x2 = tl.load(h_ptr + r2[:, None] * stride_h + h[None, :], mask=use2[:, None] & hm[None, :], other=0.0)
+        more += tl.sum(c2[:, None] * x2.to(tl.float32), 0)
+        carry = tl.sum(same.to(tl.int32), 0) == BLOCK_J
+        k += BLOCK_J
+    store = owned & (ends | last)
+    col = tl.load(col_ptr + e, mask=store, other=0)
+    total = run_sum + tl.where(last[:, None], more[None, :], 0.0)
+    ptr = dw_ptr + col.to(tl.int64)[:, None] * stride_dw + h[None, :]
+    m = store[:, None] & hm[None, :]
+    store_rounded(ptr, tl.load(ptr, mask=m, other=0.0).to(tl.float32) + total, m, ROUND_BF16_BY_BITS)
 
 
 def keep_dw(dw, hidden, coef, order, row, gid, col, local, vocab_start, n_valid) -> None:
     """dw[v] = round(dw[v] + Σ coef_e hidden[row_e]) for each id v this rank holds (`col` its local row), the sum in
-    fp32 from 0 over v's entries in (id, row) order (`order`)."""
+    fp32 over v's entries in (id, row) order (`order`), in fixed tiles of that order: the same at every TP size."""
     hidden = hidden.contiguous()
     assert dw.stride(1) == 1
     n = order.numel()
-    device = dw.device
-    # Runs of equal ids in (id, row) order over this rank's shard, which is one contiguous block of the sorted
-    # entries; a run's entries that are not kept (duplicates, dropped rows) count 0 in the kernel.
-    gid_s = gid[order]
-    in_shard = (gid_s >= vocab_start) & (gid_s < vocab_start + n_valid)
-    run_start = in_shard.clone()
-    run_start[1:] &= gid_s[1:] != gid_s[:-1]
-    n_runs = run_start.sum().reshape(1)
-    slot = torch.where(run_start, torch.cumsum(run_start, 0) - 1, n)  # non-starts write the spare slot n
-    starts = torch.empty(n + 1, dtype=torch.int64, device=device)
-    starts.scatter_(0, slot, torch.arange(n, device=device))
-    starts.scatter_(0, n_runs, (gid_s < vocab_start + n_valid).sum().reshape(1))  # the last run's end
     width = hidden.shape[1]
     block_h = _block_h(width)
     if interpreting():
-        programs, block_j, opts = 4, _INTERPRET_BLOCK_J, {}
+        block_j, opts = _INTERPRET_BLOCK_J, {}
     else:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        programs = max(1, min(n, sms * _DW_PROGRAMS_PER_SM // cdiv(width, block_h)))
-        block_j, opts = _SUM_BLOCK_J, {"num_warps": _SUM_WARPS}
-    _keep_dw_kernel[(programs, cdiv(width, block_h))](
-        dw, hidden, coef, order, row, col, _flags(local), starts, n_runs, width, dw.stride(0), hidden.stride(0),
-        programs, BLOCK_J=block_j, BLOCK_H=block_h, ROUND_BF16_BY_BITS=round_bf16_by_bits(dw.dtype), **opts)
+        block_j, opts = _DW_BLOCK_J, {"num_warps": _SUM_WARPS}
+    _keep_dw_kernel[(cdiv(n, block_j), cdiv(width, block_h))](
+        dw, hidden, coef, order, row, col, gid, _flags(local), n, vocab_start, vocab_start + n_valid, width,
+        dw.stride(0), hidden.stride(0), BLOCK_J=block_j, BLOCK_H=block_h,
+        ROUND_BF16_BY_BITS=round_bf16_by_bits(dw.dtype), **opts)
 
 
 @triton.jit
