@@ -499,3 +499,32 @@ def test_fixed_point_row_sums_do_not_overflow():
     for vocab in (1, 256, 151936, 1 << 20):
         bits = sparse_keep.fixed_bits(vocab)
         assert (vocab + 1) * 2**bits < 2**62 and bits >= 40
+
+
+# --- the dlogits entry point for blocked backends (the token loss) ---
+
+@with_each_backend
+def test_add_to_dlogits_blocks_match_the_keep_gradient(backend):
+    """A backend forming dlogits block by block (row blocks x column segments, a vocabulary-major buffer among them)
+    with the log-prob gradient zeroed on keep rows (dense_grad), then add_to_dlogits on each block, gets the keep
+    op's gradient: the same terms, each rounded once in fp32 here."""
+    logits, tokens, _, kept = logits_case()
+    keep = csr(kept)
+    w_lp, w_ent = make_weights((LOGITS_ROWS,), 4), make_weights((LOGITS_ROWS,), 5, low=-1.0, high=1.0)
+    call = shell.prepare_logits("test", logits.to(DEVICE), tokens.to(DEVICE), tp_group=None, entropy="grad",
+                                keep_mask=None, temperature=0.7, row_mask=None, vocab_size=None, chunk_size=None,
+                                inplace_grad=False, backend=backend, validate=True, keep=keep)
+    state = sparse_keep.logits_forward(call.keep, call.rows, call.tokens, None, call.plan)
+    dense_w = sparse_keep.dense_grad(w_lp.to(DEVICE), state)
+    _, _, dl = run_logits(logits, tokens, w_lp=dense_w, w_ent=w_ent, entropy="grad", temperature=0.7,
+                          backend=backend)
+    coef = sparse_keep.coefficients(state, w_lp.to(DEVICE))
+    vocab_major = dl.T.contiguous()
+    for r0 in range(0, LOGITS_ROWS, 10):
+        for c0 in range(0, V_GLOBAL, 96):
+            target = vocab_major.T if c0 == 96 else dl
+            sparse_keep.add_to_dlogits(state, coef, target[r0:r0 + 10, c0:c0 + 96], r0, c0)
+    dl[:, 96:192] = vocab_major.T[:, 96:192]
+    want = run_logits(logits, tokens, keep=keep, w_lp=w_lp, w_ent=w_ent, entropy="grad", temperature=0.7,
+                      backend=backend)[2]
+    assert ((dl - want).abs() <= SPARSE_VS_DENSE_GRAD_TOL).all()

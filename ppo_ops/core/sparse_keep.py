@@ -462,6 +462,29 @@ def add_dw(state: KeepState, grad_log_prob: torch.Tensor, dw: torch.Tensor, hidd
     _torch_dw(dw, hidden, coef, ent.order, ent.row, state.col, state.local)
 
 
+def add_to_dlogits(state: KeepState, coef: torch.Tensor, dl: torch.Tensor, r0: int, c0: int) -> None:
+    """For a backend that forms dlogits in blocks (the LM head's chunked path, the token loss): adds the keep rows'
+    log-prob term to the block `dl` [n_rows, n_cols] (any strides, e.g. the transpose of a vocabulary-major buffer),
+    whose element (i, j) is row r0 + i (of the state's rows) and local column c0 + j: dl[i, j] += coef_e for each
+    entry this rank holds in that window (`coef` from coefficients(): inv_t * g * (delta - q), 0 elsewhere). The
+    full-vocabulary part must have been formed with dense_grad()'s upstream gradient (0 on keep rows). One rounding
+    to dl's dtype per kept entry (after the full-vocabulary part's own); each element is written by one entry, no
+    atomics. The block's dX and dW GEMMs then carry the keep term: nothing else to add."""
+    ent = state.ent
+    if ent.row.numel() == 0 or dl.numel() == 0:
+        return
+    n_rows, n_cols = dl.shape
+    rows, cols = ent.row - r0, state.col - c0
+    write = state.local & (rows >= 0) & (rows < n_rows) & (cols >= 0) & (cols < n_cols) & (coef != 0)
+    if state.use_kernels:
+        from ppo_ops.core import sparse_keep_kernels
+        sparse_keep_kernels.add_rows_cols(dl, rows, cols, coef, write)
+    else:
+        idx = torch.nonzero(write).squeeze(1)  # CPU (or CUDA without triton): a host sync there
+        r, c = rows[idx], cols[idx]
+        dl[r, c] = (dl[r, c].to(torch.float32) + coef[idx]).to(dl.dtype)
+
+
 # ---- torch fallbacks of the LM head's sparse work (fixed orders; CPU: sequential index_add_) ----
 
 def _fold_sum(x: torch.Tensor) -> torch.Tensor:
