@@ -514,7 +514,8 @@ def test_add_to_dlogits_blocks_match_the_keep_gradient(backend):
     call = shell.prepare_logits("test", logits.to(DEVICE), tokens.to(DEVICE), tp_group=None, entropy="grad",
                                 keep_mask=None, temperature=0.7, row_mask=None, vocab_size=None, chunk_size=None,
                                 inplace_grad=False, backend=backend, validate=True, keep=keep)
-    state = sparse_keep.logits_forward(call.keep, call.rows, call.tokens, None, call.plan)
+    state, _ = sparse_keep.logits_forward(call.keep, call.rows, call.tokens, None, call.plan,
+                                          torch.zeros(LOGITS_ROWS, device=DEVICE))
     dense_w = sparse_keep.dense_grad(w_lp.to(DEVICE), state)
     _, _, dl = run_logits(logits, tokens, w_lp=dense_w, w_ent=w_ent, entropy="grad", temperature=0.7,
                           backend=backend)
@@ -528,3 +529,15 @@ def test_add_to_dlogits_blocks_match_the_keep_gradient(backend):
     want = run_logits(logits, tokens, keep=keep, w_lp=w_lp, w_ent=w_ent, entropy="grad", temperature=0.7,
                       backend=backend)[2]
     assert ((dl - want).abs() <= SPARSE_VS_DENSE_GRAD_TOL).all()
+
+
+@pytest.mark.skipif(triton_skip_reason(DEVICE) is not None, reason=triton_skip_reason(DEVICE) or "")
+def test_header_values_kernel_matches_torch():
+    """The keep set's header values (validation) formed by the Triton kernel equal the torch ops' (the CPU path)."""
+    from ppo_ops.core import sparse_keep_kernels
+    ids, off = csr(keep_rows(make_tokens((40,), V_GLOBAL), V_GLOBAL), "cpu")
+    cases = [(ids, off), (ids[:0], torch.zeros(41, dtype=torch.int64)), (ids - 3, off.flip(0)), (ids + 10**9, off + 1)]
+    for case_ids, case_off in cases:
+        want = sparse_keep.header_values(sparse_keep.SparseKeep(case_ids, case_off), "cpu")
+        got = sparse_keep_kernels.header_values(case_ids.to(DEVICE), case_off.to(DEVICE))
+        assert got.cpu().tolist() == want.tolist()

@@ -136,6 +136,9 @@ def header_values(keep: Optional[SparseKeep], device) -> torch.Tensor:
     if keep is None:
         return torch.tensor(NO_KEEP_HEADER, dtype=torch.int64).to(device, non_blocking=True)
     ids, off = keep.ids, keep.offsets
+    if ids.is_cuda and use_kernels(ids, "triton"):
+        from ppo_ops.core import sparse_keep_kernels
+        return sparse_keep_kernels.header_values(ids, off)
     n = ids.numel()
     bits = ((off[0] != 0).to(torch.int64) * FIRST_NOT_ZERO + (off[-1] != n).to(torch.int64) * LAST_NOT_LEN)
     if off.numel() > 1:
@@ -175,6 +178,19 @@ def fixed_bits(vocab_size: int) -> int:
     return min(MAX_FIXED_BITS, 62 - (vocab_size + 1).bit_length())
 
 
+def use_kernels(tensor: torch.Tensor, backend_name: str) -> bool:
+    """Whether the sparse work runs as Triton kernels (sparse_keep_kernels.py): on CUDA tensors when triton imports,
+    and on CPU under the interpreter when the op's backend is a Triton one; else as torch ops (the CPU path). The
+    two paths give the same values within fp32 rounding, not the same bits; each is deterministic and TP-invariant."""
+    if not tensor.is_cuda and "triton" not in backend_name:
+        return False
+    try:
+        from ppo_ops.core import sparse_keep_kernels  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @dataclasses.dataclass
 class Entries:
     """A call's keep entries over its R rows (compacted rows for the LM head with a row mask): the ids part in CSR
@@ -185,17 +201,31 @@ class Entries:
     row: torch.Tensor  # [E] int64 row of each entry (valid as an index even where `ok` is False)
     gid: torch.Tensor  # [E] int64 global id, clamped to [-1, V_global]
     ok: torch.Tensor  # [E] bool: the entry is in its keep row's set (first of its (row, id), a valid id)
-    row_start: torch.Tensor  # [R] int64: the row's ids are entries row_start .. row_end - 1
-    row_end: torch.Tensor
-    keep_row: torch.Tensor  # [R] bool: the row has a keep set (and is not dropped by the row mask)
+    local: torch.Tensor  # [E] bool: ok, and the id is in this rank's shard
+    col: torch.Tensor  # [E] int64 the id's local column (the weight's row), clamped into the shard
     order: torch.Tensor  # [E] int64 entries sorted by (id, row), targets first among equal (id, row)
+    offsets: torch.Tensor  # [T + 1] the CSR (the torch path's made monotone), T the call's rows
+    rows: Optional[torch.Tensor]  # [R] the call's row of each of the R rows, or None (the same rows)
+    row_mask: Optional[torch.Tensor]  # [T] the call's row mask where rows are not compacted, or None
+    vocab_start: int  # this rank's shard: global ids vocab_start .. vocab_start + n_valid - 1
+    n_valid: int
+    row_start: Optional[torch.Tensor] = None  # [R] the torch path's CSR ranges of the R rows
+    row_end: Optional[torch.Tensor] = None
+    keep_row: Optional[torch.Tensor] = None  # [R] the torch path's keep rows (the kernel path's come with the sums)
 
 
 def entries(keep: SparseKeep, tokens: torch.Tensor, *, rows: Optional[torch.Tensor], row_mask: Optional[torch.Tensor],
-            vocab_size: int, v_global: int) -> Entries:
+            vocab_size: int, v_global: int, vocab_start: int, n_valid: int, kernels: bool) -> Entries:
     """The entries of `keep` over R = len(tokens) rows: `rows` maps them to the call's rows where the LM head
     compacted them (R kept rows of a row mask; None: the rows are the call's); `row_mask` (call rows) drops rows
-    otherwise. Device-side, no sync; malformed offsets are clamped into a monotone CSR (validation reports them)."""
+    otherwise. This rank's shard is [vocab_start, vocab_start + n_valid). Device-side, no sync; malformed offsets
+    give unspecified entries, never an access out of bounds (validation reports them)."""
+    if kernels:
+        from ppo_ops.core import sparse_keep_kernels
+        row, gid, ok, local, col, order = sparse_keep_kernels.entries(
+            keep.ids, keep.offsets, tokens, rows, row_mask, vocab_size, v_global, vocab_start, n_valid)
+        return Entries(keep.ids.numel(), tokens.numel(), row, gid, ok, local, col, order, keep.offsets, rows,
+                       row_mask, vocab_start, n_valid)
     device = tokens.device
     ids, n_ids = keep.ids, keep.ids.numel()
     n_all = keep.offsets.numel() - 1
@@ -240,7 +270,11 @@ def entries(keep: SparseKeep, tokens: torch.Tensor, *, rows: Optional[torch.Tens
     first[1:] = sorted_key[1:] != sorted_key[:-1]
     unique = torch.empty_like(first).scatter_(0, order, first)
     ok = unique & torch.cat([id_ok, target_ok])
-    return Entries(n_ids, n_rows, ent_row, gid, ok, row_start, row_end, keep_row, order)
+    col = gid - vocab_start
+    local = ok & (col >= 0) & (col < n_valid)
+    col = col.clamp(0, max(n_valid - 1, 0))
+    return Entries(n_ids, n_rows, ent_row, gid, ok, local, col, order, off, rows, row_mask, vocab_start, n_valid,
+                   row_start, row_end, keep_row)
 
 
 # ---- the keep rows' log-probs ----
@@ -255,19 +289,18 @@ class KeepState:
     shift: torch.Tensor  # [R] M, the max over the keep set (0 where none is finite)
     log_sum: torch.Tensor  # [R] log S (0 where S == 0)
     defined: torch.Tensor  # [R] bool: keep row whose set has mass
+    keep_row: torch.Tensor  # [R] bool: the row has a keep set (and is not dropped)
     log_prob: torch.Tensor  # [R] fp32 keep log-probs (valid where keep_row)
-    local: torch.Tensor  # [E] bool: ok entries of ids this rank holds
-    col: torch.Tensor  # [E] int64 local column (vocabulary row of the weight) of the id, clamped
     inv_temperature: float
-    vocab_start: int  # this rank's shard: global ids vocab_start .. vocab_start + n_valid - 1
-    n_valid: int
-    use_kernels: bool  # Triton kernels (CUDA, or the interpreter under a Triton backend) or torch fallbacks
+    kernels: bool  # Triton kernels (CUDA, or the interpreter under a Triton backend) or torch ops
 
+    @property
+    def local(self) -> torch.Tensor:
+        return self.ent.local
 
-def _local(ent: Entries, vocab_start: int, n_valid: int):
-    col = ent.gid - vocab_start
-    local = ent.ok & (col >= 0) & (col < n_valid)
-    return local, col.clamp(0, max(n_valid - 1, 0))
+    @property
+    def col(self) -> torch.Tensor:
+        return self.ent.col
 
 
 def _exchange(z: torch.Tensor, group) -> torch.Tensor:
@@ -292,8 +325,17 @@ def _row_sums(values_fixed: torch.Tensor, ent: Entries) -> torch.Tensor:
     return ((p_hi[e] - p_hi[s]) << _SPLIT_BITS) + (p_lo[e] - p_lo[s]) + values_fixed[ent.n_ids:]
 
 
-def keep_log_probs(ent: Entries, z: torch.Tensor, vocab_size: int):
-    """(shift M, log S, defined, log_prob) per row from the exchanged kept logits `z` [E]."""
+def keep_state(ent: Entries, z: torch.Tensor, vocab_size: int, inv_temperature: float, kernels: bool,
+               dense_log_prob: torch.Tensor) -> tuple:
+    """(KeepState, the rows' log-probs: the keep log-prob on keep rows, `dense_log_prob` [R] elsewhere) from the
+    exchanged kept logits `z` [E]: per row M = max over the keep set, S = Σ e^(z - M) in fixed point (each term
+    truncated to a multiple of 2^-fixed_bits, summed exactly in int64), log_prob = (z_t - M) - log S."""
+    bits = fixed_bits(vocab_size)
+    if kernels:
+        from ppo_ops.core import sparse_keep_kernels
+        m, log_s, defined, keep_row, log_prob, out = sparse_keep_kernels.log_probs(
+            z, ent.ok, ent.offsets, ent.rows, ent.row_mask, dense_log_prob, ent.n_ids, bits)
+        return KeepState(ent, z, m, log_s, defined, keep_row, log_prob, inv_temperature, kernels), out
     n_rows = ent.n_rows
     zk = torch.where(ent.ok, z, NEG_INF)
     m = torch.full((n_rows,), NEG_INF, dtype=torch.float32, device=z.device)
@@ -301,21 +343,20 @@ def keep_log_probs(ent: Entries, z: torch.Tensor, vocab_size: int):
     m = torch.where(torch.isfinite(m), m, 0.0)
     e = torch.exp(zk - m[ent.row])  # 0 where not kept; <= 1 (NaN / +inf logits only under bad input)
     e = torch.nan_to_num(e, nan=0.0).clamp_(0.0, 1.0)
-    bits = fixed_bits(vocab_size)
-    fixed = torch.round(e * float(2 ** bits)).to(torch.int64)
-    total = _row_sums(fixed, ent)
+    total = _row_sums((e * float(2 ** bits)).to(torch.int64), ent)
     s = (total.to(torch.float64) * 2.0 ** -bits).to(torch.float32)
     defined = ent.keep_row & (s > 0)
     log_s = torch.log(torch.where(defined, s, 1.0))
     z_t = zk[ent.n_ids:]
     log_prob = torch.where(defined, (z_t - m) - log_s, NEG_INF)
-    return m, log_s, defined, log_prob
+    state = KeepState(ent, z, m, log_s, defined, ent.keep_row, log_prob, inv_temperature, kernels)
+    return state, torch.where(ent.keep_row, log_prob, dense_log_prob)
 
 
 def replace_log_probs(log_prob: torch.Tensor, state: KeepState, r0: int = 0, r1: Optional[int] = None) -> torch.Tensor:
     """The log-probs of rows r0 .. r1 - 1 (the state's rows) with the keep rows' replaced by their keep log-probs."""
     r1 = state.ent.n_rows if r1 is None else r1
-    return torch.where(state.ent.keep_row[r0:r1], state.log_prob[r0:r1], log_prob)
+    return torch.where(state.keep_row[r0:r1], state.log_prob[r0:r1], log_prob)
 
 
 def dense_grad(grad_log_prob: Optional[torch.Tensor], state: KeepState, r0: int = 0,
@@ -324,19 +365,22 @@ def dense_grad(grad_log_prob: Optional[torch.Tensor], state: KeepState, r0: int 
     if grad_log_prob is None:
         return None
     r1 = state.ent.n_rows if r1 is None else r1
-    return torch.where(state.ent.keep_row[r0:r1], 0.0, grad_log_prob)
+    return torch.where(state.keep_row[r0:r1], 0.0, grad_log_prob)
 
 
 def coefficients(state: KeepState, grad_log_prob: torch.Tensor, r0: int = 0, r1: Optional[int] = None) -> torch.Tensor:
-    """[E] fp32 c_e = inv_t * g_r * ([e is the target] - q_e) for kept entries of rows r0 .. r1 - 1 whose keep set
-    has mass (`grad_log_prob` [r1 - r0], those rows' upstream gradient); 0 for every other entry."""
+    """[E] fp32 c_e = inv_t * g_r * ([e is the target] - q_e) for the entries this rank holds, of rows r0 .. r1 - 1
+    whose keep set has mass (`grad_log_prob` [r1 - r0], those rows' upstream gradient); 0 for every other entry."""
     ent = state.ent
     r1 = ent.n_rows if r1 is None else r1
-    in_block = (ent.row >= r0) & (ent.row < r1)
-    g = grad_log_prob.to(torch.float32)[(ent.row - r0).clamp(0, max(r1 - r0 - 1, 0))] if r1 > r0 else None
-    if g is None:
+    if r1 <= r0:
         return torch.zeros_like(state.z)
-    use = ent.ok & in_block & state.defined[ent.row]
+    if state.kernels:
+        from ppo_ops.core import sparse_keep_kernels
+        return sparse_keep_kernels.coefficients(state, grad_log_prob, r0, r1)
+    in_block = (ent.row >= r0) & (ent.row < r1)
+    g = grad_log_prob.to(torch.float32)[(ent.row - r0).clamp(0, r1 - r0 - 1)]
+    use = ent.local & in_block & state.defined[ent.row]
     q = torch.exp(torch.where(use, state.z, NEG_INF) - state.shift[ent.row] - state.log_sum[ent.row])
     delta = torch.zeros_like(q)
     delta[ent.n_ids:] = 1.0
@@ -345,33 +389,24 @@ def coefficients(state: KeepState, grad_log_prob: torch.Tensor, r0: int = 0, r1:
 
 # ---- the logits op ----
 
-def _use_kernels(tensor: torch.Tensor, backend_name: str) -> bool:
-    """Triton kernels for the sparse work: on CUDA tensors when triton imports, and on CPU under the interpreter
-    when the op's backend is a Triton one; else the torch fallbacks."""
-    if not tensor.is_cuda and "triton" not in backend_name:
-        return False
-    try:
-        from ppo_ops.core import sparse_keep_kernels  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def logits_forward(keep: SparseKeep, logits: torch.Tensor, tokens: torch.Tensor, row_mask: Optional[torch.Tensor],
-                   plan) -> KeepState:
+                   plan, dense_log_prob: torch.Tensor) -> tuple:
     """The logits op's keep rows: entries, kept logits gathered from this rank's shard (then exchanged), their
-    log-probs. `logits` [T, V_local], `tokens` [T] are the call's; `plan` the call's Plan."""
+    log-probs. `logits` [T, V_local], `tokens` [T], `dense_log_prob` [T] are the call's, `plan` its Plan. Returns
+    (KeepState, the call's log-probs with the keep rows' replaced)."""
     layout, shard = plan.layout, plan.shard
-    ent = entries(keep, tokens, rows=None, row_mask=row_mask, vocab_size=layout.vocab_size, v_global=layout.v_global)
-    local, col = _local(ent, shard.vocab_start, shard.n_valid)
-    if logits.shape[0] and logits.shape[1]:
-        z = torch.where(local, logits[ent.row, col].to(torch.float32) * shard.inv_temperature, 0.0)
-    else:
-        z = torch.zeros(ent.row.numel(), dtype=torch.float32, device=logits.device)
+    kernels = use_kernels(logits, plan.backend.name)
+    ent = entries(keep, tokens, rows=None, row_mask=row_mask, vocab_size=layout.vocab_size, v_global=layout.v_global,
+                  vocab_start=shard.vocab_start, n_valid=shard.n_valid, kernels=kernels)
+    z = torch.zeros(ent.row.numel(), dtype=torch.float32, device=logits.device)
+    if z.numel() and logits.shape[0] and logits.shape[1]:
+        if kernels:
+            from ppo_ops.core import sparse_keep_kernels
+            sparse_keep_kernels.gather(logits, ent.row, ent.col, ent.local, shard.inv_temperature, z)
+        else:
+            z = torch.where(ent.local, logits[ent.row, ent.col].to(torch.float32) * shard.inv_temperature, 0.0)
     z = _exchange(z, layout.group)
-    m, log_s, defined, log_prob = keep_log_probs(ent, z, layout.vocab_size)
-    return KeepState(ent, z, m, log_s, defined, log_prob, local, col, shard.inv_temperature, shard.vocab_start,
-                     shard.n_valid, _use_kernels(logits, plan.backend.name))
+    return keep_state(ent, z, layout.vocab_size, shard.inv_temperature, kernels, dense_log_prob)
 
 
 def logits_backward(state: KeepState, grad_log_prob: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor],
@@ -384,46 +419,44 @@ def logits_backward(state: KeepState, grad_log_prob: Optional[torch.Tensor], gra
     if grad_log_prob is None or state.ent.row.numel() == 0:
         return
     ent = state.ent
+    if state.kernels:
+        from ppo_ops.core import sparse_keep_kernels
+        sparse_keep_kernels.write_logits_grad(out, state, grad_log_prob, grad_entropy, shift, log_sum, mean_shifted)
+        return
     value = coefficients(state, grad_log_prob)
     if grad_entropy is not None and mean_shifted is not None:
         d = state.z - shift[ent.row]
         p = torch.exp(d - log_sum[ent.row])
         ent_term = torch.where(p > 0, grad_entropy.to(torch.float32)[ent.row] * p * (mean_shifted[ent.row] - d), 0.0)
         value = value + ent_term * state.inv_temperature
-    write = state.local & state.defined[ent.row]
-    if state.use_kernels:
-        from ppo_ops.core import sparse_keep_kernels
-        sparse_keep_kernels.scatter_rows_cols(out, ent.row, state.col, value, write)
-    else:
-        idx = torch.nonzero(write).squeeze(1)  # CPU (or CUDA without triton): a host sync there
-        out[ent.row[idx], state.col[idx]] = value[idx].to(out.dtype)
+    idx = torch.nonzero(ent.local & state.defined[ent.row]).squeeze(1)  # the CPU path: no device sync
+    out[ent.row[idx], ent.col[idx]] = value[idx].to(out.dtype)
 
 
 # ---- the LM head ----
 
 def lm_head_forward(keep: SparseKeep, hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor,
-                    rows: Optional[torch.Tensor], plan) -> KeepState:
-    """The LM head's keep rows, computed once for all R rows of the call: `hidden` [R, H] and `tokens` [R] are the
-    rows the Function works on (the kept rows of a row mask, compacted; `rows` their indices into the call's rows,
-    or None), `weight` this rank's [V_local, H]. Forms the kept logits z = inv_t * (hidden[r] . weight[id]) in fp32
-    for the ids this rank holds, exchanges them (one all-reduce at TP > 1) and returns the state with each row's
-    keep log-prob. At TP > 1 every rank must call it after the header exchange (the call's validation), since the
-    all-reduce's size is len(ids) + R."""
+                    rows: Optional[torch.Tensor], plan, dense_log_prob: torch.Tensor) -> tuple:
+    """The LM head's keep rows, computed once for all R rows of the call: `hidden` [R, H], `tokens` [R] and
+    `dense_log_prob` [R] are the rows the Function works on (the kept rows of a row mask, compacted; `rows` their
+    indices into the call's rows, or None), `weight` this rank's [V_local, H]. Forms the kept logits
+    z = inv_t * (hidden[r] . weight[id]) in fp32 for the ids this rank holds, exchanges them (one all-reduce at
+    TP > 1) and returns (KeepState, the R rows' log-probs with the keep rows' replaced). At TP > 1 every rank must
+    call it after the header exchange (the call's validation), since the all-reduce's size is len(ids) + R."""
     layout, shard = plan.layout, plan.shard
-    ent = entries(keep, tokens, rows=rows, row_mask=None, vocab_size=layout.vocab_size, v_global=layout.v_global)
-    local, col = _local(ent, shard.vocab_start, shard.n_valid)
-    use_kernels = _use_kernels(hidden, plan.backend.name)
+    kernels = use_kernels(hidden, plan.backend.name)
+    ent = entries(keep, tokens, rows=rows, row_mask=None, vocab_size=layout.vocab_size, v_global=layout.v_global,
+                  vocab_start=shard.vocab_start, n_valid=shard.n_valid, kernels=kernels)
     z = torch.zeros(ent.row.numel(), dtype=torch.float32, device=hidden.device)
-    if z.numel():
-        if use_kernels:
+    if z.numel() and hidden.shape[0]:
+        if kernels:
             from ppo_ops.core import sparse_keep_kernels
-            sparse_keep_kernels.keep_dots(hidden, weight, ent.order, ent.row, col, local, shard.inv_temperature, z)
+            sparse_keep_kernels.keep_dots(hidden, weight, ent.order, ent.row, ent.col, ent.local,
+                                          shard.inv_temperature, z)
         else:
-            _torch_dots(hidden, weight, ent.row, col, local, shard.inv_temperature, z)
+            _torch_dots(hidden, weight, ent.row, ent.col, ent.local, shard.inv_temperature, z)
     z = _exchange(z, layout.group)
-    m, log_s, defined, log_prob = keep_log_probs(ent, z, layout.vocab_size)
-    return KeepState(ent, z, m, log_s, defined, log_prob, local, col, shard.inv_temperature, shard.vocab_start,
-                     shard.n_valid, use_kernels)
+    return keep_state(ent, z, layout.vocab_size, shard.inv_temperature, kernels, dense_log_prob)
 
 
 def add_dx(state: KeepState, grad_log_prob: torch.Tensor, dx: torch.Tensor, weight: torch.Tensor, r0: int = 0,
@@ -436,14 +469,13 @@ def add_dx(state: KeepState, grad_log_prob: torch.Tensor, dx: torch.Tensor, weig
         return
     coef = coefficients(state, grad_log_prob, r0, r1)
     ent = state.ent
-    if state.use_kernels:
+    if state.kernels:
         from ppo_ops.core import sparse_keep_kernels
-        sparse_keep_kernels.keep_dx(dx, weight, coef, state.col, state.local, ent.row_start, ent.row_end, ent.n_ids,
-                                    r0, r1)
+        sparse_keep_kernels.keep_dx(dx, weight, coef, ent.col, ent.local, ent.offsets, ent.rows, ent.n_ids, r0, r1)
         return
-    use = state.local & (ent.row >= r0) & (ent.row < r1)
+    use = ent.local & (ent.row >= r0) & (ent.row < r1)
     # Row by row in entry order: the ids part is in CSR order and the targets follow it.
-    _ordered_add_rows(dx, ent.row - r0, weight, state.col, coef, use)
+    _ordered_add_rows(dx, ent.row - r0, weight, ent.col, coef, use)
 
 
 def add_dw(state: KeepState, grad_log_prob: torch.Tensor, dw: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -454,12 +486,12 @@ def add_dw(state: KeepState, grad_log_prob: torch.Tensor, dw: torch.Tensor, hidd
         return
     coef = coefficients(state, grad_log_prob)
     ent = state.ent
-    if state.use_kernels:
+    if state.kernels:
         from ppo_ops.core import sparse_keep_kernels
-        sparse_keep_kernels.keep_dw(dw, hidden, coef, ent.order, ent.row, ent.gid, state.col, state.local,
-                                    state.vocab_start, state.n_valid)
+        sparse_keep_kernels.keep_dw(dw, hidden, coef, ent.order, ent.row, ent.gid, ent.col, ent.local,
+                                    ent.vocab_start, ent.n_valid)
         return
-    _torch_dw(dw, hidden, coef, ent.order, ent.row, state.col, state.local)
+    _torch_dw(dw, hidden, coef, ent.order, ent.row, ent.col, ent.local)
 
 
 def add_to_dlogits(state: KeepState, coef: torch.Tensor, dl: torch.Tensor, r0: int, c0: int) -> None:
@@ -476,7 +508,7 @@ def add_to_dlogits(state: KeepState, coef: torch.Tensor, dl: torch.Tensor, r0: i
     n_rows, n_cols = dl.shape
     rows, cols = ent.row - r0, state.col - c0
     write = state.local & (rows >= 0) & (rows < n_rows) & (cols >= 0) & (cols < n_cols) & (coef != 0)
-    if state.use_kernels:
+    if state.kernels:
         from ppo_ops.core import sparse_keep_kernels
         sparse_keep_kernels.add_rows_cols(dl, rows, cols, coef, write)
     else:

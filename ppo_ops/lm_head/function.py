@@ -58,8 +58,7 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         log_prob = stats.log_prob
         keep_state = None
         if keep is not None:  # after the header exchange: its all-reduce is sized by the keep set
-            keep_state = sparse_keep.lm_head_forward(keep, h, weight, t, rows, plan)
-            log_prob = sparse_keep.replace_log_probs(log_prob, keep_state)
+            keep_state, log_prob = sparse_keep.lm_head_forward(keep, h, weight, t, rows, plan, log_prob)
         if plan.validate and layout.group is None:
             # TP = 1: last, so every launch of the forward is queued before the host waits (the one value read).
             shell.check_single_rank(plan, stats.bad_input, tokens, row_mask, keep=keep)

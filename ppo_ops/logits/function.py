@@ -48,8 +48,7 @@ class LogProbEntropyFunction(torch.autograd.Function):
         log_prob, entropy = stats.log_prob, stats.entropy  # a dropped row's entropy is 0 already (no mass)
         ctx.keep_state = None
         if keep is not None:  # after the header exchange: its all-reduce is sized by the keep set
-            ctx.keep_state = sparse_keep.logits_forward(keep, logits, tokens, row_mask, plan)
-            log_prob = sparse_keep.replace_log_probs(log_prob, ctx.keep_state)
+            ctx.keep_state, log_prob = sparse_keep.logits_forward(keep, logits, tokens, row_mask, plan, log_prob)
         if row_mask is not None:
             log_prob = torch.where(row_mask, log_prob, torch.zeros_like(log_prob))  # no mass would give -inf
         if plan.validate and plan.layout.group is None:
