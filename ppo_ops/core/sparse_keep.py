@@ -40,6 +40,15 @@ offsets[0] == 0, offsets[-1] == len(ids), non-decreasing offsets, ids in [0, voc
 number of ids and a checksum of ids and offsets) read in the call's one host read. With validate=False nothing is
 read: malformed offsets and ids out of range are clamped or dropped (memory-safe, the result unspecified).
 
+A backend that forms dlogits in row blocks (the token loss) takes the keep set through these functions, in order:
+lm_head_forward (once, after the call's header exchange, for all rows), replace_log_probs (a block's log-probs,
+before the loss sees them), dense_grad (the block's log-prob gradient for its full-vocabulary dlogits),
+coefficients (the keep term of the block's entries) and add_to_dlogits (into each block x segment of dlogits before
+its dX / dW GEMMs): the keep term then rides in those GEMMs, with no add_dx / add_dw pass.
+
+Paths: Triton kernels (sparse_keep_kernels.py) on CUDA, and on CPU under the interpreter with a Triton backend; torch
+ops elsewhere. The two agree within fp32 rounding, not bit for bit; each is deterministic and TP-invariant.
+
 Cost: O(len(ids) + rows) memory and work besides the op's own (the entries' indices, kept logits and coefficients,
 saved for the backward; a sort of the entries by (id, row), which finds duplicates and orders the LM head's dW
 sum); at TP > 1 one more all-reduce of 4 bytes per id and per row. The LM head adds about 2 * len(ids) * H
