@@ -150,7 +150,7 @@ def entries(keep_ids, offsets, tokens, rows, row_mask, vocab_size, v_global, voc
         to_compact[rows] = torch.arange(n_rows, device=device)
     ints = torch.empty((3, n), dtype=torch.int64, device=device)
     row, gid, key = ints[0], ints[1], ints[2]
-    flags = torch.empty((4, n), dtype=torch.uint8, device=device)
+    flags = torch.empty((3, n), dtype=torch.uint8, device=device)
     valid, ok, local = flags[0], flags[1], flags[2]
     grid = (cdiv(max(n, 1), _ENTRY_BLOCK),)
     _entries_kernel[grid](keep_ids, offsets, tokens, rows if rows is not None else offsets,
