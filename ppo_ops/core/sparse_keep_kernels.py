@@ -472,33 +472,21 @@ def keep_dw(dw, hidden, coef, order, row, gid, col, local, vocab_start, n_valid)
 
 
 @triton.jit
-def _scatter_kernel(out_ptr, row_ptr, col_ptr, value_ptr, write_ptr, n, stride_r, stride_c, ADD: tl.constexpr,
-                    BLOCK: tl.constexpr, ROUND_BF16_BY_BITS: tl.constexpr):
+def _add_kernel(out_ptr, row_ptr, col_ptr, value_ptr, write_ptr, n, stride_r, stride_c, BLOCK: tl.constexpr,
+                ROUND_BF16_BY_BITS: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     w = (tl.load(write_ptr + offs, mask=m, other=0) != 0) & m
     r = tl.load(row_ptr + offs, mask=w, other=0)
     c = tl.load(col_ptr + offs, mask=w, other=0)
-    v = tl.load(value_ptr + offs, mask=w, other=0.0)
     ptr = out_ptr + r * stride_r + c * stride_c
-    if ADD:
-        v += tl.load(ptr, mask=w, other=0.0).to(tl.float32)
+    v = tl.load(value_ptr + offs, mask=w, other=0.0) + tl.load(ptr, mask=w, other=0.0).to(tl.float32)
     store_rounded(ptr, v, w, ROUND_BF16_BY_BITS)
-
-
-def _scatter(out, row, col, value, write, add: bool) -> None:
-    n = value.numel()
-    block = min(_SCATTER_BLOCK, triton.next_power_of_2(max(n, 1)))
-    _scatter_kernel[(cdiv(n, block),)](out, row, col, value.contiguous(), _flags(write), n, out.stride(0),
-                                       out.stride(1), ADD=add, BLOCK=block,
-                                       ROUND_BF16_BY_BITS=round_bf16_by_bits(out.dtype))
-
-
-def scatter_rows_cols(out, row, col, value, write) -> None:
-    """out[row_e, col_e] = value_e rounded to out's dtype where write_e (each position written by one entry)."""
-    _scatter(out, row, col, value, write, add=False)
 
 
 def add_rows_cols(out, row, col, value, write) -> None:
     """out[row_e, col_e] = round(out[row_e, col_e] + value_e) where write_e (each position written by one entry)."""
-    _scatter(out, row, col, value, write, add=True)
+    n = value.numel()
+    block = min(_SCATTER_BLOCK, triton.next_power_of_2(max(n, 1)))
+    _add_kernel[(cdiv(n, block),)](out, row, col, value.contiguous(), _flags(write), n, out.stride(0),
+                                   out.stride(1), BLOCK=block, ROUND_BF16_BY_BITS=round_bf16_by_bits(out.dtype))
