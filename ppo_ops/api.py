@@ -35,6 +35,7 @@ def log_probs_and_entropy(
     tp_group=None,
     entropy: str = "none",
     keep_mask: Optional[torch.Tensor] = None,
+    keep: Optional[tuple] = None,
     temperature: float = 1.0,
     row_mask: Optional[torch.Tensor] = None,
     vocab_size: Optional[int] = None,
@@ -56,6 +57,14 @@ def log_probs_and_entropy(
       entropy: "none"; "value" (returned without gradient, nothing kept for backward); "grad" (differentiable).
       keep_mask: logits.shape bool; log-probs are normalised over keep_mask ∪ {target} (the target is always kept);
         the entropy is always over the full distribution.
+      keep: the same semantics from a sparse keep set, without any [T, V] mask: a pair (ids, offsets) of 1-D integer
+        tensors on the logits' device, CSR over the flattened rows (tokens.reshape(-1)): row r keeps the global token
+        ids ids[offsets[r]:offsets[r+1]] (offsets: rows + 1 entries, offsets[0] == 0, offsets[-1] == len(ids),
+        non-decreasing; the same values on every rank). A row's kept ids are a set (an id listed twice counts once)
+        and its target always counts; a row with offsets[r] == offsets[r+1] keeps the full vocabulary. Not together
+        with keep_mask. Cost: O(len(ids) + rows) memory and work (the kept logits gathered; a sort of the entries);
+        at TP > 1 one more all-reduce of 4 bytes per id and per row. Bitwise deterministic and TP-invariant like the
+        rest; its log-probs equal keep_mask's within the tolerances, not bit for bit (core/sparse_keep.py).
       temperature: both quantities use logits / temperature, and the gradient carries the 1 / temperature factor.
         Any real number > 0 whose reciprocal fits in float32 (>= about 2.94e-39): Python or NumPy scalars, or a
         one-element tensor (read with .item(): a host sync of its own when it is on a GPU).
@@ -80,8 +89,8 @@ def log_probs_and_entropy(
       reduction_order: "fused" (one pass, fixed vocabulary segments) or "sglang": the log-probs are bit for bit those
         of SGLang's batch-invariant log_softmax of logits.float() (its deterministic and true-on-policy inference),
         at any TP size, with the Triton backend on a GPU (logits/sglang_order.py: the order, and what it costs:
-        two reads of the logits and up to three small collectives). keep_mask must be None; at TP > 1 each rank
-        needs at least 1024 columns. The torch backend adds in the same order (bitwise TP-invariant) with torch's
+        two reads of the logits and up to three small collectives). keep_mask and keep must be None; at TP > 1 each
+        rank needs at least 1024 columns. The torch backend adds in the same order (bitwise TP-invariant) with torch's
         exp and log.
 
     Returns:
@@ -96,10 +105,11 @@ def log_probs_and_entropy(
     call = shell.prepare_logits(
         "log_probs_and_entropy", logits, tokens, tp_group=tp_group, entropy=entropy, keep_mask=keep_mask,
         temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, chunk_size=chunk_size,
-        inplace_grad=inplace_grad, backend=backend, validate=validate, reduction_order=reduction_order,
+        inplace_grad=inplace_grad, backend=backend, validate=validate, reduction_order=reduction_order, keep=keep,
     )
     with shell.on_device(call):
-        out = LogProbEntropyFunction.apply(call.rows, call.tokens, call.keep_mask, call.row_mask, call.plan)
+        out = LogProbEntropyFunction.apply(call.rows, call.tokens, call.keep_mask, call.row_mask, call.plan,
+                                           call.keep)
     return _outputs(out, call)
 
 
@@ -151,6 +161,7 @@ def linear_log_probs_and_entropy(
     *,
     tp_group=None,
     entropy: str = "none",
+    keep: Optional[tuple] = None,
     temperature: float = 1.0,
     row_mask: Optional[torch.Tensor] = None,
     vocab_size: Optional[int] = None,
@@ -196,6 +207,13 @@ def linear_log_probs_and_entropy(
         the default group); None means one rank, always, also inside an initialised job. One rank issues no
         collective. Every rank of the group must call with the same hidden, rows, tokens, options and `validate`.
       entropy: "none"; "value" (returned without gradient); "grad" (differentiable).
+      keep: a sparse keep set (ids, offsets), CSR over the flattened rows, as in log_probs_and_entropy: keep rows'
+        log-probs are renormalised over their ids ∪ {target}, entropies stay full. Their kept logits are fp32 dots
+        hidden[r] . weight[id] formed by the rank holding the id (the target's too, so log_prob <= 0), exchanged in
+        one more all-reduce at TP > 1 (4 bytes per id and per row); backward adds Σ c W[id] to dX (before its
+        all-reduce) and Σ c X[r] to dW's kept rows (fixed order, one more rounding of those rows to weight's dtype).
+        About 2 * len(ids) * H multiply-adds forward and 4 * len(ids) * H backward; O(len(ids) + rows) memory.
+        Log-probs and dW stay bitwise TP-invariant, log-probs row-count invariant (core/sparse_keep.py).
       temperature: both quantities use logits / temperature; the gradients carry the 1 / temperature factor. Any
         real number > 0 whose reciprocal fits in float32: Python or NumPy scalars, or a one-element tensor (read
         with .item(): a host sync of its own when it is on a GPU).
@@ -226,7 +244,7 @@ def linear_log_probs_and_entropy(
     validate=False, 0 without a row_mask and 1 with one. On the CPU the count is no sync.
 
     Options of `log_probs_and_entropy` that do not apply:
-      keep_mask: a dense [T, V] mask is as large as the logits this op exists not to hold.
+      keep_mask: a dense [T, V] mask is as large as the logits this op exists not to hold (use `keep`).
       inplace_grad: there is no logits tensor whose storage could take the gradient.
       chunk_size: replaced by the backends' fixed GEMM chunks, which are part of the bit-exactness contract.
 
@@ -240,9 +258,9 @@ def linear_log_probs_and_entropy(
     call = shell.prepare_lm_head(
         "linear_log_probs_and_entropy", hidden, weight, tokens, tp_group=tp_group, entropy=entropy,
         temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend,
-        validate=validate)
+        validate=validate, keep=keep)
     with shell.on_device(call):
-        out = LinearLogProbEntropyFunction.apply(call.rows, weight, call.tokens, call.row_mask, call.plan)
+        out = LinearLogProbEntropyFunction.apply(call.rows, weight, call.tokens, call.row_mask, call.plan, call.keep)
     return _outputs(out, call)
 
 
@@ -254,6 +272,7 @@ def linear_token_loss(
     *,
     tp_group=None,
     entropy: str = "none",
+    keep: Optional[tuple] = None,
     temperature: float = 1.0,
     row_mask: Optional[torch.Tensor] = None,
     vocab_size: Optional[int] = None,
@@ -292,11 +311,12 @@ def linear_token_loss(
         aligned rows (the same one-GEMM forward; TP- and row-count invariant, as there); elsewhere equal to the logits
         op's on the same chunk GEMMs' logits.
 
-    Arguments as in linear_log_probs_and_entropy (tp_group, entropy, temperature, row_mask, vocab_size, reduce_dx,
-    backend, validate); row_mask False rows get log-prob 0, entropy 0, no loss term and zero gradient, and are never
-    passed to token_loss. backend="triton" (the default on CUDA): the segment-GEMM backend's one-GEMM blocks on half
-    precision (Triton GEMMs, cuBLAS dX / dW), chunk GEMMs with the logits op's Triton passes otherwise; "torch": the
-    chunk GEMMs with the logits op's PyTorch code (any device).
+    Arguments as in linear_log_probs_and_entropy (tp_group, entropy, keep, temperature, row_mask, vocab_size,
+    reduce_dx, backend, validate; with `keep`, token_loss sees the keep rows' renormalised log-probs); row_mask False
+    rows get log-prob 0, entropy 0, no loss term and zero gradient, and are never passed to token_loss.
+    backend="triton" (the default on CUDA): the segment-GEMM backend's one-GEMM blocks on half precision (Triton
+    GEMMs, cuBLAS dX / dW), chunk GEMMs with the logits op's Triton passes otherwise; "torch": the chunk GEMMs with
+    the logits op's PyTorch code (any device).
 
     Gradients: dX [T, H] in hidden's dtype (fp32 accumulation over this rank's segments, all-reduced in fp32 over
     tp_group when reduce_dx, one rounding); dW [V_local, H] in weight's dtype, fp32 accumulation, rounded once (for
@@ -327,10 +347,11 @@ def linear_token_loss(
     call = shell.prepare_lm_head(
         "linear_token_loss", hidden, weight, tokens, tp_group=tp_group, entropy=entropy, temperature=temperature,
         row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend, validate=validate,
-        token_loss=token_loss, fused_loss=True)
+        token_loss=token_loss, fused_loss=True, keep=keep)
+    keep_arg = () if call.keep is None else (call.keep,)  # the Function's last argument, given only with keep
     with shell.on_device(call):
         loss, log_prob, ent = LinearTokenLossFunction.apply(call.rows, weight, call.tokens, call.row_mask, call.plan,
-                                                            token_loss)
+                                                            token_loss, *keep_arg)
     return loss, _outputs((log_prob, ent) if entropy != "none" else log_prob, call)
 
 

@@ -42,7 +42,7 @@ def inputs(lead, dtype, seed, v=V_GLOBAL, h=HIDDEN):
 # --- the float64 reference and the derived bounds ---
 
 def bounds(hidden, weight, tokens, g_lp, g_ent, *, temperature=1.0, vocab_size=None, row_mask=None,
-            dl_roundoff=0.0, prob_storage=False):
+            dl_roundoff=0.0, prob_storage=False, keep_mask=None):
     """Float64 reference (log_probs, entropy, dX, dW) and per-element error bounds (same shapes).
 
     Logits: fp32 accumulation of H exact products (bf16/fp16 products are exact in fp32) errs by at most
@@ -60,6 +60,9 @@ def bounds(hidden, weight, tokens, g_lp, g_ent, *, temperature=1.0, vocab_size=N
                 S_st = |g_lp| + |g_ent| (|d - mean| + 1); the approximate log adds inv_t p |g_ent| PROB_LOG_ERROR
       dX = dl @ W, dW = dl^T @ X: that error through the GEMM, plus gamma_K (|dl| @ |W|) for its fp32 accumulation
                 (K = V or T), plus one rounding u_out |ref| of the result to the input dtype.
+    keep_mask ([rows, V] bool, the dense form of a sparse keep set): the log-prob term of S_dl takes q, the softmax
+    over keep ∪ target, instead of p, and dW carries one more rounding to the input dtype (the keep term is added to
+    the finished dW, which was rounded without it: u_out (|ref| + |keep term|) more).
     Every bound is multiplied by SAFETY (second-order terms).
     """
     x = hidden.detach().double().reshape(-1, hidden.shape[-1])
@@ -68,7 +71,7 @@ def bounds(hidden, weight, tokens, g_lp, g_ent, *, temperature=1.0, vocab_size=N
     inv_t = 1.0 / temperature
     logits = x @ w.T
     ref = reference_log_probs_and_entropy(
-        logits, tokens.reshape(-1), entropy="grad", temperature=temperature, vocab_size=vocab_size,
+        logits, tokens.reshape(-1), entropy="grad", temperature=temperature, vocab_size=vocab_size, keep_mask=keep_mask,
         row_mask=None if row_mask is None else row_mask.reshape(-1),
         grad_log_probs=None if g_lp is None else g_lp.reshape(-1),
         grad_entropy=None if g_ent is None else g_ent.reshape(-1))
@@ -87,9 +90,12 @@ def bounds(hidden, weight, tokens, g_lp, g_ent, *, temperature=1.0, vocab_size=N
     mean = (p * d0).sum(1, keepdim=True)
     spread = (p * (d0 - mean).abs()).sum(1, keepdim=True)  # sum_c p |d - mean|
     onehot = torch.zeros_like(p).scatter_(1, tokens.reshape(-1, 1).clamp(0, v - 1), 1.0)
+    q = p
+    if keep_mask is not None:
+        q = torch.softmax(torch.where(keep_mask.reshape(n_rows, v) | (onehot > 0), d, float("-inf")), dim=1)
     s_dl = torch.zeros_like(p)
     if g_lp is not None:
-        s_dl += g_lp.reshape(-1, 1).double().abs() * (onehot + p)
+        s_dl += g_lp.reshape(-1, 1).double().abs() * (onehot + q)
     if g_ent is not None:
         s_dl += g_ent.reshape(-1, 1).double().abs() * p * ((d0 - mean).abs() + spread + 2)
     s_dl = torch.where(valid & rows_on[:, None], s_dl, 0.0)
@@ -112,6 +118,10 @@ def bounds(hidden, weight, tokens, g_lp, g_ent, *, temperature=1.0, vocab_size=N
     dx_ref, dw_ref = dl @ w, dl.T @ x
     dx_tol = SAFETY * (dl_err @ w.abs() + gamma(v) * (dl.abs() @ w.abs())) + u_out * dx_ref.abs()
     dw_tol = SAFETY * (dl_err.T @ x.abs() + gamma(n_rows) * (dl.abs().T @ x.abs())) + u_out * dw_ref.abs()
+    if keep_mask is not None and g_lp is not None:
+        # The full-vocabulary dW (the keep term left out) is rounded first: |it| <= |ref| + |keep term|.
+        keep_term = (g_lp.reshape(-1, 1).double().abs() * (onehot + q) * inv_t).T @ x.abs()
+        dw_tol = dw_tol + u_out * (dw_ref.abs() + keep_term)
     lp_tol = LOG_PROB_TOL * ref.log_probs.abs().clamp(min=1) + SAFETY * 2 * e_row
     ent_tol = ENTROPY_TOL + SAFETY * e_row * spread[:, 0]
     lead = tuple(hidden.shape[:-1])

@@ -7,10 +7,11 @@ the same error, naming the rank(s) at fault and the argument.
 The header (int64, one entry per field of HEADER) holds what each rank can say about its call: its local error, T,
 V_local, the vocabulary size, the temperature (float64 bits), the entropy mode, the keep mask's presence, the logits'
 dtype, the reduction order, checksums of the row mask and of the kept rows' tokens, the kept rows' token min/max and a
-flag for NaN / +inf logits taken from the rank's own forward partials. The last five are computed on the device, so
-building the header costs no host sync; `read_to_host` of the gathered table is the call's only one. At TP = 1 no
-header is exchanged: the token bounds and the bad-logits flag are read together after the forward, again by
-`read_to_host`, once.
+flag for NaN / +inf logits taken from the rank's own forward partials, then the sparse keep set's fields (its
+number of ids, a checksum of ids and offsets, its offsets' error bits and id bounds: core/sparse_keep.py). The value
+fields are computed on the device, so building the header costs no host sync; `read_to_host` of the gathered table
+is the call's only one. At TP = 1 no header is exchanged: the token bounds, the bad-logits flag and the keep set's
+values are read together after the forward, again by `read_to_host`, once.
 
 With `validate=False` none of the value checks run and no header is exchanged: no host sync at all. Then a token out of
 range gives a wrong result (its log-prob is that of a target no rank holds, -inf) instead of an error, NaN / +inf
@@ -31,6 +32,7 @@ from typing import Callable, Mapping, NoReturn, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ppo_ops.core import sparse_keep
 from ppo_ops.core.checks import ENTROPY_MODES, FLOAT_DTYPES, REDUCTION_ORDERS, argument_error, error_prefix
 from ppo_ops.core.row_stats import MAX, SUMEXP  # the partials' channels (the bad-logits flag reads them)
 
@@ -171,15 +173,22 @@ HEADER = (
     HeaderField("token min"),
     HeaderField("token max"),
     HeaderField("bad logits"),  # NaN / +inf in this rank's partials
+    # The sparse keep set (core/sparse_keep.py, header_values): the number of ids (-1: none), a checksum of ids and
+    # offsets, then this rank's offsets error bits and id bounds.
+    HeaderField("keep (number of ids; -1: none)", "keep"),
+    HeaderField("keep (ids and offsets)", "keep", checksum=True),
+    HeaderField("keep offsets error"),
+    HeaderField("keep id min"),
+    HeaderField("keep id max"),
 )
 (ERR_ARG, ERR_TYPE, ROWS, V_LOCAL, VOCAB, TEMPERATURE, ENTROPY, KEEP, DTYPE, ORDER, ROW_SUM, TOKEN_SUM, TOKEN_MIN,
- TOKEN_MAX, BAD) = range(len(HEADER))
+ TOKEN_MAX, BAD, SPARSE_KEEP) = range(len(HEADER) - sparse_keep.HEADER_VALUES + 1)
 HEADER_FIELDS = tuple(field.description for field in HEADER)
 AGREED_FIELDS = tuple(i for i, field in enumerate(HEADER) if field.argument is not None)
 # Arguments an error can name in the header, and the exception types it can carry (index + 1; 0 = no error).
 ARGUMENTS = ("logits", "tokens", "tp_group", "entropy", "keep_mask", "temperature", "row_mask", "vocab_size",
              "chunk_size", "inplace_grad", "backend", "validate", "arguments", "hidden", "weight", "reduce_dx",
-             "token_loss", "reduction_order")
+             "token_loss", "reduction_order", "keep")
 ERROR_TYPES = (TypeError, ValueError, RuntimeError)
 
 
@@ -253,10 +262,11 @@ def bad_logits(partials: torch.Tensor) -> torch.Tensor:
 
 def rank_header(tokens: torch.Tensor, row_mask: Optional[torch.Tensor], bad: torch.Tensor, *, v_local: int,
                 vocab_size: int, temperature: float, entropy_mode: str, has_keep_mask: bool,
-                dtype: torch.dtype, reduction_order: str = "fused") -> torch.Tensor:
+                dtype: torch.dtype, reduction_order: str = "fused",
+                keep: Optional["sparse_keep.SparseKeep"] = None) -> torch.Tensor:
     """The header of a rank whose arguments passed the local checks, its value fields computed on the device from
-    its tokens, row mask and `bad` (0-d bool: NaN / +inf logits reached this rank, e.g. bad_logits of its partials),
-    with no host sync."""
+    its tokens, row mask, `bad` (0-d bool: NaN / +inf logits reached this rank, e.g. bad_logits of its partials) and
+    sparse keep set, with no host sync."""
     device = bad.device
     flat_tokens = tokens.reshape(-1).to(torch.int64)
     if row_mask is not None:
@@ -269,7 +279,8 @@ def rank_header(tokens: torch.Tensor, row_mask: Optional[torch.Tensor], bad: tor
         [0, 0, flat_tokens.numel(), v_local, vocab_size, _float_bits(temperature), ENTROPY_MODES.index(entropy_mode),
          int(has_keep_mask), _DTYPES.index(dtype), REDUCTION_ORDERS.index(reduction_order)], device)
     return torch.cat([fixed, row_sum.reshape(1), _fold_checksum(flat_tokens).reshape(1),
-                      token_bounds(flat_tokens, None), bad.reshape(1).to(torch.int64)])
+                      token_bounds(flat_tokens, None), bad.reshape(1).to(torch.int64),
+                      sparse_keep.header_values(keep, device)])
 
 
 def all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group) -> None:
@@ -294,7 +305,8 @@ def _ranks(ranks: Sequence[int]) -> str:
 def raise_if_any(fn_name: str, table: list, has_row_mask: bool,
                  local_error: Optional[BaseException] = None, naming: Optional[Naming] = None) -> None:
     """Decides from the gathered table, identically on every rank: local argument errors first, then the token range
-    (each rank's kept tokens against its own vocabulary size), then disagreement, then NaN / +inf logits.
+    (each rank's kept tokens against its own vocabulary size), the sparse keep set's values (offsets, id range),
+    then disagreement, then NaN / +inf logits.
     `local_error` is this rank's own error, appended to its message."""
     naming = LOGITS_NAMING if naming is None else naming
     world = len(table)
@@ -320,6 +332,12 @@ def raise_if_any(fn_name: str, table: list, has_row_mask: bool,
             ValueError, fn_name, "tokens",
             _range_message(row[VOCAB], found, has_row_mask, f" on tensor-parallel {_ranks(out_of_range)} of {world}",
                            tp_size=world))
+    keep_errors = [(r, sparse_keep.value_error(fn_name, table[r][SPARSE_KEEP:], table[r][VOCAB])) for r in range(world)]
+    keep_errors = [(r, exc) for r, exc in keep_errors if exc is not None]
+    if keep_errors:
+        ranks = [r for r, _ in keep_errors]
+        raise sparse_keep.value_error(fn_name, table[ranks[0]][SPARSE_KEEP:], table[ranks[0]][VOCAB],
+                                      where=f" on tensor-parallel {_ranks(ranks)} of {world}")
     for field in AGREED_FIELDS:
         column = [row[field] for row in table]
         if any(v != column[0] for v in column):

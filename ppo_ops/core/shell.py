@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
-from ppo_ops.core import agreement, checks
+from ppo_ops.core import agreement, checks, sparse_keep
 from ppo_ops.core.contracts import Backend, LinearBackend, RowStats, ShardOptions
 from ppo_ops.core.layout import VocabLayout, make_layout
 
@@ -69,6 +69,7 @@ class Call(NamedTuple):
     row_mask: Optional[torch.Tensor]  # [T] or None
     plan: Plan
     lead: tuple
+    keep: Optional[sparse_keep.SparseKeep] = None  # the sparse keep set (ids, offsets), checked, or None
 
 
 def on_device(call: Call):
@@ -106,7 +107,7 @@ def _plan(fn_name, group, world_size, rank, rows: torch.Tensor, v_local: int, op
 
 
 def prepare_logits(fn_name, logits, tokens, *, tp_group, entropy, keep_mask, temperature, row_mask, vocab_size,
-                   chunk_size, inplace_grad, backend, validate, reduction_order="fused") -> Call:
+                   chunk_size, inplace_grad, backend, validate, reduction_order="fused", keep=None) -> Call:
     """The logits op's call: every local check, the layout, the backend, the flattened [T, V_local] logits."""
     def local_checks(group, world_size, rank):
         options = checks.check_options(fn_name, entropy=entropy, backend=backend, temperature=temperature,
@@ -124,17 +125,18 @@ def prepare_logits(fn_name, logits, tokens, *, tp_group, entropy, keep_mask, tem
             if refusal:
                 raise checks.argument_error(ValueError, fn_name, "logits", refusal)
         n_rows = math.prod(lead)
+        sparse = sparse_keep.check(fn_name, keep, n_rows, logits.device, keep_mask, reduction_order)
         flat = _flatten_logits(fn_name, logits, n_rows, v_local, inplace_grad,
                                needs_unit_stride=plan.backend.needs_unit_column_stride)
         return Call(flat, tokens.reshape(n_rows),
                     None if keep_mask is None else keep_mask.reshape(n_rows, v_local),
-                    None if row_mask is None else row_mask.reshape(n_rows), plan, lead)
+                    None if row_mask is None else row_mask.reshape(n_rows), plan, lead, sparse)
 
     return _prepare(fn_name, tp_group, validate, logits, local_checks)
 
 
 def prepare_lm_head(fn_name, hidden, weight, tokens, *, tp_group, entropy, temperature, row_mask, vocab_size,
-                    reduce_dx, backend, validate, token_loss=None, fused_loss=False) -> Call:
+                    reduce_dx, backend, validate, token_loss=None, fused_loss=False, keep=None) -> Call:
     """The LM head's call (fused_loss: linear_token_loss, whose `token_loss` must be callable): every local check, the
     layout, the backend, the flattened [T, H] hidden states."""
     def local_checks(group, world_size, rank):
@@ -154,8 +156,9 @@ def prepare_lm_head(fn_name, hidden, weight, tokens, *, tp_group, entropy, tempe
                      fused_loss=fused_loss, entropy=entropy, backend=backend, validate=validate, reduce_dx=reduce_dx,
                      needs_grad=torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad))
         n_rows = math.prod(lead)
+        sparse = sparse_keep.check(fn_name, keep, n_rows, hidden.device)
         return Call(hidden.reshape(n_rows, width), tokens.reshape(n_rows), None,
-                    None if row_mask is None else row_mask.reshape(n_rows), plan, lead)
+                    None if row_mask is None else row_mask.reshape(n_rows), plan, lead, sparse)
 
     return _prepare(fn_name, tp_group, validate, hidden, local_checks)
 
@@ -242,32 +245,44 @@ def select_backend(fn_name: str, backend: str, rows: torch.Tensor, op: str, fuse
 
 # ---- partials -> global row statistics ----
 
-def check_across_ranks(plan: Plan, tokens, row_mask, bad: torch.Tensor) -> None:
+def check_across_ranks(plan: Plan, tokens, row_mask, bad: torch.Tensor, keep=None) -> None:
     """TP > 1, validate=True: the header exchange of the call (its one host read), before any collective whose size
-    depends on the call: ranks that disagree, or whose tokens or logits are bad, all raise here together. `tokens`
-    and `row_mask` are the call's (all T rows); `bad` is this rank's NaN / +inf flag (0-d bool)."""
+    depends on the call: ranks that disagree, or whose tokens, keep set or logits are bad, all raise here together.
+    `tokens` and `row_mask` are the call's (all T rows); `bad` is this rank's NaN / +inf flag (0-d bool); `keep`
+    the call's sparse keep set or None."""
     layout = plan.layout
     agreement.check_across_ranks(
         plan.fn_name, layout.group, layout.world_size, tokens, row_mask, bad, naming=plan.naming,
         v_local=layout.v_local, vocab_size=layout.vocab_size, temperature=plan.temperature,
         entropy_mode=plan.entropy_mode, has_keep_mask=plan.has_keep_mask, dtype=plan.dtype,
-        reduction_order=plan.reduction_order)
+        reduction_order=plan.reduction_order, keep=keep)
 
 
-def check_single_rank(plan: Plan, bad_rows, tokens, row_mask) -> None:
-    """TP = 1, validate=True: the value checks' one host read (token range, NaN / +inf logits)."""
-    agreement.check_single_rank_values(plan.fn_name, bad_rows, tokens, row_mask, plan.layout.vocab_size,
-                                       naming=plan.naming)
+def check_single_rank(plan: Plan, bad_rows, tokens, row_mask, keep=None) -> None:
+    """TP = 1, validate=True: the value checks' one host read (token range, NaN / +inf logits, the sparse keep set's
+    offsets and ids)."""
+    if keep is None:
+        agreement.check_single_rank_values(plan.fn_name, bad_rows, tokens, row_mask, plan.layout.vocab_size,
+                                           naming=plan.naming)
+        return
+    values = agreement.single_rank_values(bad_rows, tokens, row_mask,
+                                          extra_flags=sparse_keep.header_values(keep, bad_rows.device))
+    extra = agreement.raise_single_rank_values(plan.fn_name, agreement.read_to_host(values), row_mask,
+                                               plan.layout.vocab_size, naming=plan.naming)
+    exc = sparse_keep.value_error(plan.fn_name, extra, plan.layout.vocab_size)
+    if exc is not None:
+        raise exc
 
 
 def merge_row_stats(plan: Plan, partials: torch.Tensor, tokens, row_mask, *,
-                    validate: Optional[bool] = None) -> RowStats:
+                    validate: Optional[bool] = None, keep=None) -> RowStats:
     """This rank's [local segments, 5, R] partials -> global RowStats: at TP > 1 with `validate` (default: the
-    plan's) the header exchange first, then the all-gather of the partials, then the backend's fixed-order merge."""
+    plan's) the header exchange first (`keep`: the call's sparse keep set, checked in it), then the all-gather of the
+    partials, then the backend's fixed-order merge."""
     layout = plan.layout
     if layout.group is not None:
         if plan.validate if validate is None else validate:
-            check_across_ranks(plan, tokens, row_mask, agreement.bad_logits(partials))
+            check_across_ranks(plan, tokens, row_mask, agreement.bad_logits(partials), keep=keep)
         # Every rank takes part, R = 0 included: [segments, 5, R] has the same shape on every rank.
         gathered = torch.empty((layout.world_size * partials.shape[0],) + tuple(partials.shape[1:]),
                                dtype=partials.dtype, device=partials.device)

@@ -34,14 +34,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ppo_ops.core import shell
+from ppo_ops.core import shell, sparse_keep
 from ppo_ops.core.contracts import GradsWanted, HeadRows, HeldProbs, LinearSaved, UpstreamGrads
 from ppo_ops.core.shell import Plan, forward_outputs, refuse_double_backward
 
 
 class LinearLogProbEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, row_mask, plan: Plan):
+    def forward(ctx, hidden, weight, tokens, row_mask, plan: Plan, keep=None):
         layout = plan.layout
         n_rows = hidden.shape[0]
         rows = kept_row_indices(row_mask)
@@ -55,12 +55,16 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         # TP > 1, validate: before the all-gather of the partials, whose size depends on the call, ranks that
         # disagree, or whose tokens or logits are bad, all raise together (the call's one host read). The header
         # covers the call's T rows and row mask; the partials (kept rows) give the NaN / +inf flag.
-        stats = shell.merge_row_stats(plan, partials, tokens, row_mask)
+        stats = shell.merge_row_stats(plan, partials, tokens, row_mask, keep=keep)
+        log_prob = stats.log_prob
+        keep_state = None
+        if keep is not None:  # after the header exchange: its all-reduce is sized by the keep set
+            keep_state, log_prob = sparse_keep.lm_head_forward(keep, h, weight, t, rows, plan, log_prob)
         if plan.validate and layout.group is None:
             # TP = 1: last, so every launch of the forward is queued before the host waits (the one value read).
-            shell.check_single_rank(plan, stats.bad_input, tokens, row_mask)
+            shell.check_single_rank(plan, stats.bad_input, tokens, row_mask, keep=keep)
 
-        log_prob = scatter_rows(stats.log_prob, rows, n_rows)
+        log_prob = scatter_rows(log_prob, rows, n_rows)
         entropy = scatter_rows(stats.entropy, rows, n_rows)
         ctx.plan = plan
         ctx.n_rows = n_rows
@@ -73,6 +77,7 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
                 stats.row_has_mass, None if held is None else held.probs, None if held is None else held.tiles,
             )
             ctx.held_rows = None if held is None else held.rows
+            ctx.keep_state = keep_state
         return forward_outputs(ctx, plan.entropy_mode, log_prob, entropy)
 
     @staticmethod
@@ -86,16 +91,25 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         g_lp = _upstream(grad_log_prob, rows, log_prob_defined)
         g_ent = _upstream(grad_entropy, rows, has_mass) if plan.entropy_mode == "grad" else None
         if g_lp is None and g_ent is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
+        keep_state, g_keep = ctx.keep_state, None
+        if keep_state is not None and g_lp is not None:  # keep rows: their log-prob's term is added below
+            g_keep = kept(grad_log_prob.to(torch.float32), rows)
+            g_lp = sparse_keep.dense_grad(g_lp, keep_state)
         held = None if probs is None else HeldProbs(probs, tiles, ctx.held_rows)
         dx, dw = plan.backend.backward(HeadRows(h, weight, t, plan.shard),
                                        LinearSaved(shift, log_sum, mean_shifted, held), UpstreamGrads(g_lp, g_ent),
                                        GradsWanted(dx=need_dx, dw=need_dw))
+        if g_keep is not None:
+            if dx is not None:  # before the dX all-reduce: no collective of its own
+                sparse_keep.add_dx(keep_state, g_keep, dx, weight)
+            if dw is not None:
+                sparse_keep.add_dw(keep_state, g_keep, dw, h)
         if dx is not None:
             if plan.reduce_dx and plan.layout.group is not None:
                 dist.all_reduce(dx, group=plan.layout.group)  # fp32: one rounding to the input dtype, after the sum
             dx = scatter_rows(dx.to(ctx.hidden_dtype), rows, ctx.n_rows)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 def _upstream(grad, rows, ok):

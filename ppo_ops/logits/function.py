@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from ppo_ops.core import shell
+from ppo_ops.core import shell, sparse_keep
 from ppo_ops.core.contracts import BackwardStats, RowInputs, UpstreamGrads
 from ppo_ops.core.shell import Plan, forward_outputs, refuse_double_backward
 from ppo_ops.logits import sglang_order
@@ -36,21 +36,24 @@ from ppo_ops.logits import sglang_order
 
 class LogProbEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, tokens, keep_mask, row_mask, plan: Plan):
+    def forward(ctx, logits, tokens, keep_mask, row_mask, plan: Plan, keep=None):
         # A dropped row's token may be junk (-100 for prompt rows): its column is -1 or unused, never read.
         inputs = RowInputs(logits, tokens, keep_mask, row_mask)
         if plan.reduction_order == "sglang":  # SGLang's log_softmax order; backward is the same
             stats = sglang_order.row_stats(plan, inputs)
         else:
             partials = plan.backend.forward_partials(inputs, plan.shard, plan.entropy_mode != "none")
-            stats = shell.merge_row_stats(plan, partials, tokens, row_mask)
+            stats = shell.merge_row_stats(plan, partials, tokens, row_mask, keep=keep)
 
         log_prob, entropy = stats.log_prob, stats.entropy  # a dropped row's entropy is 0 already (no mass)
+        ctx.keep_state = None
+        if keep is not None:  # after the header exchange: its all-reduce is sized by the keep set
+            ctx.keep_state, log_prob = sparse_keep.logits_forward(keep, logits, tokens, row_mask, plan, log_prob)
         if row_mask is not None:
             log_prob = torch.where(row_mask, log_prob, torch.zeros_like(log_prob))  # no mass would give -inf
         if plan.validate and plan.layout.group is None:
             # TP = 1: last, so every launch of the forward is queued before the host waits (the one host sync).
-            shell.check_single_rank(plan, stats.bad_input, tokens, row_mask)
+            shell.check_single_rank(plan, stats.bad_input, tokens, row_mask, keep=keep)
 
         ctx.plan = plan
         ctx.consumed = False
@@ -82,14 +85,21 @@ class LogProbEntropyFunction(torch.autograd.Function):
         stats = BackwardStats(shift, log_sum, log_sum_kept, mean_shifted, defined, has_mass)
         upstream = UpstreamGrads(_as_fp32(grad_log_prob),
                                  _as_fp32(grad_entropy) if plan.entropy_mode == "grad" else None)
+        keep_state = ctx.keep_state
+        if keep_state is not None:  # keep rows: their log-prob's term is added below, on the kept entries only
+            upstream = UpstreamGrads(sparse_keep.dense_grad(upstream.grad_log_prob, keep_state),
+                                     upstream.grad_entropy)
         out = logits if plan.inplace_grad else torch.empty_like(logits)
         plan.backend.backward_grad(RowInputs(logits, tokens, keep_mask, row_mask), plan.shard, stats, upstream, out)
+        if keep_state is not None:
+            sparse_keep.logits_backward(keep_state, _as_fp32(grad_log_prob), upstream.grad_entropy, shift, log_sum,
+                                        mean_shifted, out)
         if plan.inplace_grad:
             # A kernel that writes through a raw pointer leaves the version counter alone, so autograd would let
             # another op's saved copy of these logits be read after they were overwritten: a silently wrong
             # gradient. Record the write as an in-place torch op would (torch ops have counted it already).
             torch.autograd.graph.increment_version(logits)
-        return out, None, None, None, None
+        return out, None, None, None, None, None
 
 
 def _as_fp32(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
