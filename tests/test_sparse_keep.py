@@ -250,13 +250,86 @@ def _rounding(backend, dtype, hidden, weight, row_mask):
     flat = hidden.reshape(-1, hidden.shape[-1])
     kept = torch.ones(flat.shape[0], dtype=torch.bool) if row_mask is None else row_mask.reshape(-1).cpu()
     held = torch.zeros_like(kept)
-    chunked_path = backend == "triton" and dtype != torch.float32 and shell.HALF_PRECISION_PATH == "chunked"
-    if chunked_path and triton_skip_reason(DEVICE) is None:
-        from ppo_ops.lm_head import chunked, gemm_partials
+    segment_path = backend == "triton" and dtype != torch.float32
+    if segment_path and triton_skip_reason(DEVICE) is None:
+        from ppo_ops.lm_head import gemm_partials, segment_gemms
         if gemm_partials.applies(flat.to(DEVICE).contiguous(), weight.to(DEVICE)):
             rows = torch.nonzero(kept).squeeze(1)
-            held[rows[:chunked.held_rows(rows.numel(), segment_length(weight.shape[0], 1), DEVICE)]] = True
+            held[rows[:segment_gemms.held_rows(rows.numel(), segment_length(weight.shape[0], 1), DEVICE)]] = True
     return dict(dl_roundoff=dl_roundoff, prob_storage=held)
+
+
+# --- the token loss: the keep rows' log-probs in its closure, their term in each block's dlogits ---
+
+def run_loss(hidden, weight, tokens, *, keep=None, w_lp, w_ent, device=DEVICE, tp_group=None, **opts):
+    """linear_token_loss with the closure sum(w_lp * log_prob + w_ent * entropy): its gradients are run_head's."""
+    h = hidden.detach().to(device).clone().requires_grad_(True)
+    w = weight.detach().to(device).clone().requires_grad_(True)
+    opts = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in opts.items()}
+    if keep is not None:
+        keep = tuple(t.to(device) for t in keep)
+    a, b = w_lp.reshape(-1).to(device), w_ent.reshape(-1).to(device)
+    loss, out = ppo_ops.linear_token_loss(h, w, tokens.to(device), lambda lp, ent, rows: a[rows] * lp + b[rows] * ent,
+                                          keep=keep, entropy="grad", tp_group=tp_group, **opts)
+    dx, dw = torch.autograd.grad(loss, [h, w])
+    return out.log_probs, out.entropy, dx, dw
+
+
+def _loss_rounding(backend, dtype, hidden, weight):
+    """The token loss rounds half-precision dlogits to the input dtype; its one-GEMM blocks (Triton, where the
+    one-GEMM kernels apply) form every row's dlogits from fp16 probabilities."""
+    dl_roundoff = UNIT_ROUNDOFF[dtype] if dtype != torch.float32 else 0.0
+    probs = False
+    if backend == "triton" and dtype != torch.float32 and triton_skip_reason(DEVICE) is None:
+        from ppo_ops.lm_head import segment_gemms, token_loss_blocks
+        flat = hidden.reshape(-1, hidden.shape[-1]).to(DEVICE).contiguous()
+        probs = token_loss_blocks.keeps_probs(segment_gemms.backend("triton").passes, flat, weight.to(DEVICE))
+    return dict(dl_roundoff=dl_roundoff, prob_storage=probs)
+
+
+@with_each_backend
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_loss_vs_float64(backend, dtype):
+    """The token loss with a keep set: its closure sees the keep rows' renormalised log-probs, and the keep term of
+    its gradient, added into each block's dlogits, reaches dX and dW as the general op's does (several row blocks
+    on CPU, a padded vocabulary, a row mask)."""
+    hidden, weight, tokens, row_mask, kept = head_case(dtype=dtype, vocab_size=V_GLOBAL - 6, rows=True)
+    lead = tuple(tokens.shape)
+    w_lp, w_ent = make_weights(lead, 4), make_weights(lead, 5, low=-1.0, high=1.0)
+    lp, ent, dx, dw = run_loss(hidden, weight, tokens, keep=csr(kept), w_lp=w_lp, w_ent=w_ent, backend=backend,
+                               temperature=0.7, vocab_size=V_GLOBAL - 6, row_mask=row_mask)
+    expected = bounds(hidden, weight, tokens, w_lp, w_ent, temperature=0.7, vocab_size=V_GLOBAL - 6,
+                      row_mask=row_mask, keep_mask=dense_mask(kept, V_GLOBAL, lead),
+                      **_loss_rounding(backend, dtype, hidden, weight))
+    assert_within("log_probs", lp.cpu(), expected["log_probs"])
+    assert (lp <= 0).all()
+    assert_within("entropy", ent.cpu(), expected["entropy"])
+    assert_within("dx", dx.cpu(), expected["dx"])
+    assert_within("dw", dw.cpu(), expected["dw"])
+
+
+@with_each_backend
+def test_token_loss_log_probs_are_the_general_ops(backend):
+    """The token loss's keep log-probs and entropies are the general op's, bit for bit (the same kept logits and
+    fixed-point sums; the same full-vocabulary path on the torch backend and where both take the one-GEMM forward)."""
+    hidden, weight, tokens, _, kept = head_case(dtype=torch.float32)
+    w = make_weights(tuple(tokens.shape), 4)
+    head = run_head(hidden, weight, tokens, keep=csr(kept), w_lp=w, w_ent=w, backend=backend)
+    loss = run_loss(hidden, weight, tokens, keep=csr(kept), w_lp=w, w_ent=w, backend=backend)
+    keep_rows_ = torch.tensor([len(k) > 0 for k in kept], device=head[0].device)
+    assert torch.equal(loss[0][keep_rows_], head[0][keep_rows_])
+
+
+def test_bad_keep_values_in_the_token_loss_raise():
+    """The token loss reads the keep set's values in its one end-of-forward read (TP = 1) and raises naming keep."""
+    hidden, weight, tokens = linear_inputs((4,), torch.float32, 3)
+    ids, off = csr([[1], [2, 3], [], [4]], "cpu")
+    with pytest.raises(ValueError, match="non-decreasing"):
+        ppo_ops.linear_token_loss(hidden, weight, tokens, lambda lp, ent, rows: -lp, backend="torch",
+                                  keep=(ids, torch.tensor([0, 2, 1, 3, 4])))
+    with pytest.raises(ValueError, match="keep ids"):
+        ppo_ops.linear_token_loss(hidden, weight, tokens, lambda lp, ent, rows: -lp, backend="torch",
+                                  keep=(torch.tensor([1, 2, 3, V_GLOBAL]), off))
 
 
 @with_each_backend
@@ -307,6 +380,10 @@ def _tp_results(rank, world_size, group, device, backends):
                                    w_lp=w_lp, w_ent=w_ent, device=device, tp_group=group, temperature=0.7,
                                    vocab_size=V_GLOBAL - 6, row_mask=h_row_mask, backend=backend)
         out[f"head_{backend}"] = dict(log_probs=lp.cpu(), entropy=ent.cpu(), dx=dx.cpu(), dw=dw.cpu())
+        lp, ent, dx, dw = run_loss(hidden, weight.chunk(world_size)[rank], h_tokens, keep=csr(h_kept, device),
+                                   w_lp=w_lp, w_ent=w_ent, device=device, tp_group=group, temperature=0.7,
+                                   vocab_size=V_GLOBAL - 6, row_mask=h_row_mask, backend=backend)
+        out[f"loss_{backend}"] = dict(log_probs=lp.cpu(), entropy=ent.cpu(), dx=dx.cpu(), dw=dw.cpu())
     return out
 
 
@@ -336,10 +413,13 @@ def test_tp_bitwise_invariant(tp_results, backend, tp):
                 assert torch.equal(have[name], want[name]), f"{op} TP={tp} rank {rank}: {name} differs from TP=1"
         want, have = tp1[f"logits_{backend}"], got[f"logits_{backend}"]
         assert torch.equal(have["grad"], shard_vocab(want["grad"], rank, tp)), f"logits grad TP={tp} rank {rank}"
-        want, have = tp1[f"head_{backend}"], got[f"head_{backend}"]
-        assert torch.equal(have["dw"], want["dw"].chunk(tp)[rank]), f"head dW TP={tp} rank {rank}"
-        dx, dx1 = have["dx"].double(), want["dx"].double()
-        assert ((dx - dx1).abs() <= DX_ACROSS_TP_MAX_REL * dx1.abs().max()).all(), f"head dX TP={tp} rank {rank}"
+        for op in ("head", "loss"):  # the general op and the token loss
+            want, have = tp1[f"{op}_{backend}"], got[f"{op}_{backend}"]
+            for name in ("log_probs", "entropy"):
+                assert torch.equal(have[name], want[name]), f"{op} TP={tp} rank {rank}: {name} differs from TP=1"
+            assert torch.equal(have["dw"], want["dw"].chunk(tp)[rank]), f"{op} dW TP={tp} rank {rank}"
+            dx, dx1 = have["dx"].double(), want["dx"].double()
+            assert ((dx - dx1).abs() <= DX_ACROSS_TP_MAX_REL * dx1.abs().max()).all(), f"{op} dX TP={tp} rank {rank}"
 
 
 # --- bad keep sets: one error naming keep, on every rank ---

@@ -146,7 +146,8 @@ class Backend(Protocol):
 #     loss_forward(head: HeadRows, with_entropy, hooks: LossHooks, wanted: GradsWanted) -> dW or None: per row block,
 #         the block's logits over every local segment, their partials, `hooks.merge` (TP all-gather + merge: global
 #         RowStats of the block), `hooks.block_grads` (the caller's loss on those stats: upstream gradients of the
-#         block), dlogits, `hooks.finish_dx` (the block's fp32 dX rows, to be reduced and rounded by the caller) and
+#         block), dlogits, `hooks.keep_dlogits` (a sparse keep set's term, into each block x segment of dlogits before
+#         its GEMMs), `hooks.finish_dx` (the block's fp32 dX rows, to be reduced and rounded by the caller) and
 #         dW: either accumulated in fp32 over the blocks and returned in fp32 (the caller rounds it once, with its
 #         upstream scale), or, where one block holds every row, finished in weight's dtype (the caller scales it).
 #         The logits are formed once per row.
@@ -211,6 +212,8 @@ class LossHooks(Protocol):
     def merge(self, partials: torch.Tensor) -> RowStats: ...  # [local segments, 5, n] -> the block's global stats
 
     def block_grads(self, stats: RowStats, r0: int, r1: int) -> BlockGrads: ...  # -> upstream gradients
+
+    def keep_dlogits(self, dl: torch.Tensor, r0: int, c0: int) -> None: ...  # a sparse keep set's term, into dl
 
     def finish_dx(self, dx32: torch.Tensor, r0: int, r1: int) -> None: ...  # fp32 [n, H] dX rows of this rank
 

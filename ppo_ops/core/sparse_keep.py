@@ -504,7 +504,7 @@ def add_dw(state: KeepState, grad_log_prob: torch.Tensor, dw: torch.Tensor, hidd
 
 
 def add_to_dlogits(state: KeepState, coef: torch.Tensor, dl: torch.Tensor, r0: int, c0: int) -> None:
-    """For a backend that forms dlogits in blocks (the LM head's segment-GEMM backend, the token loss): adds the keep rows'
+    """For a backend that forms dlogits in blocks (the token loss's row blocks): adds the keep rows'
     log-prob term to the block `dl` [n_rows, n_cols] (any strides, e.g. the transpose of a vocabulary-major buffer),
     whose element (i, j) is row r0 + i (of the state's rows) and local column c0 + j: dl[i, j] += coef_e for each
     entry this rank holds in that window (`coef` from coefficients(): inv_t * g * (delta - q), 0 elsewhere). The

@@ -12,8 +12,14 @@ nothing where it is 1; an accumulator in the same pass as its one rounding to th
 core/scale.py; these are this op's own buffers), and hands them out; a second backward raises (the saved gradients
 are gone).
 
-`BlockLoop` holds one forward's state (outputs, flags, the end read, this rank's failure) and is the backend's
-`LossHooks`: merge, block_grads and finish_dx are its methods.
+`BlockLoop` holds one forward's state (outputs, flags, the end read, this rank's failure, the keep set's state) and is
+the backend's `LossHooks`: merge, block_grads, keep_dlogits and finish_dx are its methods.
+
+A sparse keep set (`keep`, core/sparse_keep.py): its kept logits are formed once, in the first block's merge (after
+the header exchange, since their all-reduce is sized by the keep set); each block's keep rows get their renormalised
+log-probs before the caller's loss sees them; the loss's log-prob gradient goes to the full-vocabulary dlogits as 0 on
+keep rows, and the keep term is added into each block x segment of dlogits (keep_dlogits) before its dX / dW GEMMs,
+so it rides in them: no pass of its own over the weight or the hidden rows.
 
 Row-separable losses only: a row's term may depend on its own log-prob, entropy and constants (indexed by the row
 ids the loss is given), never on other rows' values, because the loss sees one row block at a time. TP > 1: every
@@ -46,7 +52,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ppo_ops.core import agreement, checks, shell
+from ppo_ops.core import agreement, checks, shell, sparse_keep
 from ppo_ops.core.scale import scale_in_place, scale_round_in_place
 from ppo_ops.core.contracts import BlockGrads, GradsWanted, HeadRows, RowStats
 from ppo_ops.core.shell import Plan, refuse_double_backward
@@ -62,16 +68,15 @@ FAILURES = (("raised an exception", RuntimeError), ("returned values of the wron
 
 class LinearTokenLossFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, row_mask, plan: Plan, token_loss):
+    def forward(ctx, hidden, weight, tokens, row_mask, plan: Plan, token_loss, keep=None):
         n_rows, width = hidden.shape
         rows = kept_row_indices(row_mask)
-        h = kept(hidden, rows).contiguous()
+        head = HeadRows(kept(hidden, rows).contiguous(), weight, kept(tokens, rows), plan.shard)
         need_dx = plan.needs_grad and ctx.needs_input_grad[0]
         need_dw = plan.needs_grad and ctx.needs_input_grad[1]
-        loop = BlockLoop(plan, token_loss, hidden, tokens, row_mask, rows, n_kept=h.shape[0], need_dx=need_dx,
-                         need_grad=need_dx or need_dw)
-        dw = plan.backend.loss_forward(HeadRows(h, weight, kept(tokens, rows), plan.shard), loop.with_entropy, loop,
-                                       GradsWanted(dx=need_dx, dw=need_dw))
+        loop = BlockLoop(plan, token_loss, hidden, tokens, row_mask, rows, n_kept=head.hidden.shape[0],
+                         need_dx=need_dx, need_grad=need_dx or need_dw, keep=keep, head=head)
+        dw = plan.backend.loss_forward(head, loop.with_entropy, loop, GradsWanted(dx=need_dx, dw=need_dw))
         loop.finish()
 
         ctx.plan = plan
@@ -96,7 +101,7 @@ class LinearTokenLossFunction(torch.autograd.Function):
         ctx.consumed = True
         dx, dw = ctx.saved_tensors
         if grad_loss is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         g = grad_loss.to(torch.float32)
         # In place, in fp32, nothing to do where g is 1: dX one more rounding otherwise; dW its only rounding where
         # it is still the fp32 accumulator, else (finished in the forward) one more rounding like dX.
@@ -106,7 +111,7 @@ class LinearTokenLossFunction(torch.autograd.Function):
             dw = scale_round_in_place(dw, g, ctx.dw_dtype)
         elif dw is not None:
             scale_in_place(dw, g)
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 class BlockLoop:
@@ -115,7 +120,8 @@ class BlockLoop:
     Rows r0 .. r1 are indices into the kept rows."""
 
     def __init__(self, plan: Plan, token_loss, hidden, tokens, row_mask, rows: Optional[torch.Tensor], *,
-                 n_kept: int, need_dx: bool, need_grad: bool):
+                 n_kept: int, need_dx: bool, need_grad: bool, keep: Optional[sparse_keep.SparseKeep] = None,
+                 head: Optional[HeadRows] = None):
         device = hidden.device
         self.plan, self.token_loss = plan, token_loss
         self.tokens, self.row_mask, self.rows = tokens, row_mask, rows  # the call's (all T rows), the kept indices
@@ -135,24 +141,34 @@ class BlockLoop:
         self.collective_failure = plan.layout.group is not None and plan.validate
         self.failure: Optional[BaseException] = None
         self.end_read: Optional[agreement.HostRead] = None
+        self.keep, self.head = keep, head  # the sparse keep set and the kept rows' operands it is formed from
+        self.keep_state: Optional[sparse_keep.KeepState] = None  # formed in the first merge
+        self.keep_coef: Optional[torch.Tensor] = None  # the current block's keep term per entry, or None
 
     # ---- the backend's hooks ----
 
     def merge(self, partials: torch.Tensor) -> RowStats:
         """[local segments, 5, n] partials -> the block's global RowStats (the header exchange before the first)."""
         stats = shell.merge_row_stats(self.plan, partials, self.tokens, self.row_mask,
-                                      validate=not self.headers_done)
+                                      validate=not self.headers_done, keep=self.keep)
         self.headers_done = True
+        if self.keep is not None and self.keep_state is None:  # after the header exchange: every rank, once
+            h = self.head
+            self.keep_state, _ = sparse_keep.lm_head_forward(self.keep, h.hidden, h.weight, h.tokens, self.rows,
+                                                             self.plan, self.log_prob)
         return stats
 
     def block_grads(self, stats: RowStats, r0: int, r1: int) -> BlockGrads:
         """The caller's loss on the block: its values summed into the loss, its gradients for dlogits."""
-        self.log_prob[r0:r1] = stats.log_prob
+        log_prob = stats.log_prob
+        if self.keep_state is not None:  # the keep rows' log-probs, renormalised over their keep sets
+            log_prob = sparse_keep.replace_log_probs(log_prob, self.keep_state, r0, r1)
+        self.log_prob[r0:r1] = log_prob
         ent = None
         if self.with_entropy:
             self.entropy[r0:r1] = stats.entropy
             ent = stats.entropy
-        value, g_lp, g_ent = self._loss_of_block(stats.log_prob, ent, self.row_ids[r0:r1])
+        value, g_lp, g_ent = self._loss_of_block(log_prob, ent, self.row_ids[r0:r1])
         self.loss.add_(value.sum())
         if self.plan.validate:
             self.flags[_BAD_LOGITS] |= stats.bad_input.any()
@@ -163,12 +179,23 @@ class BlockLoop:
             self.flags[_NON_FINITE] |= ~finite
             if r1 == self.n_kept:
                 self.end_read = self._start_end_read()
+        self.keep_coef = None
+        if self.keep_state is not None and g_lp is not None:
+            # the keep rows' term, added into the block's dlogits (keep_dlogits); 0 on them for the full vocabulary
+            self.keep_coef = sparse_keep.coefficients(self.keep_state, g_lp, r0, r1)
+            g_lp = sparse_keep.dense_grad(g_lp, self.keep_state, r0, r1)
         # No gradient where the quantity has none (log-prob -inf: no mass in its set; entropy of an empty row).
         if g_lp is not None:
             g_lp = torch.where(stats.log_prob_defined, g_lp, torch.zeros_like(g_lp)).contiguous()
         if g_ent is not None:
             g_ent = torch.where(stats.row_has_mass, g_ent, torch.zeros_like(g_ent)).contiguous()
         return BlockGrads(g_lp, g_ent)
+
+    def keep_dlogits(self, dl: torch.Tensor, r0: int, c0: int) -> None:
+        """Adds the current block's keep term into `dl` [n, cols] (rows r0.. of the kept rows, local columns c0..), a
+        block x segment of its dlogits, before the dX / dW GEMMs read it; nothing without a keep set."""
+        if self.keep_coef is not None:
+            sparse_keep.add_to_dlogits(self.keep_state, self.keep_coef, dl, r0, c0)
 
     def finish_dx(self, dx32: torch.Tensor, r0: int, r1: int) -> None:
         """The block's fp32 dX rows of this rank: reduced over the ranks (reduce_dx), rounded once, stored."""
@@ -188,7 +215,7 @@ class BlockLoop:
         plan = self.plan
         if not self.headers_done:
             shell.check_across_ranks(plan, self.tokens, self.row_mask,
-                                     torch.zeros((), dtype=torch.bool, device=self.loss.device))
+                                     torch.zeros((), dtype=torch.bool, device=self.loss.device), keep=self.keep)
         if plan.validate:
             self._raise_end(self.end_read if self.end_read is not None else self._start_end_read())
 
@@ -196,10 +223,10 @@ class BlockLoop:
         """The value checks' one host read, started: at TP = 1 the logits op's values (token range, NaN / +inf
         logits) with the loss's flags; at TP > 1 every rank's flags, all-gathered (the same table on every rank)."""
         layout = self.plan.layout
-        if layout.group is None:
+        if layout.group is None:  # then the keep set's values (checked in the header exchange at TP > 1)
+            extra = torch.cat([self.flags[_NON_FINITE:], sparse_keep.header_values(self.keep, self.flags.device)])
             return agreement.HostRead(agreement.single_rank_values(self.flags[_BAD_LOGITS:_BAD_LOGITS + 1],
-                                                                   self.tokens, self.row_mask,
-                                                                   extra_flags=self.flags[_NON_FINITE:]))
+                                                                   self.tokens, self.row_mask, extra_flags=extra))
         table = torch.empty((layout.world_size * self.flags.numel(),), dtype=torch.int64, device=self.flags.device)
         agreement.all_gather_into(table, self.flags, layout.group)  # rank-major: [tp, 3] when read
         return agreement.HostRead(table)
@@ -209,8 +236,11 @@ class BlockLoop:
         plan = self.plan
         fn, layout = plan.fn_name, plan.layout
         if layout.group is None:
-            bad_loss, _ = agreement.raise_single_rank_values(fn, read.values(), self.row_mask, layout.vocab_size,
-                                                             naming=plan.naming)
+            bad_loss, _, *keep_values = agreement.raise_single_rank_values(fn, read.values(), self.row_mask,
+                                                                           layout.vocab_size, naming=plan.naming)
+            keep_error = sparse_keep.value_error(fn, keep_values, layout.vocab_size)
+            if keep_error is not None:
+                raise keep_error
             table = [[0, bad_loss, 0]]
             where = ""
         else:

@@ -4,7 +4,8 @@
 Per row block: the block's logits over every local segment -> their partials -> `hooks.merge` (TP all-gather,
 fixed-order merge) -> `hooks.block_grads` (the caller's loss: upstream gradients of the block's log-probs and
 entropies) -> dlogits in the input dtype -> dX rows (fp32 over the local segments, `hooks.finish_dx` reduces and
-rounds them once) and dW. Two block layouts:
+rounds them once) and dW; a sparse keep set's term goes into each block x segment of dlogits before those GEMMs
+(`hooks.keep_dlogits`). Two block layouts:
 
     one-GEMM blocks (segment_gemms' Triton passes, half precision, TMA-aligned rows): the general op's one-GEMM
         forward also stores every logit as e^(z - tile max) in fp16 into a segment-major [n_seg, rows, seg_len]
@@ -173,6 +174,7 @@ def _blocks_by_probs(passes, head: HeadRows, with_entropy: bool, hooks: LossHook
                 probs, tiles, n, x, weight, tokens[rs], shard,
                 BackwardStats(stats.shift, stats.log_sum, None, stats.mean_shifted if g_ent is not None else None),
                 UpstreamGrads(g_lp, g_ent), hidden.dtype)
+        _add_keep_term(hooks, dl, r0, n, segments)
         grads.add_block(dl, r0, n, x)
     return dw
 
@@ -216,10 +218,19 @@ def _blocks_by_chunks(passes, head: HeadRows, with_entropy: bool, hooks: LossHoo
                                         BackwardStats(stats.shift, stats.log_sum, None,
                                                       stats.mean_shifted if g_ent is not None else None),
                                         UpstreamGrads(g_lp, g_ent), dl[s, offset:offset + n])
+        _add_keep_term(hooks, dl[:, offset:offset + n], r0, n, grads.segments)
         grads.add_dx(dl[:, offset:offset + n], r0, n)
         if (b + 1) % blocks_per_group == 0 or b + 1 == blocks.count:
             g0 = (b // blocks_per_group) * shape.loss_dw_rows
             grads.add_dw(dl, r0 + n - g0, hidden[g0:r0 + n])
+
+
+def _add_keep_term(hooks: LossHooks, dl, r0: int, n: int, segments) -> None:
+    """A sparse keep set's term into the block's dlogits [n_seg, >= n, seg_len], segment by segment, before its dX
+    and dW GEMMs read them (hooks.keep_dlogits: nothing without a keep set)."""
+    for s, seg_lo, seg in segments:
+        if seg.n_valid:
+            hooks.keep_dlogits(dl[s, :n], r0, seg_lo)
 
 
 def _accumulator(weight, segments) -> torch.Tensor:
