@@ -93,6 +93,9 @@ class UpstreamGrads:
 
     grad_log_prob: Optional[torch.Tensor]
     grad_entropy: Optional[torch.Tensor]  # None unless entropy="grad"
+    # LM head: a sparse keep set's term, added into a [rows, cols] block of dlogits (kept rows r0.., local columns
+    # c0..) before the dX / dW GEMMs read it, by backends that form dlogits in blocks (`applies_dlogits_term`)
+    dlogits_term: Optional[Callable[[torch.Tensor, int, int], None]] = None
 
 
 @runtime_checkable

@@ -29,6 +29,7 @@ does, see linear_log_probs_and_entropy's docstring).
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -92,15 +93,19 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         g_ent = _upstream(grad_entropy, rows, has_mass) if plan.entropy_mode == "grad" else None
         if g_lp is None and g_ent is None:
             return None, None, None, None, None, None
-        keep_state, g_keep = ctx.keep_state, None
+        keep_state, g_keep, term = ctx.keep_state, None, None
         if keep_state is not None and g_lp is not None:  # keep rows: their log-prob's term is added below
             g_keep = kept(grad_log_prob.to(torch.float32), rows)
             g_lp = sparse_keep.dense_grad(g_lp, keep_state)
+            if getattr(plan.backend, "applies_dlogits_term", False):  # into its dlogits blocks: no passes of its own
+                coef = sparse_keep.coefficients(keep_state, g_keep)
+                term = functools.partial(sparse_keep.add_to_dlogits, keep_state, coef)
+                g_keep = None
         held = None if probs is None else HeldProbs(probs, tiles, ctx.held_rows)
         dx, dw = plan.backend.backward(HeadRows(h, weight, t, plan.shard),
-                                       LinearSaved(shift, log_sum, mean_shifted, held), UpstreamGrads(g_lp, g_ent),
-                                       GradsWanted(dx=need_dx, dw=need_dw))
-        if g_keep is not None:
+                                       LinearSaved(shift, log_sum, mean_shifted, held),
+                                       UpstreamGrads(g_lp, g_ent, term), GradsWanted(dx=need_dx, dw=need_dw))
+        if g_keep is not None:  # backends that form no dlogits blocks: the keep term's dX and dW passes
             if dx is not None:  # before the dX all-reduce: no collective of its own
                 sparse_keep.add_dx(keep_state, g_keep, dx, weight)
             if dw is not None:

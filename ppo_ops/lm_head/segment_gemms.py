@@ -249,6 +249,8 @@ def segments(shard: ShardOptions, v_local: int):
 class SegmentGemmBackend:
     """LinearBackend and FusedLossBackend over the segment GEMMs and the logits op's passes (`passes`)."""
 
+    applies_dlogits_term = True  # backward adds UpstreamGrads.dlogits_term into each group's dlogits
+
     def __init__(self, passes):
         self.passes = passes
         self.name = f"segments-{passes.name}"
@@ -366,6 +368,8 @@ class SegmentGemmBackend:
                                             dl[r0 - g0:r0 - g0 + n])
                 m = min(group_rows, n_rows - g0)
                 part = dl[:m]
+                if upstream.dlogits_term is not None:  # a sparse keep set's term: it rides in the GEMMs below
+                    upstream.dlogits_term(part, g0, seg_lo)
                 if need_dx:
                     addmm_fp32(dx[g0:g0 + m], part, w_s)
                 if need_dw:
