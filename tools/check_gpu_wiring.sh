@@ -51,6 +51,7 @@ test_qwen3_parallel_check_gpu2 2
 test_sglang_kernels 1
 test_sglang_order_gpu 1
 test_sglang_order_gpu2 2
+test_sparse_keep_gpu 1
 test_tp_invariance_gpu 1
 test_tp_invariance_gpu2 2
 test_tp_invariance_gpu4 4
