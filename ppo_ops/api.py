@@ -17,6 +17,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from ppo_ops.compiled import logits_op
 from ppo_ops.core import shell
 from ppo_ops.lm_head.function import LinearLogProbEntropyFunction
 from ppo_ops.lm_head.loss_function import LinearTokenLossFunction
@@ -102,6 +103,11 @@ def log_probs_and_entropy(
     device and the collectives run in Python: a graph break; without fullgraph the op runs eagerly inside a
     compiled model).
     """
+    if torch.compiler.is_compiling():  # the custom operator (ppo_ops/compiled/logits_op.py)
+        return LogProbsEntropy(*logits_op.log_probs_and_entropy(
+            logits, tokens, tp_group=tp_group, entropy=entropy, keep_mask=keep_mask, keep=keep,
+            temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, chunk_size=chunk_size,
+            inplace_grad=inplace_grad, backend=backend, validate=validate, reduction_order=reduction_order))
     call = shell.prepare_logits(
         "log_probs_and_entropy", logits, tokens, tp_group=tp_group, entropy=entropy, keep_mask=keep_mask,
         temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, chunk_size=chunk_size,

@@ -37,34 +37,15 @@ from ppo_ops.logits import sglang_order
 class LogProbEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, tokens, keep_mask, row_mask, plan: Plan, keep=None):
-        # A dropped row's token may be junk (-100 for prompt rows): its column is -1 or unused, never read.
-        inputs = RowInputs(logits, tokens, keep_mask, row_mask)
-        if plan.reduction_order == "sglang":  # SGLang's log_softmax order; backward is the same
-            stats = sglang_order.row_stats(plan, inputs)
-        else:
-            partials = plan.backend.forward_partials(inputs, plan.shard, plan.entropy_mode != "none")
-            stats = shell.merge_row_stats(plan, partials, tokens, row_mask, keep=keep)
-
-        log_prob, entropy = stats.log_prob, stats.entropy  # a dropped row's entropy is 0 already (no mass)
-        ctx.keep_state = None
-        if keep is not None:  # after the header exchange: its all-reduce is sized by the keep set
-            ctx.keep_state, log_prob = sparse_keep.logits_forward(keep, logits, tokens, row_mask, plan, log_prob)
-        if row_mask is not None:
-            log_prob = torch.where(row_mask, log_prob, torch.zeros_like(log_prob))  # no mass would give -inf
-        if plan.validate and plan.layout.group is None:
-            # TP = 1: last, so every launch of the forward is queued before the host waits (the one host sync).
-            shell.check_single_rank(plan, stats.bad_input, tokens, row_mask, keep=keep)
-
+        log_prob, entropy, stats, keep_state = forward_values(RowInputs(logits, tokens, keep_mask, row_mask), plan,
+                                                              keep)
         ctx.plan = plan
+        ctx.keep_state = keep_state
         ctx.consumed = False
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no work for it
         # The stats are sanitised (0 where a row has no mass, dropped rows included); the backend zeroes those rows'
         # upstream gradients.
-        ctx.save_for_backward(
-            logits, keep_mask, row_mask, tokens, stats.shift, stats.log_sum, stats.log_sum_kept,
-            stats.mean_shifted if plan.entropy_mode == "grad" else None,
-            stats.log_prob_defined, stats.row_has_mass,  # a defined log-prob implies mass: its kept set has some
-        )
+        ctx.save_for_backward(logits, keep_mask, row_mask, tokens, *saved_stats(stats, plan))
         return forward_outputs(ctx, plan.entropy_mode, log_prob, entropy)
 
     @staticmethod
@@ -77,29 +58,63 @@ class LogProbEntropyFunction(torch.autograd.Function):
                 "logits with their gradient, so a second would read a gradient as logits"
             )
         ctx.consumed = True
-        logits, keep_mask, row_mask, tokens, shift, log_sum, log_sum_kept, mean_shifted, defined, has_mass = (
-            ctx.saved_tensors
-        )
-        # Everything between here and the backend's launch is host time on the critical path when the forward
-        # synchronised (validate=True): the backends zero the upstream gradients of rows without one themselves.
-        stats = BackwardStats(shift, log_sum, log_sum_kept, mean_shifted, defined, has_mass)
-        upstream = UpstreamGrads(_as_fp32(grad_log_prob),
-                                 _as_fp32(grad_entropy) if plan.entropy_mode == "grad" else None)
-        keep_state = ctx.keep_state
-        if keep_state is not None:  # keep rows: their log-prob's term is added below, on the kept entries only
-            upstream = UpstreamGrads(sparse_keep.dense_grad(upstream.grad_log_prob, keep_state),
-                                     upstream.grad_entropy)
+        logits, keep_mask, row_mask, tokens, *stats = ctx.saved_tensors
         out = logits if plan.inplace_grad else torch.empty_like(logits)
-        plan.backend.backward_grad(RowInputs(logits, tokens, keep_mask, row_mask), plan.shard, stats, upstream, out)
-        if keep_state is not None:
-            sparse_keep.logits_backward(keep_state, _as_fp32(grad_log_prob), upstream.grad_entropy, shift, log_sum,
-                                        mean_shifted, out)
+        grad_logits(RowInputs(logits, tokens, keep_mask, row_mask), plan, BackwardStats(*stats), grad_log_prob,
+                    grad_entropy, ctx.keep_state, out)
         if plan.inplace_grad:
             # A kernel that writes through a raw pointer leaves the version counter alone, so autograd would let
             # another op's saved copy of these logits be read after they were overwritten: a silently wrong
             # gradient. Record the write as an in-place torch op would (torch ops have counted it already).
             torch.autograd.graph.increment_version(logits)
         return out, None, None, None, None, None
+
+
+def forward_values(inputs: RowInputs, plan: Plan, keep: Optional[sparse_keep.SparseKeep]) -> tuple:
+    """The forward of a prepared call: (log_prob [T], entropy [T], RowStats, the keep set's KeepState or None).
+    Shared by the autograd Function and the custom operator (ppo_ops/compiled/logits_op.py)."""
+    logits, tokens, row_mask = inputs.logits, inputs.tokens, inputs.row_mask
+    # A dropped row's token may be junk (-100 for prompt rows): its column is -1 or unused, never read.
+    if plan.reduction_order == "sglang":  # SGLang's log_softmax order; backward is the same
+        stats = sglang_order.row_stats(plan, inputs)
+    else:
+        partials = plan.backend.forward_partials(inputs, plan.shard, plan.entropy_mode != "none")
+        stats = shell.merge_row_stats(plan, partials, tokens, row_mask, keep=keep)
+
+    log_prob, entropy = stats.log_prob, stats.entropy  # a dropped row's entropy is 0 already (no mass)
+    keep_state = None
+    if keep is not None:  # after the header exchange: its all-reduce is sized by the keep set
+        keep_state, log_prob = sparse_keep.logits_forward(keep, logits, tokens, row_mask, plan, log_prob)
+    if row_mask is not None:
+        log_prob = torch.where(row_mask, log_prob, torch.zeros_like(log_prob))  # no mass would give -inf
+    if plan.validate and plan.layout.group is None:
+        # TP = 1: last, so every launch of the forward is queued before the host waits (the one host sync).
+        shell.check_single_rank(plan, stats.bad_input, tokens, row_mask, keep=keep)
+    return log_prob, entropy, stats, keep_state
+
+
+def saved_stats(stats, plan: Plan) -> tuple:
+    """What backward reads of the forward's RowStats, in BackwardStats' field order (a defined log-prob implies
+    mass: its kept set has some)."""
+    return (stats.shift, stats.log_sum, stats.log_sum_kept,
+            stats.mean_shifted if plan.entropy_mode == "grad" else None,
+            stats.log_prob_defined, stats.row_has_mass)
+
+
+def grad_logits(inputs: RowInputs, plan: Plan, stats: BackwardStats, grad_log_prob, grad_entropy,
+                keep_state: Optional[sparse_keep.KeepState], out: torch.Tensor) -> torch.Tensor:
+    """Writes the logits' gradient into `out` ([T, V_local], the logits' dtype; the logits themselves with
+    inplace_grad) and returns it."""
+    # Everything between here and the backend's launch is host time on the critical path when the forward
+    # synchronised (validate=True): the backends zero the upstream gradients of rows without one themselves.
+    upstream = UpstreamGrads(_as_fp32(grad_log_prob), _as_fp32(grad_entropy) if plan.entropy_mode == "grad" else None)
+    if keep_state is not None:  # keep rows: their log-prob's term is added below, on the kept entries only
+        upstream = UpstreamGrads(sparse_keep.dense_grad(upstream.grad_log_prob, keep_state), upstream.grad_entropy)
+    plan.backend.backward_grad(inputs, plan.shard, stats, upstream, out)
+    if keep_state is not None:
+        sparse_keep.logits_backward(keep_state, _as_fp32(grad_log_prob), upstream.grad_entropy, stats.shift,
+                                    stats.log_sum, stats.mean_shifted, out)
+    return out
 
 
 def _as_fp32(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
