@@ -133,8 +133,8 @@ def log_probs_and_entropy(logits, tokens, *, tp_group, entropy, keep_mask, keep,
                                     "inplace_grad=True is not supported under torch.compile (it writes the gradient "
                                     "into an input the compiler owns); use inplace_grad=False")
     keep_ids, keep_offsets = common.keep_tensors(FN, keep)
-    out = forward_op(logits, tokens, keep_mask, row_mask, keep_ids, keep_offsets, common.group_name(FN, tp_group),
-                     entropy, common.python_number(FN, "temperature", temperature),
+    out = forward_op(logits, tokens, keep_mask, row_mask, keep_ids, keep_offsets,
+                     common.group_name(FN, tp_group), entropy, common.python_number(FN, "temperature", temperature),
                      common.python_number(FN, "vocab_size", vocab_size, numbers.Integral),
                      common.python_number(FN, "chunk_size", chunk_size, numbers.Integral), backend, validate, reduction_order,
                      syncs=bool(validate))

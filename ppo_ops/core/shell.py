@@ -84,7 +84,8 @@ def on_device(call: Call):
 def _prepare(fn_name: str, tp_group, validate, like, local_checks: Callable[..., Call]) -> Call:
     """Resolves tp_group, then `local_checks(group, world_size, rank)`; its error raises on every rank together
     (TP > 1 with validate=True) or here. `like` is the tensor whose device the error header goes on."""
-    if validate is True and isinstance(like, torch.Tensor) and like.is_cuda and torch.cuda.is_current_stream_capturing():
+    capturing = isinstance(like, torch.Tensor) and like.is_cuda and torch.cuda.is_current_stream_capturing()
+    if validate is True and capturing:
         # Before any collective, on every rank alike (they all capture): the value checks' host read would fail
         # inside the capture with an error of torch's that names no option.
         raise checks.argument_error(
