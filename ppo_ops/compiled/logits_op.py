@@ -136,6 +136,6 @@ def log_probs_and_entropy(logits, tokens, *, tp_group, entropy, keep_mask, keep,
     out = forward_op(logits, tokens, keep_mask, row_mask, keep_ids, keep_offsets,
                      common.group_name(FN, tp_group), entropy, common.python_number(FN, "temperature", temperature),
                      common.python_number(FN, "vocab_size", vocab_size, numbers.Integral),
-                     common.python_number(FN, "chunk_size", chunk_size, numbers.Integral), backend, validate, reduction_order,
-                     syncs=bool(validate))
+                     common.python_number(FN, "chunk_size", chunk_size, numbers.Integral), backend, validate,
+                     reduction_order, syncs=bool(validate))
     return out[0], (out[1] if entropy != "none" else None)
