@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from ppo_ops.compiled import logits_op
+from ppo_ops.compiled import common, linear_op, logits_op, token_loss_op
 from ppo_ops.core import shell
 from ppo_ops.lm_head.function import LinearLogProbEntropyFunction
 from ppo_ops.lm_head.loss_function import LinearTokenLossFunction
@@ -103,11 +103,19 @@ def log_probs_and_entropy(
     device and the collectives run in Python: a graph break; without fullgraph the op runs eagerly inside a
     compiled model).
     """
-    if torch.compiler.is_compiling():  # the custom operator (ppo_ops/compiled/logits_op.py)
-        return LogProbsEntropy(*logits_op.log_probs_and_entropy(
-            logits, tokens, tp_group=tp_group, entropy=entropy, keep_mask=keep_mask, keep=keep,
-            temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, chunk_size=chunk_size,
-            inplace_grad=inplace_grad, backend=backend, validate=validate, reduction_order=reduction_order))
+    options = dict(tp_group=tp_group, entropy=entropy, keep_mask=keep_mask, keep=keep, temperature=temperature,
+                   row_mask=row_mask, vocab_size=vocab_size, chunk_size=chunk_size, backend=backend,
+                   validate=validate, reduction_order=reduction_order)
+    if not torch.compiler.is_compiling():
+        return _log_probs_eager(logits, tokens, inplace_grad=inplace_grad, **options)
+    if logits_op.crosses(tp_group=tp_group, keep=keep, temperature=temperature, vocab_size=vocab_size,
+                         chunk_size=chunk_size, inplace_grad=inplace_grad):
+        return LogProbsEntropy(*logits_op.log_probs_and_entropy(logits, tokens, **options))
+    return _log_probs_outside_graph(logits, tokens, inplace_grad=inplace_grad, **options)
+
+
+def _log_probs_eager(logits, tokens, *, tp_group, entropy, keep_mask, keep, temperature, row_mask, vocab_size,
+                     chunk_size, inplace_grad, backend, validate, reduction_order) -> LogProbsEntropy:
     call = shell.prepare_logits(
         "log_probs_and_entropy", logits, tokens, tp_group=tp_group, entropy=entropy, keep_mask=keep_mask,
         temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, chunk_size=chunk_size,
@@ -117,6 +125,9 @@ def log_probs_and_entropy(
         out = LogProbEntropyFunction.apply(call.rows, call.tokens, call.keep_mask, call.row_mask, call.plan,
                                            call.keep)
     return _outputs(out, call)
+
+
+_log_probs_outside_graph = torch.compiler.disable(_log_probs_eager, reason=common.OUTSIDE_GRAPH)
 
 
 def calculate_log_probs_and_entropy(
@@ -140,14 +151,18 @@ def calculate_log_probs_and_entropy(
     if _is_number(chunk_size) and chunk_size <= 0:
         chunk_size = None
     mode = "none" if not with_entropy else ("grad" if with_entropy_grad else "value")
-    call = shell.prepare_logits(
-        "calculate_log_probs_and_entropy", logits, tokens, tp_group=tp_group, entropy=mode,
-        keep_mask=log_prob_keep_mask, temperature=1.0, row_mask=None, vocab_size=None, chunk_size=chunk_size,
-        inplace_grad=False, backend="auto", validate=True,
-    )
-    with shell.on_device(call):
-        out = LogProbEntropyFunction.apply(call.rows, call.tokens, call.keep_mask, call.row_mask, call.plan)
-    result = _outputs(out, call)
+    if torch.compiler.is_compiling():  # the logits op's operator (its errors name log_probs_and_entropy)
+        result = log_probs_and_entropy(logits, tokens, tp_group=tp_group, entropy=mode, keep_mask=log_prob_keep_mask,
+                                       chunk_size=chunk_size)
+    else:
+        call = shell.prepare_logits(
+            "calculate_log_probs_and_entropy", logits, tokens, tp_group=tp_group, entropy=mode,
+            keep_mask=log_prob_keep_mask, temperature=1.0, row_mask=None, vocab_size=None, chunk_size=chunk_size,
+            inplace_grad=False, backend="auto", validate=True,
+        )
+        with shell.on_device(call):
+            out = LogProbEntropyFunction.apply(call.rows, call.tokens, call.keep_mask, call.row_mask, call.plan)
+        result = _outputs(out, call)
     log_prob = result.log_probs
     log_prob = log_prob.reshape(0) if log_prob.numel() == 0 else log_prob.unsqueeze(-1)
     return log_prob, result.entropy
@@ -261,6 +276,17 @@ def linear_log_probs_and_entropy(
     Returns:
       LogProbsEntropy(log_probs, entropy), float32, shaped like tokens.
     """
+    options = dict(tp_group=tp_group, entropy=entropy, keep=keep, temperature=temperature, row_mask=row_mask,
+                   vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend, validate=validate)
+    if not torch.compiler.is_compiling():
+        return _linear_eager(hidden, weight, tokens, **options)
+    if common.can_cross(tp_group, keep, temperature, vocab_size):
+        return LogProbsEntropy(*linear_op.linear_log_probs_and_entropy(hidden, weight, tokens, **options))
+    return _linear_outside_graph(hidden, weight, tokens, **options)
+
+
+def _linear_eager(hidden, weight, tokens, *, tp_group, entropy, keep, temperature, row_mask, vocab_size, reduce_dx,
+                  backend, validate) -> LogProbsEntropy:
     call = shell.prepare_lm_head(
         "linear_log_probs_and_entropy", hidden, weight, tokens, tp_group=tp_group, entropy=entropy,
         temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend,
@@ -268,6 +294,9 @@ def linear_log_probs_and_entropy(
     with shell.on_device(call):
         out = LinearLogProbEntropyFunction.apply(call.rows, weight, call.tokens, call.row_mask, call.plan, call.keep)
     return _outputs(out, call)
+
+
+_linear_outside_graph = torch.compiler.disable(_linear_eager, reason=common.OUTSIDE_GRAPH)
 
 
 def linear_token_loss(
@@ -350,6 +379,19 @@ def linear_token_loss(
     none (plus the row mask's). Under torch.no_grad nothing is kept and only the loss value and the metrics are formed
     (on the one-GEMM blocks their forward alone, without the probabilities: one GEMM's work, the same values).
     """
+    options = dict(tp_group=tp_group, entropy=entropy, keep=keep, temperature=temperature, row_mask=row_mask,
+                   vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend, validate=validate)
+    if not torch.compiler.is_compiling():
+        return _token_loss_eager(hidden, weight, tokens, token_loss, **options)
+    if token_loss_op.crosses(token_loss, tp_group=tp_group, keep=keep, temperature=temperature,
+                             vocab_size=vocab_size):
+        loss, log_prob, ent = token_loss_op.linear_token_loss(hidden, weight, tokens, token_loss, **options)
+        return loss, LogProbsEntropy(log_prob, ent)
+    return _token_loss_outside_graph(hidden, weight, tokens, token_loss, **options)
+
+
+def _token_loss_eager(hidden, weight, tokens, token_loss, *, tp_group, entropy, keep, temperature, row_mask,
+                      vocab_size, reduce_dx, backend, validate) -> tuple:
     call = shell.prepare_lm_head(
         "linear_token_loss", hidden, weight, tokens, tp_group=tp_group, entropy=entropy, temperature=temperature,
         row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend, validate=validate,
@@ -359,6 +401,9 @@ def linear_token_loss(
         loss, log_prob, ent = LinearTokenLossFunction.apply(call.rows, weight, call.tokens, call.row_mask, call.plan,
                                                             token_loss, *keep_arg)
     return loss, _outputs((log_prob, ent) if entropy != "none" else log_prob, call)
+
+
+_token_loss_outside_graph = torch.compiler.disable(_token_loss_eager, reason=common.OUTSIDE_GRAPH)
 
 
 def _outputs(out, call: shell.Call) -> LogProbsEntropy:

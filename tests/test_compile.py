@@ -144,22 +144,37 @@ def test_logits_op_varying_rows_compile_at_most_twice():
     assert 1 <= counter.frame_count <= MAX_FRAMES_FOR_FIVE_ROW_COUNTS, counter.frame_count
 
 
-@pytest.mark.parametrize("change, exc, argument", [
-    (dict(inplace_grad=True), ValueError, "inplace_grad"),
-    (dict(temperature=torch.tensor(0.5)), TypeError, "temperature"),
-    (dict(tp_group=object()), TypeError, "tp_group"),
-    (dict(keep=(torch.zeros(1, dtype=torch.long),)), TypeError, "keep"),
+@pytest.mark.parametrize("change", [
+    dict(inplace_grad=True),
+    dict(temperature=torch.tensor(0.5)),
+    dict(vocab_size=torch.tensor(V)),
 ])
-def test_logits_op_compile_only_errors_name_the_argument(change, exc, argument):
-    """Raised while dynamo traces the wrapper: under fullgraph=True dynamo reports it with ppo_ops' message (without
-    fullgraph the call would fall back to the eager op, where these are valid or checked as usual)."""
+def test_logits_op_calls_that_cannot_cross_run_eagerly_outside_the_graph(change):
+    """What an operator's schema cannot carry: under fullgraph=True dynamo refuses with ppo_ops' reason; without
+    fullgraph the call runs as the eager op outside the graph, with the eager op's bits."""
     x, t, opts = _logits_call(LOGITS_CASES["grad"])
     opts.update(change)
-    fn = _compiled(lambda x, t: ppo_ops.log_probs_and_entropy(x, t, **opts))
+
+    def fn(x, t):
+        return ppo_ops.log_probs_and_entropy(x, t, **opts)
+
     with pytest.raises(Exception) as info:
-        fn(x, t)
-    message = str(info.value)
-    assert exc.__name__ in message and f"ppo_ops.log_probs_and_entropy: {argument}" in message, message
+        _compiled(fn)(x.detach().clone().requires_grad_(), t)
+    assert "cannot cross ppo_ops' custom operator" in str(info.value), str(info.value)
+    torch._dynamo.reset()
+    x2 = x.detach().clone().requires_grad_()
+    eager = _value_and_grads(fn, [x], t)
+    _assert_bitwise(eager, _value_and_grads(torch.compile(fn), [x2], t))
+
+
+def test_calculate_log_probs_and_entropy_compiles_fullgraph_bitwise():
+    x, t, _ = _logits_call(LOGITS_CASES["grad"])
+
+    def fn(x, t):
+        lp, ent = ppo_ops.calculate_log_probs_and_entropy(x.reshape(-1, V), t.reshape(-1), None, with_entropy=True)
+        return lp.squeeze(-1), ent
+
+    _assert_bitwise(_value_and_grads(fn, [x], t), _value_and_grads(_compiled(fn), [x], t))
 
 
 def test_logits_op_compiled_value_error_is_the_eager_one():
@@ -189,6 +204,196 @@ def _tp2_logits_worker(rank, world_size):
 
 def test_logits_op_compiles_at_tp2_over_gloo():
     run_gloo(2, _tp2_logits_worker)
+
+
+# ---- the LM head: linear_log_probs_and_entropy and linear_token_loss ----
+
+H = 32  # hidden width of the LM-head cases
+
+LINEAR_CASES = {
+    "none": dict(entropy="none"),
+    "value": dict(entropy="value"),
+    "grad": dict(entropy="grad", temperature=0.7, vocab_size=V - 5),
+    "row_mask": dict(entropy="grad", row_mask=True),
+    "keep": dict(entropy="grad", keep=True),
+    "validate": dict(entropy="grad", validate=True),
+    "bf16": dict(entropy="grad", dtype=torch.bfloat16),
+}
+
+
+def _head_call(case, lead=(3, 5), seed=0):
+    """(hidden leaf, weight leaf, tokens, keyword options) of one case, on a rank holding the whole vocabulary."""
+    opts = dict(case)
+    dtype = opts.pop("dtype", torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(lead + (H,), generator=gen) * 0.5).to(dtype).to(DEVICE).requires_grad_()
+    weight = (torch.randn(V, H, generator=gen) * 0.5).to(dtype).to(DEVICE).requires_grad_()
+    x, t, rest = _logits_call(opts, lead, seed)
+    rest.pop("keep_mask", None)
+    return hidden, weight, t, rest
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("case", list(LINEAR_CASES))
+def test_linear_log_probs_compiles_fullgraph_bitwise(case, backend):
+    hidden, weight, t, opts = _head_call(LINEAR_CASES[case])
+
+    def fn(hidden, weight, t):
+        return ppo_ops.linear_log_probs_and_entropy(hidden, weight, t, backend=backend, **opts)
+
+    eager = _value_and_grads(fn, [hidden, weight], t)
+    compiled = _value_and_grads(_compiled(fn), [hidden, weight], t)
+    _assert_bitwise(eager, compiled)
+
+
+def _policy_loss(t, entropy, seed=7):
+    gen = torch.Generator().manual_seed(seed)
+    old = (-torch.rand(t.shape, generator=gen) * 3).to(DEVICE)
+    adv = torch.randn(t.shape, generator=gen).to(DEVICE)
+    ref = (-torch.rand(t.shape, generator=gen) * 3).to(DEVICE)
+    mask = (torch.rand(t.shape, generator=gen) < 0.8).to(DEVICE)
+    return ppo_ops.token_losses.policy_loss(old, adv, clip_high=0.28, dual_clip=3.0, kl_coef=0.05,
+                                            ref_log_probs=ref, loss_mask=mask,
+                                            entropy_coef=0.01 if entropy == "grad" else 0.0)
+
+
+def _token_loss_results(fn, hidden, weight, t, loss_fn, upstream=1.0):
+    for x in (hidden, weight):
+        x.grad = None
+    loss, (lp, ent) = fn(hidden, weight, t, loss_fn)
+    (loss * upstream).backward()
+    return [loss.detach(), lp, ent, hidden.grad, weight.grad]
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("case", ["none", "grad", "row_mask", "keep", "validate", "bf16"])
+def test_token_loss_compiles_fullgraph_bitwise(case, backend):
+    hidden, weight, t, opts = _head_call(LINEAR_CASES[case])
+    loss_fn = _policy_loss(t, opts["entropy"])
+
+    def fn(hidden, weight, t, loss_fn):
+        return ppo_ops.linear_token_loss(hidden, weight, t, loss_fn, backend=backend, **opts)
+
+    eager = _token_loss_results(fn, hidden, weight, t, loss_fn)
+    compiled = _token_loss_results(_compiled(fn), hidden, weight, t, loss_fn)
+    _assert_bitwise(eager, compiled)
+
+
+def test_token_loss_compiled_no_grad_is_the_eager_forward():
+    hidden, weight, t, opts = _head_call(LINEAR_CASES["grad"])
+    loss_fn = _policy_loss(t, "grad")
+
+    def fn(hidden, weight, t):
+        with torch.no_grad():
+            loss, (lp, ent) = ppo_ops.linear_token_loss(hidden, weight, t, loss_fn, **opts)
+        return loss, lp, ent
+
+    _assert_bitwise(list(fn(hidden, weight, t)), list(_compiled(fn)(hidden, weight, t)))
+
+
+def test_token_loss_own_closure_runs_eagerly_outside_the_graph():
+    """A callable that is not a TokenLoss cannot cross an operator: fullgraph=True refuses with ppo_ops' reason;
+    without fullgraph the call runs as the eager op outside the graph, with the eager op's bits."""
+    hidden, weight, t, opts = _head_call(LINEAR_CASES["grad"])
+    shipped = _policy_loss(t, "grad")
+
+    def own(lp, ent, rows):  # the same loss through a closure of the caller's
+        return shipped(lp, ent, rows)
+
+    def fn(hidden, weight, t, loss_fn):
+        return ppo_ops.linear_token_loss(hidden, weight, t, loss_fn, **opts)
+
+    with pytest.raises(Exception) as info:
+        _compiled(fn)(hidden, weight, t, own)
+    assert "token_loss that is not a ppo_ops.token_losses.TokenLoss" in str(info.value), str(info.value)
+    torch._dynamo.reset()
+    eager = _token_loss_results(fn, hidden, weight, t, own)
+    _assert_bitwise(eager, _token_loss_results(torch.compile(fn), hidden, weight, t, own))
+    _assert_bitwise(eager, _token_loss_results(fn, hidden, weight, t, shipped))  # the closure is the shipped loss
+
+
+def test_token_loss_compiled_upstream_scale():
+    """An upstream scalar other than 1: dX is the eager op's bit for bit (one rounding of dX * g either way)."""
+    hidden, weight, t, opts = _head_call(LINEAR_CASES["grad"])
+    loss_fn = _policy_loss(t, "grad")
+
+    def fn(hidden, weight, t, loss_fn):
+        return ppo_ops.linear_token_loss(hidden, weight, t, loss_fn, **opts)
+
+    eager = _token_loss_results(fn, hidden, weight, t, loss_fn, upstream=0.37)
+    compiled = _token_loss_results(_compiled(fn), hidden, weight, t, loss_fn, upstream=0.37)
+    _assert_bitwise(eager, compiled)
+
+
+@pytest.mark.parametrize("case", ["grad", "row_mask", "keep", "validate"])
+def test_lm_head_operators_opcheck(case):
+    from ppo_ops.compiled import linear_op, token_loss_op
+    hidden, weight, t, opts = _head_call(LINEAR_CASES[case])
+    ids, offsets = opts.get("keep") or (None, None)
+    common = (float(opts.get("temperature", 1.0)), opts.get("vocab_size"), True, "torch", opts["validate"])
+    validate = opts["validate"]
+    syncs = validate or "row_mask" in opts
+    args = (hidden, weight, t, opts.get("row_mask"), ids, offsets, "", opts["entropy"]) + common + (True,)
+    op = linear_op.forward_op.syncing if syncs else linear_op.forward_op.plain
+    torch.library.opcheck(op, args)
+    torch.library.opcheck(op, (hidden.detach(), weight.detach()) + args[2:-1] + (False,))
+    outs = op(*args)
+    grad_ent = torch.randn(t.shape, device=DEVICE) if opts["entropy"] == "grad" else None
+    torch.library.opcheck(linear_op._backward_op,
+                          (hidden.detach(), weight.detach(), t, args[3], ids, offsets, *outs[2:],
+                           torch.randn(t.shape, device=DEVICE), grad_ent, "", opts["entropy"], common[0], common[1],
+                           True, "torch", True, True))
+    loss = _policy_loss(t, opts["entropy"])
+    loss_args = (hidden, weight, t, args[3], ids, offsets, loss.weight, loss.old_log_probs, loss.advantages,
+                 loss.ref_log_probs, loss.clip_low, loss.clip_high, loss.dual_clip, loss.entropy_coef, loss.kl_coef,
+                 loss.kl_type, loss.normalization, "", opts["entropy"]) + common[:4] + (validate, True, True)
+    op = token_loss_op.forward_op.syncing if syncs else token_loss_op.forward_op.plain
+    torch.library.opcheck(op, loss_args)
+
+
+def test_lm_head_varying_rows_compile_at_most_twice():
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+
+    def fn(hidden, weight, t, loss_fn):
+        loss, (lp, ent) = ppo_ops.linear_token_loss(hidden, weight, t, loss_fn, entropy="grad", validate=False)
+        lp2, ent2 = ppo_ops.linear_log_probs_and_entropy(hidden, weight, t, entropy="grad", validate=False)
+        return loss, (lp2, ent2)
+
+    compiled = torch.compile(fn, backend=counter, fullgraph=True)
+    for n_rows in (4, 7, 16, 33, 50):
+        hidden, weight, t, _ = _head_call(LINEAR_CASES["grad"], lead=(n_rows,), seed=n_rows)
+        loss_fn = _policy_loss(t, "grad", seed=n_rows)
+        eager = _token_loss_results(fn, hidden, weight, t, loss_fn)
+        _assert_bitwise(eager, _token_loss_results(compiled, hidden, weight, t, loss_fn))
+    assert 1 <= counter.frame_count <= MAX_FRAMES_FOR_FIVE_ROW_COUNTS, counter.frame_count
+
+
+def _tp2_head_worker(rank, world_size):
+    group = dist.group.WORLD
+    hidden, weight, t, opts = _head_call(dict(entropy="grad"), lead=(6,))
+    hidden = hidden.detach().cpu().requires_grad_()
+    weight = weight.detach().cpu()[rank * (V // 2):(rank + 1) * (V // 2)].clone().requires_grad_()
+    t = t.cpu()
+    loss_fn = _policy_loss(t, "grad")
+
+    def general(hidden, weight, t):
+        return ppo_ops.linear_log_probs_and_entropy(hidden, weight, t, tp_group=group, entropy="grad",
+                                                    validate=False)
+
+    def fused(hidden, weight, t, loss_fn):
+        return ppo_ops.linear_token_loss(hidden, weight, t, loss_fn, tp_group=group, entropy="grad",
+                                         validate=True)
+
+    _assert_bitwise(_value_and_grads(general, [hidden, weight], t),
+                    _value_and_grads(_compiled(general), [hidden, weight], t))
+    _assert_bitwise(_token_loss_results(fused, hidden, weight, t, loss_fn),
+                    _token_loss_results(_compiled(fused), hidden, weight, t, loss_fn))
+
+
+def test_lm_head_compiles_at_tp2_over_gloo():
+    run_gloo(2, _tp2_head_worker)
 
 
 # ---- CUDA graphs (one-GPU target) ----

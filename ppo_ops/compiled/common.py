@@ -9,60 +9,54 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ppo_ops.core.checks import error_prefix
 
 # Compiled graphs that read values on the host must stay out of CUDA graphs; older torch has no such tag.
 _SYNC_TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 
 
-def compile_error(exc_type, fn_name: str, argument: str, detail: str) -> Exception:
-    """An argument error raised while dynamo traces the wrapper: named like checks.argument_error's (the argument in
-    the message), without its attribute, which dynamo cannot set on an exception it traces. Raised before any
-    collective, on every rank alike (they compile the same code)."""
-    assert argument in detail
-    return exc_type(f"{error_prefix(fn_name)}{detail}")
+# Why a call runs outside the graph (the reason dynamo reports under fullgraph=True).
+OUTSIDE_GRAPH = ("ppo_ops: this call cannot cross ppo_ops' custom operator (inplace_grad=True, a tensor temperature, "
+                 "vocab_size or chunk_size, a tp_group that is not a ProcessGroup, a keep that is not a pair of "
+                 "tensors, or a token_loss that is not a ppo_ops.token_losses.TokenLoss), so it runs as the eager op "
+                 "outside the compiled graph")
 
 
-def group_name(fn_name: str, tp_group) -> str:
+def can_cross(tp_group, keep, *scalars) -> bool:
+    """Whether the call's options fit an operator's schema: a ProcessGroup or None, keep a pair of tensors or None,
+    scalar options not tensors (a tensor would need a host read while tracing). Values are judged by the op's own
+    checks inside the operator."""
+    if tp_group is not None and not isinstance(tp_group, dist.ProcessGroup):
+        return False
+    if keep is not None and not (isinstance(keep, (tuple, list)) and len(keep) == 2
+                                 and isinstance(keep[0], torch.Tensor) and isinstance(keep[1], torch.Tensor)):
+        return False
+    return not any(isinstance(v, torch.Tensor) for v in scalars)
+
+
+def group_name(tp_group) -> str:
     """The schema's form of tp_group: "" for None (one rank), else the group's registered name."""
-    if tp_group is None:
-        return ""
-    if not isinstance(tp_group, dist.ProcessGroup):
-        raise compile_error(TypeError, fn_name, "tp_group",
-                             f"tp_group must be a torch.distributed ProcessGroup or None under torch.compile, got "
-                             f"{type(tp_group).__name__}")
-    return tp_group.group_name
+    return "" if tp_group is None else tp_group.group_name
 
 
 def resolve_group(name: str):
     return None if name == "" else dist.distributed_c10d._resolve_process_group(name)
 
 
-def python_number(fn_name: str, name: str, value, kind=numbers.Real):
-    """A scalar option as the schema takes it: a Python (or NumPy) number, never a tensor (reading one while tracing
-    would be a host read). None passes through (the option's default)."""
+def number(value, kind=numbers.Real):
+    """A scalar option as the schema takes it (NumPy numbers as Python ones); None, bools and other types pass
+    through, for the op's own checks (or the schema's) to name."""
     if value is None or isinstance(value, bool):
-        return value  # a bool: the op's own checks refuse it by name
+        return value
     if isinstance(value, numbers.Integral) and kind is numbers.Integral:
         return int(value)
     if isinstance(value, numbers.Real) and kind is numbers.Real:
         return float(value)
-    if isinstance(value, torch.Tensor):
-        raise compile_error(TypeError, fn_name, name,
-                             f"{name} must be a Python number under torch.compile (a tensor would be read on the "
-                             f"host while tracing), got a tensor; pass {name}=float(...) or int(...) computed outside")
-    return value  # anything else: the op's own checks name it
+    return value
 
 
-def keep_tensors(fn_name: str, keep) -> tuple:
-    """keep=(ids, offsets) or None -> (ids, offsets) or (None, None); the op's own checks judge the values."""
-    if keep is None:
-        return None, None
-    if not (isinstance(keep, (tuple, list)) and len(keep) == 2
-            and all(isinstance(t, torch.Tensor) for t in keep)):
-        raise compile_error(TypeError, fn_name, "keep",
-                             "keep must be a pair (ids, offsets) of 1-D integer tensors, or None")
-    return keep[0], keep[1]
+def keep_tensors(keep) -> tuple:
+    """keep=(ids, offsets) or None -> (ids, offsets) or (None, None)."""
+    return (None, None) if keep is None else (keep[0], keep[1])
 
 
 def keep_pair(ids: Optional[torch.Tensor], offsets: Optional[torch.Tensor]):
@@ -92,6 +86,17 @@ def unaliased(outputs: tuple, inputs: tuple) -> tuple:
             seen.add(ptr)
         out.append(t)
     return tuple(out)
+
+
+def autograd_inside():
+    """Autograd back on inside an operator's implementation, which runs below it (the dispatcher excludes the
+    autograd keys there): the token loss takes the gradient of its loss with autograd inside its forward. Only the
+    keys between autocast and ADInplaceOrView (autograd's) are let back in; what else the call excluded (autocast)
+    stays excluded."""
+    after = torch._C._dispatch_keyset_full_after
+    autograd_keys = after(torch._C.DispatchKey.AutocastCPU) - after(torch._C.DispatchKey.ADInplaceOrView)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
+                                           torch._C._dispatch_tls_local_exclude_set() - autograd_keys)
 
 
 class TwoRegistrations:

@@ -125,17 +125,18 @@ def _backward(ctx, grad_log_prob, grad_entropy, *_stats):
 forward_op = common.TwoRegistrations("log_probs_and_entropy", _forward, _forward_fake, _backward, _setup_context)
 
 
+def crosses(*, tp_group, keep, temperature, vocab_size, chunk_size, inplace_grad) -> bool:
+    """Whether the call can go through the operator (else it runs as the eager op outside the graph)."""
+    return inplace_grad is False and common.can_cross(tp_group, keep, temperature, vocab_size, chunk_size)
+
+
 def log_probs_and_entropy(logits, tokens, *, tp_group, entropy, keep_mask, keep, temperature, row_mask, vocab_size,
-                          chunk_size, inplace_grad, backend, validate, reduction_order):
-    """The public function's route under torch.compile: (log_probs, entropy or None), shaped like tokens."""
-    if inplace_grad is not False:
-        raise common.compile_error(ValueError, FN, "inplace_grad",
-                                    "inplace_grad=True is not supported under torch.compile (it writes the gradient "
-                                    "into an input the compiler owns); use inplace_grad=False")
-    keep_ids, keep_offsets = common.keep_tensors(FN, keep)
-    out = forward_op(logits, tokens, keep_mask, row_mask, keep_ids, keep_offsets,
-                     common.group_name(FN, tp_group), entropy, common.python_number(FN, "temperature", temperature),
-                     common.python_number(FN, "vocab_size", vocab_size, numbers.Integral),
-                     common.python_number(FN, "chunk_size", chunk_size, numbers.Integral), backend, validate,
-                     reduction_order, syncs=bool(validate))
+                          chunk_size, backend, validate, reduction_order):
+    """The public function's route under torch.compile, for a call that `crosses`: (log_probs, entropy or None),
+    shaped like tokens."""
+    keep_ids, keep_offsets = common.keep_tensors(keep)
+    out = forward_op(logits, tokens, keep_mask, row_mask, keep_ids, keep_offsets, common.group_name(tp_group),
+                     entropy, common.number(temperature), common.number(vocab_size, numbers.Integral),
+                     common.number(chunk_size, numbers.Integral), backend, validate, reduction_order,
+                     syncs=bool(validate))
     return out[0], (out[1] if entropy != "none" else None)

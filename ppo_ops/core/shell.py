@@ -145,9 +145,11 @@ def prepare_logits(fn_name, logits, tokens, *, tp_group, entropy, keep_mask, tem
 
 
 def prepare_lm_head(fn_name, hidden, weight, tokens, *, tp_group, entropy, temperature, row_mask, vocab_size,
-                    reduce_dx, backend, validate, token_loss=None, fused_loss=False, keep=None) -> Call:
+                    reduce_dx, backend, validate, token_loss=None, fused_loss=False, keep=None,
+                    needs_grad: Optional[bool] = None) -> Call:
     """The LM head's call (fused_loss: linear_token_loss, whose `token_loss` must be callable): every local check, the
-    layout, the backend, the flattened [T, H] hidden states."""
+    layout, the backend, the flattened [T, H] hidden states. needs_grad: whether a backward follows (None: grad mode
+    and the inputs' requires_grad say; the custom operators, which run below autograd, pass it)."""
     def local_checks(group, world_size, rank):
         if fused_loss and not callable(token_loss):
             raise checks.argument_error(
@@ -163,7 +165,8 @@ def prepare_lm_head(fn_name, hidden, weight, tokens, *, tp_group, entropy, tempe
         lead, width = tuple(hidden.shape[:-1]), hidden.shape[-1]
         plan = _plan(fn_name, group, world_size, rank, hidden, weight.shape[0], options, op="lm_head",
                      fused_loss=fused_loss, entropy=entropy, backend=backend, validate=validate, reduce_dx=reduce_dx,
-                     needs_grad=torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad))
+                     needs_grad=(torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad))
+                     if needs_grad is None else needs_grad)
         n_rows = math.prod(lead)
         sparse = sparse_keep.check(fn_name, keep, n_rows, hidden.device)
         return Call(hidden.reshape(n_rows, width), tokens.reshape(n_rows), None,

@@ -29,6 +29,7 @@ does, see linear_log_probs_and_entropy's docstring).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -43,37 +44,15 @@ from ppo_ops.core.shell import Plan, forward_outputs, refuse_double_backward
 class LinearLogProbEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, tokens, row_mask, plan: Plan, keep=None):
-        layout = plan.layout
-        n_rows = hidden.shape[0]
-        rows = kept_row_indices(row_mask)
-        h = kept(hidden, rows).contiguous()
-        t = kept(tokens, rows)
-        with_entropy = plan.entropy_mode != "none"
-        if plan.needs_grad:  # what the backend keeps for the backward: saved below, freed by autograd after it
-            partials, held = plan.backend.forward_for_backward(h, weight, t, plan.shard, with_entropy)
-        else:
-            partials, held = plan.backend.forward_partials(h, weight, t, plan.shard, with_entropy), None
-        # TP > 1, validate: before the all-gather of the partials, whose size depends on the call, ranks that
-        # disagree, or whose tokens or logits are bad, all raise together (the call's one host read). The header
-        # covers the call's T rows and row mask; the partials (kept rows) give the NaN / +inf flag.
-        stats = shell.merge_row_stats(plan, partials, tokens, row_mask, keep=keep)
-        log_prob = stats.log_prob
-        keep_state = None
-        if keep is not None:  # after the header exchange: its all-reduce is sized by the keep set
-            keep_state, log_prob = sparse_keep.lm_head_forward(keep, h, weight, t, rows, plan, log_prob)
-        if plan.validate and layout.group is None:
-            # TP = 1: last, so every launch of the forward is queued before the host waits (the one value read).
-            shell.check_single_rank(plan, stats.bad_input, tokens, row_mask, keep=keep)
-
-        log_prob = scatter_rows(log_prob, rows, n_rows)
-        entropy = scatter_rows(stats.entropy, rows, n_rows)
+        log_prob, entropy, kept_rows, stats, held, keep_state = forward_values(
+            hidden, weight, tokens, row_mask, plan, keep, hold=plan.needs_grad)
         ctx.plan = plan
-        ctx.n_rows = n_rows
+        ctx.n_rows = kept_rows.n_rows
         ctx.hidden_dtype = hidden.dtype
         ctx.set_materialize_grads(False)
-        if plan.needs_grad:
+        if plan.needs_grad:  # what the backend keeps for the backward: saved here, freed by autograd after it
             ctx.save_for_backward(
-                h, weight, t, rows, stats.shift, stats.log_sum,
+                kept_rows.hidden, weight, kept_rows.tokens, kept_rows.rows, stats.shift, stats.log_sum,
                 stats.mean_shifted if plan.entropy_mode == "grad" else None, stats.log_prob_defined,
                 stats.row_has_mass, None if held is None else held.probs, None if held is None else held.tiles,
             )
@@ -88,33 +67,85 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
         if not plan.needs_grad:
             raise RuntimeError(f"ppo_ops.{plan.fn_name}: the forward ran without grad mode and kept nothing")
         h, weight, t, rows, shift, log_sum, mean_shifted, log_prob_defined, has_mass, probs, tiles = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        g_lp = _upstream(grad_log_prob, rows, log_prob_defined)
-        g_ent = _upstream(grad_entropy, rows, has_mass) if plan.entropy_mode == "grad" else None
-        if g_lp is None and g_ent is None:
-            return None, None, None, None, None, None
-        keep_state, g_keep, term = ctx.keep_state, None, None
-        if keep_state is not None and g_lp is not None:  # keep rows: their log-prob's term is added below
-            g_keep = kept(grad_log_prob.to(torch.float32), rows)
-            g_lp = sparse_keep.dense_grad(g_lp, keep_state)
-            if getattr(plan.backend, "applies_dlogits_term", False):  # into its dlogits blocks: no passes of its own
-                coef = sparse_keep.coefficients(keep_state, g_keep)
-                term = functools.partial(sparse_keep.add_to_dlogits, keep_state, coef)
-                g_keep = None
         held = None if probs is None else HeldProbs(probs, tiles, ctx.held_rows)
-        dx, dw = plan.backend.backward(HeadRows(h, weight, t, plan.shard),
-                                       LinearSaved(shift, log_sum, mean_shifted, held),
-                                       UpstreamGrads(g_lp, g_ent, term), GradsWanted(dx=need_dx, dw=need_dw))
-        if g_keep is not None:  # backends that form no dlogits blocks: the keep term's dX and dW passes
-            if dx is not None:  # before the dX all-reduce: no collective of its own
-                sparse_keep.add_dx(keep_state, g_keep, dx, weight)
-            if dw is not None:
-                sparse_keep.add_dw(keep_state, g_keep, dw, h)
-        if dx is not None:
-            if plan.reduce_dx and plan.layout.group is not None:
-                dist.all_reduce(dx, group=plan.layout.group)  # fp32: one rounding to the input dtype, after the sum
-            dx = scatter_rows(dx.to(ctx.hidden_dtype), rows, ctx.n_rows)
+        dx, dw = input_grads(
+            plan, KeptRows(h, t, rows, ctx.n_rows), weight, LinearSaved(shift, log_sum, mean_shifted, held),
+            (log_prob_defined, has_mass), ctx.keep_state, (grad_log_prob, grad_entropy),
+            GradsWanted(dx=ctx.needs_input_grad[0], dw=ctx.needs_input_grad[1]), ctx.hidden_dtype)
         return dx, dw, None, None, None, None
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptRows:
+    """The rows a call works on: the kept rows of its row mask, compacted."""
+
+    hidden: torch.Tensor  # [R, H], contiguous
+    tokens: torch.Tensor  # [R]
+    rows: Optional[torch.Tensor]  # [R] their indices into the call's T rows, or None (every row)
+    n_rows: int  # T
+
+
+def forward_values(hidden, weight, tokens, row_mask, plan: Plan, keep, *, hold: bool) -> tuple:
+    """The forward of a prepared call: (log_prob [T], entropy [T], KeptRows, RowStats of the R kept rows, HeldProbs
+    or None, KeepState or None). hold: let the backend hold what its backward would otherwise recompute. Shared by
+    the autograd Function and the custom operator (ppo_ops/compiled/linear_op.py)."""
+    layout = plan.layout
+    n_rows = hidden.shape[0]
+    rows = kept_row_indices(row_mask)
+    h = kept(hidden, rows).contiguous()
+    t = kept(tokens, rows)
+    with_entropy = plan.entropy_mode != "none"
+    if hold:
+        partials, held = plan.backend.forward_for_backward(h, weight, t, plan.shard, with_entropy)
+    else:
+        partials, held = plan.backend.forward_partials(h, weight, t, plan.shard, with_entropy), None
+    # TP > 1, validate: before the all-gather of the partials, whose size depends on the call, ranks that
+    # disagree, or whose tokens or logits are bad, all raise together (the call's one host read). The header
+    # covers the call's T rows and row mask; the partials (kept rows) give the NaN / +inf flag.
+    stats = shell.merge_row_stats(plan, partials, tokens, row_mask, keep=keep)
+    log_prob = stats.log_prob
+    keep_state = None
+    if keep is not None:  # after the header exchange: its all-reduce is sized by the keep set
+        keep_state, log_prob = sparse_keep.lm_head_forward(keep, h, weight, t, rows, plan, log_prob)
+    if plan.validate and layout.group is None:
+        # TP = 1: last, so every launch of the forward is queued before the host waits (the one value read).
+        shell.check_single_rank(plan, stats.bad_input, tokens, row_mask, keep=keep)
+    log_prob = scatter_rows(log_prob, rows, n_rows)
+    entropy = scatter_rows(stats.entropy, rows, n_rows)
+    return log_prob, entropy, KeptRows(h, t, rows, n_rows), stats, held, keep_state
+
+
+def input_grads(plan: Plan, kept_rows: KeptRows, weight, saved: LinearSaved, flags: tuple, keep_state,
+                upstream: tuple, wanted: GradsWanted, hidden_dtype) -> tuple:
+    """(dX [T, H] in hidden_dtype or None, dW [V_local, H] or None) from the upstream gradients (grad_log_prob,
+    grad_entropy) of the call's [T] outputs; flags: the kept rows' (log_prob_defined, row_has_mass)."""
+    grad_log_prob, grad_entropy = upstream
+    log_prob_defined, has_mass = flags
+    h, t, rows = kept_rows.hidden, kept_rows.tokens, kept_rows.rows
+    g_lp = _upstream(grad_log_prob, rows, log_prob_defined)
+    g_ent = _upstream(grad_entropy, rows, has_mass) if plan.entropy_mode == "grad" else None
+    if g_lp is None and g_ent is None:
+        return None, None
+    g_keep, term = None, None
+    if keep_state is not None and g_lp is not None:  # keep rows: their log-prob's term is added below
+        g_keep = kept(grad_log_prob.to(torch.float32), rows)
+        g_lp = sparse_keep.dense_grad(g_lp, keep_state)
+        if getattr(plan.backend, "applies_dlogits_term", False):  # into its dlogits blocks: no passes of its own
+            coef = sparse_keep.coefficients(keep_state, g_keep)
+            term = functools.partial(sparse_keep.add_to_dlogits, keep_state, coef)
+            g_keep = None
+    dx, dw = plan.backend.backward(HeadRows(h, weight, t, plan.shard), saved, UpstreamGrads(g_lp, g_ent, term),
+                                   wanted)
+    if g_keep is not None:  # backends that form no dlogits blocks: the keep term's dX and dW passes
+        if dx is not None:  # before the dX all-reduce: no collective of its own
+            sparse_keep.add_dx(keep_state, g_keep, dx, weight)
+        if dw is not None:
+            sparse_keep.add_dw(keep_state, g_keep, dw, h)
+    if dx is not None:
+        if plan.reduce_dx and plan.layout.group is not None:
+            dist.all_reduce(dx, group=plan.layout.group)  # fp32: one rounding to the input dtype, after the sum
+        dx = scatter_rows(dx.to(hidden_dtype), rows, kept_rows.n_rows)
+    return dx, dw
 
 
 def _upstream(grad, rows, ok):

@@ -69,26 +69,17 @@ FAILURES = (("raised an exception", RuntimeError), ("returned values of the wron
 class LinearTokenLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, tokens, row_mask, plan: Plan, token_loss, keep=None):
-        n_rows, width = hidden.shape
-        rows = kept_row_indices(row_mask)
-        head = HeadRows(kept(hidden, rows).contiguous(), weight, kept(tokens, rows), plan.shard)
         need_dx = plan.needs_grad and ctx.needs_input_grad[0]
         need_dw = plan.needs_grad and ctx.needs_input_grad[1]
-        loop = BlockLoop(plan, token_loss, hidden, tokens, row_mask, rows, n_kept=head.hidden.shape[0],
-                         need_dx=need_dx, need_grad=need_dx or need_dw, keep=keep, head=head)
-        dw = plan.backend.loss_forward(head, loop.with_entropy, loop, GradsWanted(dx=need_dx, dw=need_dw))
-        loop.finish()
-
+        loss, lp_out, ent_out, dx, dw = forward_values(hidden, weight, tokens, row_mask, plan, token_loss, keep,
+                                                       need_dx=need_dx, need_dw=need_dw)
         ctx.plan = plan
         ctx.consumed = False
         ctx.set_materialize_grads(False)
         ctx.dw_dtype = weight.dtype
-        ctx.save_for_backward(loop.dx, dw)  # dW finished in weight's dtype, or its fp32 accumulator
-        lp_out = scatter_rows(loop.log_prob, rows, n_rows)
-        # entropy="none": an empty placeholder (the wrapper returns None), so every output is a tensor.
-        ent_out = loop.log_prob.new_empty(0) if loop.entropy is None else scatter_rows(loop.entropy, rows, n_rows)
+        ctx.save_for_backward(dx, dw)  # dW finished in weight's dtype, or its fp32 accumulator
         ctx.mark_non_differentiable(lp_out, ent_out)
-        return loop.loss, lp_out, ent_out
+        return loss, lp_out, ent_out
 
     @staticmethod
     def backward(ctx, grad_loss, grad_log_prob=None, grad_entropy=None):
@@ -112,6 +103,24 @@ class LinearTokenLossFunction(torch.autograd.Function):
         elif dw is not None:
             scale_in_place(dw, g)
         return dx, dw, None, None, None, None, None
+
+
+def forward_values(hidden, weight, tokens, row_mask, plan: Plan, token_loss, keep, *, need_dx: bool,
+                   need_dw: bool) -> tuple:
+    """The forward of a prepared call: (loss, log-probs [T], entropies [T] or an empty placeholder, dX or None, dW
+    or None), dW in weight's dtype or as its fp32 accumulator. Shared by the autograd Function and the custom operator
+    (ppo_ops/compiled/token_loss_op.py)."""
+    n_rows = hidden.shape[0]
+    rows = kept_row_indices(row_mask)
+    head = HeadRows(kept(hidden, rows).contiguous(), weight, kept(tokens, rows), plan.shard)
+    loop = BlockLoop(plan, token_loss, hidden, tokens, row_mask, rows, n_kept=head.hidden.shape[0],
+                     need_dx=need_dx, need_grad=need_dx or need_dw, keep=keep, head=head)
+    dw = plan.backend.loss_forward(head, loop.with_entropy, loop, GradsWanted(dx=need_dx, dw=need_dw))
+    loop.finish()
+    lp_out = scatter_rows(loop.log_prob, rows, n_rows)
+    # entropy="none": an empty placeholder (the wrapper returns None), so every output is a tensor.
+    ent_out = loop.log_prob.new_empty(0) if loop.entropy is None else scatter_rows(loop.entropy, rows, n_rows)
+    return loop.loss, lp_out, ent_out, loop.dx, dw
 
 
 class BlockLoop:
