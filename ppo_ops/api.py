@@ -6,7 +6,9 @@ The logits op, from [..., V_local] logits: `log_probs_and_entropy` (the full API
 vocab-parallel weight, never holding [T, V] logits: `linear_log_probs_and_entropy` -> lm_head/function.py, and
 `linear_token_loss` (a per-token RL loss whose gradient is formed in the forward) -> lm_head/loss_function.py.
 Each wrapper prepares the call (local checks before any collective, the TP layout, the backend, the leading dimensions
-flattened), applies the Function and restores the leading dimensions.
+flattened), applies the Function and restores the leading dimensions. While torch.compile traces a wrapper, it calls
+the op's custom operator instead (ppo_ops/compiled/), or, for what an operator's schema cannot carry, the eager op
+outside the graph (torch.compiler.disable).
 """
 
 from __future__ import annotations
@@ -99,9 +101,9 @@ def log_probs_and_entropy(
 
     Unsupported: float64 logits (TypeError; the kernels compute in fp32 and the fp32 guarantees would not hold);
     torch.func transforms (vmap, grad, jvp: the autograd Function has no vmap or forward-mode rule, and the
-    collectives and value checks act on whole tensors); torch.compile(fullgraph=True) (the value checks read the
-    device and the collectives run in Python: a graph break; without fullgraph the op runs eagerly inside a
-    compiled model).
+    collectives and value checks act on whole tensors). Under torch.compile the call is the custom operator of
+    ppo_ops/compiled/logits_op.py (fullgraph, bitwise equal to eager); inplace_grad=True and tensor-valued options
+    run as the eager op outside the graph.
     """
     options = dict(tp_group=tp_group, entropy=entropy, keep_mask=keep_mask, keep=keep, temperature=temperature,
                    row_mask=row_mask, vocab_size=vocab_size, chunk_size=chunk_size, backend=backend,

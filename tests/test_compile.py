@@ -411,33 +411,89 @@ def test_validate_true_inside_capture_names_validate():
             ppo_ops.log_probs_and_entropy(x.detach(), t, validate=True)
 
 
-@_CUDA
-@pytest.mark.parametrize("case", ["grad", "row_mask", "keep"])
-def test_logits_op_cuda_graph_replay_is_eager_bitwise(case):
-    x, t, opts = _logits_call(LOGITS_CASES[case])
-    static_x = x.detach().clone().requires_grad_()
-
-    def step():
-        static_x.grad = None
-        lp, ent = ppo_ops.log_probs_and_entropy(static_x, t, **opts)
-        _loss_of(lp, ent).backward()
-        return lp, ent
-
+def _capture(step):
+    """A CUDA graph of step() after one warm-up on a side stream (Triton compiles and allocations outside the
+    capture), and the outputs of the captured call."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        step()  # warm-up: Triton compiles and allocations happen outside the capture
+        step()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        lp, ent = step()
-    for seed in (5, 6):  # fresh inputs copied into the captured buffers
-        fresh = _logits(x.shape, seed=seed)
+        outs = step()
+    return graph, outs
+
+
+# op -> (case options, eager results of (leaves, tokens) as a list, leaves' shapes from the case)
+def _logits_results(leaves, t, opts):
+    return _value_and_grads(lambda x, t: ppo_ops.log_probs_and_entropy(x, t, **opts), leaves, t)
+
+
+def _linear_results(leaves, t, opts):
+    return _value_and_grads(lambda h, w, t: ppo_ops.linear_log_probs_and_entropy(h, w, t, **opts), leaves, t)
+
+
+def _fused_results(leaves, t, opts):
+    loss_fn = _policy_loss(t, opts["entropy"])
+    return _token_loss_results(lambda h, w, t, f: ppo_ops.linear_token_loss(h, w, t, f, **opts), *leaves, t, loss_fn)
+
+
+_CAPTURED_OPS = {"logits": _logits_results, "linear": _linear_results, "token_loss": _fused_results}
+
+
+def _case_leaves(op, case, seed=0):
+    if op == "logits":
+        x, t, opts = _logits_call(case, seed=seed)
+        return [x], t, opts
+    hidden, weight, t, opts = _head_call(case, seed=seed)
+    return [hidden, weight], t, opts
+
+
+@_CUDA
+@pytest.mark.parametrize("op", list(_CAPTURED_OPS))
+@pytest.mark.parametrize("case", ["grad", "keep", "bf16"])
+def test_cuda_graph_replay_is_eager_bitwise(op, case):
+    """Forward and backward captured with validate=False; each replay on fresh inputs copied into the captured
+    buffers equals the eager op on those inputs, bit for bit."""
+    results = _CAPTURED_OPS[op]
+    leaves, t, opts = _case_leaves(op, LINEAR_CASES[case] if op != "logits" else LOGITS_CASES[case])
+    static = [x.detach().clone().requires_grad_() for x in leaves]
+    graph, outs = _capture(lambda: results(static, t, opts))
+    for seed in (5, 6):
+        fresh, _, _ = _case_leaves(op, LINEAR_CASES[case] if op != "logits" else LOGITS_CASES[case], seed=seed)
         with torch.no_grad():
-            static_x.copy_(fresh)
+            for dst, src in zip(static, fresh):
+                dst.copy_(src)
         graph.replay()
         torch.cuda.synchronize()
-        eager = _value_and_grads(lambda x, t: ppo_ops.log_probs_and_entropy(x, t, **opts),
-                                 [fresh.requires_grad_()], t)
-        _assert_bitwise(eager, [lp, ent, static_x.grad])
+        captured = [o.clone() if o is not None else None for o in outs[:-len(static)]] + [x.grad for x in static]
+        _assert_bitwise(results(fresh, t, opts), captured)
 
+
+@_CUDA
+@pytest.mark.parametrize("op", list(_CAPTURED_OPS))
+@pytest.mark.parametrize("validate", [False, True])
+def test_reduce_overhead_is_eager_bitwise(op, validate):
+    """mode="reduce-overhead": validate=False calls are captured in its CUDA graphs; validate=True calls (tagged
+    cudagraph_unsafe) stay out of them; every call equals eager bit for bit."""
+    results = _CAPTURED_OPS[op]
+    torch._dynamo.reset()
+    case = dict(LINEAR_CASES["grad"], validate=validate)
+    opts = _case_leaves(op, case)[2]  # the same options for every seed
+    if op == "logits":
+        fn = torch.compile(lambda x, t: ppo_ops.log_probs_and_entropy(x, t, **opts), mode="reduce-overhead")
+    elif op == "linear":
+        fn = torch.compile(lambda h, w, t: ppo_ops.linear_log_probs_and_entropy(h, w, t, **opts),
+                           mode="reduce-overhead")
+    else:
+        fn = torch.compile(lambda h, w, t, f: ppo_ops.linear_token_loss(h, w, t, f, **opts), mode="reduce-overhead")
+    for seed in range(4):  # the first calls warm up and record, the later ones replay
+        leaves, t, _ = _case_leaves(op, case, seed=seed)
+        twins = [x.detach().clone().requires_grad_() for x in leaves]
+        eager = results(leaves, t, opts)
+        if op == "token_loss":
+            got = _token_loss_results(fn, *twins, t, _policy_loss(t, "grad"))
+        else:
+            got = _value_and_grads(fn, twins, t)
+        _assert_bitwise(eager, [g.clone() if g is not None else None for g in got])

@@ -26,6 +26,7 @@ check "--config=gpu with a CPU-only interpreter fails naming its torch $cpu_torc
 
 # name, tags and PPO_OPS_GPUS of every GPU target, against the table below.
 expected="$(cat <<'EOF'
+test_compile_gpu 1
 test_core_errors_gpu 1
 test_core_invariants_gpu 1
 test_core_memory_gpu 1
