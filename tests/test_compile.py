@@ -116,7 +116,7 @@ def test_logits_operators_opcheck(case, layout):
         assert not x.is_contiguous()
     ids, offsets = opts.get("keep") or (None, None)
     args = (x, t, opts.get("keep_mask"), opts.get("row_mask"), ids, offsets, "", opts["entropy"],
-            float(opts.get("temperature", 1.0)), opts.get("vocab_size"), None, "torch", opts["validate"], "fused")
+            float(opts.get("temperature", 1.0)), opts.get("vocab_size"), None, "auto", opts["validate"], "fused")
     op = logits_op.forward_op.syncing if opts["validate"] else logits_op.forward_op.plain
     torch.library.opcheck(op, args)
     torch.library.opcheck(op, (x.detach(),) + args[1:])  # without a gradient
@@ -125,7 +125,7 @@ def test_logits_operators_opcheck(case, layout):
     grad_ent = torch.randn(t.shape, device=DEVICE) if opts["entropy"] == "grad" else None
     torch.library.opcheck(logits_op._backward_op,
                           (x.detach(), t, args[2], args[3], ids, offsets, *outs[2:], grad_lp, grad_ent, "",
-                           opts["entropy"], args[8], args[9], None, "torch", "fused"))
+                           opts["entropy"], args[8], args[9], None, "auto", "fused"))
 
 
 def test_logits_op_varying_rows_compile_at_most_twice():
@@ -330,7 +330,7 @@ def test_lm_head_operators_opcheck(case):
     from ppo_ops.compiled import linear_op, token_loss_op
     hidden, weight, t, opts = _head_call(LINEAR_CASES[case])
     ids, offsets = opts.get("keep") or (None, None)
-    common = (float(opts.get("temperature", 1.0)), opts.get("vocab_size"), True, "torch", opts["validate"])
+    common = (float(opts.get("temperature", 1.0)), opts.get("vocab_size"), True, "auto", opts["validate"])
     validate = opts["validate"]
     syncs = validate or "row_mask" in opts
     args = (hidden, weight, t, opts.get("row_mask"), ids, offsets, "", opts["entropy"]) + common + (True,)
@@ -342,7 +342,7 @@ def test_lm_head_operators_opcheck(case):
     torch.library.opcheck(linear_op._backward_op,
                           (hidden.detach(), weight.detach(), t, args[3], ids, offsets, *outs[2:],
                            torch.randn(t.shape, device=DEVICE), grad_ent, "", opts["entropy"], common[0], common[1],
-                           True, "torch", True, True))
+                           True, "auto", True, True))
     loss = _policy_loss(t, opts["entropy"])
     loss_args = (hidden, weight, t, args[3], ids, offsets, loss.weight, loss.old_log_probs, loss.advantages,
                  loss.ref_log_probs, loss.clip_low, loss.clip_high, loss.dual_clip, loss.entropy_coef, loss.kl_coef,
