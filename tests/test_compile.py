@@ -396,6 +396,49 @@ def test_lm_head_compiles_at_tp2_over_gloo():
     run_gloo(2, _tp2_head_worker)
 
 
+# ---- inside a model: a transformers causal LM through ppo_ops.hf ----
+
+def _tiny_qwen3(vocab):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      tie_word_embeddings=True, attn_implementation="sdpa")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return transformers.Qwen3ForCausalLM(config).to(DEVICE).eval()
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_hf_policy_loss_step_compiles_fullgraph(packed):
+    """A trainer's compiled loss: the body of a tiny Qwen3 and the fused head with a shipped PPO loss in one graph.
+    With the aot_eager backend (the graph's ops run as eager kernels) loss, log-probs and every parameter's gradient
+    are the eager step's bit for bit; inductor, which fuses the body's own ops, changes the body's rounding only."""
+    from ppo_ops.hf import token_log_probs
+    vocab, seq = 301, 12
+    model = _tiny_qwen3(vocab)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (3, seq), generator=gen).to(DEVICE)
+    kwargs = {}
+    if packed:
+        lengths = [[5, 7], [12], [3, 1, 2, 6]]
+        kwargs["position_ids"] = torch.tensor([[p for n in row for p in range(n)] for row in lengths]).to(DEVICE)
+    loss_fn = ppo_ops.policy_loss((-torch.rand(ids.shape, generator=gen) * 3).to(DEVICE),
+                                  torch.randn(ids.shape, generator=gen).to(DEVICE), entropy_coef=0.01)
+
+    def step(ids):
+        loss, out = token_log_probs(model, ids, entropy="grad", token_loss=loss_fn, validate=False, **kwargs)
+        return loss, out.log_probs, out.entropy
+
+    def run(fn):
+        model.zero_grad(set_to_none=True)
+        loss, lp, ent = fn(ids)
+        loss.backward()
+        return [loss.detach(), lp, ent] + [p.grad for p in model.parameters()]
+
+    torch._dynamo.reset()
+    _assert_bitwise(run(step), run(torch.compile(step, fullgraph=True, backend="aot_eager")))
+
+
 # ---- CUDA graphs (one-GPU target) ----
 
 _CUDA = pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graph capture needs a GPU")
