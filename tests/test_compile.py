@@ -71,6 +71,7 @@ LOGITS_CASES = {
     "keep": dict(entropy="grad", keep=True),
     "validate": dict(entropy="grad", validate=True),
     "bf16": dict(entropy="grad", dtype=torch.bfloat16),
+    "sglang_order": dict(entropy="grad", reduction_order="sglang"),
 }
 
 
