@@ -2,16 +2,15 @@
 validate=True or a row_mask) and ppo_ops::linear_log_probs_and_entropy_backward.
 
 The forward operator prepares the call as the eager wrapper does and runs the eager forward body
-(lm_head/function.py, forward_values) without holding anything for the backward (hold=False); besides the
-log-probs and entropies it returns the kept rows' statistics scattered to all T rows (0 on dropped rows), so that
-every output's shape is a function of the inputs' (the kept-row count is data). The backward operator prepares the
-call again without value checks, selects the kept rows again and runs the eager backward body (input_grads), the
-keep state formed again from hidden and weight as in logits_op.py.
-
-What holding nothing costs: where the eager op holds the first rows' probabilities (the segment-GEMM backend on CUDA
-half precision), the compiled backward forms their logits again (one more GEMM's work for those rows), and their
-dlogits carry no fp16 rounding of the probabilities: their gradients are within the op's tolerance of the eager
-op's, not its bits. Everywhere else (the torch backend, fp32 inputs) nothing is held and the bits are the eager op's.
+(lm_head/function.py, forward_values), holding what the eager op holds when a backward follows (`hold`: grad mode
+and an input that requires grad). Besides the log-probs and entropies it returns the kept rows' statistics scattered
+to all T rows (0 on dropped rows), so that their shapes are functions of the inputs' (the kept-row count is data),
+and what the backend held (the segment-GEMM backend's fp16 probabilities of the first rows and their tile partials,
+in their storage's layout; empty when nothing is held): sizes that depend on the kept-row count and on the operands'
+alignment, which the fake implementation declares unbacked (learnt at run time). The backward operator prepares the
+call again without value checks, selects the kept rows again and runs the eager backward body (input_grads) on the
+held probabilities, the keep state formed again from hidden and weight as in logits_op.py. Values and gradients are
+the eager op's bit for bit.
 """
 
 from __future__ import annotations
