@@ -120,10 +120,7 @@ def prepare_logits(fn_name, logits, tokens, *, tp_group, entropy, keep_mask, tem
                      backend=backend, validate=validate, inplace_grad=inplace_grad,
                      has_keep_mask=keep_mask is not None, reduction_order=reduction_order)
         if reduction_order == "sglang":
-            from ppo_ops.logits import sglang_order
-            refusal = sglang_order.check_shard(plan.layout)
-            if refusal:
-                raise checks.argument_error(ValueError, fn_name, "logits", refusal)
+            checks.check_sglang_shard(fn_name, plan.layout)
         n_rows = math.prod(lead)
         sparse = sparse_keep.check(fn_name, keep, n_rows, logits.device, keep_mask, reduction_order)
         flat = _flatten_logits(fn_name, logits, n_rows, v_local, inplace_grad,
