@@ -11,7 +11,9 @@ Two ops, their public functions all in api.py:
 
 Reading order, for either op: api.py (arguments) -> core/shell.py (the one call shell: local checks, layout, backend
 choice, and partials -> TP all-gather -> fixed-order merge) -> the op's autograd Function -> its backend -> kernels.
-Which modules run, per op, backend and dtype (core/shell.py, select_backend, decides):
+The core imports nothing above it: backends.py registers each backend's loader with core/registry.py (on
+`import ppo_ops`), and the shell loads the one it selects. Which modules run, per op, backend and dtype
+(core/shell.py, select_backend, decides):
 
   logits op        logits/function.py, then
     backend torch    logits/torch_backend.py (any device, any float dtype)
@@ -29,15 +31,17 @@ Which modules run, per op, backend and dtype (core/shell.py, select_backend, dec
                      logits op's torch code (torch); the shipped losses: token_losses.py
 
 The shared core beside them: core/checks.py (local argument checks), core/agreement.py (cross-rank agreement, the
-one host read), core/contracts.py (the backend contracts of both ops, as types), core/layout.py (vocabulary shards
-and segments), core/row_stats.py (merge math), core/scale.py and core/scale_kernel.py (scaling the gradients a
-token loss formed in its forward), core/triton_common.py (what the Triton kernels of both ops share).
+one host read), core/contracts.py (the backend contracts of both ops, as types), core/registry.py (the backends by
+op and kind, loaded when selected), core/layout.py (vocabulary shards and segments), core/row_stats.py (merge
+math), core/scale.py and core/scale_kernel.py (scaling the gradients a token loss formed in its forward),
+core/triton_common.py (what the Triton kernels of both ops share).
 Inside trainers' models, on top of the LM head: megatron.py (GPTModel's output processor, gpt_log_probs, packed and
 context-parallel batch helpers) and hf.py (a transformers causal LM's next-token log-probs).
 Not imported by `import ppo_ops`: megatron.py, hf.py, legacy/ (the yardstick: Megatron's cross entropy + an entropy
 Function) and runtime/ (what the product's programs share: the CLI contract, rank groups).
 """
 
+from ppo_ops import backends  # noqa: F401  registers the backends the call shell selects
 from ppo_ops.api import (LogProbsEntropy, calculate_log_probs_and_entropy, linear_log_probs_and_entropy,
                          linear_token_loss, log_probs_and_entropy)
 from ppo_ops import token_losses

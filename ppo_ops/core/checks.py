@@ -21,6 +21,7 @@ from ppo_ops.core.row_stats import FLT_MAX
 ENTROPY_MODES = ("none", "value", "grad")
 REDUCTION_ORDERS = ("fused", "sglang")
 BACKENDS = ("auto", "torch", "triton")
+SGLANG_BLOCK = 1024  # columns per block of SGLang's log_softmax kernel (logits/sglang_order.py reduces in its order)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Smallest temperature accepted: 1 / temperature, rounded to fp32 (the kernels multiply by it), must be finite.
 MIN_TEMPERATURE = 1.0 / FLT_MAX
@@ -66,6 +67,15 @@ def check_reduction_order(fn_name: str, reduction_order, keep_mask) -> None:
         raise argument_error(ValueError, fn_name, "keep_mask",
                              "keep_mask must be None with reduction_order='sglang' (SGLang's log_softmax normalises "
                              "over the full vocabulary)")
+
+
+def check_sglang_shard(fn_name: str, layout) -> None:
+    """reduction_order="sglang" on this vocabulary layout: a block may span at most two ranks."""
+    if layout.world_size > 1 and layout.v_local < SGLANG_BLOCK:
+        raise argument_error(
+            ValueError, fn_name, "logits",
+            f"reduction_order='sglang' needs at least {SGLANG_BLOCK} vocabulary columns per tensor-parallel rank (a "
+            f"{SGLANG_BLOCK}-column block may span at most two ranks), got V_local={layout.v_local}")
 
 
 def check_options(

@@ -8,7 +8,9 @@ TP > 1 with validate=True the other ranks learn of one from the header exchange 
 (core/agreement.py, `raise_collectively`).
 
 Backends (`select_backend`; the contracts are core/contracts.py), by kind (`backend_kind`, the same rules and errors
-for both ops):
+for both ops). The core imports no op's module: each backend is a loader in core/registry.py, keyed by ("logits" |
+"lm_head" | "lm_head_segments", kind), registered by ppo_ops/backends.py on `import ppo_ops` and called (importing its
+module) when selected; an unregistered key is a RuntimeError naming it.
   logits op: "torch" -> logits/torch_backend.py; "triton" -> logits/triton_backend.py.
   LM head, backend="torch" (or "auto" on CPU tensors): lm_head/torch_backend.py (fixed fp32 tiles) for the general op;
       the segment-GEMM backend over the logits op's PyTorch passes for the token loss.
@@ -33,7 +35,7 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
-from ppo_ops.core import agreement, checks, sparse_keep
+from ppo_ops.core import agreement, checks, registry, sparse_keep
 from ppo_ops.core.contracts import Backend, LinearBackend, RowStats, ShardOptions
 from ppo_ops.core.layout import VocabLayout, make_layout
 
@@ -129,10 +131,7 @@ def prepare_logits(fn_name, logits, tokens, *, tp_group, entropy, keep_mask, tem
                      backend=backend, validate=validate, inplace_grad=inplace_grad,
                      has_keep_mask=keep_mask is not None, reduction_order=reduction_order)
         if reduction_order == "sglang":
-            from ppo_ops.logits import sglang_order
-            refusal = sglang_order.check_shard(plan.layout)
-            if refusal:
-                raise checks.argument_error(ValueError, fn_name, "logits", refusal)
+            checks.check_sglang_shard(fn_name, plan.layout)
         n_rows = math.prod(lead)
         sparse = sparse_keep.check(fn_name, keep, n_rows, logits.device, keep_mask, reduction_order)
         flat = _flatten_logits(fn_name, logits, n_rows, v_local, inplace_grad,
@@ -234,25 +233,12 @@ def backend_kind(fn_name: str, backend: str, tensor: torch.Tensor, name: str) ->
 
 
 def select_backend(fn_name: str, backend: str, rows: torch.Tensor, op: str, fused_loss: bool = False):
-    """The backend of `op` ("logits" or "lm_head") of the kind backend_kind picks (see the module docstring). Triton's
-    modules are imported only when selected, so `import ppo_ops` works without triton."""
+    """The backend of `op` ("logits" or "lm_head") of the kind backend_kind picks (see the module docstring), loaded
+    from core/registry.py, so a Triton module is imported only when selected."""
     kind = backend_kind(fn_name, backend, rows, "logits" if op == "logits" else "hidden")
-    if op == "logits":
-        if kind == "torch":
-            from ppo_ops.logits import torch_backend
-            return torch_backend.BACKEND
-        from ppo_ops.logits import triton_backend
-        return triton_backend.BACKEND
-    from ppo_ops.lm_head import segment_gemms
-    if kind == "torch":
-        if fused_loss:
-            return segment_gemms.backend("torch")
-        from ppo_ops.lm_head import torch_backend
-        return torch_backend.BACKEND
-    if fused_loss or rows.dtype in _HALF:
-        return segment_gemms.backend("triton")
-    from ppo_ops.lm_head import triton_backend
-    return triton_backend.BACKEND
+    if op == "lm_head" and (fused_loss or (kind == "triton" and rows.dtype in _HALF)):
+        return registry.load("lm_head_segments", kind)
+    return registry.load(op, kind)
 
 
 # ---- partials -> global row statistics ----

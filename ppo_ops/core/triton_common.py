@@ -1,6 +1,7 @@
 """What the Triton kernels and launchers of both ops share: constants, jit helpers and launch helpers.
 
-Imported only where a Triton backend is selected (core/shell.py), so `import ppo_ops` works without triton.
+Imported only by Triton modules, loaded when a Triton backend is selected (ppo_ops/backends.py), so
+`import ppo_ops` works without triton.
 """
 
 import torch

@@ -48,9 +48,10 @@ import torch
 import torch.distributed as dist
 
 from ppo_ops.core import agreement, shell
+from ppo_ops.core.checks import SGLANG_BLOCK
 from ppo_ops.core.contracts import RowInputs, RowStats
 
-BLOCK = 1024  # columns per block of SGLang's kernel
+BLOCK = SGLANG_BLOCK  # columns per block of SGLang's kernel (core/checks.py refuses shards narrower than one)
 THREADS = 128  # 4 warps of 32
 WARPS = 4
 CHAIN = BLOCK // THREADS  # values each thread adds in sequence
@@ -103,14 +104,6 @@ def shard_blocks(start: int, v_local: int, n_valid: int, vocab_size: int) -> Sha
     end = start + v_local
     return ShardBlocks(first, last - first + 1, head_continues=start % BLOCK != 0,
                        tail_continues=n_valid == v_local and end % BLOCK != 0 and vocab_size > end)
-
-
-def check_shard(layout) -> Optional[str]:
-    """Why this layout cannot run in SGLang's order (None: it can): a block may span at most two ranks."""
-    if layout.world_size > 1 and layout.v_local < BLOCK:
-        return (f"reduction_order='sglang' needs at least {BLOCK} vocabulary columns per tensor-parallel rank (a "
-                f"{BLOCK}-column block may span at most two ranks), got V_local={layout.v_local}")
-    return None
 
 
 # ---- the torch backend's pieces ----

@@ -16,9 +16,9 @@ segment length). Merge: `merge_partials` launches `merge_partials_kernel` once p
 Tile sizes: on CUDA they come from `_GPU_CONFIG` (per pass and dtype; docs/performance.md); under the interpreter
 (TRITON_INTERPRET=1, CPU tensors) each loop iteration costs about a millisecond, so tiles cover a whole segment or row
 up to a cap. The forward tile depends only on the segment length and dtype, never on V_local: that keeps a segment's
-bits independent of the TP size. core/shell.py imports this module only when the backend is selected, so
-`import ppo_ops` works without triton and TRITON_INTERPRET is read then (Triton reads it when the kernels are
-decorated).
+bits independent of the TP size. Its loader (ppo_ops/backends.py) imports this module only when the shell selects
+the backend, so `import ppo_ops` works without triton and TRITON_INTERPRET is read then (Triton reads it when the
+kernels are decorated).
 """
 
 from typing import NamedTuple, Optional
