@@ -35,6 +35,9 @@ one host read), core/contracts.py (the backend contracts of both ops, as types),
 op and kind, loaded when selected), core/layout.py (vocabulary shards and segments), core/row_stats.py (merge
 math), core/scale.py and core/scale_kernel.py (scaling the gradients a token loss formed in its forward),
 core/triton_common.py (what the Triton kernels of both ops share).
+Under torch.compile the public functions call the ops' custom operators instead (compiled/: common.py what they
+share, logits_op.py, linear_op.py, token_loss_op.py), which run the same forward and backward bodies as the
+autograd Functions.
 Inside trainers' models, on top of the LM head: megatron.py (GPTModel's output processor, gpt_log_probs, packed and
 context-parallel batch helpers) and hf.py (a transformers causal LM's next-token log-probs).
 Not imported by `import ppo_ops`: megatron.py, hf.py, legacy/ (the yardstick: Megatron's cross entropy + an entropy
