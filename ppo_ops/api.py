@@ -7,8 +7,7 @@ vocab-parallel weight, never holding [T, V] logits: `linear_log_probs_and_entrop
 `linear_token_loss` (a per-token RL loss whose gradient is formed in the forward) -> lm_head/loss_function.py.
 Each wrapper prepares the call (local checks before any collective, the TP layout, the backend, the leading dimensions
 flattened), applies the Function and restores the leading dimensions. While torch.compile traces a wrapper, it calls
-the op's custom operator instead (ppo_ops/compiled/), or, for what an operator's schema cannot carry, the eager op
-outside the graph (torch.compiler.disable).
+the op's custom operator instead (ppo_ops/compiled/).
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from ppo_ops.compiled import common, linear_op, logits_op, token_loss_op
+from ppo_ops.compiled import linear_op, logits_op, token_loss_op
 from ppo_ops.core import shell
 from ppo_ops.lm_head.function import LinearLogProbEntropyFunction
 from ppo_ops.lm_head.loss_function import LinearTokenLossFunction
@@ -102,18 +101,15 @@ def log_probs_and_entropy(
     Unsupported: float64 logits (TypeError; the kernels compute in fp32 and the fp32 guarantees would not hold);
     torch.func transforms (vmap, grad, jvp: the autograd Function has no vmap or forward-mode rule, and the
     collectives and value checks act on whole tensors). Under torch.compile the call is the custom operator of
-    ppo_ops/compiled/logits_op.py (fullgraph, bitwise equal to eager); inplace_grad=True and tensor-valued options
-    run as the eager op outside the graph.
+    ppo_ops/compiled/logits_op.py (fullgraph, bitwise equal to eager): options must be Python numbers there, and
+    inplace_grad has no effect (the gradient comes back in a new tensor).
     """
     options = dict(tp_group=tp_group, entropy=entropy, keep_mask=keep_mask, keep=keep, temperature=temperature,
                    row_mask=row_mask, vocab_size=vocab_size, chunk_size=chunk_size, backend=backend,
                    validate=validate, reduction_order=reduction_order)
     if not torch.compiler.is_compiling():
         return _log_probs_eager(logits, tokens, inplace_grad=inplace_grad, **options)
-    if logits_op.crosses(tp_group=tp_group, keep=keep, temperature=temperature, vocab_size=vocab_size,
-                         chunk_size=chunk_size, inplace_grad=inplace_grad):
-        return LogProbsEntropy(*logits_op.log_probs_and_entropy(logits, tokens, **options))
-    return _log_probs_outside_graph(logits, tokens, inplace_grad=inplace_grad, **options)
+    return LogProbsEntropy(*logits_op.log_probs_and_entropy(logits, tokens, **options))
 
 
 def _log_probs_eager(logits, tokens, *, tp_group, entropy, keep_mask, keep, temperature, row_mask, vocab_size,
@@ -128,8 +124,6 @@ def _log_probs_eager(logits, tokens, *, tp_group, entropy, keep_mask, keep, temp
                                            call.keep)
     return _outputs(out, call)
 
-
-_log_probs_outside_graph = torch.compiler.disable(_log_probs_eager, reason=common.OUTSIDE_GRAPH)
 
 
 def calculate_log_probs_and_entropy(
@@ -282,9 +276,7 @@ def linear_log_probs_and_entropy(
                    vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend, validate=validate)
     if not torch.compiler.is_compiling():
         return _linear_eager(hidden, weight, tokens, **options)
-    if common.can_cross(tp_group, keep, temperature, vocab_size):
-        return LogProbsEntropy(*linear_op.linear_log_probs_and_entropy(hidden, weight, tokens, **options))
-    return _linear_outside_graph(hidden, weight, tokens, **options)
+    return LogProbsEntropy(*linear_op.linear_log_probs_and_entropy(hidden, weight, tokens, **options))
 
 
 def _linear_eager(hidden, weight, tokens, *, tp_group, entropy, keep, temperature, row_mask, vocab_size, reduce_dx,
@@ -297,8 +289,6 @@ def _linear_eager(hidden, weight, tokens, *, tp_group, entropy, keep, temperatur
         out = LinearLogProbEntropyFunction.apply(call.rows, weight, call.tokens, call.row_mask, call.plan, call.keep)
     return _outputs(out, call)
 
-
-_linear_outside_graph = torch.compiler.disable(_linear_eager, reason=common.OUTSIDE_GRAPH)
 
 
 def linear_token_loss(
@@ -385,11 +375,8 @@ def linear_token_loss(
                    vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend, validate=validate)
     if not torch.compiler.is_compiling():
         return _token_loss_eager(hidden, weight, tokens, token_loss, **options)
-    if token_loss_op.crosses(token_loss, tp_group=tp_group, keep=keep, temperature=temperature,
-                             vocab_size=vocab_size):
-        loss, log_prob, ent = token_loss_op.linear_token_loss(hidden, weight, tokens, token_loss, **options)
-        return loss, LogProbsEntropy(log_prob, ent)
-    return _token_loss_outside_graph(hidden, weight, tokens, token_loss, **options)
+    loss, log_prob, ent = token_loss_op.linear_token_loss(hidden, weight, tokens, token_loss, **options)
+    return loss, LogProbsEntropy(log_prob, ent)
 
 
 def _token_loss_eager(hidden, weight, tokens, token_loss, *, tp_group, entropy, keep, temperature, row_mask,
@@ -404,8 +391,6 @@ def _token_loss_eager(hidden, weight, tokens, token_loss, *, tp_group, entropy, 
                                                             token_loss, *keep_arg)
     return loss, _outputs((log_prob, ent) if entropy != "none" else log_prob, call)
 
-
-_token_loss_outside_graph = torch.compiler.disable(_token_loss_eager, reason=common.OUTSIDE_GRAPH)
 
 
 def _outputs(out, call: shell.Call) -> LogProbsEntropy:

@@ -14,23 +14,29 @@ import torch.distributed as dist
 _SYNC_TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 
 
-# Why a call runs outside the graph (the reason dynamo reports under fullgraph=True).
-OUTSIDE_GRAPH = ("ppo_ops: this call cannot cross ppo_ops' custom operator (inplace_grad=True, a tensor temperature, "
-                 "vocab_size or chunk_size, a tp_group that is not a ProcessGroup, a keep that is not a pair of "
-                 "tensors, or a token_loss that is not a ppo_ops.token_losses.TokenLoss), so it runs as the eager op "
-                 "outside the compiled graph")
+def compile_error(exc_type, fn_name: str, argument: str, detail: str) -> Exception:
+    """An argument error raised while dynamo traces a wrapper: worded like checks.argument_error's (the function,
+    then the argument), without its attribute, which dynamo cannot set on an exception it traces. Under
+    fullgraph=True dynamo reports it with this message; without fullgraph the call breaks the graph."""
+    return exc_type(f"ppo_ops.{fn_name}: {detail}")
 
 
-def can_cross(tp_group, keep, *scalars) -> bool:
-    """Whether the call's options fit an operator's schema: a ProcessGroup or None, keep a pair of tensors or None,
-    scalar options not tensors (a tensor would need a host read while tracing). Values are judged by the op's own
-    checks inside the operator."""
+def check_crossable(fn_name: str, tp_group, keep, **scalars) -> None:
+    """That the call's options fit an operator's schema (their values are judged by the op's own checks inside the
+    operator): a ProcessGroup or None, keep a pair of tensors or None, scalar options not tensors (reading one while
+    tracing would be a host read)."""
     if tp_group is not None and not isinstance(tp_group, dist.ProcessGroup):
-        return False
+        raise compile_error(TypeError, fn_name, "tp_group",
+                            f"tp_group must be a torch.distributed ProcessGroup or None, got {type(tp_group).__name__}")
     if keep is not None and not (isinstance(keep, (tuple, list)) and len(keep) == 2
                                  and isinstance(keep[0], torch.Tensor) and isinstance(keep[1], torch.Tensor)):
-        return False
-    return not any(isinstance(v, torch.Tensor) for v in scalars)
+        raise compile_error(TypeError, fn_name, "keep",
+                            "keep must be a pair (ids, offsets) of 1-D integer tensors, or None")
+    for name, value in scalars.items():
+        if isinstance(value, torch.Tensor):
+            raise compile_error(TypeError, fn_name, name,
+                                f"{name} must be a Python number under torch.compile (a tensor would be read on the "
+                                f"host while tracing), got a tensor")
 
 
 def group_name(tp_group) -> str:

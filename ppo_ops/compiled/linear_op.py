@@ -148,8 +148,8 @@ forward_op = common.TwoRegistrations("linear_log_probs_and_entropy", _forward, _
 
 def linear_log_probs_and_entropy(hidden, weight, tokens, *, tp_group, entropy, keep, temperature, row_mask,
                                  vocab_size, reduce_dx, backend, validate):
-    """The public function's route under torch.compile, for a call whose options pass common.can_cross:
-    (log_probs, entropy or None), shaped like tokens."""
+    """The public function's route under torch.compile: (log_probs, entropy or None), shaped like tokens."""
+    common.check_crossable(FN, tp_group, keep, temperature=temperature, vocab_size=vocab_size)
     keep_ids, keep_offsets = common.keep_tensors(keep)
     out = forward_op(hidden, weight, tokens, row_mask, keep_ids, keep_offsets, common.group_name(tp_group), entropy,
                      common.number(temperature), common.number(vocab_size, numbers.Integral), reduce_dx, backend,

@@ -125,15 +125,12 @@ def _backward(ctx, grad_log_prob, grad_entropy, *_stats):
 forward_op = common.TwoRegistrations("log_probs_and_entropy", _forward, _forward_fake, _backward, _setup_context)
 
 
-def crosses(*, tp_group, keep, temperature, vocab_size, chunk_size, inplace_grad) -> bool:
-    """Whether the call can go through the operator (else it runs as the eager op outside the graph)."""
-    return inplace_grad is False and common.can_cross(tp_group, keep, temperature, vocab_size, chunk_size)
-
-
 def log_probs_and_entropy(logits, tokens, *, tp_group, entropy, keep_mask, keep, temperature, row_mask, vocab_size,
                           chunk_size, backend, validate, reduction_order):
-    """The public function's route under torch.compile, for a call that `crosses`: (log_probs, entropy or None),
-    shaped like tokens."""
+    """The public function's route under torch.compile: (log_probs, entropy or None), shaped like tokens. (The
+    wrapper's inplace_grad does not reach here: under the compiler, which owns the logits' storage, the gradient comes
+    back in a new tensor.)"""
+    common.check_crossable(FN, tp_group, keep, temperature=temperature, vocab_size=vocab_size, chunk_size=chunk_size)
     keep_ids, keep_offsets = common.keep_tensors(keep)
     out = forward_op(logits, tokens, keep_mask, row_mask, keep_ids, keep_offsets, common.group_name(tp_group),
                      entropy, common.number(temperature), common.number(vocab_size, numbers.Integral),

@@ -1,13 +1,13 @@
 """`linear_token_loss` under torch.compile: the operator ppo_ops::linear_token_loss (`_syncing` with validate=True or
-a row_mask) for the shipped losses, a graph break for any other callable.
+a row_mask) for the shipped losses; any other callable traced into the graph on top of the general head.
 
 The closure: an operator's schema carries tensors and scalars, never a Python callable, and the op calls its loss
 between collectives on row blocks the compiler never sees. So the losses ppo_ops ships (`ppo_ops.token_losses`:
 policy_loss, grpo_loss, a TokenLoss) cross as their fields, operator options (the [T] weights, old log-probs,
 advantages, reference log-probs; clip, dual clip, coefficients, KL estimator), and the operator rebuilds the same
-TokenLoss inside: one graph, no break, the same values as eager. Any other callable cannot cross: while dynamo
-traces, the wrapper raises a TypeError naming token_loss, which under fullgraph=True is the compile error, and
-without fullgraph is a graph break after which the call runs as the eager op.
+TokenLoss inside: one graph, the eager op's bits. Any other callable is traced by the compiler like the rest of the
+caller's code, applied to the general head's log-probs and entropies (`traced_closure`): one graph too, the loss
+within rounding of the eager op's, at the general head's cost.
 
 The forward operator returns the loss, the metrics and the gradients the op formed in its forward (dX [..., H] and dW
 [V_local, H], or empty placeholders when not wanted). dW always comes back in weight's dtype: where the eager op keeps
@@ -100,15 +100,15 @@ def _backward(ctx, grad_loss, *_detached):
 forward_op = common.TwoRegistrations("linear_token_loss", _forward, _forward_fake, _backward, _setup_context)
 
 
-def crosses(token_loss, *, tp_group, keep, temperature, vocab_size) -> bool:
-    """Whether the call can go through the operator (else it runs as the eager op outside the graph)."""
-    return isinstance(token_loss, TokenLoss) and common.can_cross(tp_group, keep, temperature, vocab_size)
-
-
 def linear_token_loss(hidden, weight, tokens, token_loss, *, tp_group, entropy, keep, temperature, row_mask,
                       vocab_size, reduce_dx, backend, validate):
-    """The public function's route under torch.compile, for a call that `crosses`: (loss, log_probs, entropy or
-    None)."""
+    """The public function's route under torch.compile: (loss, log_probs, entropy or None). A TokenLoss goes
+    through the operator; any other callable is traced into the graph (`traced_closure`)."""
+    common.check_crossable(FN, tp_group, keep, temperature=temperature, vocab_size=vocab_size)
+    if not isinstance(token_loss, TokenLoss):
+        return traced_closure(hidden, weight, tokens, token_loss, tp_group=tp_group, entropy=entropy, keep=keep,
+                              temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx,
+                              backend=backend, validate=validate)
     keep_ids, keep_offsets = common.keep_tensors(keep)
     grad = torch.is_grad_enabled()
     need_dx, need_dw = grad and hidden.requires_grad, grad and weight.requires_grad
@@ -120,3 +120,32 @@ def linear_token_loss(hidden, weight, tokens, token_loss, *, tp_group, entropy, 
         common.number(vocab_size, numbers.Integral), reduce_dx, backend, validate, need_dx, need_dw,
         syncs=bool(validate) or row_mask is not None)
     return loss, log_prob, (ent if entropy != "none" else None)
+
+
+def traced_closure(hidden, weight, tokens, token_loss, *, tp_group, entropy, keep, temperature, row_mask, vocab_size,
+                   reduce_dx, backend, validate):
+    """A loss of the caller's own under torch.compile: the general head's operator (linear_op.py) for every row's
+    log-prob and entropy, then the closure, traced into the graph, called once on all T rows (rows = arange(T)); rows
+    a row_mask drops are masked out of the sum (the head gives them log-prob 0 and no gradient whatever the closure
+    makes of them). The loss is the eager op's within rounding, not bit for bit: the general head's logits path
+    and one sum over all rows instead of the token loss's row blocks, and four GEMMs' work instead of three (the
+    gradient flows back through the head's backward). What validate checks of the closure's values here: dtype and
+    shape (known while tracing); not their finiteness, which would take a host read."""
+    from ppo_ops.compiled import linear_op
+    log_prob, ent = linear_op.linear_log_probs_and_entropy(
+        hidden, weight, tokens, tp_group=tp_group, entropy=entropy, keep=keep, temperature=temperature,
+        row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend, validate=validate)
+    flat_lp = log_prob.reshape(-1)
+    rows = torch.arange(flat_lp.numel(), device=hidden.device)
+    values = token_loss(flat_lp, None if ent is None else ent.reshape(-1), rows)
+    if not isinstance(values, torch.Tensor) or values.dtype != torch.float32:
+        raise common.compile_error(TypeError, FN, "token_loss",
+                                   f"token_loss must return a float32 tensor [R], got "
+                                   f"{getattr(values, 'dtype', type(values).__name__)}")
+    if values.shape != flat_lp.shape:
+        raise common.compile_error(ValueError, FN, "token_loss",
+                                   f"token_loss must return values of shape {tuple(flat_lp.shape)}, got "
+                                   f"{tuple(values.shape)}")
+    if row_mask is not None:
+        values = torch.where(row_mask.reshape(-1), values, torch.zeros_like(values))
+    return values.sum(), log_prob.detach(), (None if ent is None else ent.detach())
