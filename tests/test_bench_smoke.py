@@ -2,9 +2,10 @@
 
 CPU timings are meaningless and never asserted. What is checked for real: every case gets one CSV row with the right
 status (measured, or skipped with the provider's reason); the byte counts and the GB/s and copy-bandwidth fractions
-derived from them; the semantic check against the float64 reference, and that it catches a wrong provider; OOM and
-error handling; the time budget; the Markdown, the plot data and the PNG; the target verdicts; the command
-line (flags, usage errors, --render_only) and the TP=2 path (two spawned ranks over gloo, each holding half the vocab).
+derived from them; the host time per call; the semantic check against the float64 reference, and that it catches a
+wrong provider; OOM and error handling; the time budget; the Markdown, the plot data and the PNG; the target verdicts;
+the command line (flags, usage errors, --render_only) and the TP=2 path (two spawned ranks over gloo, each holding
+half the vocab).
 
 The Triton provider runs under TRITON_INTERPRET=1 (set by conftest.py / tools/pytest.bzl) on a few cases only: each
 interpreted step takes about half a second.
@@ -140,6 +141,8 @@ def test_measured_rows_carry_consistent_numbers(smoke):
         assert float(row["gbps"]) == pytest.approx(gbps, rel=_after_roundings(2))  # gbps and p50_ms
         frac = float(row["gbps"]) / float(row["copy_gbps"])
         assert float(row["frac_copy_bw"]) == pytest.approx(frac, rel=_after_roundings(3))  # and copy_gbps
+        # The host's time of a call is bracketed inside its device (here perf_counter) time, rep by rep.
+        assert 0 < float(row["host_ms"]) <= p50 * (1 + _after_roundings(2))
         grad_mib = case.T * case.V * measure.DTYPE_BYTES[case.dtype] / 2**20
         assert float(row["grad_mib"]) == pytest.approx(grad_mib, rel=_after_roundings(1))
         assert row["peak_extra_mib"] == ""  # not measured off CUDA
@@ -246,6 +249,18 @@ def test_time_budget_stops_starting_cases(tmp_path):
     assert rc == 0
     assert not (tmp_path / "r.csv").exists()
     assert "## Targets" in (tmp_path / "r.md").read_text()
+
+
+def test_record_of_an_older_bench_gains_the_new_columns(tmp_path):
+    """A results.csv written before host_ms existed keeps growing: rewritten with the new header, old cells kept."""
+    path = tmp_path / "r.csv"
+    older = [c for c in report.COLUMNS if c != "host_ms"]
+    report.write_csv(str(path), [dict(provider="triton", T="8192", p50_ms="2.1")], older)
+    report.append_csv(str(path), [dict(provider="eager", T="1024", p50_ms="0.5", host_ms="1.2")])
+    assert report.csv_columns(str(path)) == report.COLUMNS
+    old, new = report.read_csv(str(path))
+    assert (old["provider"], old["T"], old["p50_ms"], old["host_ms"]) == ("triton", "8192", "2.1", "")
+    assert (new["provider"], new["host_ms"]) == ("eager", "1.2")
 
 
 def test_csv_with_foreign_columns_is_refused(tmp_path):

@@ -18,8 +18,8 @@ from typing import Iterable, Optional, Sequence
 
 COLUMNS = (
     "provider", "T", "V", "V_local", "dtype", "entropy", "keep_mask", "row_frac", "kept_rows", "tp", "validate",
-    "inplace_grad", "status", "check", "reps", "p20_ms", "p50_ms", "p80_ms", "bytes_fwd", "bytes_bwd", "gbps",
-    "copy_gbps", "frac_copy_bw", "peak_extra_mib", "grad_mib", "device", "gpu", "torch", "triton", "ppo_ops",
+    "inplace_grad", "status", "check", "reps", "p20_ms", "p50_ms", "p80_ms", "host_ms", "bytes_fwd", "bytes_bwd",
+    "gbps", "copy_gbps", "frac_copy_bw", "peak_extra_mib", "grad_mib", "device", "gpu", "torch", "triton", "ppo_ops",
     "liger_kernel", "megatron_core", "torch_compile", "date",
 )
 # Fields that identify a case (a later row with the same key replaces an earlier one in the rendered outputs).
@@ -36,9 +36,13 @@ def fmt_bool(value: Optional[bool]) -> str:
 
 
 def append_csv(path: str, rows: Iterable[dict], columns: Sequence[str] = COLUMNS) -> None:
-    """Appends rows (dicts keyed by `columns`); writes the header when the file is new. Refuses a foreign header."""
+    """Appends rows (dicts keyed by `columns`); writes the header when the file is new. A record written before
+    columns were added (its header a subset of `columns`) is rewritten first with the new header, its rows' new cells
+    empty, so that a record keeps growing across bench versions. Refuses a foreign header."""
     rows = list(rows)
     new = not os.path.exists(path) or os.path.getsize(path) == 0
+    if not new and csv_columns(path) != tuple(columns) and set(csv_columns(path)) < set(columns):
+        write_csv(path, read_csv(path), columns)
     if not new and csv_columns(path) != tuple(columns):
         raise ValueError(f"{path}: existing CSV has columns {list(csv_columns(path))}, expected {list(columns)}; "
                          "use a new --csv")
@@ -214,13 +218,13 @@ def _case_cells(row: dict) -> list[str]:
     rows = "all" if row["row_frac"] == "1.0" else f"{float(row['row_frac']):.0%}"
     return [
         case_label(row), row["T"], row["V"], row["dtype"], row["entropy"], row["keep_mask"], rows, row["tp"],
-        _fmt(row, "p50_ms", ".3f"), spread, _fmt(row, "gbps", "g"), _fmt(row, "frac_copy_bw", ".0%"),
-        _fmt(row, "peak_extra_mib", ".1f"), status,
+        _fmt(row, "p50_ms", ".3f"), spread, _fmt(row, "host_ms", ".3f"), _fmt(row, "gbps", "g"),
+        _fmt(row, "frac_copy_bw", ".0%"), _fmt(row, "peak_extra_mib", ".1f"), status,
     ]
 
 
-_CASE_HEADER = ["provider", "T", "V", "dtype", "entropy", "keep", "rows", "TP", "p50 ms", "p20–p80 ms", "GB/s",
-                "of copy BW", "peak extra MiB", "status"]
+_CASE_HEADER = ["provider", "T", "V", "dtype", "entropy", "keep", "rows", "TP", "p50 ms", "p20–p80 ms", "host ms",
+                "GB/s", "of copy BW", "peak extra MiB", "status"]
 
 
 def render_markdown(all_rows: list[dict]) -> str:
@@ -239,9 +243,10 @@ def render_markdown(all_rows: list[dict]) -> str:
         parts.append(f"- measured device copy bandwidth (read + write) in the TP={tp} run: {copy_text} GB/s per GPU")
     if dates:
         parts.append(f"- date: {dates[0]}" + (f" to {dates[-1]}" if len(dates) > 1 else ""))
-    parts += ["- time: forward + backward, p50 of CUDA-event timings (p20–p80); bytes = forward reads the kept "
-              "rows, backward reads them again and writes the whole gradient (+ keep mask read in each pass); "
-              "TP=2 rows show the slowest rank", ""]
+    parts += ["- time: forward + backward, p50 of CUDA-event timings (p20–p80); host ms: p50 of the host's wall "
+              "time in the call before any synchronisation (host bound where it reaches the device time); bytes = "
+              "forward reads the kept rows, backward reads them again and writes the whole gradient (+ keep mask read "
+              "in each pass); TP=2 rows show the slowest rank", ""]
     parts += ["## Targets", "", _md_table(["target", "measured", "verdict"],
                                                  [list(t) for t in target_rows(rows)]), ""]
     head = [r for r in rows if all(r.get(k) == v for k, v in HEADLINE.items())]
