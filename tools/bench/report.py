@@ -5,8 +5,8 @@ of several runs (TP=1 on one GPU, TP=2 over two) can be appended to one file and
 appears more than once, the Markdown and the plot use its latest row.
 
 The Markdown has the environment, the performance targets checked against the measurements (met / missed by how much /
-not measured), the headline shape, and every case. The plot shows p50 time (p20-p80 bars) and peak extra memory
-against T for each provider, TP=1, no masks.
+not measured), the headline shape, the small calls (the small_call suite: device and host time per call), and every
+case. The plot shows p50 time (p20-p80 bars) and peak extra memory against T for each provider, TP=1, no masks.
 """
 
 from __future__ import annotations
@@ -227,7 +227,17 @@ _CASE_HEADER = ["provider", "T", "V", "dtype", "entropy", "keep", "rows", "TP", 
                 "GB/s", "of copy BW", "peak extra MiB", "status"]
 
 
+def _small_cells(row: dict) -> list[str]:
+    p50, host = _num(row, "p50_ms"), _num(row, "host_ms")
+    ratio = f"{host / p50:.2f}" if p50 and host is not None else ""
+    return [row["provider"], row["T"], row["V"], row["dtype"], row["entropy"], row["validate"], row["tp"],
+            _fmt(row, "p50_ms", ".3f"), _fmt(row, "host_ms", ".3f"), ratio, _fmt(row, "frac_copy_bw", ".0%"),
+            row["status"] if row.get("check") in ("", "ok", None) else f"{row['status']}, check {row['check']}"]
+
+
 def render_markdown(all_rows: list[dict]) -> str:
+    from tools.bench.cases import SMALL_CALL_PROVIDERS
+
     rows = latest_per_case(all_rows)
     envs = sorted({(r["gpu"], r["device"], r["torch"], r["triton"], r["ppo_ops"], r["liger_kernel"],
                     r["megatron_core"], r["torch_compile"]) for r in rows})
@@ -253,6 +263,13 @@ def render_markdown(all_rows: list[dict]) -> str:
     if head:
         parts += ["## Headline shape: T=8192, V=151936, bf16, TP=1, no masks", "",
                   _md_table(_CASE_HEADER, [_case_cells(r) for r in head]), ""]
+    small = [r for r in rows if r["provider"] in SMALL_CALL_PROVIDERS]
+    if small:
+        parts += ["## Small calls: eager, torch.compile and reduce-overhead (CUDA graphs)", "",
+                  "Host / device near 1: the call is host bound (its CUDA events then span the GPU's wait on the "
+                  "launches); well below 1: the device is the bottleneck.", "",
+                  _md_table(["provider", "T", "V", "dtype", "entropy", "validate", "TP", "p50 ms", "host ms",
+                             "host / device", "of copy BW", "status"], [_small_cells(r) for r in small]), ""]
     parts += ["## All cases", "", _md_table(_CASE_HEADER, [_case_cells(r) for r in rows]), ""]
     return "\n".join(parts)
 
