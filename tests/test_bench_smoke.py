@@ -2,9 +2,11 @@
 
 CPU timings are meaningless and never asserted. What is checked for real: every case gets one CSV row with the right
 status (measured, or skipped with the provider's reason); the byte counts and the GB/s and copy-bandwidth fractions
-derived from them; the semantic check against the float64 reference, and that it catches a wrong provider; OOM and
-error handling; the time budget; the Markdown, the plot data and the PNG; the target verdicts; the command
-line (flags, usage errors, --render_only) and the TP=2 path (two spawned ranks over gloo, each holding half the vocab).
+derived from them; the host time per call; the small_call suite's eager and torch.compile providers (compiled even
+with TORCHDYNAMO_DISABLE=1, as the test suite sets it; reduce-overhead skipped off-GPU with its reason); the semantic
+check against the float64 reference, and that it catches a wrong provider; OOM and error handling; the time budget;
+the Markdown, the plot data and the PNG; the target verdicts; the command line (flags, usage errors, --render_only)
+and the TP=2 path (two spawned ranks over gloo, each holding half the vocab).
 
 The Triton provider runs under TRITON_INTERPRET=1 (set by conftest.py / tools/pytest.bzl) on a few cases only: each
 interpreted step takes about half a second.
@@ -140,6 +142,8 @@ def test_measured_rows_carry_consistent_numbers(smoke):
         assert float(row["gbps"]) == pytest.approx(gbps, rel=_after_roundings(2))  # gbps and p50_ms
         frac = float(row["gbps"]) / float(row["copy_gbps"])
         assert float(row["frac_copy_bw"]) == pytest.approx(frac, rel=_after_roundings(3))  # and copy_gbps
+        # The host's time of a call is bracketed inside its device (here perf_counter) time, rep by rep.
+        assert 0 < float(row["host_ms"]) <= p50 * (1 + _after_roundings(2))
         grad_mib = case.T * case.V * measure.DTYPE_BYTES[case.dtype] / 2**20
         assert float(row["grad_mib"]) == pytest.approx(grad_mib, rel=_after_roundings(1))
         assert row["peak_extra_mib"] == ""  # not measured off CUDA
@@ -248,11 +252,80 @@ def test_time_budget_stops_starting_cases(tmp_path):
     assert "## Targets" in (tmp_path / "r.md").read_text()
 
 
+def test_record_of_an_older_bench_gains_the_new_columns(tmp_path):
+    """A results.csv written before host_ms existed keeps growing: rewritten with the new header, old cells kept."""
+    path = tmp_path / "r.csv"
+    older = [c for c in report.COLUMNS if c != "host_ms"]
+    report.write_csv(str(path), [dict(provider="triton", T="8192", p50_ms="2.1")], older)
+    report.append_csv(str(path), [dict(provider="eager", T="1024", p50_ms="0.5", host_ms="1.2")])
+    assert report.csv_columns(str(path)) == report.COLUMNS
+    old, new = report.read_csv(str(path))
+    assert (old["provider"], old["T"], old["p50_ms"], old["host_ms"]) == ("triton", "8192", "2.1", "")
+    assert (new["provider"], new["host_ms"]) == ("eager", "1.2")
+
+
 def test_csv_with_foreign_columns_is_refused(tmp_path):
     path = tmp_path / "r.csv"
     path.write_text("provider,ms\ntriton,1.0\n")
     with pytest.raises(ValueError, match="existing CSV has columns"):
         report.append_csv(str(path), [{"provider": "torch"}])
+
+
+# --- small calls: eager, torch.compile, reduce-overhead ------------------------------------------------------------
+
+
+def test_small_call_suite_is_the_issue_shape():
+    cases = suite_cases(["small_call"])
+    assert [(c.provider, c.T) for c in cases] == [(p, T) for T in (1024, 8192)
+                                                  for p in ("eager", "compiled", "reduce_overhead")]
+    for c in cases:
+        assert (c.V, c.dtype, c.entropy, c.validate, c.inplace_grad, c.tp) == (151936, "bf16", "grad", False, False, 1)
+    assert all((c.T, c.V) == (TINY["T"], TINY["V"]) for c in suite_cases(["small_call_smoke"]))
+
+
+@pytest.fixture(scope="module")
+def small_calls(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("bench_small_call")
+    cases = suite_cases(["small_call_smoke"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TORCHDYNAMO_DISABLE", "1")  # as tests/conftest.py and tools/pytest.bzl set it: compiled anyway
+        config = _config(tmp_path, cases)
+        rc = runner.run(config)
+        still_disabled = os.environ["TORCHDYNAMO_DISABLE"] == "1"
+    return config, cases, report.read_csv(config.paths.csv), rc, still_disabled
+
+
+def test_small_calls_are_measured_and_checked(small_calls):
+    config, cases, rows, rc, still_disabled = small_calls
+    assert rc == 0
+    assert still_disabled  # the providers enable dynamo only while they compile
+    by_provider = {r["provider"]: r for r in rows}
+    assert len(rows) == len(cases) == 3
+    for name in ("eager", "compiled"):
+        row = by_provider[name]
+        assert (row["status"], row["check"], row["validate"]) == ("ok", "ok", "off"), row
+        assert 0 < float(row["host_ms"]) and float(row["p50_ms"]) > 0
+    assert by_provider["reduce_overhead"]["status"] == (
+        "skipped: reduce-overhead's CUDA graphs need a GPU (on CPU it would time the compiled provider again)")
+    md = pathlib.Path(config.paths.md).read_text()
+    section = md.split("## Small calls", 1)[1].split("## All cases", 1)[0]
+    assert "| eager | 8 | 256 | bf16 | grad | off | 1 |" in section
+    assert "| compiled | 8 | 256 | bf16 | grad | off | 1 |" in section
+    assert "| reduce_overhead | 8 | 256 | bf16 | grad | off | 1 |" in section and "CUDA graphs need a GPU" in section
+
+
+def test_a_compile_that_runs_eagerly_fails_its_row(tmp_path, monkeypatch):
+    """Were dynamo left disabled, torch.compile would hand back the plain function: its row must not pass as a
+    compiled one."""
+    import contextlib
+
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    monkeypatch.setattr(providers, "_dynamo_enabled", contextlib.nullcontext)
+    rc = runner.run(_config(tmp_path, [Case("compiled", dtype="bf16", validate=False, **TINY)]))
+    (row,) = report.read_csv(str(tmp_path / "r.csv"))
+    assert rc == 1
+    assert row["status"] == ("error: RuntimeError: torch.compile ran the function without compiling it "
+                             "(dynamo disabled?)")
 
 
 # --- target verdicts --------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@
     python3 tools/bench/bench.py --suite=whole_step --out_dir=/tmp/bench        # RL step through random Qwen3-0.6B
     bazel run //tools:bench -- --suite=lm_head --out_dir=...   # the fused LM head from hidden states (lm_head.py)
     python3 tools/bench/bench.py --suite=lm_head_pieces --out_dir=/tmp/bench    # the segment GEMMs' pieces, CUDA
+    python3 tools/bench/bench.py --suite=small_call --providers=eager,compiled,reduce_overhead --out_dir=/tmp/bench
+        # the logits op's small calls (T = 1024, 8192): eager, torch.compile, reduce-overhead, each with its host time
 
 Families: a suite belongs to the logits op's family (logits.py: results.csv / .md / .png, named by --csv, --md,
 --png) or the LM head's (lm_head.py: lm_head.csv and lm_head.md); one run measures suites of one family, each the
@@ -16,10 +18,11 @@ T = 8192, or at each --tokens value given, into pieces.csv.
 Flow: build the case list (named suites in priority order, or --suite=custom: the cross product of the list flags);
 measure the device copy bandwidth; then for each case, while the time budget lasts: skip it with a printed reason if
 its provider cannot run it, make (or reuse) its seeded inputs, check the provider's forward against the float64
-reference on a few rows, warm up, measure peak extra memory over one step, time the steps. Each case is appended to
-the CSV as soon as it is measured (a run cut short keeps what it measured); the Markdown and PNG are rendered from
-the whole CSV at the end (or alone, --render_only). An out-of-memory case is recorded as "OOM" and the run goes on;
-an unexpected error is recorded with its message and makes the exit status non-zero once everything is written.
+reference on a few rows, warm up, measure peak extra memory over one step, time the steps (device time, and the
+host's wall time in each call: host_ms). Each case is appended to the CSV as soon as it is measured (a run cut short
+keeps what it measured); the Markdown and PNG are rendered from the whole CSV at the end (or alone, --render_only).
+An out-of-memory case is recorded as "OOM" and the run goes on; an unexpected error is recorded with its message and
+makes the exit status non-zero once everything is written.
 
 With --tp=N the bench spawns N ranks (NCCL on CUDA, gloo on CPU; rank r uses GPU r); every rank runs every case in
 lockstep and rank 0 records, per case, the slowest rank's quantiles and largest peak memory.
@@ -48,7 +51,8 @@ PIECES_SUITE = "lm_head_pieces"
 # The LM head's record has fixed names (its docs and tables link them).
 LM_HEAD_CSV, LM_HEAD_MD = "lm_head.csv", "lm_head.md"
 
-_SUITE = flags.DEFINE_list("suite", ["headline"], "Named case lists (tools/bench/cases.py SUITES), 'custom', or "
+_SUITE = flags.DEFINE_list("suite", ["headline"], "Named case lists (tools/bench/cases.py SUITES, e.g. small_call "
+                           "with --providers=eager,compiled,reduce_overhead), 'custom', or "
                            f"'{PIECES_SUITE}'.")
 _PROVIDERS = flags.DEFINE_list("providers", ["triton", "torch", "legacy", "naive", "liger", "qwen3_step"],
                                "Providers to run (filters the suites too; the LM head's suites only when given).")
@@ -186,8 +190,8 @@ def _cases() -> tuple[str, list]:
     providers = _PROVIDERS.value
     family = _family()
     known = (cases_lib.LM_HEAD_PROVIDERS + cases_lib.LM_HEAD_KEEP_PROVIDERS if family == "lm_head"
-             else cases_lib.ALL_PROVIDERS + cases_lib.KEEP_SET_PROVIDERS + cases_lib.WHOLE_STEP_PROVIDERS
-             + cases_lib.MCORE_STEP_PROVIDERS)
+             else cases_lib.ALL_PROVIDERS + cases_lib.KEEP_SET_PROVIDERS + cases_lib.SMALL_CALL_PROVIDERS
+             + cases_lib.WHOLE_STEP_PROVIDERS + cases_lib.MCORE_STEP_PROVIDERS)
     filtering = family == "logits" or _PROVIDERS.present
     unknown = sorted(set(providers) - set(known)) if filtering else []
     if unknown:

@@ -13,6 +13,12 @@ stops on its time budget (bench --time_budget_s) has measured the headline befor
   sglang_order  reduction_order="sglang" beside the fused op, SGLang's own log_softmax and naive torch, TP = 1 and 2
             (--suite=sglang_order --providers=triton,triton_sglang,sglang,naive; SGLang importable for its row).
   smoke     a tiny CPU shape covering every provider and option (few for triton), for tests/test_bench_smoke.py.
+  small_call  the host cost of a small call: the logits op at T = 1024 and 8192, V = 151936, bf16, entropy with
+            gradient, validate=False, called plainly (eager), through torch.compile(fullgraph=True) (compiled) and
+            torch.compile(mode="reduce-overhead") (reduce_overhead: CUDA graphs), each row with its host time per
+            call beside its device time (--suite=small_call --providers=eager,compiled,reduce_overhead).
+            small_call_smoke: the same on the smoke shape, for the CPU tests (no CUDA graphs there: reduce_overhead
+            is skipped with its reason).
   whole_step  one RL step through a random Qwen3-0.6B (T=8192, bf16, forward + backward through the model, ppo_ops
             for log-prob + entropy), validate on and off: what the host sync costs in a whole step
             (--suite=whole_step --providers=qwen3_step). whole_step_smoke: the same on a tiny model, on CPU.
@@ -57,6 +63,9 @@ ALL_PROVIDERS = ("triton", "torch", "legacy", "naive", "liger", "triton_sglang",
 KEEP_SET_PROVIDERS = ("triton_keep_sparse", "triton_keep_dense")  # the keep_set suite (pass --providers)
 # SGLang's log_softmax order beside ppo_ops' own and SGLang's kernel (the sglang_order suite; pass --providers)
 SGLANG_ORDER_PROVIDERS = ("triton", "triton_sglang", "sglang", "naive")
+# The logits op as a user calls it (backend "auto"): plain, torch.compile(fullgraph=True), mode="reduce-overhead".
+SMALL_CALL_PROVIDERS = ("eager", "compiled", "reduce_overhead")
+SMALL_CALL_TOKENS = (1024, 8192)  # a small call, where the host's cost shows, and the headline T
 # A whole training step through a model that calls ppo_ops (tools/bench/whole_step.py): only in its own suites.
 WHOLE_STEP_PROVIDERS = ("qwen3_step", "qwen3_step_ckpt", "qwen3_step_head", "qwen3_step_loss")
 HEAD_STEP_PROVIDERS = WHOLE_STEP_PROVIDERS[1:]  # with checkpointing; the logits path, the fused head, the loss
@@ -94,7 +103,7 @@ class Case:
     inplace_grad: Optional[bool] = None  # ppo_ops providers only
 
     def __post_init__(self):
-        if self.provider in PPO_OPS_PROVIDERS + WHOLE_STEP_PROVIDERS + MCORE_STEP_PROVIDERS:
+        if self.provider in PPO_OPS_PROVIDERS + SMALL_CALL_PROVIDERS + WHOLE_STEP_PROVIDERS + MCORE_STEP_PROVIDERS:
             # ppo_ops defaults, spelled out so equal cases compare equal.
             if self.validate is None:
                 object.__setattr__(self, "validate", True)
@@ -241,6 +250,16 @@ def _smoke() -> list[Case]:
     return cases
 
 
+def _small_call() -> list[Case]:
+    """The logits op called plainly, compiled and under reduce-overhead: host and device time per call."""
+    return [Case(p, T=T, V=QWEN3_VOCAB, dtype="bf16", entropy="grad", validate=False)
+            for T in SMALL_CALL_TOKENS for p in SMALL_CALL_PROVIDERS]
+
+
+def _small_call_smoke() -> list[Case]:
+    return [Case(p, T=8, V=256, dtype="bf16", entropy="grad", validate=False) for p in SMALL_CALL_PROVIDERS]
+
+
 def _whole_step() -> list[Case]:
     s = dict(T=HEADLINE_TOKENS, V=QWEN3_VOCAB, dtype="bf16", entropy="grad")
     return [Case("qwen3_step", validate=True, **s), Case("qwen3_step", validate=False, **s)]
@@ -315,6 +334,8 @@ SUITES = {
     "tp2": Suite("logits", _tp2),
     "sglang_order": Suite("logits", _sglang_order),
     "smoke": Suite("logits", _smoke),
+    "small_call": Suite("logits", _small_call),
+    "small_call_smoke": Suite("logits", _small_call_smoke),
     "whole_step": Suite("logits", _whole_step),
     "whole_step_smoke": Suite("logits", _whole_step_smoke),
     "lm_head_step": Suite("logits", _lm_head_step),
@@ -371,12 +392,14 @@ class CustomGrid:
 
 
 def cross_product(grid: CustomGrid) -> list[Case]:
-    """The cases of a custom run (--suite=custom). validate / inplace_grad vary only for the ppo_ops providers."""
+    """The cases of a custom run (--suite=custom). validate / inplace_grad vary only for the ppo_ops providers (the
+    small-call ones included)."""
     out, seen = [], set()
     axes = itertools.product(grid.providers, grid.tokens, grid.vocab, grid.dtypes, grid.entropy, grid.keep_mask,
                              grid.row_frac)
     for p, T, V, dt, ent, keep, row in axes:
-        extra = itertools.product(grid.validate, grid.inplace_grad) if p in PPO_OPS_PROVIDERS else [(None, None)]
+        ppo_ops_call = p in PPO_OPS_PROVIDERS + SMALL_CALL_PROVIDERS
+        extra = itertools.product(grid.validate, grid.inplace_grad) if ppo_ops_call else [(None, None)]
         for val, inp in extra:
             case = Case(p, T=T, V=V, dtype=dt, entropy=ent, keep_mask=keep, row_frac=row, tp=grid.tp, validate=val,
                         inplace_grad=inp)

@@ -39,7 +39,7 @@ class LogitsFamily:
         return {"check": check_forward(outputs, memo[case.entropy])}
 
     def row(self, case: Case, results: list[RankResult], info: RunInfo) -> dict:
-        """The slowest rank's quantiles, the largest peak, the first problem."""
+        """The slowest rank's quantiles and host time, the largest peak, the first problem."""
         bytes_ = measure.case_bytes(case.T, case.v_local, case.dtype, case.kept_rows, case.keep_mask)
         row = dict(
             provider=case.provider, T=case.T, V=case.V, V_local=case.v_local, dtype=case.dtype, entropy=case.entropy,
@@ -60,6 +60,7 @@ class LogitsFamily:
             p20_ms=max(t.p20_ms for t in timings),
             p50_ms=max(t.p50_ms for t in timings),
             p80_ms=max(t.p80_ms for t in timings),
+            host_ms=max(t.host_p50_ms for t in timings),
         )
         row["gbps"] = measure.gbps(bytes_.total, row["p50_ms"])
         row["frac_copy_bw"] = row["gbps"] / info.copy_gbps if info.copy_gbps else None
@@ -75,7 +76,7 @@ class LogitsFamily:
         frac = row.get("frac_copy_bw")
         peak = row.get("peak_extra_mib")
         return (f"{head}: p50 {row['p50_ms']:.3f} ms [{row['p20_ms']:.3f}, {row['p80_ms']:.3f}] "
-                f"{row['gbps']:.0f} GB/s" + (f" ({frac:.0%} of copy)" if frac else "")
+                f"(host {row['host_ms']:.3f} ms) {row['gbps']:.0f} GB/s" + (f" ({frac:.0%} of copy)" if frac else "")
                 + (f", peak extra {peak:.1f} MiB" if peak is not None else "") + f", check {row['check'] or 'off'}")
 
     def append(self, row: dict) -> None:

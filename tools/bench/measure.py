@@ -7,6 +7,12 @@ must happen before each repetition but is not part of the op (refilling logits a
 in `prepare`, outside the events. Inputs are gigabytes, far over the 50 MB L2, so one input set is timed repeatedly
 with no cache flush or rotation.
 
+Host time: each repetition's step is also bracketed by `perf_counter` on the host (inside the events): the wall time
+of the Python call until it returns, before any synchronisation, i.e. what launching its work costs the host. Its
+p50 is `Timing.host_p50_ms`. A call with no host sync whose host time is near (or above) its device time is host
+bound: the GPU waits on the launches. Where the GPU is the bottleneck the host time can include waits on a full
+launch queue or a host sync of the op's own (validate=True), so it says something only next to the device time.
+
 Peak extra memory: `torch.cuda.max_memory_allocated` during one step, after `reset_peak_memory_stats`, minus
 `memory_allocated` just before it, with the inputs alive. Everything the step allocates and still holds at its peak
 (outputs, the gradient buffer, saved activations, temporaries) counts. Not measured on CPU.
@@ -46,6 +52,7 @@ class Timing:
     p50_ms: float
     p80_ms: float
     reps: int
+    host_p50_ms: Optional[float] = None  # p50 host wall time of the call (module docstring); None where not timed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,11 +85,13 @@ def synchronize(device: torch.device) -> None:
 
 
 class _Timer:
-    """Per-repetition elapsed times: CUDA events on CUDA devices, perf_counter elsewhere."""
+    """Per-repetition elapsed times: CUDA events on CUDA devices, perf_counter elsewhere; and the host's perf_counter
+    time of the call alone (`host`), on every device."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self._pairs: list = []
+        self._host: list = []
 
     def start(self):
         if self.device.type == "cuda":
@@ -99,22 +108,31 @@ class _Timer:
         else:
             self._pairs.append((start, time.perf_counter()))
 
+    def host(self, start_s: float, stop_s: float) -> None:
+        self._host.append((stop_s - start_s) * 1e3)
+
     def elapsed_ms(self) -> list[float]:
         synchronize(self.device)
         if self.device.type == "cuda":
             return [s.elapsed_time(e) for s, e in self._pairs]
         return [(e - s) * 1e3 for s, e in self._pairs]
 
+    def host_ms(self) -> list[float]:
+        return list(self._host)
 
-def _run_reps(step, prepare, device, reps: int) -> list[float]:
+
+def _run_reps(step, prepare, device, reps: int) -> tuple[list[float], list[float]]:
+    """(device ms, host ms) of each repetition."""
     timer = _Timer(device)
     for _ in range(reps):
         x = prepare()
         t0 = timer.start()
+        h0 = time.perf_counter()
         out = step(x)
+        timer.host(h0, time.perf_counter())
         timer.stop(t0)
         del out, x  # free the gradient before the next repetition's prepare
-    return timer.elapsed_ms()
+    return timer.elapsed_ms(), timer.host_ms()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +177,7 @@ def warm_up_device(device: torch.device, *, min_s: float, max_s: float) -> Optio
 
 def warm_up(step: Callable[[Any], Any], prepare: Callable[[], Any], device: torch.device, calls: int) -> float:
     """Runs `calls` steps that are not reported (the first compiles); returns an estimate of one step in ms."""
-    times = _run_reps(step, prepare, device, max(1, calls))
+    times, _ = _run_reps(step, prepare, device, max(1, calls))
     return float(np.median(times[1:] if len(times) > 1 else times))
 
 
@@ -173,11 +191,13 @@ def time_step(
     max_reps: int,
     target_ms: float,
 ) -> Timing:
-    """p20/p50/p80 of `step(prepare())` in ms over enough repetitions to fill ~target_ms; `prepare` is not timed."""
+    """p20/p50/p80 of `step(prepare())` in ms over enough repetitions to fill ~target_ms, and the p50 of the host's
+    time in the call; `prepare` is not timed."""
     reps = int(min(max_reps, max(min_reps, math.ceil(target_ms / max(estimate_ms, 1e-3)))))
-    times = _run_reps(step, prepare, device, reps)
+    times, host = _run_reps(step, prepare, device, reps)
     p20, p50, p80 = np.percentile(np.asarray(times, dtype=np.float64), [20, 50, 80])
-    return Timing(p20_ms=float(p20), p50_ms=float(p50), p80_ms=float(p80), reps=reps)
+    return Timing(p20_ms=float(p20), p50_ms=float(p50), p80_ms=float(p80), reps=reps,
+                  host_p50_ms=float(np.median(host)))
 
 
 STEADY_MAX_STEPS = 500  # back-to-back steps at most (a 15 ms step fills 2 s with 133)

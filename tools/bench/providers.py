@@ -16,6 +16,13 @@ Providers:
   sglang  SGLang's batch-invariant log_softmax (sglang.srt.batch_invariant_ops) of logits.float() + gather: what its
           deterministic / on-policy inference scores with (TP=1, log-prob only). FORWARD ONLY: its kernel has no
           backward, so its step is the forward (its bytes and GB/s columns still count a backward: read its ms)
+  eager / compiled / reduce_overhead  the small_call suite: ppo_ops.log_probs_and_entropy as a user calls it (backend
+          "auto": triton on a GPU) with the case's validate; plainly, in torch.compile(fn, fullgraph=True) of a
+          function calling it, and in torch.compile(fn, mode="reduce-overhead") (CUDA graphs; a GPU only). Each
+          compiled case compiles afresh and runs COMPILE_WARMUP_CALLS steps in its build (compilation, CUDA graph
+          trees' warm-up run, recording, first replay) before the bench's own warm-up; dynamo is enabled for the
+          compile whatever TORCHDYNAMO_DISABLE says, and a compile that ran eagerly fails the case. Under
+          reduce-overhead the logits are marked static (no copy into the graph's input buffer per replay)
   legacy  ppo_ops.legacy.calculate_log_probs_and_entropy (Megatron fused vocab-parallel CE + separate entropy)
   naive   log_softmax + gather + softmax entropy in fp32 (TP=1)
   qwen3_step  one RL step through a random Qwen3-0.6B with ppo_ops (tools/bench/whole_step.py; its own suites);
@@ -31,13 +38,14 @@ case (missing package or option), or None; the bench records it as "skipped: <re
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Optional
 
 import torch
 
 from tools.bench import keep_set, megatron_step, whole_step
-from tools.bench.cases import Case
+from tools.bench.cases import SMALL_CALL_PROVIDERS, Case
 from tools.bench.contract import Closure, Provider, first_import_problem, registry
 from tools.bench.inputs import IGNORED_TOKEN, Inputs
 
@@ -168,6 +176,91 @@ def _unsupported_triton_sglang(case: Case, device: torch.device) -> Optional[str
     if case.keep_mask:
         return "reduction_order='sglang' has no keep mask"
     return _unsupported_triton(case, device)
+
+
+# --- small calls: eager, torch.compile, reduce-overhead -------------------------------------------------------------
+
+# Steps each compiled case runs in its build, untimed: the first compiles (and under reduce-overhead is CUDA graph
+# trees' eager warm-up run), the second records the graphs, the third is a first replay. The bench's own warm-up
+# (--warmup) follows, so timing starts on replays whatever the flags.
+COMPILE_WARMUP_CALLS = 3
+
+
+@contextlib.contextmanager
+def _dynamo_enabled():
+    """TORCHDYNAMO_DISABLE=0 while torch.compile wraps a function. The test suite (tests/conftest.py,
+    tools/pytest.bzl) and some launch scripts set it to 1 (megatron-core's jit_fuser compiles otherwise); with it,
+    torch.compile returns the function uncompiled and these rows would time the eager call under another name. Torch
+    reads the variable when torch.compile is called, not when the compiled function runs, so it is restored after:
+    the legacy provider's jit_fuser and the record's torch_compile column keep what the run was started with."""
+    before = os.environ.get("TORCHDYNAMO_DISABLE")
+    os.environ["TORCHDYNAMO_DISABLE"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TORCHDYNAMO_DISABLE"]
+        else:
+            os.environ["TORCHDYNAMO_DISABLE"] = before
+
+
+def _unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def build_small_call(case: Case, inp: Inputs) -> Closure:
+    """eager / compiled / reduce_overhead: the logits op called as a user calls it (see the module docstring)."""
+    import ppo_ops
+
+    def call(logits):
+        out = ppo_ops.log_probs_and_entropy(logits, inp.tokens, tp_group=inp.group, entropy=case.entropy,
+                                            keep_mask=inp.keep_mask, row_mask=inp.row_mask, validate=case.validate)
+        return out.log_probs, out.entropy
+
+    graphs = case.provider == "reduce_overhead"
+    if graphs:
+        # CUDA graph trees copy every input that is not static into the graph's own buffer at each replay. The logits
+        # are the bench's one fixed tensor; marked static, the rows time the op, not a copy of T x V_local elements
+        # that a trainer whose logits come from outside the compiled function would pay on top (and one whose LM
+        # head is compiled with it would not). Unguarded: a new address re-records rather than recompiles.
+        torch._dynamo.mark_static_address(inp.logits)
+    if case.provider != "eager":
+        torch._dynamo.reset()  # a fresh compile per case: static shapes, as a trainer with a fixed T has them
+        with _dynamo_enabled():
+            call = torch.compile(call, mode="reduce-overhead") if graphs else torch.compile(call, fullgraph=True)
+
+    def step(logits):
+        if graphs:
+            # A new iteration of CUDA graph trees: the previous step's outputs (freed by the bench) may be overwritten.
+            torch.compiler.cudagraph_mark_step_begin()
+        log_prob, entropy = call(logits)
+        return _grad(*_outputs_and_grads(case, inp, log_prob, entropy), logits)
+
+    def forward():
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.no_grad():
+            log_prob, entropy = call(inp.logits)
+        # Copies: a CUDA graph's outputs are overwritten by its next replay.
+        return _fp32_1d(log_prob).clone(), None if entropy is None else _fp32_1d(entropy).clone()
+
+    if case.provider != "eager":
+        before = _unique_graphs()
+        for _ in range(COMPILE_WARMUP_CALLS):
+            step(inp.logits)  # its gradient dropped at once, as the bench's repetitions drop theirs
+        if _unique_graphs() == before:
+            raise RuntimeError("torch.compile ran the function without compiling it (dynamo disabled?)")
+    return Closure(prepare=lambda: inp.logits, step=step, forward=forward)
+
+
+def _unsupported_small_call(case: Case, device: torch.device) -> Optional[str]:
+    if case.inplace_grad:
+        return "the small-call rows time the op's default call (inplace_grad off)"
+    if case.provider == "reduce_overhead" and device.type != "cuda":
+        return "reduce-overhead's CUDA graphs need a GPU (on CPU it would time the compiled provider again)"
+    return first_import_problem(TORCH_MODULES)
 
 
 # --- SGLang's batch-invariant log_softmax ----------------------------------------------------------------------------
@@ -327,6 +420,8 @@ PROVIDERS = registry(
     Provider("triton_sglang", build_triton_sglang, _unsupported_triton_sglang, modules=TRITON_MODULES),
     *(Provider(name, build_triton_keep, _unsupported_triton_keep, checked=False, modules=TRITON_MODULES)
       for name in ("triton_keep_sparse", "triton_keep_dense")),
+    *(Provider(name, build_small_call, _unsupported_small_call, modules=TORCH_MODULES)
+      for name in SMALL_CALL_PROVIDERS),
     Provider("sglang", build_sglang, _unsupported_sglang, modules=SGLANG_MODULES),
     Provider("legacy", build_legacy, _unsupported_legacy, modules=LEGACY_MODULES),
     Provider("naive", build_naive, _unsupported_naive),

@@ -5,8 +5,8 @@ of several runs (TP=1 on one GPU, TP=2 over two) can be appended to one file and
 appears more than once, the Markdown and the plot use its latest row.
 
 The Markdown has the environment, the performance targets checked against the measurements (met / missed by how much /
-not measured), the headline shape, and every case. The plot shows p50 time (p20-p80 bars) and peak extra memory
-against T for each provider, TP=1, no masks.
+not measured), the headline shape, the small calls (the small_call suite: device and host time per call), and every
+case. The plot shows p50 time (p20-p80 bars) and peak extra memory against T for each provider, TP=1, no masks.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Iterable, Optional, Sequence
 
 COLUMNS = (
     "provider", "T", "V", "V_local", "dtype", "entropy", "keep_mask", "row_frac", "kept_rows", "tp", "validate",
-    "inplace_grad", "status", "check", "reps", "p20_ms", "p50_ms", "p80_ms", "bytes_fwd", "bytes_bwd", "gbps",
-    "copy_gbps", "frac_copy_bw", "peak_extra_mib", "grad_mib", "device", "gpu", "torch", "triton", "ppo_ops",
+    "inplace_grad", "status", "check", "reps", "p20_ms", "p50_ms", "p80_ms", "host_ms", "bytes_fwd", "bytes_bwd",
+    "gbps", "copy_gbps", "frac_copy_bw", "peak_extra_mib", "grad_mib", "device", "gpu", "torch", "triton", "ppo_ops",
     "liger_kernel", "megatron_core", "torch_compile", "date",
 )
 # Fields that identify a case (a later row with the same key replaces an earlier one in the rendered outputs).
@@ -36,9 +36,13 @@ def fmt_bool(value: Optional[bool]) -> str:
 
 
 def append_csv(path: str, rows: Iterable[dict], columns: Sequence[str] = COLUMNS) -> None:
-    """Appends rows (dicts keyed by `columns`); writes the header when the file is new. Refuses a foreign header."""
+    """Appends rows (dicts keyed by `columns`); writes the header when the file is new. A record written before
+    columns were added (its header a subset of `columns`) is rewritten first with the new header, its rows' new cells
+    empty, so that a record keeps growing across bench versions. Refuses a foreign header."""
     rows = list(rows)
     new = not os.path.exists(path) or os.path.getsize(path) == 0
+    if not new and csv_columns(path) != tuple(columns) and set(csv_columns(path)) < set(columns):
+        write_csv(path, read_csv(path), columns)
     if not new and csv_columns(path) != tuple(columns):
         raise ValueError(f"{path}: existing CSV has columns {list(csv_columns(path))}, expected {list(columns)}; "
                          "use a new --csv")
@@ -214,16 +218,26 @@ def _case_cells(row: dict) -> list[str]:
     rows = "all" if row["row_frac"] == "1.0" else f"{float(row['row_frac']):.0%}"
     return [
         case_label(row), row["T"], row["V"], row["dtype"], row["entropy"], row["keep_mask"], rows, row["tp"],
-        _fmt(row, "p50_ms", ".3f"), spread, _fmt(row, "gbps", "g"), _fmt(row, "frac_copy_bw", ".0%"),
-        _fmt(row, "peak_extra_mib", ".1f"), status,
+        _fmt(row, "p50_ms", ".3f"), spread, _fmt(row, "host_ms", ".3f"), _fmt(row, "gbps", "g"),
+        _fmt(row, "frac_copy_bw", ".0%"), _fmt(row, "peak_extra_mib", ".1f"), status,
     ]
 
 
-_CASE_HEADER = ["provider", "T", "V", "dtype", "entropy", "keep", "rows", "TP", "p50 ms", "p20–p80 ms", "GB/s",
-                "of copy BW", "peak extra MiB", "status"]
+_CASE_HEADER = ["provider", "T", "V", "dtype", "entropy", "keep", "rows", "TP", "p50 ms", "p20–p80 ms", "host ms",
+                "GB/s", "of copy BW", "peak extra MiB", "status"]
+
+
+def _small_cells(row: dict) -> list[str]:
+    p50, host = _num(row, "p50_ms"), _num(row, "host_ms")
+    ratio = f"{host / p50:.2f}" if p50 and host is not None else ""
+    return [row["provider"], row["T"], row["V"], row["dtype"], row["entropy"], row["validate"], row["tp"],
+            _fmt(row, "p50_ms", ".3f"), _fmt(row, "host_ms", ".3f"), ratio, _fmt(row, "frac_copy_bw", ".0%"),
+            row["status"] if row.get("check") in ("", "ok", None) else f"{row['status']}, check {row['check']}"]
 
 
 def render_markdown(all_rows: list[dict]) -> str:
+    from tools.bench.cases import SMALL_CALL_PROVIDERS
+
     rows = latest_per_case(all_rows)
     envs = sorted({(r["gpu"], r["device"], r["torch"], r["triton"], r["ppo_ops"], r["liger_kernel"],
                     r["megatron_core"], r["torch_compile"]) for r in rows})
@@ -239,15 +253,23 @@ def render_markdown(all_rows: list[dict]) -> str:
         parts.append(f"- measured device copy bandwidth (read + write) in the TP={tp} run: {copy_text} GB/s per GPU")
     if dates:
         parts.append(f"- date: {dates[0]}" + (f" to {dates[-1]}" if len(dates) > 1 else ""))
-    parts += ["- time: forward + backward, p50 of CUDA-event timings (p20–p80); bytes = forward reads the kept "
-              "rows, backward reads them again and writes the whole gradient (+ keep mask read in each pass); "
-              "TP=2 rows show the slowest rank", ""]
+    parts += ["- time: forward + backward, p50 of CUDA-event timings (p20–p80); host ms: p50 of the host's wall "
+              "time in the call before any synchronisation (host bound where it reaches the device time); bytes = "
+              "forward reads the kept rows, backward reads them again and writes the whole gradient (+ keep mask read "
+              "in each pass); TP=2 rows show the slowest rank", ""]
     parts += ["## Targets", "", _md_table(["target", "measured", "verdict"],
                                                  [list(t) for t in target_rows(rows)]), ""]
     head = [r for r in rows if all(r.get(k) == v for k, v in HEADLINE.items())]
     if head:
         parts += ["## Headline shape: T=8192, V=151936, bf16, TP=1, no masks", "",
                   _md_table(_CASE_HEADER, [_case_cells(r) for r in head]), ""]
+    small = [r for r in rows if r["provider"] in SMALL_CALL_PROVIDERS]
+    if small:
+        parts += ["## Small calls: eager, torch.compile and reduce-overhead (CUDA graphs)", "",
+                  "Host / device near 1: the call is host bound (its CUDA events then span the GPU's wait on the "
+                  "launches); well below 1: the device is the bottleneck.", "",
+                  _md_table(["provider", "T", "V", "dtype", "entropy", "validate", "TP", "p50 ms", "host ms",
+                             "host / device", "of copy BW", "status"], [_small_cells(r) for r in small]), ""]
     parts += ["## All cases", "", _md_table(_CASE_HEADER, [_case_cells(r) for r in rows]), ""]
     return "\n".join(parts)
 
