@@ -471,6 +471,15 @@ _CUDA = pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graph capture nee
 
 
 @_CUDA
+def test_lm_head_row_mask_inside_capture_names_row_mask():
+    hidden, weight, t, opts = _head_call(LINEAR_CASES["row_mask"])
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="row_mask=None"):
+        with torch.cuda.graph(graph):
+            ppo_ops.linear_log_probs_and_entropy(hidden.detach(), weight.detach(), t, **opts)
+
+
+@_CUDA
 def test_validate_true_inside_capture_names_validate():
     x, t, opts = _logits_call(LOGITS_CASES["grad"])
     ppo_ops.log_probs_and_entropy(x.detach(), t, validate=False)  # warm up outside the capture

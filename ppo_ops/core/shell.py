@@ -83,18 +83,26 @@ def on_device(call: Call):
 
 # ---- preparing a call ----
 
-def _prepare(fn_name: str, tp_group, validate, like, local_checks: Callable[..., Call]) -> Call:
+def _prepare(fn_name: str, tp_group, validate, like, local_checks: Callable[..., Call],
+             host_read_row_mask=None) -> Call:
     """Resolves tp_group, then `local_checks(group, world_size, rank)`; its error raises on every rank together
-    (TP > 1 with validate=True) or here. `like` is the tensor whose device the error header goes on."""
-    capturing = isinstance(like, torch.Tensor) and like.is_cuda and torch.cuda.is_current_stream_capturing()
-    if validate is True and capturing:
-        # Before any collective, on every rank alike (they all capture): the value checks' host read would fail
-        # inside the capture with an error of torch's that names no option.
-        raise checks.argument_error(
-            RuntimeError, fn_name, "validate",
-            "validate=True reads values on the host, which CUDA graph capture forbids: call with validate=False "
-            "inside torch.cuda.graph (or a compiled function in mode='reduce-overhead' keeps the call out of its "
-            "graphs)")
+    (TP > 1 with validate=True) or here. `like` is the tensor whose device the error header goes on;
+    host_read_row_mask: a row mask whose kept-row count the op reads on the host (the LM head's)."""
+    if isinstance(like, torch.Tensor) and like.is_cuda and torch.cuda.is_current_stream_capturing():
+        # Before any collective, on every rank alike (they all capture): a host read would fail inside the capture
+        # with an error of torch's that names no option.
+        if validate is True:
+            raise checks.argument_error(
+                RuntimeError, fn_name, "validate",
+                "validate=True reads values on the host, which CUDA graph capture forbids: call with validate=False "
+                "inside torch.cuda.graph (or a compiled function in mode='reduce-overhead' keeps the call out of its "
+                "graphs)")
+        if host_read_row_mask is not None:
+            raise checks.argument_error(
+                RuntimeError, fn_name, "row_mask",
+                "a row_mask's kept-row count is read on the host (it sizes the GEMMs), which CUDA graph capture "
+                "forbids: inside torch.cuda.graph pass row_mask=None and mask the outputs and their gradients "
+                "yourself")
     group, world_size, rank = checks.check_tp_group(fn_name, tp_group)
     try:
         return local_checks(group, world_size, rank)
@@ -171,7 +179,7 @@ def prepare_lm_head(fn_name, hidden, weight, tokens, *, tp_group, entropy, tempe
         return Call(hidden.reshape(n_rows, width), tokens.reshape(n_rows), None,
                     None if row_mask is None else row_mask.reshape(n_rows), plan, lead, sparse)
 
-    return _prepare(fn_name, tp_group, validate, hidden, local_checks)
+    return _prepare(fn_name, tp_group, validate, hidden, local_checks, host_read_row_mask=row_mask)
 
 
 def _flatten_logits(fn_name, logits, n_rows, v_local, inplace_grad, needs_unit_stride):
