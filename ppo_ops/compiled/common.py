@@ -79,15 +79,17 @@ def or_empty(t: Optional[torch.Tensor], like: torch.Tensor, dtype=torch.float32)
 
 
 def unaliased(outputs: tuple, inputs: tuple) -> tuple:
-    """An operator's outputs may alias neither its inputs nor each other; the backends return row statistics as
-    views of one buffer (and the LM head's log-probs may be views of its partials). Clones those (O(T) each)."""
+    """An operator's outputs may alias neither its inputs nor each other, and each must be what its fake
+    implementation promises: a contiguous tensor at offset 0 of its storage (the compiler assumes that, and its
+    alignment). The backends return row statistics as views into one buffer (and the LM head's log-probs may be views
+    of its partials): those are cloned (O(T) each)."""
     seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor) and t.numel()}
     out = []
     for t in outputs:
         if t.numel():
             ptr = t.untyped_storage().data_ptr()
-            if ptr in seen:
-                t = t.clone()
+            if ptr in seen or t.storage_offset() != 0 or not t.is_contiguous():
+                t = t.clone(memory_format=torch.contiguous_format)
                 ptr = t.untyped_storage().data_ptr()
             seen.add(ptr)
         out.append(t)
