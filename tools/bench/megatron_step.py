@@ -62,8 +62,15 @@ def _init_megatron() -> None:
     model_parallel_cuda_manual_seed(MODEL_SEED)
 
 
-def build_model(tokens: int):
-    """Qwen3-0.6B's shape as a megatron-core GPTModel (module docstring), bf16, on the current CUDA device."""
+_MODEL: dict = {}  # the one model of this process: every case steps the same weights (rotary embeddings take any T)
+MAX_TOKENS = 32768  # the longest case's T: the model's max_sequence_length
+
+
+def build_model():
+    """Qwen3-0.6B's shape as a megatron-core GPTModel (module docstring), bf16, on the current CUDA device; built once
+    per process (the weights do not change: a step only writes .grad, which each case's prepare clears)."""
+    if "model" in _MODEL:
+        return _MODEL["model"]
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -77,11 +84,12 @@ def build_model(tokens: int):
     with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
         torch.manual_seed(MODEL_SEED)
         model = GPTModel(config, get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"),
-                         vocab_size=QWEN3_VOCAB, max_sequence_length=tokens, position_embedding_type="rope",
+                         vocab_size=QWEN3_VOCAB, max_sequence_length=MAX_TOKENS, position_embedding_type="rope",
                          rotary_base=ROTARY_BASE, share_embeddings_and_output_weights=True)
     # Every parameter in bf16, as Megatron's Float16Module casts a bf16 model: the local spec's norms are torch
     # modules created in fp32, which would carry the activations in fp32 through every layer
-    return model.to(device="cuda", dtype=torch.bfloat16).train()
+    _MODEL["model"] = model.to(device="cuda", dtype=torch.bfloat16).train()
+    return _MODEL["model"]
 
 
 def _body_only(*, hidden_states, **unused):
@@ -94,7 +102,7 @@ def build(case: Case, inp: Inputs) -> Closure:
     import ppo_ops
     import ppo_ops.megatron as pm
 
-    model = build_model(case.T)
+    model = build_model()
     device = inp.tokens.device
     tokens = inp.tokens.reshape(1, -1)
     position_ids = torch.arange(case.T, device=device).reshape(1, -1)
