@@ -514,3 +514,53 @@ def test_int64_offsets():
     assert_kernel_grad_close(logits[-2:].cpu(), reference_grad(small, None, target_col, None, 1.0, QWEN3_VOCAB, stats64,
                                                         g_lp, g_ent))
     assert int(torch.count_nonzero(logits[:-2])) == 0
+
+
+# --- the direct launch (core/triton_launch.py): Triton's own kernel, fewer host steps ---------------------------------
+
+def test_launch_key_separates_what_triton_specialises():
+    """Calls Triton would compile differently get different keys; calls it runs with one kernel share a key."""
+    from ppo_ops.core.triton_launch import specialization_key
+
+    names, constexpr = ("x_ptr", "n", "BLOCK"), (False, False, True)
+
+    def key(x, n, block=64, **options):
+        return specialization_key(names, constexpr, dict(x_ptr=x, n=n, BLOCK=block, **options))
+
+    base = torch.empty(64, dtype=torch.bfloat16)
+    aligned, other_aligned, misaligned = base[:32], base[8:40], base[1:33]  # 16-byte steps are 8 bf16 elements
+    assert key(aligned, 17) == key(other_aligned, 33)  # neither 1 nor a multiple of 16: one kernel for every such n
+    assert key(aligned, 17) != key(misaligned, 17)
+    assert key(aligned, 17) != key(aligned.float(), 17)
+    assert key(aligned, 17) != key(aligned, 32)
+    assert key(aligned, 17) != key(aligned, 1)
+    assert key(aligned, 17) != key(aligned, 2 ** 31 + 1)  # a 64-bit integer
+    assert key(aligned, 17) != key(aligned, 17, block=128)  # a constexpr's value
+    assert key(aligned, 17, num_warps=4) != key(aligned, 17, num_warps=8)
+
+
+@on_cuda
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "misaligned"])
+def test_direct_launch_is_tritons_own(offset):
+    """Launcher runs the CompiledKernel `kernel[grid](**kwargs)` picks for the same arguments (misaligned logits: the
+    other specialisation), with the same results, on the second call of a key as on the first."""
+    from ppo_ops.core.contracts import RowInputs, ShardOptions
+    from ppo_ops.core.triton_launch import Launcher
+    from ppo_ops.logits import triton_kernels
+
+    seg_len = QWEN3_VOCAB // 8
+    base = torch.randn(40, QWEN3_VOCAB + 1, device=DEVICE).to(torch.bfloat16)
+    logits = base[:, offset:offset + QWEN3_VOCAB]
+    tokens = torch.randint(0, QWEN3_VOCAB, (40,), device=DEVICE)
+    shard = ShardOptions(inv_temperature=1.0, n_valid=QWEN3_VOCAB, seg_len=seg_len, vocab_start=0)
+    config = tb.launch_config("forward", logits.dtype, seg_len, False)
+    outs = [torch.full((8, 5, 40), float("nan"), device=DEVICE) for _ in range(3)]
+    launcher = Launcher(triton_kernels.forward_partials_kernel)
+    for out in outs[:2]:  # the first call of a key goes through Triton, the second straight to its launcher
+        grid, kwargs = tb.forward_launch_args(RowInputs(logits, tokens, None, None), shard, True, out, config)
+        launcher(grid, **kwargs)
+    grid, kwargs = tb.forward_launch_args(RowInputs(logits, tokens, None, None), shard, True, outs[2], config)
+    own = triton_kernels.forward_partials_kernel[grid](**kwargs)
+    torch.cuda.synchronize()
+    assert list(launcher._compiled.values()) == [own]
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[2])

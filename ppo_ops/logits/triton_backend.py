@@ -31,9 +31,15 @@ from ppo_ops.core.contracts import BackwardStats, RowInputs, RowStats, ShardOpti
 from ppo_ops.core.row_stats import NUM_PARTIALS
 from ppo_ops.core.shell import interpret_requested
 from ppo_ops.core.triton_common import cdiv, interpreting, options, round_bf16_by_bits
+from ppo_ops.core.triton_launch import Launcher
 from ppo_ops.logits import triton_kernels
 
 _WHERE = "logits.triton_backend"  # message prefix of this module's own checks: "ppo_ops.logits.triton_backend: ..."
+
+# The three kernels of a call, launched with little host work: a small call is host-bound (core/triton_launch.py).
+_FORWARD = Launcher(triton_kernels.forward_partials_kernel)
+_MERGE = Launcher(triton_kernels.merge_partials_kernel)
+_BACKWARD = Launcher(triton_kernels.backward_grad_kernel)
 
 # (BLOCK_V, num_warps, num_stages[, lane width]) per pass and logits element size in bytes: the fastest correct
 # variants measured on H200s (docs/performance.md says how and what they gave).
@@ -165,7 +171,7 @@ def forward_partials(inputs: RowInputs, shard: ShardOptions, with_entropy: bool,
         return out
     config = launch_config("forward", logits.dtype, seg_len, interpreting(), **overrides)
     grid, kwargs = forward_launch_args(inputs, shard, with_entropy, out, config)
-    triton_kernels.forward_partials_kernel[grid](**kwargs)
+    _FORWARD(grid, **kwargs)
     return out
 
 
@@ -222,8 +228,8 @@ def backward_grad(inputs: RowInputs, shard: ShardOptions, stats: BackwardStats, 
     if num_rows == 0 or v_local == 0:
         return
     config = launch_config("backward", logits.dtype, v_local, interpreting(), **overrides)
-    triton_kernels.backward_grad_kernel[(num_rows, cdiv(v_local, config.block_v))](
-        **backward_launch_args(inputs, shard, stats, upstream, out, config))
+    _BACKWARD((num_rows, cdiv(v_local, config.block_v)),
+              **backward_launch_args(inputs, shard, stats, upstream, out, config))
 
 
 def backward_launch_args(inputs: RowInputs, shard: ShardOptions, stats: BackwardStats, upstream: UpstreamGrads,
@@ -271,28 +277,21 @@ _MERGE_BLOCK_R = 256
 
 
 def merge_partials(partials: torch.Tensor, has_keep_mask: bool) -> RowStats:
-    """[segments, 5, T] fp32 partials -> RowStats, the math of row_stats.merge_partials in one launch."""
+    """[segments, 5, T] fp32 partials -> RowStats, the math of row_stats.merge_partials in one launch (its fields
+    views of one fp32 and one flag buffer)."""
     num_seg, _, num_rows = partials.shape
     partials = partials.contiguous()
     k = triton_kernels
     out = torch.empty((k.MERGED_FIELDS, num_rows), dtype=torch.float32, device=partials.device)
+    flags = torch.empty((k.MERGED_FLAGS, num_rows), dtype=torch.uint8, device=partials.device)
     if num_rows:
-        k.merge_partials_kernel[(cdiv(num_rows, _MERGE_BLOCK_R),)](
-            partials_ptr=partials, out_ptr=out, num_rows=num_rows, NUM_SEG=num_seg, HAS_KEEP=has_keep_mask,
-            BLOCK_R=_MERGE_BLOCK_R,
-        )
-    flags = out[k.LOG_PROB_DEFINED:].bool()
-    return RowStats(
-        log_prob=out[k.LOG_PROB],
-        entropy=out[k.ENTROPY],
-        shift=out[k.SHIFT],
-        log_sum=out[k.LOG_SUM],
-        log_sum_kept=out[k.LOG_SUM_KEPT] if has_keep_mask else None,
-        mean_shifted=out[k.MEAN_SHIFTED],
-        bad_input=flags[k.BAD_INPUT - k.LOG_PROB_DEFINED],
-        log_prob_defined=flags[0],
-        row_has_mass=flags[k.HAS_MASS - k.LOG_PROB_DEFINED],
-    )
+        _MERGE((cdiv(num_rows, _MERGE_BLOCK_R),), partials_ptr=partials, out_ptr=out, flags_ptr=flags,
+               num_rows=num_rows, NUM_SEG=num_seg, HAS_KEEP=has_keep_mask, BLOCK_R=_MERGE_BLOCK_R)
+    log_prob, entropy, shift, log_sum, log_sum_kept, mean_shifted = out.unbind(0)
+    defined, has_mass, bad = flags.view(torch.bool).unbind(0)
+    return RowStats(log_prob=log_prob, entropy=entropy, shift=shift, log_sum=log_sum,
+                    log_sum_kept=log_sum_kept if has_keep_mask else None, mean_shifted=mean_shifted,
+                    bad_input=bad, log_prob_defined=defined, row_has_mass=has_mass)
 
 
 class TritonBackend:

@@ -326,9 +326,12 @@ def backward_grad_kernel(
 
 
 # ---- merge: segment partials -> row statistics, in one launch ----
-# Rows of the merge's [MERGED_FIELDS, T] fp32 output: the RowStats fields (core/contracts.py), flags as 0/1.
-(LOG_PROB, ENTROPY, SHIFT, LOG_SUM, LOG_SUM_KEPT, MEAN_SHIFTED, LOG_PROB_DEFINED, HAS_MASS, BAD_INPUT) = range(9)
-MERGED_FIELDS = 9
+# Rows of the merge's [MERGED_FIELDS, T] fp32 output and [MERGED_FLAGS, T] uint8 flags (read as bool): the RowStats
+# fields (core/contracts.py).
+(LOG_PROB, ENTROPY, SHIFT, LOG_SUM, LOG_SUM_KEPT, MEAN_SHIFTED) = range(6)
+MERGED_FIELDS = 6
+(LOG_PROB_DEFINED, HAS_MASS, BAD_INPUT) = range(3)
+MERGED_FLAGS = 3
 _LOG_PROB = tl.constexpr(LOG_PROB)
 _ENTROPY = tl.constexpr(ENTROPY)
 _SHIFT = tl.constexpr(SHIFT)
@@ -344,7 +347,8 @@ _SHIFT_FLOOR = tl.constexpr(row_stats.SHIFT_FLOOR)
 @triton.jit
 def merge_partials_kernel(
     partials_ptr,  # [NUM_SEG, 5, T] fp32 segment partials in global segment order, READ-ONLY
-    out_ptr,  # [9, T] fp32 merged row statistics, WRITTEN
+    out_ptr,  # [MERGED_FIELDS, T] fp32 merged row statistics, WRITTEN
+    flags_ptr,  # [MERGED_FLAGS, T] uint8 row flags (0/1), WRITTEN
     num_rows,  # T
     NUM_SEG: tl.constexpr,
     HAS_KEEP: tl.constexpr,
@@ -403,6 +407,7 @@ def merge_partials_kernel(
     tl.store(out + _LOG_SUM * num_rows, log_s, mask=in_rows)
     tl.store(out + _LOG_SUM_KEPT * num_rows, log_kept, mask=in_rows)
     tl.store(out + _MEAN_SHIFTED * num_rows, ratio, mask=in_rows)
-    tl.store(out + _LOG_PROB_DEFINED * num_rows, defined.to(tl.float32), mask=in_rows)
-    tl.store(out + _HAS_MASS * num_rows, has_mass.to(tl.float32), mask=in_rows)
-    tl.store(out + _BAD_INPUT * num_rows, bad.to(tl.float32), mask=in_rows)
+    flags = flags_ptr + rows
+    tl.store(flags + _LOG_PROB_DEFINED * num_rows, defined.to(tl.uint8), mask=in_rows)
+    tl.store(flags + _HAS_MASS * num_rows, has_mass.to(tl.uint8), mask=in_rows)
+    tl.store(flags + _BAD_INPUT * num_rows, bad.to(tl.uint8), mask=in_rows)

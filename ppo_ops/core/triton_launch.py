@@ -1,0 +1,103 @@
+"""Launching a compiled Triton kernel for less host time than `kernel[grid](**kwargs)`.
+
+Why: a small call of the logits op is host-bound. On an H200 host, Triton's `JITFunction.run` costs about 0.12 ms
+per launch (docs/performance.md, "Host cost of small calls"): per call it reads its knobs, binds and specialises the
+arguments, formats a cache key, checks that no global the kernel read has changed, and builds launch metadata,
+before the launcher proper (a few tens of microseconds) runs.
+
+What: `Launcher(kernel)(grid, **kwargs)` keys each call on what Triton specialises a kernel on (per argument:
+a constexpr's value; an integer's class: equal to 1, divisible by 16, 32- or 64-bit; a tensor's dtype and 16-byte
+alignment; the launch options; the current device), so every call that Triton would run with one compiled kernel
+maps to one key, and no two calls that Triton would run differently share a key. The first call of a key goes
+through `kernel[grid](**kwargs)` (which compiles if needed) and keeps the CompiledKernel it returns; later calls of
+that key call its launcher directly, with the arguments in the order and the launch metadata and hooks that
+`JITFunction.run` passes. So the kernel, hence the bits, are Triton's own choice; what is skipped is the per-call
+bookkeeping only (the changed-global check guards against editing a module's constants at run time, which ppo_ops
+never does).
+
+Where it does not apply it is `kernel[grid](**kwargs)`: under the interpreter (TRITON_INTERPRET=1), and for a Triton
+whose internals differ from those this relies on (`JITFunction.params`, `CompiledKernel.run`/`function`/
+`packed_metadata`/`launch_metadata`, `triton.knobs.runtime` launch hooks), found once per kernel at the first launch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+
+
+def _arg_class(value, constexpr: bool):
+    """What Triton's specialisation sees of one argument (see the module docstring)."""
+    if constexpr or value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() % 16 == 0
+    if isinstance(value, int):
+        return int, value == 1, value % 16 == 0, _INT32_MIN <= value <= _INT32_MAX
+    if isinstance(value, float):
+        return float
+    return type(value), value  # anything else: its value, as a constexpr would be keyed
+
+
+def specialization_key(names: tuple, constexpr: tuple, kwargs: dict) -> tuple:
+    """The key of one call: each parameter's class in signature order (`names`, with `constexpr` flags), then the
+    launch options (every keyword that is not a parameter: num_warps, num_stages, ...), sorted by name."""
+    params = tuple(_arg_class(kwargs.get(name), is_const) for name, is_const in zip(names, constexpr))
+    options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in names))
+    return params, options
+
+
+class Launcher:
+    """One kernel's launches (module docstring). Call as `launcher(grid, **kwargs)` with every argument by name."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self._compiled: dict = {}  # (device, key) -> CompiledKernel
+        self._signature = None  # (names, constexpr flags, defaults) once read from the kernel
+        self._direct = None  # whether this Triton has what the direct launch needs (decided at the first launch)
+
+    def _read_signature(self) -> bool:
+        try:
+            params = self.kernel.params
+            names = tuple(p.name for p in params)
+            constexpr = tuple(bool(p.is_constexpr) for p in params)
+            defaults = tuple(p.default for p in params)
+            from triton import knobs
+            from triton.runtime import driver
+            knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook  # noqa: B018  (present?)
+            self._hooks, self._driver = knobs.runtime, driver
+        except (AttributeError, ImportError):
+            return False
+        self._signature = (names, constexpr, defaults)
+        return True
+
+    def __call__(self, grid: tuple, **kwargs) -> None:
+        if self._direct is None:
+            self._direct = not _interpreting() and self._read_signature()
+        if not self._direct:
+            self.kernel[grid](**kwargs)
+            return
+        names, constexpr, defaults = self._signature
+        device = torch.cuda.current_device()
+        key = (device, specialization_key(names, constexpr, kwargs))
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self.kernel[grid](**kwargs)
+            if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata", "launch_metadata")):
+                self._compiled[key] = compiled
+            else:
+                self._direct = False
+            return
+        args = [kwargs[n] if n in kwargs else d for n, d in zip(names, defaults)]
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        stream = self._driver.active.get_current_stream(device)
+        hooks = self._hooks
+        compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
+                     compiled.launch_metadata(grid, stream, *args), hooks.launch_enter_hook, hooks.launch_exit_hook,
+                     *args)
+
+
+def _interpreting() -> bool:
+    from ppo_ops.core.triton_common import interpreting
+    return interpreting()
