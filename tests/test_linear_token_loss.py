@@ -276,6 +276,24 @@ def test_one_block_vs_float64(backend, blocks, width, n_rows, vocab_size):
     _check_vs_float64_once(backend, torch.bfloat16, "ppo", 1.1, vocab_size, False, lead=(n_rows,), h=width)
 
 
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+@pytest.mark.parametrize("width, n_rows", [
+    (16, 40),  # one block whose dW is formed in its probabilities' storage (one-GEMM blocks)
+    (48, 21),  # one block, dW in a buffer of its own
+    (48, 100),  # many blocks beside the fp32 dW accumulator, rounded into its first half
+])
+def test_gradients_hold_only_their_own_bytes(backend, width, n_rows):
+    """What backward hands out (and autograd may keep as .grad) owns storage of exactly its size: never a view that
+    keeps the block or the fp32 accumulator it was formed in alive through the model's backward."""
+    hidden, weight, tokens = inputs((n_rows,), torch.bfloat16, seed=3, h=width)
+    h = hidden.to(DEVICE).requires_grad_(True)
+    w = weight.to(DEVICE).requires_grad_(True)
+    loss, _ = ppo_ops.linear_token_loss(h, w, tokens.to(DEVICE), _ppo(n_rows, 1), entropy="grad", backend=backend)
+    loss.backward()
+    for name, grad in (("dX", h.grad), ("dW", w.grad)):
+        assert grad.untyped_storage().nbytes() == grad.numel() * grad.element_size(), name
+
+
 @pytest.mark.parametrize("backend", [p for p in backend_params(DEVICE) if p.id == "triton"])
 @pytest.mark.parametrize("seg_width, vocab_size", [(40, 300), (13, 100)])
 def test_segments_ending_inside_a_tile_vs_float64(backend, seg_width, vocab_size):

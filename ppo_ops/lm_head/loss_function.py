@@ -102,7 +102,18 @@ class LinearTokenLossFunction(torch.autograd.Function):
             dw = scale_round_in_place(dw, g, ctx.dw_dtype)
         elif dw is not None:
             scale_in_place(dw, g)
-        return dx, dw, None, None, None, None, None
+        return _own_storage(dx), _own_storage(dw), None, None, None, None, None
+
+
+def _own_storage(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A gradient in storage of its own size. dW is formed inside a larger buffer (one block's probabilities, or the
+    first half of the fp32 accumulator), and autograd may keep the returned tensor itself as the parameter's .grad:
+    handed out as a view it would hold that whole buffer through the model's backward and beyond (in a whole step,
+    on top of the body's own peak). A copy here costs one pass over dW; the buffer goes with this node's saved
+    tensors."""
+    if grad is None or grad.untyped_storage().nbytes() == grad.numel() * grad.element_size():
+        return grad
+    return grad.clone(memory_format=torch.contiguous_format)
 
 
 def forward_values(hidden, weight, tokens, row_mask, plan: Plan, token_loss, keep, *, need_dx: bool,

@@ -1,7 +1,9 @@
 """The Megatron whole-step bench providers: one RL step through a megatron-core GPTModel of Qwen3-0.6B's shape.
 
 The model: megatron-core's GPTModel with its local layer spec (no TransformerEngine; its unfused attention forms
-[S, S] scores, which dominate the body's peak), Qwen3-0.6B's shape (hidden 1024, 28 layers, 16 heads, 8 query
+[S, S] scores, which dominate the body's peak; its softmax in bf16: with the default fp32 softmax the scores' fp32
+copies made the body's peak 17.5 GiB at T = 8192, above anything the head holds, and ran out of memory at T = 32768
+on one H200), Qwen3-0.6B's shape (hidden 1024, 28 layers, 16 heads, 8 query
 groups, head_dim 128, FFN 3072 with SwiGLU, RMSNorm, QK norm, rotary base 1e6, vocabulary 151936), tied embeddings,
 bf16 parameters (the norms too, as Megatron's Float16Module casts them), full activation recompute of every layer,
 seeded random weights, TP = 1 on one GPU. One packed sequence of T tokens (B = 1); labels are the next tokens, the
@@ -80,6 +82,7 @@ def build_model():
         **QWEN3_0_6B, normalization="RMSNorm", layernorm_epsilon=1e-6, qk_layernorm=True, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=False, bf16=True,
         params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, attention_dropout=0.0, hidden_dropout=0.0,
+        attention_softmax_in_fp32=False,
         recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
         torch.manual_seed(MODEL_SEED)
