@@ -27,25 +27,30 @@ import torch
 _INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 
 
-def _arg_class(value, constexpr: bool):
-    """What Triton's specialisation sees of one argument (see the module docstring)."""
-    if constexpr or value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, torch.Tensor):
-        return value.dtype, value.data_ptr() % 16 == 0
-    if isinstance(value, int):
-        return int, value == 1, value % 16 == 0, _INT32_MIN <= value <= _INT32_MAX
-    if isinstance(value, float):
-        return float
-    return type(value), value  # anything else: its value, as a constexpr would be keyed
-
-
-def specialization_key(names: tuple, constexpr: tuple, kwargs: dict) -> tuple:
-    """The key of one call: each parameter's class in signature order (`names`, with `constexpr` flags), then the
-    launch options (every keyword that is not a parameter: num_warps, num_stages, ...), sorted by name."""
-    params = tuple(_arg_class(kwargs.get(name), is_const) for name, is_const in zip(names, constexpr))
-    options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in names))
-    return params, options
+def specialization_key(names: tuple, constexpr: tuple, kwargs: dict, params: frozenset = frozenset()) -> tuple:
+    """The key of one call: each parameter's class in signature order (`names`, with `constexpr` flags; a
+    constexpr's value; an integer's (== 1, % 16 == 0, fits int32); a float's type; a tensor's dtype and 16-byte
+    alignment; None, a bool or anything else as itself), then the launch options (every keyword that is not a
+    parameter: num_warps, num_stages, ...) as given; `params`: the names as a set, where the caller keeps one. Runs on
+    every launch: types are compared exactly, most common first."""
+    key = []
+    append, get = key.append, kwargs.get
+    for name, is_const in zip(names, constexpr):
+        value = get(name)
+        kind = type(value)
+        if is_const or value is None or kind is bool:
+            append(value)
+        elif kind is int:
+            append((value == 1, value % 16 == 0, _INT32_MIN <= value <= _INT32_MAX))
+        elif kind is float:
+            append(float)
+        elif isinstance(value, torch.Tensor):
+            append((value.dtype, value.data_ptr() % 16 == 0))
+        else:
+            append((kind, value))
+    params = params or frozenset(names)
+    options = tuple((k, v) for k, v in kwargs.items() if k not in params)
+    return tuple(key), options
 
 
 class Launcher:
@@ -54,7 +59,7 @@ class Launcher:
     def __init__(self, kernel):
         self.kernel = kernel
         self._compiled: dict = {}  # (device, key) -> CompiledKernel
-        self._signature = None  # (names, constexpr flags, defaults) once read from the kernel
+        self._signature = None  # (names, constexpr flags, defaults, names as a set) once read from the kernel
         self._direct = None  # whether this Triton has what the direct launch needs (decided at the first launch)
 
     def _read_signature(self) -> bool:
@@ -69,7 +74,7 @@ class Launcher:
             self._hooks, self._driver = knobs.runtime, driver
         except (AttributeError, ImportError):
             return False
-        self._signature = (names, constexpr, defaults)
+        self._signature = (names, constexpr, defaults, frozenset(names))
         return True
 
     def __call__(self, grid: tuple, **kwargs) -> None:
@@ -78,9 +83,9 @@ class Launcher:
         if not self._direct:
             self.kernel[grid](**kwargs)
             return
-        names, constexpr, defaults = self._signature
+        names, constexpr, defaults, params = self._signature
         device = torch.cuda.current_device()
-        key = (device, specialization_key(names, constexpr, kwargs))
+        key = (device, specialization_key(names, constexpr, kwargs, params))
         compiled = self._compiled.get(key)
         if compiled is None:
             compiled = self.kernel[grid](**kwargs)
