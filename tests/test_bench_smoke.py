@@ -487,3 +487,46 @@ def test_ranks_time_the_same_number_of_steps():
     from tests.core_support import run_gloo
 
     run_gloo(2, _rep_count_worker)
+
+
+# --- the Megatron step's bodies (tools/bench/megatron_step.py; the step itself needs CUDA and megatron-core >= 0.18) ---
+
+# fp32 attention on CPU against float64: a softmax over 12 keys and a weighted sum, each within a few fp32 ulps
+SDPA_ATOL = 1e-5
+
+
+def test_mcore_flash_body_attention_is_causal_grouped_attention():
+    """SdpaCoreAttention, the flash body's core attention: Megatron's layout in ([S, B, heads, d] queries, [S, B,
+    groups, d] keys and values), [S, B, heads * d] out; causal softmax(q k^T / sqrt(d)) v with head h reading query
+    group h // (heads / groups), as Megatron's repeat_interleave gives it; against float64."""
+    from tools.bench.megatron_step import SdpaCoreAttention
+
+    gen = torch.Generator().manual_seed(0)
+    seq, batch, heads, groups, d = 12, 2, 4, 2, 8
+    q = torch.randn(seq, batch, heads, d, generator=gen)
+    k = torch.randn(seq, batch, groups, d, generator=gen)
+    v = torch.randn(seq, batch, groups, d, generator=gen)
+    out = SdpaCoreAttention(config=None, layer_number=1, attn_mask_type=None)(q, k, v, None, attn_mask_type=None)
+    assert out.shape == (seq, batch, heads * d)
+
+    q64, k64, v64 = (t.double() for t in (q, k, v))
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    for h in range(heads):
+        g = h // (heads // groups)
+        scores = torch.einsum("sbd,tbd->bst", q64[:, :, h], k64[:, :, g]) / d ** 0.5
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        want = torch.einsum("bst,tbd->sbd", probs, v64[:, :, g])
+        torch.testing.assert_close(out[:, :, h * d:(h + 1) * d].double(), want, atol=SDPA_ATOL, rtol=0)
+
+
+def test_mcore_provider_names_say_their_way():
+    """Each Megatron-step provider parses to its way to the loss, keep set and body: the flash suite runs the same
+    eight ways as the local one."""
+    from tools.bench.cases import MCORE_FLASH_PROVIDERS, MCORE_STEP_PROVIDERS
+    from tools.bench.megatron_step import _way
+
+    local = [_way(p) for p in MCORE_STEP_PROVIDERS]
+    assert [_way(p) for p in MCORE_FLASH_PROVIDERS] == [(kind, keep, "flash") for kind, keep, _ in local]
+    assert {kind for kind, _, _ in local} == {"body", "logits", "head", "loss", "logits_dense", "logits_sparse"}
+    assert [keep for _, keep, _ in local] == [False] * 4 + [True] * 4
+    assert {case.provider for case in suite_cases(["megatron_step_flash"])} == set(MCORE_FLASH_PROVIDERS)

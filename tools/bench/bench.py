@@ -191,7 +191,7 @@ def _cases() -> tuple[str, list]:
     family = _family()
     known = (cases_lib.LM_HEAD_PROVIDERS + cases_lib.LM_HEAD_KEEP_PROVIDERS if family == "lm_head"
              else cases_lib.ALL_PROVIDERS + cases_lib.KEEP_SET_PROVIDERS + cases_lib.SMALL_CALL_PROVIDERS
-             + cases_lib.WHOLE_STEP_PROVIDERS + cases_lib.MCORE_STEP_PROVIDERS)
+             + cases_lib.WHOLE_STEP_PROVIDERS + cases_lib.MCORE_STEP_PROVIDERS + cases_lib.MCORE_FLASH_PROVIDERS)
     filtering = family == "logits" or _PROVIDERS.present
     unknown = sorted(set(providers) - set(known)) if filtering else []
     if unknown:

@@ -27,7 +27,10 @@ stops on its time budget (bench --time_budget_s) has measured the headline befor
   megatron_step  one RL step through a megatron-core GPTModel (Qwen3-0.6B's shape) at T = 8192 and 32768: the body
             alone, Megatron's output layer + the logits op, the output processor with the fused head and with the
             token loss, and a 64-id nucleus as dense mask or sparse keep set (--suite=megatron_step
-            --providers=mcore_body,...; CUDA, megatron-core >= 0.18).
+            --providers=mcore_body,...; CUDA, megatron-core >= 0.18). megatron_step_flash: the same ways (providers
+            mcore_*_flash) on a body whose core attention is torch's SDPA (flash on an H200), which forms no [S, S]
+            scores: the local spec's unfused attention runs out of memory at T = 32768 on one H200 and its [S, S]
+            tensors set the body's peak at T = 8192, above anything the head holds.
 
 The LM head's suites (`HeadCase`: hidden states [T, H] and a weight shard [V_local, H] in, see lm_head.py):
   lm_head       T in (8192, 32768), H = 4096, V = 151936, bf16: ppo_ops' fused paths, the unfused path, the GEMMs
@@ -72,6 +75,8 @@ HEAD_STEP_PROVIDERS = WHOLE_STEP_PROVIDERS[1:]  # with checkpointing; the logits
 # A whole step through a megatron-core GPTModel (tools/bench/megatron_step.py): only in the megatron_step suite.
 MCORE_STEP_PROVIDERS = ("mcore_body", "mcore_logits", "mcore_head", "mcore_loss", "mcore_logits_dense_keep",
                         "mcore_logits_sparse_keep", "mcore_head_keep", "mcore_loss_keep")
+# The same ways on a body whose core attention is torch's SDPA (flash): no [S, S] tensor (the megatron_step_flash suite)
+MCORE_FLASH_PROVIDERS = tuple(f"{p}_flash" for p in MCORE_STEP_PROVIDERS)
 
 
 # The LM head's shape and providers (lm_head.py says what each one runs).
@@ -103,7 +108,8 @@ class Case:
     inplace_grad: Optional[bool] = None  # ppo_ops providers only
 
     def __post_init__(self):
-        if self.provider in PPO_OPS_PROVIDERS + SMALL_CALL_PROVIDERS + WHOLE_STEP_PROVIDERS + MCORE_STEP_PROVIDERS:
+        if self.provider in (PPO_OPS_PROVIDERS + SMALL_CALL_PROVIDERS + WHOLE_STEP_PROVIDERS + MCORE_STEP_PROVIDERS
+                             + MCORE_FLASH_PROVIDERS):
             # ppo_ops defaults, spelled out so equal cases compare equal.
             if self.validate is None:
                 object.__setattr__(self, "validate", True)
@@ -278,6 +284,12 @@ def _megatron_step() -> list[Case]:
             for T in (HEADLINE_TOKENS, 32768) for p in MCORE_STEP_PROVIDERS]
 
 
+def _megatron_step_flash() -> list[Case]:
+    """The megatron_step cases on the SDPA-attention body (tools/bench/megatron_step.py)."""
+    return [Case(p, T=T, V=QWEN3_VOCAB, dtype="bf16", entropy="grad")
+            for T in (HEADLINE_TOKENS, 32768) for p in MCORE_FLASH_PROVIDERS]
+
+
 def _lm_head_step_smoke() -> list[Case]:
     return [Case(p, T=8, V=256, dtype="fp32", entropy="grad") for p in HEAD_STEP_PROVIDERS]
 
@@ -341,6 +353,7 @@ SUITES = {
     "lm_head_step": Suite("logits", _lm_head_step),
     "lm_head_step_smoke": Suite("logits", _lm_head_step_smoke),
     "megatron_step": Suite("logits", _megatron_step),
+    "megatron_step_flash": Suite("logits", _megatron_step_flash),
     "lm_head": Suite("lm_head", _lm_head),
     "lm_head_own": Suite("lm_head", _lm_head_own),
     "lm_head_smoke": Suite("lm_head", _lm_head_smoke),

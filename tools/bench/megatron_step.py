@@ -3,7 +3,9 @@
 The model: megatron-core's GPTModel with its local layer spec (no TransformerEngine; its unfused attention forms
 [S, S] scores, which dominate the body's peak; its softmax in bf16: with the default fp32 softmax the scores' fp32
 copies made the body's peak 17.5 GiB at T = 8192, above anything the head holds, and ran out of memory at T = 32768
-on one H200), Qwen3-0.6B's shape (hidden 1024, 28 layers, 16 heads, 8 query
+on one H200; in bf16 too, T = 32768 ran out of memory), or, for the providers ending in _flash, the same spec with
+its core attention replaced by `SdpaCoreAttention` (torch's scaled_dot_product_attention, causal: flash on an H200,
+no [S, S] tensor; what a trainer with TransformerEngine's fused attention has), Qwen3-0.6B's shape (hidden 1024, 28 layers, 16 heads, 8 query
 groups, head_dim 128, FFN 3072 with SwiGLU, RMSNorm, QK norm, rotary base 1e6, vocabulary 151936), tied embeddings,
 bf16 parameters (the norms too, as Megatron's Float16Module casts them), full activation recompute of every layer,
 seeded random weights, TP = 1 on one GPU. One packed sequence of T tokens (B = 1); labels are the next tokens, the
@@ -36,7 +38,7 @@ from typing import Optional
 import torch
 
 from ppo_ops.runtime import ranks
-from tools.bench.cases import MCORE_STEP_PROVIDERS, QWEN3_VOCAB, Case
+from tools.bench.cases import MCORE_FLASH_PROVIDERS, MCORE_STEP_PROVIDERS, QWEN3_VOCAB, Case
 from tools.bench import keep_set
 from tools.bench.contract import Closure, Provider, first_import_problem
 from tools.bench.inputs import Inputs
@@ -46,7 +48,35 @@ MODEL_SEED = 1234  # the random weights: the same model in every run
 QWEN3_0_6B = dict(num_layers=28, hidden_size=1024, num_attention_heads=16, num_query_groups=8, kv_channels=128,
                   ffn_hidden_size=3072)
 ROTARY_BASE = 1_000_000
-KEEP_PROVIDERS = tuple(p for p in MCORE_STEP_PROVIDERS if p.endswith("_keep"))
+
+def _way(provider: str) -> tuple:
+    """(kind, with a keep set, attention) of a provider name: mcore_<kind>[_keep][_flash]."""
+    flash = provider.endswith("_flash")
+    name = provider.removesuffix("_flash")
+    keep = name.endswith("_keep")
+    return name.removeprefix("mcore_").removesuffix("_keep"), keep, "flash" if flash else "local"
+
+
+class SdpaCoreAttention(torch.nn.Module):
+    """Megatron's core-attention slot (DotProductAttention's place in the layer spec) filled by torch's
+    scaled_dot_product_attention: causal, each query group's key and value shared by its heads (repeat_interleave,
+    as Megatron's own), the default 1 / sqrt(head_dim) scale. Takes the keywords megatron-core builds and calls it
+    with and ignores those it has no use for (masks: the attention is causal over the one packed sequence)."""
+
+    def __init__(self, config=None, layer_number=None, attn_mask_type=None, attention_type=None,
+                 attention_dropout=None, softmax_scale=None, **unused):
+        super().__init__()
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask=None, *unused_args, **unused):
+        """query [S, B, heads, d], key and value [S, B, groups, d] -> [S, B, heads * d]."""
+        seq, batch, heads = query.shape[:3]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [B, heads or groups, S, d]
+        if k.shape[1] != heads:
+            k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
 
 
 def _init_megatron() -> None:
@@ -64,15 +94,18 @@ def _init_megatron() -> None:
     model_parallel_cuda_manual_seed(MODEL_SEED)
 
 
-_MODEL: dict = {}  # the one model of this process: every case steps the same weights (rotary embeddings take any T)
+_MODEL: dict = {}  # attention -> the model: every case of one attention steps the same weights (rotary: any T)
 MAX_TOKENS = 32768  # the longest case's T: the model's max_sequence_length
 
 
-def build_model():
-    """Qwen3-0.6B's shape as a megatron-core GPTModel (module docstring), bf16, on the current CUDA device; built once
-    per process (the weights do not change: a step only writes .grad, which each case's prepare clears)."""
-    if "model" in _MODEL:
-        return _MODEL["model"]
+def build_model(attention: str = "local"):
+    """Qwen3-0.6B's shape as a megatron-core GPTModel (module docstring), bf16, on the current CUDA device, with the
+    local spec's core attention ("local") or SdpaCoreAttention ("flash"); one per process and attention (the weights do
+    not change: a step only writes .grad, which each case's prepare clears; the same seed gives both the same
+    weights), the other one dropped first."""
+    if attention in _MODEL:
+        return _MODEL[attention]
+    _MODEL.clear()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -86,13 +119,16 @@ def build_model():
         recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
         torch.manual_seed(MODEL_SEED)
-        model = GPTModel(config, get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"),
+        spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+        if attention == "flash":
+            spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
+        model = GPTModel(config, spec,
                          vocab_size=QWEN3_VOCAB, max_sequence_length=MAX_TOKENS, position_embedding_type="rope",
                          rotary_base=ROTARY_BASE, share_embeddings_and_output_weights=True)
     # Every parameter in bf16, as Megatron's Float16Module casts a bf16 model: the local spec's norms are torch
     # modules created in fp32, which would carry the activations in fp32 through every layer
-    _MODEL["model"] = model.to(device="cuda", dtype=torch.bfloat16).train()
-    return _MODEL["model"]
+    _MODEL[attention] = model.to(device="cuda", dtype=torch.bfloat16).train()
+    return _MODEL[attention]
 
 
 def _body_only(*, hidden_states, **unused):
@@ -105,7 +141,8 @@ def build(case: Case, inp: Inputs) -> Closure:
     import ppo_ops
     import ppo_ops.megatron as pm
 
-    model = build_model()
+    kind, with_keep, attention = _way(case.provider)
+    model = build_model(attention)
     device = inp.tokens.device
     tokens = inp.tokens.reshape(1, -1)
     position_ids = torch.arange(case.T, device=device).reshape(1, -1)
@@ -118,8 +155,7 @@ def build(case: Case, inp: Inputs) -> Closure:
                               clip_high=0.28, entropy_coef=0.01, kl_coef=0.01,
                               ref_log_probs=old + 0.1 * torch.randn(tokens.shape, generator=gen, device=device),
                               kl_type="k3", loss_mask=loss_mask != 0, normalization="token_mean")
-    keep = keep_set.nucleus(labels, QWEN3_VOCAB, seed=11) if case.provider in KEEP_PROVIDERS else None
-    kind = case.provider.removeprefix("mcore_").removesuffix("_keep")
+    keep = keep_set.nucleus(labels, QWEN3_VOCAB, seed=11) if with_keep else None
     validate = case.validate
 
     def logits_path(keep_args: dict):
@@ -177,10 +213,12 @@ def unsupported(case: Case, device: torch.device) -> Optional[str]:
         import megatron.core
 
         return f"megatron-core {megatron.core.__version__} has no output_processor hook (>= 0.18 has)"
-    if case.provider in KEEP_PROVIDERS and case.provider != "mcore_logits_dense_keep":
+    kind, with_keep, _ = _way(case.provider)
+    if with_keep and kind != "logits_dense":
         return keep_set.missing()
     return None
 
 
 # Their logits come from a model, not from the case's inputs: no reference check (see the module docstring).
-PROVIDERS = tuple(Provider(name, build, unsupported, checked=False, modules=MODULES) for name in MCORE_STEP_PROVIDERS)
+PROVIDERS = tuple(Provider(name, build, unsupported, checked=False, modules=MODULES)
+                  for name in MCORE_STEP_PROVIDERS + MCORE_FLASH_PROVIDERS)
