@@ -539,6 +539,20 @@ def test_launch_key_separates_what_triton_specialises():
     assert key(aligned, 17, num_warps=4) != key(aligned, 17, num_warps=8)
 
 
+def test_launch_binds_positions_as_a_call_does():
+    """Launcher(kernel)(grid, *args, **kwargs) takes arguments as kernel[grid](...) does: positions in signature
+    order, then names; too many positions or one argument twice is refused."""
+    from ppo_ops.core.triton_launch import bind_arguments
+
+    names = ("a_ptr", "n", "BLOCK")
+    assert bind_arguments(names, (1, 2), {"BLOCK": 64}) == {"a_ptr": 1, "n": 2, "BLOCK": 64}
+    assert bind_arguments(names, (), {"n": 2, "a_ptr": 1}) == {"a_ptr": 1, "n": 2}
+    with pytest.raises(TypeError, match="4 positional arguments for 3 parameters"):
+        bind_arguments(names, (1, 2, 3, 4), {})
+    with pytest.raises(TypeError, match=r"by position and by name: \['n'\]"):
+        bind_arguments(names, (1, 2), {"n": 3})
+
+
 @on_cuda
 @pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "misaligned"])
 def test_direct_launch_is_tritons_own(offset):

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ppo_ops.core.triton_common import cdiv, interpreting, round_bf16_by_bits, scaled, store_rounded
+from ppo_ops.core.triton_launch import Launcher
 
 # Compiled tile shapes (constants: a dot's bits depend on BLOCK_K and the tile shape, which depend on nothing of
 # the call but H's dtype); the interpreter takes larger tiles (each loop step costs about a millisecond there).
@@ -49,6 +50,16 @@ _ENTRY_BLOCK = 1024  # entries per program of the per-entry kernels
 _INT64_MAX, _INT64_MIN = (1 << 63) - 1, -(1 << 63)
 
 
+_LAUNCHERS: dict = {}  # kernel -> its Launcher: the keep set's small launches with little host work (triton_launch.py)
+
+
+def _launch(kernel) -> Launcher:
+    launcher = _LAUNCHERS.get(kernel)
+    if launcher is None:
+        launcher = _LAUNCHERS[kernel] = Launcher(kernel)
+    return launcher
+
+
 @triton.jit
 def _header_kernel(ids_ptr, off_ptr, out_ptr, n_ids, n_all, BLOCK: tl.constexpr):
     """The keep set's header values (sparse_keep.header_values): element-wise pieces reduced with integer atomics
@@ -76,7 +87,7 @@ def header_values(ids, offsets):
     init = [n_ids, 0, 0, _INT64_MAX, _INT64_MIN] if n_ids else [0, 0, 0, 0, 0]
     out = torch.tensor(init, dtype=torch.int64).to(ids.device, non_blocking=True)
     n = n_ids + n_all + 1
-    _header_kernel[(cdiv(n, _ENTRY_BLOCK),)](ids, offsets, out, n_ids, n_all, BLOCK=_ENTRY_BLOCK)
+    _launch(_header_kernel)((cdiv(n, _ENTRY_BLOCK),), ids, offsets, out, n_ids, n_all, BLOCK=_ENTRY_BLOCK)
     return out
 
 
@@ -160,16 +171,16 @@ def entries(keep_ids, offsets, tokens, rows, row_mask, vocab_size, v_global, voc
     flags = torch.empty((3, n), dtype=torch.uint8, device=device)
     valid, ok, local = flags[0], flags[1], flags[2]
     grid = (cdiv(max(n, 1), _ENTRY_BLOCK),)
-    _entries_kernel[grid](keep_ids, offsets, tokens, rows if rows is not None else offsets,
-                          to_compact if to_compact is not None else offsets,
-                          _flags(row_mask) if row_mask is not None else offsets, row, gid, valid, key, n_ids, n_all,
-                          n_rows, vocab_size, v_global, (n_all + 1).bit_length() + 1, HAS_ROWS=rows is not None,
-                          HAS_ROW_MASK=row_mask is not None, BLOCK=_ENTRY_BLOCK)
+    _launch(_entries_kernel)(grid, keep_ids, offsets, tokens, rows if rows is not None else offsets,
+                             to_compact if to_compact is not None else offsets,
+                             _flags(row_mask) if row_mask is not None else offsets, row, gid, valid, key, n_ids, n_all,
+                             n_rows, vocab_size, v_global, (n_all + 1).bit_length() + 1, HAS_ROWS=rows is not None,
+                             HAS_ROW_MASK=row_mask is not None, BLOCK=_ENTRY_BLOCK)
     # (id, row) keys fit int32 up to V_global * R < 2^31 (T = 8192 at Qwen3's vocabulary): half the radix passes.
     narrow = (v_global + 2) * max(n_rows, 1) < 2**31
     skey, order = torch.sort(key.to(torch.int32) if narrow else key, stable=True)
     col = key  # reused: the keys are sorted into skey
-    _dedup_kernel[grid](skey, order, valid, gid, ok, local, col, n, vocab_start, n_valid, BLOCK=_ENTRY_BLOCK)
+    _launch(_dedup_kernel)(grid, skey, order, valid, gid, ok, local, col, n, vocab_start, n_valid, BLOCK=_ENTRY_BLOCK)
     return row, gid, ok.view(torch.bool), local.view(torch.bool), col, order
 
 
@@ -188,8 +199,8 @@ def _gather_kernel(logits_ptr, row_ptr, col_ptr, local_ptr, z_ptr, n, stride_r, 
 def gather(logits, row, col, local, inv_temperature, z) -> None:
     """z[e] = logits[row_e, col_e] * inv_t (fp32) where this rank holds the entry, else 0."""
     n = z.numel()
-    _gather_kernel[(cdiv(max(n, 1), _ENTRY_BLOCK),)](logits, row, col, _flags(local), z, n, logits.stride(0),
-                                                     logits.stride(1), inv_temperature, BLOCK=_ENTRY_BLOCK)
+    _launch(_gather_kernel)((cdiv(max(n, 1), _ENTRY_BLOCK),), logits, row, col, _flags(local), z, n,
+                            logits.stride(0), logits.stride(1), inv_temperature, BLOCK=_ENTRY_BLOCK)
 
 
 @triton.jit
@@ -248,10 +259,10 @@ def log_probs(z, ok, offsets, rows, row_mask, dense_log_prob, n_ids, fixed_bits)
     stats = torch.empty((4, n_rows), dtype=torch.float32, device=z.device)
     flags = torch.empty((2, n_rows), dtype=torch.uint8, device=z.device)
     if n_rows:
-        _lse_kernel[(n_rows,)](z, _flags(ok), offsets, rows if rows is not None else offsets,
-                               _flags(row_mask) if row_mask is not None else offsets, dense_log_prob.contiguous(),
-                               stats, flags, n_ids, n_rows, float(2 ** fixed_bits), HAS_ROWS=rows is not None,
-                               HAS_ROW_MASK=row_mask is not None, BLOCK=_ROW_BLOCK)
+        _launch(_lse_kernel)((n_rows,), z, _flags(ok), offsets, rows if rows is not None else offsets,
+                             _flags(row_mask) if row_mask is not None else offsets, dense_log_prob.contiguous(),
+                             stats, flags, n_ids, n_rows, float(2 ** fixed_bits), HAS_ROWS=rows is not None,
+                             HAS_ROW_MASK=row_mask is not None, BLOCK=_ROW_BLOCK)
     flags = flags.view(torch.bool)
     return stats[0], stats[1], flags[0], flags[1], stats[2], stats[3]
 
@@ -289,13 +300,13 @@ def _grad_launch(out, state, g_lp, r0, r1, mode, g_ent=None, shift=None, log_sum
     ent = state.ent
     n = ent.row.numel()
     dummy = state.z
-    _keep_grad_kernel[(cdiv(max(n, 1), _ENTRY_BLOCK),)](
-        out, state.z, ent.row, state.col, _flags(state.local), state.shift,
-        state.log_sum, _flags(state.defined), g_lp, g_ent if g_ent is not None else dummy,
-        shift if shift is not None else dummy, log_sum if log_sum is not None else dummy,
-        mean if mean is not None else dummy, n, ent.n_ids, r0, r1, out.stride(0) if mode else 0,
-        out.stride(1) if mode else 0, state.inv_temperature, MODE=mode, BLOCK=_ENTRY_BLOCK,
-        ROUND_BF16_BY_BITS=round_bf16_by_bits(out.dtype))
+    _launch(_keep_grad_kernel)((cdiv(max(n, 1), _ENTRY_BLOCK),),
+                               out, state.z, ent.row, state.col, _flags(state.local), state.shift,
+                               state.log_sum, _flags(state.defined), g_lp, g_ent if g_ent is not None else dummy,
+                               shift if shift is not None else dummy, log_sum if log_sum is not None else dummy,
+                               mean if mean is not None else dummy, n, ent.n_ids, r0, r1, out.stride(0) if mode else 0,
+                               out.stride(1) if mode else 0, state.inv_temperature, MODE=mode, BLOCK=_ENTRY_BLOCK,
+                               ROUND_BF16_BY_BITS=round_bf16_by_bits(out.dtype))
 
 
 def coefficients(state, g_lp, r0, r1):
@@ -340,9 +351,9 @@ def keep_dots(hidden, weight, order, row, col, local, inv_temperature, z) -> Non
         block_e, block_k, opts = 64, min(_INTERPRET_MAX_H, triton.next_power_of_2(width)), {}
     else:
         block_e, block_k, opts = _DOT_BLOCK_E, _DOT_BLOCK_K, {"num_warps": _DOT_WARPS}
-    _keep_dots_kernel[(cdiv(n, block_e),)](hidden, weight, order, row, col, _flags(local), z, n, width,
-                                           hidden.stride(0), weight.stride(0), inv_temperature, BLOCK_E=block_e,
-                                           BLOCK_K=block_k, **opts)
+    _launch(_keep_dots_kernel)((cdiv(n, block_e),), hidden, weight, order, row, col, _flags(local), z, n, width,
+                               hidden.stride(0), weight.stride(0), inv_temperature, BLOCK_E=block_e,
+                               BLOCK_K=block_k, **opts)
 
 
 @triton.jit
@@ -383,10 +394,10 @@ def keep_dx(dx, weight, coef, col, local, offsets, rows, n_ids, r0, r1) -> None:
     block_h = _block_h(width)
     block_j = _INTERPRET_BLOCK_J if interpreting() else _SUM_BLOCK_J
     opts = {} if interpreting() else {"num_warps": _SUM_WARPS}
-    _keep_dx_kernel[(r1 - r0, cdiv(width, block_h))](dx, weight, coef, col, _flags(local), offsets,
-                                                      rows if rows is not None else offsets, n_ids, r0, width,
-                                                      dx.stride(0), weight.stride(0), HAS_ROWS=rows is not None,
-                                                      BLOCK_J=block_j, BLOCK_H=block_h, **opts)
+    _launch(_keep_dx_kernel)((r1 - r0, cdiv(width, block_h)), dx, weight, coef, col, _flags(local), offsets,
+                             rows if rows is not None else offsets, n_ids, r0, width,
+                             dx.stride(0), weight.stride(0), HAS_ROWS=rows is not None,
+                             BLOCK_J=block_j, BLOCK_H=block_h, **opts)
 
 
 @triton.jit
@@ -465,10 +476,10 @@ def keep_dw(dw, hidden, coef, order, row, gid, col, local, vocab_start, n_valid)
         block_j, opts = _INTERPRET_BLOCK_J, {}
     else:
         block_j, opts = _DW_BLOCK_J, {"num_warps": _SUM_WARPS}
-    _keep_dw_kernel[(cdiv(n, block_j), cdiv(width, block_h))](
-        dw, hidden, coef, order, row, col, gid, _flags(local), run_end, n, vocab_start, vocab_start + n_valid, width,
-        dw.stride(0), hidden.stride(0), BLOCK_J=block_j, BLOCK_H=block_h,
-        ROUND_BF16_BY_BITS=round_bf16_by_bits(dw.dtype), **opts)
+    _launch(_keep_dw_kernel)((cdiv(n, block_j), cdiv(width, block_h)),
+                             dw, hidden, coef, order, row, col, gid, _flags(local), run_end, n, vocab_start,
+                             vocab_start + n_valid, width, dw.stride(0), hidden.stride(0), BLOCK_J=block_j,
+                             BLOCK_H=block_h, ROUND_BF16_BY_BITS=round_bf16_by_bits(dw.dtype), **opts)
 
 
 @triton.jit
@@ -488,5 +499,5 @@ def add_rows_cols(out, row, col, value, write) -> None:
     """out[row_e, col_e] = round(out[row_e, col_e] + value_e) where write_e (each position written by one entry)."""
     n = value.numel()
     block = min(_SCATTER_BLOCK, triton.next_power_of_2(max(n, 1)))
-    _add_kernel[(cdiv(n, block),)](out, row, col, value.contiguous(), _flags(write), n, out.stride(0),
-                                   out.stride(1), BLOCK=block, ROUND_BF16_BY_BITS=round_bf16_by_bits(out.dtype))
+    _launch(_add_kernel)((cdiv(n, block),), out, row, col, value.contiguous(), _flags(write), n, out.stride(0),
+                         out.stride(1), BLOCK=block, ROUND_BF16_BY_BITS=round_bf16_by_bits(out.dtype))

@@ -53,8 +53,20 @@ def specialization_key(names: tuple, constexpr: tuple, kwargs: dict, params: fro
     return tuple(key), options
 
 
+def bind_arguments(names: tuple, args: tuple, kwargs: dict) -> dict:
+    """Positional arguments to their parameter names (signature order), then the keywords, as a call binds them."""
+    if len(args) > len(names):
+        raise TypeError(f"{len(args)} positional arguments for {len(names)} parameters")
+    bound = dict(zip(names, args))
+    twice = bound.keys() & kwargs.keys()
+    if twice:
+        raise TypeError(f"arguments given by position and by name: {sorted(twice)}")
+    bound.update(kwargs)
+    return bound
+
+
 class Launcher:
-    """One kernel's launches (module docstring). Call as `launcher(grid, **kwargs)` with every argument by name."""
+    """One kernel's launches (module docstring). Call as `launcher(grid, *args, **kwargs)`, as `kernel[grid](...)`."""
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -77,13 +89,15 @@ class Launcher:
         self._signature = (names, constexpr, defaults, frozenset(names))
         return True
 
-    def __call__(self, grid: tuple, **kwargs) -> None:
+    def __call__(self, grid: tuple, *args, **kwargs) -> None:
         if self._direct is None:
             self._direct = not _interpreting() and self._read_signature()
         if not self._direct:
-            self.kernel[grid](**kwargs)
+            self.kernel[grid](*args, **kwargs)
             return
         names, constexpr, defaults, params = self._signature
+        if args:
+            kwargs = bind_arguments(names, args, kwargs)
         device = torch.cuda.current_device()
         key = (device, specialization_key(names, constexpr, kwargs, params))
         compiled = self._compiled.get(key)
