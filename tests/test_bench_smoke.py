@@ -489,7 +489,7 @@ def test_ranks_time_the_same_number_of_steps():
     run_gloo(2, _rep_count_worker)
 
 
-# --- the Megatron step's bodies (tools/bench/megatron_step.py; the step itself needs CUDA and megatron-core >= 0.18) ---
+# --- the Megatron step's bodies (tools/bench/megatron_step.py; the step needs CUDA and megatron-core >= 0.18) ---
 
 # fp32 attention on CPU against float64: a softmax over 12 keys and a weighted sum, each within a few fp32 ulps
 SDPA_ATOL = 1e-5

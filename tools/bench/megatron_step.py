@@ -1,15 +1,15 @@
 """The Megatron whole-step bench providers: one RL step through a megatron-core GPTModel of Qwen3-0.6B's shape.
 
-The model: megatron-core's GPTModel with its local layer spec (no TransformerEngine; its unfused attention forms
-[S, S] scores, which dominate the body's peak; its softmax in bf16: with the default fp32 softmax the scores' fp32
-copies made the body's peak 17.5 GiB at T = 8192, above anything the head holds, and ran out of memory at T = 32768
-on one H200; in bf16 too, T = 32768 ran out of memory), or, for the providers ending in _flash, the same spec with
-its core attention replaced by `SdpaCoreAttention` (torch's scaled_dot_product_attention, causal: flash on an H200,
-no [S, S] tensor; what a trainer with TransformerEngine's fused attention has), Qwen3-0.6B's shape (hidden 1024, 28 layers, 16 heads, 8 query
-groups, head_dim 128, FFN 3072 with SwiGLU, RMSNorm, QK norm, rotary base 1e6, vocabulary 151936), tied embeddings,
-bf16 parameters (the norms too, as Megatron's Float16Module casts them), full activation recompute of every layer,
-seeded random weights, TP = 1 on one GPU. One packed sequence of T tokens (B = 1); labels are the next tokens, the
-last position masked out by loss_mask.
+The model: megatron-core's GPTModel of Qwen3-0.6B's shape (hidden 1024, 28 layers, 16 heads, 8 query groups,
+head_dim 128, FFN 3072 with SwiGLU, RMSNorm, QK norm, rotary base 1e6, vocabulary 151936), tied embeddings, bf16
+parameters (the norms too, as Megatron's Float16Module casts them), full activation recompute of every layer, seeded
+random weights, TP = 1 on one GPU, with its local layer spec (no TransformerEngine) in one of two bodies:
+  local   the spec's unfused attention, softmax in bf16: it forms [heads, S, S] scores, which set the body's peak
+          (above anything the head holds) and do not fit one H200 at T = 32768 (docs/performance.md);
+  flash   providers ending in _flash: the spec's core attention replaced by `SdpaCoreAttention` (torch's causal
+          scaled_dot_product_attention, flash on an H200): no [S, S] tensor, as a trainer with TransformerEngine's
+          fused attention has, so the head's own memory shows over the body's.
+One packed sequence of T tokens (B = 1); labels are the next tokens, the last position masked out by loss_mask.
 
 The timed step is what a trainer does per micro-batch: the model's forward, the log-prob of every next token and
 its entropy (with gradient), ppo_ops.policy_loss (clipped surrogate with DAPO's clip range, entropy bonus, k3 KL to
