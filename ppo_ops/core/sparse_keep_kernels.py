@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from ppo_ops.core.triton_common import cdiv, interpreting, round_bf16_by_bits, scaled, store_rounded
-from ppo_ops.core.triton_launch import Launcher
+# The keep set's many small launches, with little host work each (triton_launch.py).
+from ppo_ops.core.triton_launch import launcher as _launch
 
 # Compiled tile shapes (constants: a dot's bits depend on BLOCK_K and the tile shape, which depend on nothing of
 # the call but H's dtype); the interpreter takes larger tiles (each loop step costs about a millisecond there).
@@ -48,16 +49,6 @@ def _block_h(width: int) -> int:
 _ROW_BLOCK = 128  # entries per loop step of the per-row kernels
 _ENTRY_BLOCK = 1024  # entries per program of the per-entry kernels
 _INT64_MAX, _INT64_MIN = (1 << 63) - 1, -(1 << 63)
-
-
-_LAUNCHERS: dict = {}  # kernel -> its Launcher: the keep set's small launches with little host work (triton_launch.py)
-
-
-def _launch(kernel) -> Launcher:
-    launcher = _LAUNCHERS.get(kernel)
-    if launcher is None:
-        launcher = _LAUNCHERS[kernel] = Launcher(kernel)
-    return launcher
 
 
 @triton.jit

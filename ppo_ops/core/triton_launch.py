@@ -117,6 +117,19 @@ class Launcher:
                      *args)
 
 
+_LAUNCHERS: dict = {}  # id(kernel) -> its Launcher (by id: whether a Triton kernel object hashes varies by version)
+
+
+def launcher(kernel) -> Launcher:
+    """The one Launcher of `kernel` (its compiled-kernel cache is per Launcher): for modules that launch many
+    kernels, `launcher(kernel)(grid, ...)` in place of `kernel[grid](...)`. Kernels are module globals, so an id
+    stays theirs."""
+    found = _LAUNCHERS.get(id(kernel))
+    if found is None:
+        found = _LAUNCHERS[id(kernel)] = Launcher(kernel)
+    return found
+
+
 def _interpreting() -> bool:
     from ppo_ops.core.triton_common import interpreting
     return interpreting()

@@ -49,6 +49,7 @@ QWEN3_0_6B = dict(num_layers=28, hidden_size=1024, num_attention_heads=16, num_q
                   ffn_hidden_size=3072)
 ROTARY_BASE = 1_000_000
 
+
 def _way(provider: str) -> tuple:
     """(kind, with a keep set, attention) of a provider name: mcore_<kind>[_keep][_flash]."""
     flash = provider.endswith("_flash")
@@ -76,7 +77,6 @@ class SdpaCoreAttention(torch.nn.Module):
             k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
-
 
 
 def _init_megatron() -> None:
