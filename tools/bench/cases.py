@@ -38,6 +38,10 @@ The LM head's suites (`HeadCase`: hidden states [T, H] and a weight shard [V_loc
             providers on a TP = 2 rank's local shape (V = 75968), the reference of the TP = 2 target.
   lm_head_own   the same without the other projects' kernels; its local-shape rows are gemms, fused, token_loss.
   lm_head_smoke  every LM-head provider on a tiny shape, for the CPU tests.
+  lm_head_small  Qwen3-0.6B's head (H = 1024, tied), T in (8192, 32768), TP = 1: the GEMMs, the logits path
+            (unfused), the fused head with and without a following backward, and the token loss: the head's own cost
+            at the shape of the megatron_step suites, where a small H leaves the GEMMs light against the passes over
+            T x V.
   lm_head_keep  fused and token_loss with and without a 64-id sparse keep set per row (T = 8192); keep_set, in the
             logits family: the triton provider without one, with it, and with the dense mask built from it
             (--suite=keep_set --providers=triton,triton_keep_sparse,triton_keep_dense).
@@ -81,6 +85,8 @@ MCORE_FLASH_PROVIDERS = tuple(f"{p}_flash" for p in MCORE_STEP_PROVIDERS)
 
 # The LM head's shape and providers (lm_head.py says what each one runs).
 LM_HEAD_HIDDEN = 4096
+LM_HEAD_SMALL_HIDDEN = 1024  # Qwen3-0.6B's hidden size (the megatron_step suites' model)
+LM_HEAD_SMALL = ("gemms", "unfused", "fused", "fused_nograd", "token_loss")  # the lm_head_small suite
 LM_HEAD_TOKENS = (8192, 32768)
 LM_HEAD_TP = (1, 2, 4, 8)  # the TP sizes whose ranks split V = 151936 into the 8 equal segments
 LM_HEAD_PROVIDERS = ("gemms", "gemm1", "unfused", "fused", "fused_novalidate", "fused_nograd",
@@ -315,6 +321,10 @@ def _lm_head_own() -> list[HeadCase]:
     return _lm_head_suite(LM_HEAD_OWN, LM_HEAD_OWN_LOCAL_SHAPE)
 
 
+def _lm_head_small() -> list[HeadCase]:
+    return [HeadCase(p, T, LM_HEAD_SMALL_HIDDEN, QWEN3_VOCAB) for T in LM_HEAD_TOKENS for p in LM_HEAD_SMALL]
+
+
 def _lm_head_keep() -> list[HeadCase]:
     """The fused head and the token loss with and without a 64-id sparse keep set per row, T = 8192."""
     return [HeadCase(p, HEADLINE_TOKENS, LM_HEAD_HIDDEN, QWEN3_VOCAB) for p in LM_HEAD_KEEP]
@@ -358,6 +368,7 @@ SUITES = {
     "lm_head_own": Suite("lm_head", _lm_head_own),
     "lm_head_smoke": Suite("lm_head", _lm_head_smoke),
     "lm_head_keep": Suite("lm_head", _lm_head_keep),
+    "lm_head_small": Suite("lm_head", _lm_head_small),
     "keep_set": Suite("logits", _keep_set),
 }
 
