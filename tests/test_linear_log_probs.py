@@ -797,3 +797,54 @@ def test_bench_lm_head_smoke(tmp_path):
             high = (ms + d) / (base_ms - d) if base_ms > d else float("inf")
             assert low - d <= float(r["steady_vs"]) <= high + d, (r["provider"], ms, base_ms, r["steady_vs"])
     assert (tmp_path / "lm_head.md").exists()
+
+
+def _recording_rows(gemm, accumulates: bool, width: int, seg_len: int, rows: list):
+    """`gemm` that first appends its row count to `rows` when it is a backward GEMM (not a forward chunk GEMM,
+    whose K is H): dl @ W_s's M, or dl^T @ X's K."""
+    def recorded(*args, **kwargs):
+        a, b = args[1:3] if accumulates else args[:2]
+        if a.shape[1] != width:
+            rows.append(a.shape[1] if a.shape[0] == seg_len and b.shape[1] == width else a.shape[0])
+        return gemm(*args, **kwargs)
+    return recorded
+
+
+@pytest.mark.parametrize("backend", [p for p in backend_params(DEVICE) if p.id == "triton"])
+@pytest.mark.parametrize("op", ["general", "token_loss"])
+def test_backward_gemms_take_whole_groups_of_gemm_rows(backend, op, monkeypatch):
+    """A row mask that keeps an odd number of rows (Megatron's loss mask drops the last position): every dX / dW
+    GEMM still runs on a multiple of GEMM_ROWS rows, since cuBLAS takes slow unaligned kernels for a vocabulary-major
+    dlogits operand of any other row count; the extra rows add nothing (values against float64, the same as the
+    logits op's bounds check)."""
+    shape = _segment_gemms.chunk_shape(DEVICE)
+    lead = (shape.dw_rows + shape.rows // 2 + 3,)  # several groups, the last one's rows odd
+    hidden, weight, tokens = _inputs(lead, torch.bfloat16, seed=51)
+    g_lp, g_ent = make_weights(lead, 52), make_weights(lead, 53, low=-1.0, high=1.0)
+    row_mask = torch.ones(lead, dtype=torch.bool)
+    row_mask[-1] = False
+    width, seg_len = hidden.shape[1], weight.shape[0] // _layout.NUM_FIXED_SEGMENTS
+    gemm_rows = []  # the row count of each backward GEMM: dX32 (+)= dl @ W_s, dW_s (+)= dl^T @ X
+    for name in ("mm_fp32", "addmm_fp32", "mm_rounded"):
+        monkeypatch.setattr(_segment_gemms, name, _recording_rows(getattr(_segment_gemms, name), name == "addmm_fp32",
+                                                                  width, seg_len, gemm_rows))
+    if op == "general":
+        lp, ent, dx, dw = _run(hidden, weight, tokens, g_lp, g_ent, entropy="grad", backend=backend,
+                               row_mask=row_mask)
+    else:
+        h, w = (t.detach().clone().requires_grad_(True) for t in (hidden, weight))
+        g_lp_d, g_ent_d = g_lp.to(DEVICE), g_ent.to(DEVICE)
+
+        def weighted(log_probs, entropy, rows):  # per row: g_lp * log-prob + g_ent * entropy
+            return g_lp_d[rows.to(DEVICE)] * log_probs + g_ent_d[rows.to(DEVICE)] * entropy
+
+        loss, out = ppo_ops.linear_token_loss(h.to(DEVICE), w.to(DEVICE), tokens.to(DEVICE), weighted,
+                                              entropy="grad", backend=backend, row_mask=row_mask.to(DEVICE))
+        dx, dw = (g.cpu() for g in torch.autograd.grad(loss, (h, w)))
+        lp, ent = out.log_probs.cpu(), out.entropy.cpu()
+    assert gemm_rows and all(n % _segment_gemms.GEMM_ROWS == 0 for n in gemm_rows), gemm_rows
+    bounds = _bounds(hidden, weight, tokens, g_lp, g_ent, row_mask=row_mask,
+                     **_rounding(backend, torch.bfloat16, hidden, weight, row_mask))
+    for name, got in (("log_probs", lp), ("entropy", ent), ("dX", dx), ("dW", dw)):
+        _assert_within(name, got, bounds[name.lower()] if name != "dX" else bounds["dx"])
+    assert bool((dx[~row_mask] == 0).all()), "the dropped row got a hidden gradient"

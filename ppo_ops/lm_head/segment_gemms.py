@@ -316,17 +316,18 @@ class SegmentGemmBackend:
         n_rows, width = hidden.shape
         v_local = weight.shape[0]
         seg_len = shard.seg_len
-        dx = torch.zeros((n_rows, width), dtype=torch.float32, device=hidden.device) if need_dx else None
+        dx = torch.zeros((gemm_rows(n_rows), width), dtype=torch.float32, device=hidden.device) if need_dx else None
         dw = torch.empty_like(weight) if need_dw else None
         shape = chunk_shape(hidden.device)
         g_lp, g_ent = upstream.grad_log_prob, upstream.grad_entropy
         if n_rows == 0 or (g_lp is None and g_ent is None):
             if dw is not None:
                 dw.zero_()
-            return dx, dw
+            return None if dx is None else dx[:n_rows], dw
         tokens = tokens.to(torch.int64).contiguous()
         blocks = RowBlocks(hidden, shape.rows)
         group_rows = min(shape.dw_rows, blocks.count * shape.rows)
+        blocks_per_group = shape.dw_rows // shape.rows
         recompute = self.passes.one_gemm_recompute
         fused = recompute is not None and recompute.applies(hidden, weight)
         # the fused recompute writes dl vocabulary-major (dW's GEMM then reads dl^T K-major); the chunk pass row-major
@@ -338,9 +339,9 @@ class SegmentGemmBackend:
         dw_acc = None
         if need_dw and not one_group:
             dw_acc = torch.empty((seg_len, width), dtype=torch.float32, device=hidden.device)
-        blocks_per_group = shape.dw_rows // shape.rows
         chunk = None if fused else torch.empty((shape.rows, seg_len), dtype=torch.float32, device=hidden.device)
         held = saved.held if fused else None
+        x_pad = None  # the last group's hidden rows, zero-padded to GEMM_ROWS (dW's operand), made once
         for s, seg_lo, seg in segments(shard, v_local):
             w_s = weight[seg_lo:seg_lo + seg_len]
             if seg.n_valid == 0:  # padding only: no gradient, no dX contribution
@@ -367,21 +368,25 @@ class SegmentGemmBackend:
                         self.passes.dlogits(chunk, n, tokens[rs], seg, *backward_rows(saved, upstream, rs),
                                             dl[r0 - g0:r0 - g0 + n])
                 m = min(group_rows, n_rows - g0)
-                part = dl[:m]
                 if upstream.dlogits_term is not None:  # a sparse keep set's term: it rides in the GEMMs below
-                    upstream.dlogits_term(part, g0, seg_lo)
+                    upstream.dlogits_term(dl[:m], g0, seg_lo)
+                m_gemm = gemm_rows(m)  # the rows above m zero (GEMM_ROWS; an earlier group may have written them)
+                dl[m:m_gemm].zero_()
+                part = dl[:m_gemm]
                 if need_dx:
-                    addmm_fp32(dx[g0:g0 + m], part, w_s)
+                    addmm_fp32(dx[g0:g0 + m_gemm], part, w_s)
                 if need_dw:
+                    x = gemm_operand_rows(hidden[g0:g0 + m], m_gemm, x_pad)
+                    x_pad = x if m_gemm > m else x_pad
                     if one_group:
-                        mm_rounded(part.T, hidden[g0:g0 + m], dw[seg_lo:seg_lo + seg_len])
+                        mm_rounded(part.T, x, dw[seg_lo:seg_lo + seg_len])
                     elif g0 == 0:
-                        mm_fp32(part.T, hidden[g0:g0 + m], dw_acc)
+                        mm_fp32(part.T, x, dw_acc)
                     else:
-                        addmm_fp32(dw_acc, part.T, hidden[g0:g0 + m])
+                        addmm_fp32(dw_acc, part.T, x)
             if dw_acc is not None:
                 dw[seg_lo:seg_lo + seg_len].copy_(dw_acc)
-        return dx, dw
+        return None if dx is None else dx[:n_rows], dw
 
     def _held_dlogits(self, held: HeldProbs, s: int, segment: HeadRows, saved: LinearSaved, upstream: UpstreamGrads,
                       dl) -> None:
@@ -402,6 +407,29 @@ class SegmentGemmBackend:
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+# dX and dW GEMMs run on a row count rounded up to a multiple of GEMM_ROWS, the extra dlogits rows zero: their
+# vocabulary-major dlogits operand has the rows as its contiguous dimension, and with a row count that is not a
+# multiple of 8 (16 bytes of bf16; a row mask's count, the last position dropped) cuBLAS falls back to 1-element
+# aligned kernels, measured 6x slower on an H200 (docs/performance.md). The zero rows add exact zeros: dX's extra rows
+# are dropped, dW's sums are unchanged in value (their bits are those of the padded shape, the same on every rank).
+GEMM_ROWS = 8
+
+
+def gemm_rows(n: int) -> int:
+    return round_up(n, GEMM_ROWS)
+
+
+def gemm_operand_rows(x: torch.Tensor, n_gemm: int, reuse: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [n, H] as a GEMM's [n_gemm, H] operand: x itself when n == n_gemm, else x followed by zero rows (written
+    into `reuse` when it has that shape)."""
+    n = x.shape[0]
+    if n == n_gemm:
+        return x
+    out = reuse if reuse is not None and reuse.shape == (n_gemm, x.shape[1]) else x.new_zeros((n_gemm, x.shape[1]))
+    out[:n].copy_(x)
+    return out
 
 
 def tile_logits(hidden: torch.Tensor, weight: torch.Tensor, seg_len: int) -> torch.Tensor:

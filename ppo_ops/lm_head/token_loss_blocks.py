@@ -175,7 +175,11 @@ def _blocks_by_probs(passes, head: HeadRows, with_entropy: bool, hooks: LossHook
                 BackwardStats(stats.shift, stats.log_sum, None, stats.mean_shifted if g_ent is not None else None),
                 UpstreamGrads(g_lp, g_ent), hidden.dtype)
         _add_keep_term(hooks, dl, r0, n, segments)
-        grads.add_block(dl, r0, n, x)
+        n_gemm = segment_gemms.gemm_rows(n)  # dl's rows are its contiguous dimension: segment_gemms.GEMM_ROWS
+        if n_gemm > n:
+            dl[:, n:n_gemm].zero_()
+            x = segment_gemms.gemm_operand_rows(x, n_gemm)
+        grads.add_block(dl, r0, n, x, n_gemm)
     return dw
 
 def _blocks_by_chunks(passes, head: HeadRows, with_entropy: bool, hooks: LossHooks, grads: "_Gradients") -> None:
@@ -264,19 +268,20 @@ class _Gradients:
         both = need_dx and dw is not None and weight.is_cuda
         self.side = torch.cuda.Stream(device=weight.device) if both else None
 
-    def add_block(self, dl, r0: int, n: int, x) -> None:
+    def add_block(self, dl, r0: int, n: int, x, n_gemm: int) -> None:
+        """A block's n rows; its GEMMs run on n_gemm >= n rows (dl's and x's rows above n zero)."""
         if self.finished:
-            self._add_finished(dl, r0, n, x)
+            self._add_finished(dl, r0, n, x, n_gemm)
             return
         if self.side is None:
-            self.add_dx(dl, r0, n)
-            self.add_dw(dl, n, x)
+            self.add_dx(dl, r0, n, n_gemm)
+            self.add_dw(dl, n_gemm, x)
             return
         main = torch.cuda.current_stream(self.weight.device)
         self.side.wait_stream(main)
         with torch.cuda.stream(self.side):
-            self.add_dw(dl, n, x)
-        self.add_dx(dl, r0, n)
+            self.add_dw(dl, n_gemm, x)
+        self.add_dx(dl, r0, n, n_gemm)
         main.wait_stream(self.side)
 
     def _dx_rows(self, n: int) -> torch.Tensor:
@@ -291,18 +296,20 @@ class _Gradients:
         else:
             segment_gemms.addmm_fp32(out, dl_s, w_s)
 
-    def add_dx(self, dl, r0: int, n: int) -> None:
+    def add_dx(self, dl, r0: int, n: int, n_gemm: Optional[int] = None) -> None:
+        """dX of the block's n rows, its GEMMs on n_gemm (default n) rows."""
         if not self.need_dx:
             return
-        out = self._dx_rows(n)
+        n_gemm = n if n_gemm is None else n_gemm
+        out = self._dx_rows(n_gemm)
         contributed = False
         for s, _seg_lo, seg in self.segments:
             if seg.n_valid:
-                self._dx_segment(out, dl[s, :n], s, first=not contributed)
+                self._dx_segment(out, dl[s, :n_gemm], s, first=not contributed)
                 contributed = True
         if not contributed:
             out.zero_()
-        self.hooks.finish_dx(out, r0, r0 + n)
+        self.hooks.finish_dx(out[:n], r0, r0 + n)
 
     def add_dw(self, dl, m: int, x) -> None:
         """dW_s (+)= dl[s, :m]^T @ x (x: the m rows of hidden)."""
@@ -318,7 +325,7 @@ class _Gradients:
                 segment_gemms.mm_fp32(dl[s, :m].T, x, acc)
                 self.started[s] = True
 
-    def _add_finished(self, dl, r0: int, n: int, x) -> None:
+    def _add_finished(self, dl, r0: int, n: int, x, n_gemm: int) -> None:
         """The one block: per segment dX_s (current stream) and dW_s = dl_s^T x in the input dtype (side stream)."""
         dw, seg_len = self.dw, self.seg_len
         shared = dw is not None and dw.untyped_storage().data_ptr() == dl.untyped_storage().data_ptr()
@@ -326,7 +333,7 @@ class _Gradients:
         main = torch.cuda.current_stream(self.weight.device) if self.side is not None else None
         if main is not None:
             self.side.wait_stream(main)
-        out = self._dx_rows(n) if self.need_dx else None
+        out = self._dx_rows(n_gemm) if self.need_dx else None
         read = {}  # segment -> event after its dX GEMM (the side stream)
         late = []  # (dW rows, temporary): dW rows over dlogits not read yet when their GEMM ran
         contributed = False
@@ -334,7 +341,7 @@ class _Gradients:
             if seg.n_valid == 0:
                 continue
             if out is not None:
-                self._dx_segment(out, dl[s, :n], s, first=not contributed)
+                self._dx_segment(out, dl[s, :n_gemm], s, first=not contributed)
                 contributed = True
                 if main is not None:
                     read[s] = torch.cuda.Event()
@@ -351,11 +358,11 @@ class _Gradients:
                 waits = [k for k in read if k <= covers]
                 if main is not None and waits:
                     self.side.wait_event(read[max(waits)])  # dX has read every segment these rows cover
-                segment_gemms.mm_rounded(dl[s, :n].T, x, target)
+                segment_gemms.mm_rounded(dl[s, :n_gemm].T, x, target)
         if out is not None:
             if not contributed:
                 out.zero_()
-            self.hooks.finish_dx(out, r0, r0 + n)
+            self.hooks.finish_dx(out[:n], r0, r0 + n)
         if main is not None:
             main.wait_stream(self.side)
         for target, temp in late:  # every dlogit read by now
