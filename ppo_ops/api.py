@@ -306,6 +306,7 @@ def linear_token_loss(
     reduce_dx: bool = True,
     backend: str = "auto",
     validate: bool = True,
+    working_memory: Optional[int] = None,
 ) -> tuple:
     """A per-token RL loss on the LM head's log-probs (and entropies), its gradient formed inside the forward: the
     logits are computed once, so the whole op costs three GEMMs' work (logits, dX, dW) and never holds [T, V].
@@ -351,10 +352,15 @@ def linear_token_loss(
     Memory held from forward to backward: dX and dW. Working memory (CUDA, half precision, 16-byte aligned rows):
     the logits of a row block as fp16 probabilities, then its dlogits in place (2 bytes per logit). Every row is one
     block where its probabilities, its fp32 dX rows and dW (in the probabilities' own storage once the block has 2 H
-    rows, else beside them) fit 3.125 GiB: dW is then one GEMM per vocabulary segment written in weight's dtype in
-    the forward, and keeps the storage it was written into until released (T x V_local x 2 bytes). Else blocks of a
-    fixed number of rows (a function of H and the segment length only: 2816 at Qwen3-8B's shape) beside an fp32 dW
-    accumulator (V_local x H x 4 bytes), rounded in backward into its own storage, which dW keeps (2x dW's size).
+    rows, else beside them) fit the allowance, `working_memory` bytes (default None: 3.125 GiB): dW is then one GEMM
+    per vocabulary segment written in weight's dtype in the forward, and keeps the storage it was written into until
+    released (T x V_local x 2 bytes). Else blocks of a fixed number of rows (a function of H, the segment length and
+    the allowance only: 2816 at Qwen3-8B's shape by default) beside an fp32 dW accumulator (V_local x H x 4 bytes),
+    rounded in backward into its own storage, which dW keeps (2x dW's size); the blocks' rows are the most that fit
+    the allowance beside the accumulator, at least 1024 (an allowance below that takes 1024-row blocks: the least
+    this layout holds). A larger allowance means fewer blocks (dW's accumulator read and written once per block);
+    set it to what the caller's step can spare. working_memory must be the same on every rank (the blocks set the
+    collectives; validate=True checks it).
     Other inputs: 1024-row blocks whose fp32 logits are held (1024 x V_local x 4 bytes) with their dlogits (half
     that). The figures at Qwen3's shapes: docs/performance.md.
 
@@ -372,7 +378,8 @@ def linear_token_loss(
     (on the one-GEMM blocks their forward alone, without the probabilities: one GEMM's work, the same values).
     """
     options = dict(tp_group=tp_group, entropy=entropy, keep=keep, temperature=temperature, row_mask=row_mask,
-                   vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend, validate=validate)
+                   vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend, validate=validate,
+                   working_memory=working_memory)
     if not torch.compiler.is_compiling():
         return _token_loss_eager(hidden, weight, tokens, token_loss, **options)
     loss, log_prob, ent = token_loss_op.linear_token_loss(hidden, weight, tokens, token_loss, **options)
@@ -380,11 +387,11 @@ def linear_token_loss(
 
 
 def _token_loss_eager(hidden, weight, tokens, token_loss, *, tp_group, entropy, keep, temperature, row_mask,
-                      vocab_size, reduce_dx, backend, validate) -> tuple:
+                      vocab_size, reduce_dx, backend, validate, working_memory) -> tuple:
     call = shell.prepare_lm_head(
         "linear_token_loss", hidden, weight, tokens, tp_group=tp_group, entropy=entropy, temperature=temperature,
         row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend, validate=validate,
-        token_loss=token_loss, fused_loss=True, keep=keep)
+        token_loss=token_loss, fused_loss=True, keep=keep, working_memory=working_memory)
     keep_arg = () if call.keep is None else (call.keep,)  # the Function's last argument, given only with keep
     with shell.on_device(call):
         loss, log_prob, ent = LinearTokenLossFunction.apply(call.rows, weight, call.tokens, call.row_mask, call.plan,

@@ -60,6 +60,7 @@ def token_log_probs(
     keep=None,
     token_loss: Optional[Callable] = None,
     validate: bool = True,
+    working_memory: Optional[int] = None,
 ):
     """Log-prob of each next token (and the entropy of each position's distribution) under a transformers causal LM.
 
@@ -99,6 +100,8 @@ def token_log_probs(
         ppo_ops.policy_loss(...) built over [B, S] per-token constants aligned with the results (position i: the
         token input_ids[b, i + 1]); `rows` index the flattened [B * S] positions. Positions that do not count are
         never passed to it: give the TokenLoss a loss_mask that does not count them either (its normalisation).
+      working_memory: with token_loss, the bytes its row blocks may hold (ppo_ops.linear_token_loss's; None: its
+        default).
       validate: ppo_ops' value checks (token range, NaN logits): one host sync per call. On CUDA the head's row mask
         costs one more (the kept-row count), either way.
 
@@ -128,7 +131,7 @@ def token_log_probs(
                 validate=validate, **({"keep": keep} if keep is not None else {}))
     if token_loss is None:
         return ppo_ops.linear_log_probs_and_entropy(hidden, weight, targets, **opts)
-    return ppo_ops.linear_token_loss(hidden, weight, targets, token_loss, **opts)
+    return ppo_ops.linear_token_loss(hidden, weight, targets, token_loss, working_memory=working_memory, **opts)
 
 
 def _head(model):

@@ -75,6 +75,8 @@ class Context:
       [B * S] label-layout positions (row b * S + s), as the head's rows are. Needs a ppo_ops head that takes `keep`.
     token_loss: a row-separable per-token loss as for ppo_ops.linear_token_loss (e.g. ppo_ops.policy_loss(...), its
       constants in the labels' [B, S] layout); the processor then returns (loss, LogProbsEntropy). None: log-probs.
+    working_memory: with token_loss, the bytes its row blocks may hold (linear_token_loss's working_memory; None:
+      its default); the same on every rank.
     validate: the head's value checks and collective failure (one host sync per call; False: none).
     tp_group: the tensor-parallel group, when not the output layer's or parallel_state's.
     backend: the head's backend ("auto": Triton on CUDA tensors, PyTorch elsewhere).
@@ -88,6 +90,7 @@ class Context:
     validate: bool = True
     tp_group: Optional[Any] = None
     backend: str = "auto"
+    working_memory: Optional[int] = None
 
 
 def output_processor(*, hidden_states: torch.Tensor, labels: torch.Tensor, context: Context, output_layer=None,
@@ -151,7 +154,7 @@ def output_processor(*, hidden_states: torch.Tensor, labels: torch.Tensor, conte
     hidden = hidden_states.transpose(0, 1)  # [B, S, H]: the labels' layout
     if context.token_loss is None:
         return head(hidden, weight, labels, **options)
-    return head(hidden, weight, labels, context.token_loss, **options)
+    return head(hidden, weight, labels, context.token_loss, working_memory=context.working_memory, **options)
 
 
 def gpt_log_probs(model, input_ids, position_ids, attention_mask, labels, loss_mask, context: Context, *,

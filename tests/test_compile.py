@@ -306,9 +306,12 @@ def _token_loss_results(fn, hidden, weight, t, loss_fn, upstream=1.0):
 
 
 @pytest.mark.parametrize("backend", backend_params())
-@pytest.mark.parametrize("case", ["none", "grad", "row_mask", "keep", "validate", "bf16"])
+@pytest.mark.parametrize("case", ["none", "grad", "row_mask", "keep", "validate", "bf16", "bf16_least_memory"])
 def test_token_loss_compiles_fullgraph_bitwise(case, backend):
-    hidden, weight, t, opts = _head_call(LINEAR_CASES[case])
+    least = case.endswith("_least_memory")  # working_memory=0: the smallest blocks, the operator's int option
+    hidden, weight, t, opts = _head_call(LINEAR_CASES[case.removesuffix("_least_memory")])
+    if least:
+        opts["working_memory"] = 0
     loss_fn = _policy_loss(t, opts["entropy"])
 
     def fn(hidden, weight, t, loss_fn):
@@ -397,7 +400,8 @@ def test_lm_head_operators_opcheck(case):
     loss = _policy_loss(t, opts["entropy"])
     loss_args = (hidden, weight, t, args[3], ids, offsets, loss.weight, loss.old_log_probs, loss.advantages,
                  loss.ref_log_probs, loss.clip_low, loss.clip_high, loss.dual_clip, loss.entropy_coef, loss.kl_coef,
-                 loss.kl_type, loss.normalization, "", opts["entropy"]) + common[:4] + (validate, True, True)
+                 loss.kl_type, loss.normalization, "", opts["entropy"]) + common[:4] + (validate, 1 << 20, True,
+                                                                                       True)
     op = token_loss_op.forward_op.syncing if syncs else token_loss_op.forward_op.plain
     torch.library.opcheck(op, loss_args)
 

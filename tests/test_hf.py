@@ -331,6 +331,9 @@ def test_token_loss_with_policy_loss(kind):
     loss, ref_loss = float(loss.detach()), float(ref_loss.detach())
     assert abs(loss - ref_loss) <= BODY_FP32_LOG_PROB_TOL * max(1.0, abs(ref_loss)), (loss, ref_loss)
     _assert_grads(_grads(model), _grads(model64), BODY_FP32_GRAD_REL_TOL)
+    # working_memory reaches the token loss (a bad one is its error, naming it)
+    with pytest.raises(ValueError, match="linear_token_loss: .*working_memory"):
+        token_log_probs(model, ids, entropy="grad", token_loss=ppo, working_memory=-1, **kwargs)
 
 
 _HAS_KEEP = "keep" in inspect.signature(ppo_ops.linear_log_probs_and_entropy).parameters

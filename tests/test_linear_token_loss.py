@@ -175,7 +175,9 @@ def _keeps_probs(backend, hidden, weight):
 
 
 def _check_vs_float64_once(backend, dtype, loss_name, temperature, vocab_size, masked, entropy="grad", lead=(3, 7),
-                           v=V_GLOBAL, h=HIDDEN):
+                           v=V_GLOBAL, h=HIDDEN, **extra):
+    """The op against float64 (values, loss, dX, dW within their bounds); `extra`: more options of the call.
+    Returns the op's (loss, log_probs, entropy, dX, dW)."""
     hidden, weight, tokens = inputs(lead, dtype, seed=91, v=v, h=h)
     if vocab_size is not None:
         tokens = tokens.clamp(max=vocab_size - 1)
@@ -186,7 +188,7 @@ def _check_vs_float64_once(backend, dtype, loss_name, temperature, vocab_size, m
         row_mask.view(-1)[0], row_mask.view(-1)[-1] = True, False
         tokens = torch.where(row_mask, tokens, -100)
     token_loss = LOSSES[loss_name](n, 93)
-    opts = dict(entropy=entropy, temperature=temperature, vocab_size=vocab_size, backend=backend)
+    opts = dict(entropy=entropy, temperature=temperature, vocab_size=vocab_size, backend=backend, **extra)
     if masked:
         opts["row_mask"] = row_mask
     loss, lp, ent, dx, dw = _run(hidden, weight, tokens, token_loss, **opts)
@@ -214,6 +216,7 @@ def _check_vs_float64_once(backend, dtype, loss_name, temperature, vocab_size, m
         assert bool((lp[~row_mask] == 0).all() and (dx[~row_mask] == 0).all())
     if vocab_size is not None:
         assert bool((dw[vocab_size:] == 0).all()), "padding rows of the weight got a gradient"
+    return loss, lp, ent, dx, dw
 
 
 @pytest.mark.parametrize("backend", backend_params(DEVICE))
@@ -542,6 +545,58 @@ def test_one_block_where_it_fits_the_allowance(n_rows, one, in_probs):
             assert held_bytes < 2816 * vocab * 2 + vocab * width * 4
 
 
+@pytest.mark.parametrize("working_memory,rows", [(None, 2816), (2**30, 1024), (0, 1024), (2**33, 8192)])
+def test_working_memory_sizes_the_blocks(working_memory, rows):
+    """The caller's allowance sets the one-GEMM blocks at Qwen3-0.6B's head (H = 1024) and Qwen3-8B's (H = 4096) on
+    CUDA: the most rows (a multiple of the step) whose fp16 probabilities fit beside the fp32 dW accumulator, at
+    least PROB_ROWS_MIN (1 GiB is less than H = 4096's accumulator: the least blocks), at most PROB_ROWS_MAX; and
+    every row one block exactly where that fits it (T = 8192 at H = 1024 fits the default 3.125 GiB, not 1 GiB)."""
+    c, cuda, seg_len = _token_loss_blocks, torch.device("cuda"), 18992
+    vocab = seg_len * _layout.NUM_FIXED_SEGMENTS
+    assert c.prob_block_rows(4096, seg_len, cuda, working_memory) == rows
+    small = c.prob_block_rows(1024, seg_len, cuda, working_memory)
+    allowance = c.TOKEN_LOSS_BYTES if working_memory is None else working_memory
+    fits = lambda r: r * vocab * 2 + vocab * 1024 * 4 <= allowance  # noqa: E731
+    assert small % c.PROB_ROWS_STEP == 0 and c.PROB_ROWS_MIN <= small <= c.PROB_ROWS_MAX
+    assert (fits(small) or small == c.PROB_ROWS_MIN) and (small == c.PROB_ROWS_MAX or not fits(small + 256))
+    one = c.one_prob_block(8191, 8192, 1024, seg_len, cuda, working_memory)
+    assert one == (c.one_block_bytes(8191, 8192, 1024, seg_len) <= allowance)
+    assert one == (working_memory is None or working_memory >= 2**33)
+
+
+@pytest.mark.parametrize("backend", [p for p in backend_params(DEVICE) if p.id == "triton"])
+def test_working_memory_chooses_one_block_or_many_vs_float64(backend, monkeypatch):
+    """The same call with an allowance that holds every row and with one that holds none: one block, then blocks
+    beside the fp32 accumulator (on CPU 16 rows each); both within the float64 bounds, the log-probs and entropies
+    bit for bit the same (a row's values do not depend on its block)."""
+    layouts = []
+    chosen = _token_loss_blocks.prob_blocks
+
+    def recorded(*args, **kwargs):
+        out = chosen(*args, **kwargs)
+        layouts.append(out[2])  # one block?
+        return out
+    monkeypatch.setattr(_token_loss_blocks, "prob_blocks", recorded)
+    runs = {}
+    for working_memory in (2**40, 0):
+        layouts.clear()
+        runs[working_memory] = _check_vs_float64_once(backend, torch.bfloat16, "ppo", 1.0, None, True, lead=(40,),
+                                                      h=16, working_memory=working_memory)
+        if _keeps_probs(backend, *inputs((40,), torch.bfloat16, seed=91, h=16)[:2]):
+            assert layouts == [working_memory > 0], layouts
+    for i, name in ((1, "log_probs"), (2, "entropy")):
+        assert torch.equal(runs[2**40][i], runs[0][i]), f"{name} depend on the blocks"
+
+
+@pytest.mark.parametrize("value,error,match", [(-1, ValueError, ">= 0"), (1.5, TypeError, "an int"),
+                                               (True, TypeError, "an int"), ("1GiB", TypeError, "an int")])
+def test_bad_working_memory_raises_naming_it(value, error, match):
+    hidden, weight, tokens = inputs((4,), torch.float32, seed=105)
+    with pytest.raises(error, match=f"working_memory.*{match}"):
+        ppo_ops.linear_token_loss(hidden.to(DEVICE).requires_grad_(True), weight.to(DEVICE), tokens.to(DEVICE),
+                                  _weighted(4, 106), backend="torch", working_memory=value)
+
+
 def _bad_losses():
     return [
         ("not_callable", 3.0, TypeError, "token_loss must be callable"),
@@ -797,13 +852,17 @@ def _collective_worker(rank, world_size, out_dir):
             "bad_token_on_rank_0": dict(
                 token_loss=_weighted(5, 108),
                 tokens=torch.where(torch.arange(5) == 2, V_GLOBAL, tokens) if rank == 0 else tokens),
+            "bad_working_memory_on_rank_1": dict(token_loss=_weighted(5, 108),
+                                                 working_memory=-1 if rank == 1 else None),
+            "working_memory_differs": dict(token_loss=_weighted(5, 108), working_memory=4096 if rank == 1 else None),
         }
         hidden, weight, tokens = inputs((5,), torch.float32, seed=107)
         shard = weight[rank * v_local:(rank + 1) * v_local]
         for name, args in cases.items():
             try:
                 ppo_ops.linear_token_loss(hidden.clone().requires_grad_(True), shard, args.get("tokens", tokens),
-                                          args["token_loss"], tp_group=dist.group.WORLD, backend="torch")
+                                          args["token_loss"], tp_group=dist.group.WORLD, backend="torch",
+                                          working_memory=args.get("working_memory"))
                 record[name] = ("no error", "", None)
             except (TypeError, ValueError) as exc:
                 record[name] = (type(exc).__name__, str(exc), None)
@@ -833,7 +892,9 @@ def test_failure_is_collective(tmp_path, tp):
         assert len(messages) == 1, f"{name}: the ranks raised different errors: {messages}"
     if tp == 2:
         expected = {"not_callable_on_rank_1": ("TypeError", ("token_loss", "rank 1 of 2")),
-                    "bad_token_on_rank_0": ("ValueError", ("tokens", "rank 0 of 2"))}
+                    "bad_token_on_rank_0": ("ValueError", ("tokens", "rank 0 of 2")),
+                    "bad_working_memory_on_rank_1": ("ValueError", ("working_memory", "rank 1 of 2")),
+                    "working_memory_differs": ("ValueError", ("working_memory", "4096"))}
         for name, (exc_type, needles) in expected.items():
             for rank, record in enumerate(records):
                 got_type, message, _ = record[name]

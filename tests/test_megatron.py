@@ -364,6 +364,10 @@ def test_processor_token_loss_returns_the_loss_and_values():
                                                 temperature=ms.TEMPERATURE, vocab_size=ms.VOCAB, row_mask=mask != 0)
     assert torch.equal(loss, want_loss) and torch.equal(out.log_probs, want.log_probs)
     assert torch.equal(out.entropy, want.entropy)
+    # the token loss's working_memory reaches it (a bad one is its error, naming it)
+    bad = dataclasses.replace(context, working_memory=-1)
+    with pytest.raises(ValueError, match="linear_token_loss: .*working_memory"):
+        pm.output_processor(**ms.hook_kwargs(hidden, _Layer(weight), None, labels, mask, bad, None))
 
 
 def test_processor_uses_output_weight_over_the_layers():

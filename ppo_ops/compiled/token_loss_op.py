@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ppo_ops.compiled import common
-from ppo_ops.core import shell
+from ppo_ops.core import checks, shell
 from ppo_ops.core.scale import scale_round_in_place
 from ppo_ops.lm_head import loss_function
 from ppo_ops.token_losses import TokenLoss
@@ -40,7 +40,8 @@ def _forward(hidden: Tensor, weight: Tensor, tokens: Tensor, row_mask: Optional[
              ref_log_probs: Optional[Tensor], clip_low: float, clip_high: float, dual_clip: Optional[float],
              entropy_coef: float, kl_coef: float, kl_type: str, normalization: str, group_name: str, entropy: str,
              temperature: float, vocab_size: Optional[int], reduce_dx: bool, backend: str, validate: bool,
-             need_dx: bool, need_dw: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+             working_memory: Optional[int], need_dx: bool, need_dw: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor,
+                                                                                   Tensor]:
     token_loss = TokenLoss(weight=loss_weight, old_log_probs=old_log_probs, advantages=advantages,
                            ref_log_probs=ref_log_probs, shape=loss_weight.shape, clip_low=clip_low,
                            clip_high=clip_high, dual_clip=dual_clip, entropy_coef=entropy_coef, kl_coef=kl_coef,
@@ -49,7 +50,7 @@ def _forward(hidden: Tensor, weight: Tensor, tokens: Tensor, row_mask: Optional[
         FN, hidden, weight, tokens, tp_group=common.resolve_group(group_name), entropy=entropy,
         temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend,
         validate=validate, token_loss=token_loss, fused_loss=True, keep=common.keep_pair(keep_ids, keep_offsets),
-        needs_grad=need_dx or need_dw)
+        needs_grad=need_dx or need_dw, working_memory=working_memory)
     with shell.on_device(call), common.autograd_inside():
         loss, log_prob, ent, dx, dw = loss_function.forward_values(
             call.rows, weight, call.tokens, call.row_mask, call.plan, token_loss, call.keep, need_dx=need_dx,
@@ -67,7 +68,8 @@ def _forward(hidden: Tensor, weight: Tensor, tokens: Tensor, row_mask: Optional[
 
 def _forward_fake(hidden, weight, tokens, row_mask, keep_ids, keep_offsets, loss_weight, old_log_probs, advantages,
                   ref_log_probs, clip_low, clip_high, dual_clip, entropy_coef, kl_coef, kl_type, normalization,
-                  group_name, entropy, temperature, vocab_size, reduce_dx, backend, validate, need_dx, need_dw):
+                  group_name, entropy, temperature, vocab_size, reduce_dx, backend, validate, working_memory, need_dx,
+                  need_dw):
     lead = hidden.shape[:-1]
     return (hidden.new_empty((), dtype=torch.float32), hidden.new_empty(lead, dtype=torch.float32),
             hidden.new_empty(lead if entropy != "none" else (0,), dtype=torch.float32),
@@ -92,19 +94,21 @@ def _backward(ctx, grad_loss, *_detached):
     shell.refuse_double_backward(FN)
     dx, dw = ctx.saved_tensors
     if grad_loss is None:
-        return (None,) * 26
+        return (None,) * 27
     g = grad_loss.to(torch.float32)
-    return (_scaled(dx, g), _scaled(dw, g)) + (None,) * 24
+    return (_scaled(dx, g), _scaled(dw, g)) + (None,) * 25
 
 
 forward_op = common.TwoRegistrations("linear_token_loss", _forward, _forward_fake, _backward, _setup_context)
 
 
 def linear_token_loss(hidden, weight, tokens, token_loss, *, tp_group, entropy, keep, temperature, row_mask,
-                      vocab_size, reduce_dx, backend, validate):
+                      vocab_size, reduce_dx, backend, validate, working_memory):
     """The public function's route under torch.compile: (loss, log_probs, entropy or None). A TokenLoss goes
     through the operator; any other callable is traced into the graph (`traced_closure`)."""
-    common.check_crossable(FN, tp_group, keep, temperature=temperature, vocab_size=vocab_size)
+    common.check_crossable(FN, tp_group, keep, temperature=temperature, vocab_size=vocab_size,
+                           working_memory=working_memory)
+    working_memory = checks.check_working_memory(FN, working_memory)  # the traced closure has no blocks to size
     if not isinstance(token_loss, TokenLoss):
         return traced_closure(hidden, weight, tokens, token_loss, tp_group=tp_group, entropy=entropy, keep=keep,
                               temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx,
@@ -117,7 +121,8 @@ def linear_token_loss(hidden, weight, tokens, token_loss, *, tp_group, entropy, 
         token_loss.advantages, token_loss.ref_log_probs, token_loss.clip_low, token_loss.clip_high,
         token_loss.dual_clip, token_loss.entropy_coef, token_loss.kl_coef, token_loss.kl_type,
         token_loss.normalization, common.group_name(tp_group), entropy, common.number(temperature),
-        common.number(vocab_size, numbers.Integral), reduce_dx, backend, validate, need_dx, need_dw,
+        common.number(vocab_size, numbers.Integral), reduce_dx, backend, validate,
+        common.number(working_memory, numbers.Integral), need_dx, need_dw,
         syncs=bool(validate) or row_mask is not None)
     return loss, log_prob, (ent if entropy != "none" else None)
 

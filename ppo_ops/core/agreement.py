@@ -168,6 +168,7 @@ HEADER = (
     HeaderField("keep_mask presence", "keep_mask", bool),
     HeaderField("logits dtype", "logits", _dtype_name),
     HeaderField("reduction order", "reduction_order", _order_name),
+    HeaderField("working_memory (bytes; -1: the default)", "working_memory"),
     HeaderField("row_mask", "row_mask", checksum=True),
     HeaderField("tokens", "tokens", checksum=True),  # of the kept rows' tokens
     HeaderField("token min"),
@@ -181,14 +182,14 @@ HEADER = (
     HeaderField("keep id min"),
     HeaderField("keep id max"),
 )
-(ERR_ARG, ERR_TYPE, ROWS, V_LOCAL, VOCAB, TEMPERATURE, ENTROPY, KEEP, DTYPE, ORDER, ROW_SUM, TOKEN_SUM, TOKEN_MIN,
- TOKEN_MAX, BAD, SPARSE_KEEP) = range(len(HEADER) - sparse_keep.HEADER_VALUES + 1)
+(ERR_ARG, ERR_TYPE, ROWS, V_LOCAL, VOCAB, TEMPERATURE, ENTROPY, KEEP, DTYPE, ORDER, WORKING_MEMORY, ROW_SUM, TOKEN_SUM,
+ TOKEN_MIN, TOKEN_MAX, BAD, SPARSE_KEEP) = range(len(HEADER) - sparse_keep.HEADER_VALUES + 1)
 HEADER_FIELDS = tuple(field.description for field in HEADER)
 AGREED_FIELDS = tuple(i for i, field in enumerate(HEADER) if field.argument is not None)
 # Arguments an error can name in the header, and the exception types it can carry (index + 1; 0 = no error).
 ARGUMENTS = ("logits", "tokens", "tp_group", "entropy", "keep_mask", "temperature", "row_mask", "vocab_size",
              "chunk_size", "inplace_grad", "backend", "validate", "arguments", "hidden", "weight", "reduce_dx",
-             "token_loss", "reduction_order", "keep")
+             "token_loss", "reduction_order", "keep", "working_memory")
 ERROR_TYPES = (TypeError, ValueError, RuntimeError)
 
 
@@ -263,7 +264,7 @@ def bad_logits(partials: torch.Tensor) -> torch.Tensor:
 def rank_header(tokens: torch.Tensor, row_mask: Optional[torch.Tensor], bad: torch.Tensor, *, v_local: int,
                 vocab_size: int, temperature: float, entropy_mode: str, has_keep_mask: bool,
                 dtype: torch.dtype, reduction_order: str = "fused",
-                keep: Optional["sparse_keep.SparseKeep"] = None) -> torch.Tensor:
+                keep: Optional["sparse_keep.SparseKeep"] = None, working_memory: Optional[int] = None) -> torch.Tensor:
     """The header of a rank whose arguments passed the local checks, its value fields computed on the device from
     its tokens, row mask, `bad` (0-d bool: NaN / +inf logits reached this rank, e.g. bad_logits of its partials) and
     sparse keep set, with no host sync."""
@@ -277,7 +278,8 @@ def rank_header(tokens: torch.Tensor, row_mask: Optional[torch.Tensor], bad: tor
         row_sum = torch.zeros((), dtype=torch.int64, device=device)
     fixed = _host_ints(
         [0, 0, flat_tokens.numel(), v_local, vocab_size, _float_bits(temperature), ENTROPY_MODES.index(entropy_mode),
-         int(has_keep_mask), _DTYPES.index(dtype), REDUCTION_ORDERS.index(reduction_order)], device)
+         int(has_keep_mask), _DTYPES.index(dtype), REDUCTION_ORDERS.index(reduction_order),
+         -1 if working_memory is None else working_memory], device)
     return torch.cat([fixed, row_sum.reshape(1), _fold_checksum(flat_tokens).reshape(1),
                       token_bounds(flat_tokens, None), bad.reshape(1).to(torch.int64),
                       sparse_keep.header_values(keep, device)])

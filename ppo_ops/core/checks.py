@@ -59,6 +59,17 @@ def _scalar(fn_name: str, name: str, value, integral: bool):
     return int(value) if integral else float(value)
 
 
+def check_working_memory(fn_name: str, working_memory) -> Optional[int]:
+    """linear_token_loss's working_memory: None or bytes >= 0, as a Python int."""
+    if working_memory is None:
+        return None
+    value = _scalar(fn_name, "working_memory", working_memory, integral=True)
+    if value < 0:
+        raise argument_error(ValueError, fn_name, "working_memory",
+                             f"working_memory must be a number of bytes >= 0 or None, got {value}")
+    return value
+
+
 def check_reduction_order(fn_name: str, reduction_order, keep_mask) -> None:
     if not isinstance(reduction_order, str) or reduction_order not in REDUCTION_ORDERS:
         raise argument_error(ValueError, fn_name, "reduction_order",

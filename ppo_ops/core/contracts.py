@@ -146,7 +146,8 @@ class Backend(Protocol):
 #
 # `FusedLossBackend` adds, for ppo_ops.linear_token_loss:
 #
-#     loss_forward(head: HeadRows, with_entropy, hooks: LossHooks, wanted: GradsWanted) -> dW or None: per row block,
+#     loss_forward(head: HeadRows, with_entropy, hooks: LossHooks, wanted: GradsWanted, working_memory: bytes its
+#         row blocks may hold or None for the backend's default) -> dW or None: per row block,
 #         the block's logits over every local segment, their partials, `hooks.merge` (TP all-gather + merge: global
 #         RowStats of the block), `hooks.block_grads` (the caller's loss on those stats: upstream gradients of the
 #         block), dlogits, `hooks.keep_dlogits` (a sparse keep set's term, into each block x segment of dlogits before
@@ -245,5 +246,5 @@ def holds_nothing(forward_partials: Callable[..., torch.Tensor]) -> Callable[...
 
 @runtime_checkable
 class FusedLossBackend(LinearBackend, Protocol):
-    def loss_forward(self, head: HeadRows, with_entropy: bool, hooks: LossHooks,
-                     wanted: GradsWanted) -> Optional[torch.Tensor]: ...
+    def loss_forward(self, head: HeadRows, with_entropy: bool, hooks: LossHooks, wanted: GradsWanted,
+                     working_memory: Optional[int] = None) -> Optional[torch.Tensor]: ...

@@ -60,6 +60,7 @@ class Plan:
     reduce_dx: bool = True  # LM head
     needs_grad: bool = True  # LM head: grad mode on and hidden or weight requires grad, else the forward keeps nothing
     reduction_order: str = "fused"  # logits op: "fused" or "sglang" (logits/sglang_order.py)
+    working_memory: Optional[int] = None  # linear_token_loss: bytes its row blocks may hold (None: the default)
 
 
 class Call(NamedTuple):
@@ -153,10 +154,11 @@ def prepare_logits(fn_name, logits, tokens, *, tp_group, entropy, keep_mask, tem
 
 def prepare_lm_head(fn_name, hidden, weight, tokens, *, tp_group, entropy, temperature, row_mask, vocab_size,
                     reduce_dx, backend, validate, token_loss=None, fused_loss=False, keep=None,
-                    needs_grad: Optional[bool] = None) -> Call:
-    """The LM head's call (fused_loss: linear_token_loss, whose `token_loss` must be callable): every local check, the
-    layout, the backend, the flattened [T, H] hidden states. needs_grad: whether a backward follows (None: grad mode
-    and the inputs' requires_grad say; the custom operators, which run below autograd, pass it)."""
+                    needs_grad: Optional[bool] = None, working_memory=None) -> Call:
+    """The LM head's call (fused_loss: linear_token_loss, whose `token_loss` must be callable, and its
+    `working_memory`): every local check, the layout, the backend, the flattened [T, H] hidden states. needs_grad:
+    whether a backward follows (None: grad mode and the inputs' requires_grad say; the custom operators, which run
+    below autograd, pass it)."""
     def local_checks(group, world_size, rank):
         if fused_loss and not callable(token_loss):
             raise checks.argument_error(
@@ -168,12 +170,13 @@ def prepare_lm_head(fn_name, hidden, weight, tokens, *, tp_group, entropy, tempe
         if not isinstance(reduce_dx, bool):
             raise checks.argument_error(TypeError, fn_name, "reduce_dx",
                                         f"reduce_dx must be a bool, got {type(reduce_dx).__name__}")
+        memory = checks.check_working_memory(fn_name, working_memory) if fused_loss else None
         checks.check_lm_head_tensors(fn_name, hidden, weight, tokens, row_mask)
         lead, width = tuple(hidden.shape[:-1]), hidden.shape[-1]
         plan = _plan(fn_name, group, world_size, rank, hidden, weight.shape[0], options, op="lm_head",
                      fused_loss=fused_loss, entropy=entropy, backend=backend, validate=validate, reduce_dx=reduce_dx,
                      needs_grad=(torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad))
-                     if needs_grad is None else needs_grad)
+                     if needs_grad is None else needs_grad, working_memory=memory)
         n_rows = math.prod(lead)
         sparse = sparse_keep.check(fn_name, keep, n_rows, hidden.device)
         return Call(hidden.reshape(n_rows, width), tokens.reshape(n_rows), None,
@@ -261,7 +264,7 @@ def check_across_ranks(plan: Plan, tokens, row_mask, bad: torch.Tensor, keep=Non
         plan.fn_name, layout.group, layout.world_size, tokens, row_mask, bad, naming=plan.naming,
         v_local=layout.v_local, vocab_size=layout.vocab_size, temperature=plan.temperature,
         entropy_mode=plan.entropy_mode, has_keep_mask=plan.has_keep_mask, dtype=plan.dtype,
-        reduction_order=plan.reduction_order, keep=keep)
+        reduction_order=plan.reduction_order, keep=keep, working_memory=plan.working_memory)
 
 
 def check_single_rank(plan: Plan, bad_rows, tokens, row_mask, keep=None) -> None:

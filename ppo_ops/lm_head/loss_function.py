@@ -126,7 +126,8 @@ def forward_values(hidden, weight, tokens, row_mask, plan: Plan, token_loss, kee
     head = HeadRows(kept(hidden, rows).contiguous(), weight, kept(tokens, rows), plan.shard)
     loop = BlockLoop(plan, token_loss, hidden, tokens, row_mask, rows, n_kept=head.hidden.shape[0],
                      need_dx=need_dx, need_grad=need_dx or need_dw, keep=keep, head=head)
-    dw = plan.backend.loss_forward(head, loop.with_entropy, loop, GradsWanted(dx=need_dx, dw=need_dw))
+    dw = plan.backend.loss_forward(head, loop.with_entropy, loop, GradsWanted(dx=need_dx, dw=need_dw),
+                                   plan.working_memory)
     loop.finish()
     lp_out = scatter_rows(loop.log_prob, rows, n_rows)
     # entropy="none": an empty placeholder (the wrapper returns None), so every output is a tensor.

@@ -399,11 +399,12 @@ class SegmentGemmBackend:
 
     # -- the token loss: lm_head/token_loss_blocks.py --
 
-    def loss_forward(self, head: HeadRows, with_entropy: bool, hooks: LossHooks,
-                     wanted: GradsWanted) -> Optional[torch.Tensor]:
+    def loss_forward(self, head: HeadRows, with_entropy: bool, hooks: LossHooks, wanted: GradsWanted,
+                     working_memory: Optional[int] = None) -> Optional[torch.Tensor]:
         from ppo_ops.lm_head import token_loss_blocks  # it builds on this module's pieces
 
-        return token_loss_blocks.loss_forward(self.passes, head, with_entropy, hooks, wanted)
+        return token_loss_blocks.loss_forward(self.passes, head, with_entropy, hooks, wanted, working_memory)
+
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple

@@ -10,12 +10,13 @@ rounds them once) and dW; a sparse keep set's term goes into each block x segmen
     one-GEMM blocks (segment_gemms' Triton passes, half precision, TMA-aligned rows): the general op's one-GEMM
         forward also stores every logit as e^(z - tile max) in fp16 into a segment-major [n_seg, rows, seg_len]
         buffer, vocabulary-major in memory (dW's GEMMs then read dl^T K-major; gemm_partials.forward_probs), and
-        prob_dlogits.py turns it into dlogits in place. Every row is one block where that fits TOKEN_LOSS_BYTES
-        (one_prob_block): dW_s = dl_s^T X is then one GEMM per segment (K = T), finished in the forward in the
-        input dtype; else blocks of prob_block_rows rows (a function of H and the segment length only) beside an
-        fp32 dW accumulator. Log-probs and entropies are the general op's, bit for bit; dlogits carry e's fp16
-        rounding (2^-11 of their terms) before their own to the input dtype. No gradient asked: the same blocks
-        through the forward without the store (the same loss sum), nothing held.
+        prob_dlogits.py turns it into dlogits in place. Every row is one block where that fits the allowance
+        (one_prob_block; the caller's working_memory, else TOKEN_LOSS_BYTES): dW_s = dl_s^T X is then one GEMM per
+        segment (K = T), finished in the forward in the input dtype; else blocks of prob_block_rows rows (a function
+        of H, the segment length and the allowance only: the same on every rank) beside an fp32 dW accumulator.
+        Log-probs and entropies are the general op's, bit for bit; dlogits carry e's fp16 rounding (2^-11 of
+        their terms) before their own to the input dtype. No gradient asked: the same blocks through the forward
+        without the store (the same loss sum), nothing held.
     chunk blocks (otherwise): blocks of loss_rows rows whose fp32 logits over every local segment are held, the
         logits op's partials and gradient passes; dW accumulated in fp32 every loss_dw_rows rows. Log-probs and
         entropies are the logits op's on those logits, bit for bit.
@@ -60,18 +61,22 @@ HOST_PROB_ROWS = 16  # the interpreter: tiny test shapes cross blocks (a multipl
 HOST_TOKEN_LOSS_BYTES = 48 * 1024  # the interpreter: at the tests' shapes (V = 256, H = 48) one block up to ~32 rows
 
 
-def _allowance(device: torch.device) -> int:
+def _allowance(device: torch.device, working_memory: Optional[int] = None) -> int:
+    """The bytes the blocks may hold: the caller's working_memory, else the device's default."""
+    if working_memory is not None:
+        return working_memory
     return TOKEN_LOSS_BYTES if device.type == "cuda" else HOST_TOKEN_LOSS_BYTES
 
 
-def prob_block_rows(width: int, seg_len: int, device: torch.device) -> int:
-    """Rows per one-GEMM token-loss block beside the fp32 dW accumulator: a function of H and the segment length
-    only. The vocabulary counted is the global one where segments are fixed (layout.NUM_FIXED_SEGMENTS of them), an
-    upper bound of V_local."""
+def prob_block_rows(width: int, seg_len: int, device: torch.device, working_memory: Optional[int] = None) -> int:
+    """Rows per one-GEMM token-loss block beside the fp32 dW accumulator: a function of H, the segment length and the
+    allowance only; PROB_ROWS_MIN where the allowance holds fewer (the least the blocked layout takes). The
+    vocabulary counted is the global one where segments are fixed (layout.NUM_FIXED_SEGMENTS of them), an upper
+    bound of V_local."""
     if device.type != "cuda":
         return HOST_PROB_ROWS
     vocab = seg_len * layout.NUM_FIXED_SEGMENTS
-    fit = (_allowance(device) - vocab * width * 4) // (vocab * 2)
+    fit = (_allowance(device, working_memory) - vocab * width * 4) // (vocab * 2)
     return max(PROB_ROWS_MIN, min(PROB_ROWS_MAX, fit // PROB_ROWS_STEP * PROB_ROWS_STEP))
 
 
@@ -89,13 +94,14 @@ def one_block_bytes(n_rows: int, held: int, width: int, seg_len: int) -> int:
     return held * vocab * 2 + n_rows * width * 4 + dw
 
 
-def one_prob_block(n_rows: int, held: int, width: int, seg_len: int, device: torch.device) -> bool:
+def one_prob_block(n_rows: int, held: int, width: int, seg_len: int, device: torch.device,
+                   working_memory: Optional[int] = None) -> bool:
     """Whether the token loss takes every row as one one-GEMM block (dW finished in its forward)."""
-    return one_block_bytes(n_rows, held, width, seg_len) <= _allowance(device)
+    return one_block_bytes(n_rows, held, width, seg_len) <= _allowance(device, working_memory)
 
 
-def loss_forward(passes, head: HeadRows, with_entropy: bool, hooks: LossHooks,
-                 wanted: GradsWanted) -> Optional[torch.Tensor]:
+def loss_forward(passes, head: HeadRows, with_entropy: bool, hooks: LossHooks, wanted: GradsWanted,
+                 working_memory: Optional[int] = None) -> Optional[torch.Tensor]:
     """The backend's loss_forward (core/contracts.py, FusedLossBackend) over `passes` (segment_gemms' Triton or
     torch passes): the one-GEMM blocks where they apply, else the chunk blocks."""
     hidden, weight, shard = head.hidden, head.weight, head.shard
@@ -107,7 +113,7 @@ def loss_forward(passes, head: HeadRows, with_entropy: bool, hooks: LossHooks,
         return torch.zeros((v_local, width), dtype=torch.float32, device=hidden.device) if need_dw else None
     head = HeadRows(hidden, weight, head.tokens.to(torch.int64).contiguous(), shard)
     if keeps_probs(passes, hidden, weight):
-        return _blocks_by_probs(passes, head, with_entropy, hooks, wanted)
+        return _blocks_by_probs(passes, head, with_entropy, hooks, wanted, working_memory)
     dw_acc = _accumulator(weight, segments) if need_dw else None
     grads = _Gradients(weight, segments, hooks, dw_acc, need_dx)
     _blocks_by_chunks(passes, head, with_entropy, hooks, grads)
@@ -118,17 +124,18 @@ def keeps_probs(passes, hidden, weight) -> bool:
     blocks."""
     return passes.token_loss_pass is not None and passes.one_gemm_recompute.applies(hidden, weight)
 
-def prob_blocks(passes, n_rows: int, width: int, seg_len: int, device: torch.device) -> tuple:
+def prob_blocks(passes, n_rows: int, width: int, seg_len: int, device: torch.device,
+                working_memory: Optional[int] = None) -> tuple:
     """(rows per block, rows held per block, one block) of the one-GEMM blocks for n_rows kept rows."""
     block_m = passes.one_gemm_forward.config().block_m
     held = segment_gemms.round_up(n_rows, block_m)
-    if one_prob_block(n_rows, held, width, seg_len, device):
+    if one_prob_block(n_rows, held, width, seg_len, device, working_memory):
         return n_rows, held, True
-    rows = prob_block_rows(width, seg_len, device)
+    rows = prob_block_rows(width, seg_len, device, working_memory)
     return rows, min(rows, held), False
 
-def _blocks_by_probs(passes, head: HeadRows, with_entropy: bool, hooks: LossHooks,
-                     wanted: GradsWanted) -> Optional[torch.Tensor]:
+def _blocks_by_probs(passes, head: HeadRows, with_entropy: bool, hooks: LossHooks, wanted: GradsWanted,
+                     working_memory: Optional[int]) -> Optional[torch.Tensor]:
     """One-GEMM blocks: the forward GEMM keeps each logit as an fp16 probability within its tile, the pass turns
     them into dlogits in place (2 bytes per logit). Returns dW: finished, in the input dtype, where every row is
     one block; else its fp32 accumulator."""
@@ -138,7 +145,7 @@ def _blocks_by_probs(passes, head: HeadRows, with_entropy: bool, hooks: LossHook
     v_local, seg_len = weight.shape[0], shard.seg_len
     n_seg = v_local // seg_len
     segments = list(segment_gemms.segments(shard, v_local))
-    rows, held, one = prob_blocks(passes, n_rows, width, seg_len, hidden.device)
+    rows, held, one = prob_blocks(passes, n_rows, width, seg_len, hidden.device, working_memory)
     forward = passes.one_gemm_forward
     if not (need_dx or need_dw):  # values only: the same blocks (the same loss sum), no probabilities kept
         for r0 in range(0, n_rows, rows):
