@@ -19,6 +19,8 @@ provider name):
   mcore_logits   Megatron's output layer ([B, S, V] bf16 logits), then ppo_ops.log_probs_and_entropy: the drop-in path
   mcore_head     GPTModel.forward(..., output_processor=ppo_ops.megatron.output_processor): the fused head
   mcore_loss     the same with Context(token_loss=...): ppo_ops.linear_token_loss, the gradient formed in the forward
+  mcore_loss_lean  the token loss with Context(working_memory=0): its smallest row blocks beside the fp32 dW
+                 accumulator, the least memory it can take (against its default allowance's one block at T = 8192)
 and with a 64-id nucleus per row (the target among them, as a sampled token is), as top-p replay has it:
   mcore_logits_dense_keep   the logits path with the dense [T, V] keep_mask built from the nucleus in the step
   mcore_logits_sparse_keep  the logits path with the sparse keep=(ids, offsets)
@@ -164,8 +166,9 @@ def build(case: Case, inp: Inputs) -> Closure:
                                             validate=validate, **keep_args)
         return ppo.total(out.log_probs, out.entropy)
 
-    def processor(token_loss):
-        context = pm.Context(entropy="grad", token_loss=token_loss, keep=keep, validate=validate)
+    def processor(token_loss, working_memory=None):
+        context = pm.Context(entropy="grad", token_loss=token_loss, keep=keep, validate=validate,
+                             working_memory=working_memory)
         return model(tokens, position_ids, None, labels=labels, loss_mask=loss_mask,
                      output_processor=pm.output_processor, output_processor_context=context)
 
@@ -183,7 +186,7 @@ def build(case: Case, inp: Inputs) -> Closure:
         if kind == "head":
             out = processor(None)
             return ppo.total(out.log_probs, out.entropy)
-        loss, _ = processor(ppo)  # "loss"
+        loss, _ = processor(ppo, 0 if kind == "loss_lean" else None)  # "loss", "loss_lean"
         return loss
 
     def prepare():
