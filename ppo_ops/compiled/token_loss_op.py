@@ -108,7 +108,7 @@ def linear_token_loss(hidden, weight, tokens, token_loss, *, tp_group, entropy, 
     through the operator; any other callable is traced into the graph (`traced_closure`)."""
     common.check_crossable(FN, tp_group, keep, temperature=temperature, vocab_size=vocab_size,
                            working_memory=working_memory)
-    working_memory = checks.check_working_memory(FN, working_memory)  # the traced closure has no blocks to size
+    working_memory = checks.check_working_memory(FN, working_memory)  # an int for the schema; checked on both routes
     if not isinstance(token_loss, TokenLoss):
         return traced_closure(hidden, weight, tokens, token_loss, tp_group=tp_group, entropy=entropy, keep=keep,
                               temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx,
@@ -121,8 +121,7 @@ def linear_token_loss(hidden, weight, tokens, token_loss, *, tp_group, entropy, 
         token_loss.advantages, token_loss.ref_log_probs, token_loss.clip_low, token_loss.clip_high,
         token_loss.dual_clip, token_loss.entropy_coef, token_loss.kl_coef, token_loss.kl_type,
         token_loss.normalization, common.group_name(tp_group), entropy, common.number(temperature),
-        common.number(vocab_size, numbers.Integral), reduce_dx, backend, validate,
-        common.number(working_memory, numbers.Integral), need_dx, need_dw,
+        common.number(vocab_size, numbers.Integral), reduce_dx, backend, validate, working_memory, need_dx, need_dw,
         syncs=bool(validate) or row_mask is not None)
     return loss, log_prob, (ent if entropy != "none" else None)
 

@@ -327,7 +327,6 @@ class SegmentGemmBackend:
         tokens = tokens.to(torch.int64).contiguous()
         blocks = RowBlocks(hidden, shape.rows)
         group_rows = min(shape.dw_rows, blocks.count * shape.rows)
-        blocks_per_group = shape.dw_rows // shape.rows
         recompute = self.passes.one_gemm_recompute
         fused = recompute is not None and recompute.applies(hidden, weight)
         # the fused recompute writes dl vocabulary-major (dW's GEMM then reads dl^T K-major); the chunk pass row-major
@@ -339,9 +338,12 @@ class SegmentGemmBackend:
         dw_acc = None
         if need_dw and not one_group:
             dw_acc = torch.empty((seg_len, width), dtype=torch.float32, device=hidden.device)
+        blocks_per_group = shape.dw_rows // shape.rows
+        # dW's operand of the last group: its hidden rows zero-padded to GEMM_ROWS, made once for every segment
+        last_g0 = (blocks.count - 1) // blocks_per_group * shape.dw_rows
+        last_x = gemm_operand_rows(hidden[last_g0:], gemm_rows(n_rows - last_g0)) if need_dw else None
         chunk = None if fused else torch.empty((shape.rows, seg_len), dtype=torch.float32, device=hidden.device)
         held = saved.held if fused else None
-        x_pad = None  # the last group's hidden rows, zero-padded to GEMM_ROWS (dW's operand), made once
         for s, seg_lo, seg in segments(shard, v_local):
             w_s = weight[seg_lo:seg_lo + seg_len]
             if seg.n_valid == 0:  # padding only: no gradient, no dX contribution
@@ -376,8 +378,7 @@ class SegmentGemmBackend:
                 if need_dx:
                     addmm_fp32(dx[g0:g0 + m_gemm], part, w_s)
                 if need_dw:
-                    x = gemm_operand_rows(hidden[g0:g0 + m], m_gemm, x_pad)
-                    x_pad = x if m_gemm > m else x_pad
+                    x = last_x if g0 == last_g0 else hidden[g0:g0 + m]
                     if one_group:
                         mm_rounded(part.T, x, dw[seg_lo:seg_lo + seg_len])
                     elif g0 == 0:
@@ -422,13 +423,12 @@ def gemm_rows(n: int) -> int:
     return round_up(n, GEMM_ROWS)
 
 
-def gemm_operand_rows(x: torch.Tensor, n_gemm: int, reuse: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [n, H] as a GEMM's [n_gemm, H] operand: x itself when n == n_gemm, else x followed by zero rows (written
-    into `reuse` when it has that shape)."""
+def gemm_operand_rows(x: torch.Tensor, n_gemm: int) -> torch.Tensor:
+    """x [n, H] as a GEMM's [n_gemm, H] operand: x itself when n == n_gemm, else x followed by zero rows."""
     n = x.shape[0]
     if n == n_gemm:
         return x
-    out = reuse if reuse is not None and reuse.shape == (n_gemm, x.shape[1]) else x.new_zeros((n_gemm, x.shape[1]))
+    out = x.new_zeros((n_gemm, x.shape[1]))
     out[:n].copy_(x)
     return out
 

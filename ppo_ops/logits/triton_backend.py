@@ -31,15 +31,15 @@ from ppo_ops.core.contracts import BackwardStats, RowInputs, RowStats, ShardOpti
 from ppo_ops.core.row_stats import NUM_PARTIALS
 from ppo_ops.core.shell import interpret_requested
 from ppo_ops.core.triton_common import cdiv, interpreting, options, round_bf16_by_bits
-from ppo_ops.core.triton_launch import Launcher
+from ppo_ops.core.triton_launch import launcher
 from ppo_ops.logits import triton_kernels
 
 _WHERE = "logits.triton_backend"  # message prefix of this module's own checks: "ppo_ops.logits.triton_backend: ..."
 
 # The three kernels of a call, launched with little host work: a small call is host-bound (core/triton_launch.py).
-_FORWARD = Launcher(triton_kernels.forward_partials_kernel)
-_MERGE = Launcher(triton_kernels.merge_partials_kernel)
-_BACKWARD = Launcher(triton_kernels.backward_grad_kernel)
+_FORWARD = launcher(triton_kernels.forward_partials_kernel)
+_MERGE = launcher(triton_kernels.merge_partials_kernel)
+_BACKWARD = launcher(triton_kernels.backward_grad_kernel)
 
 # (BLOCK_V, num_warps, num_stages[, lane width]) per pass and logits element size in bytes: the fastest correct
 # variants measured on H200s (docs/performance.md says how and what they gave).
