@@ -539,6 +539,24 @@ def test_launch_key_separates_what_triton_specialises():
     assert key(aligned, 17, num_warps=4) != key(aligned, 17, num_warps=8)
 
 
+def test_launch_key_of_a_tensor_descriptor():
+    """A host TMA descriptor is keyed as Triton compiles it: its dtype and block shape (and padding); its base,
+    shape and strides are launch arguments, so descriptors of other sizes share a key."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from ppo_ops.core.triton_launch import specialization_key
+
+    names, constexpr = ("x_desc", "n"), (False, False)
+
+    def key(t, block):
+        return specialization_key(names, constexpr, dict(x_desc=TensorDescriptor.from_tensor(t, block), n=17))
+
+    small, large = torch.empty(64, 64, dtype=torch.bfloat16), torch.empty(256, 128, dtype=torch.bfloat16)
+    assert key(small, [16, 32]) == key(large, [16, 32])
+    assert key(small, [16, 32]) != key(small, [32, 32])
+    assert key(small, [16, 32]) != key(small.half(), [16, 32])
+
+
 def test_launch_binds_positions_as_a_call_does():
     """Launcher(kernel)(grid, *args, **kwargs) takes arguments as kernel[grid](...) does: positions in signature
     order, then names; too many positions or one argument twice is refused."""

@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from ppo_ops.core.triton_launch import launcher as _launch  # fewer host steps per launch (core/triton_launch.py)
+
 
 @triton.jit
 def scale_kernel(src_ptr, dst_ptr, g_ptr, n, BLOCK: tl.constexpr):
@@ -17,7 +19,7 @@ def scale_kernel(src_ptr, dst_ptr, g_ptr, n, BLOCK: tl.constexpr):
 def launch_scale(src, dst, g, block: int) -> None:
     """src, dst: 1-D contiguous of one length; g: [1] fp32 on their device."""
     n = src.numel()
-    scale_kernel[(triton.cdiv(n, block),)](src, dst, g, n, BLOCK=block, num_warps=4)
+    _launch(scale_kernel)((triton.cdiv(n, block),), src, dst, g, n, BLOCK=block, num_warps=4)
 
 
 @triton.jit
@@ -37,4 +39,4 @@ def launch_scale_in_place(t, g, block: int, programs: int) -> None:
     """t: 1-D contiguous; g: [1] fp32 on its device; at most `programs` programs."""
     n = t.numel()
     grid = (max(1, min(programs, triton.cdiv(n, block))),)
-    scale_in_place_kernel[grid](t, g, n, BLOCK=block, num_warps=4)
+    _launch(scale_in_place_kernel)(grid, t, g, n, BLOCK=block, num_warps=4)

@@ -7,7 +7,8 @@ before the launcher proper (a few tens of microseconds) runs.
 
 What: `Launcher(kernel)(grid, **kwargs)` keys each call on what Triton specialises a kernel on (per argument:
 a constexpr's value; an integer's class: equal to 1, divisible by 16, 32- or 64-bit; a tensor's dtype and 16-byte
-alignment; the launch options; the current device), so every call that Triton would run with one compiled kernel
+alignment; a host tensor descriptor's dtype, block shape and padding; the launch options; the current device),
+so every call that Triton would run with one compiled kernel
 maps to one key, and no two calls that Triton would run differently share a key. The first call of a key goes
 through `kernel[grid](**kwargs)` (which compiles if needed) and keeps the CompiledKernel it returns; later calls of
 that key call its launcher directly, with the arguments in the order and the launch metadata and hooks that
@@ -30,7 +31,9 @@ _INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 def specialization_key(names: tuple, constexpr: tuple, kwargs: dict, params: frozenset = frozenset()) -> tuple:
     """The key of one call: each parameter's class in signature order (`names`, with `constexpr` flags; a
     constexpr's value; an integer's (== 1, % 16 == 0, fits int32); a float's type; a tensor's dtype and 16-byte
-    alignment; None, a bool or anything else as itself), then the launch options (every keyword that is not a
+    alignment; a TensorDescriptor's base dtype, block shape and padding (Triton compiles a descriptor argument for
+    its dtype and block shape; its base, shape and strides are launch arguments); None, a bool or anything else as
+    itself), then the launch options (every keyword that is not a
     parameter: num_warps, num_stages, ...) as given; `params`: the names as a set, where the caller keeps one. Runs on
     every launch: types are compared exactly, most common first."""
     key = []
@@ -46,6 +49,8 @@ def specialization_key(names: tuple, constexpr: tuple, kwargs: dict, params: fro
             append(float)
         elif isinstance(value, torch.Tensor):
             append((value.dtype, value.data_ptr() % 16 == 0))
+        elif hasattr(value, "block_shape") and hasattr(value, "base"):  # a host TMA descriptor
+            append((kind, value.base.dtype, tuple(value.block_shape), getattr(value, "padding", None)))
         else:
             append((kind, value))
     params = params or frozenset(names)

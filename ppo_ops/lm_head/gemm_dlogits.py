@@ -35,6 +35,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ppo_ops.core.contracts import BackwardStats, ShardOptions, UpstreamGrads
 from ppo_ops.core.triton_common import (bf16_by_bits, grouped_tile, interpreting, options, round_bf16_by_bits,
                                         scaled, store_rounded)
+from ppo_ops.core.triton_launch import launcher as _launch  # fewer host steps per launch (core/triton_launch.py)
 from ppo_ops.lm_head import gemm_partials
 
 
@@ -174,7 +175,7 @@ def dlogits(hidden: torch.Tensor, w_seg: torch.Tensor, tokens: torch.Tensor, seg
     g_lp, g_ent = upstream.grad_log_prob, upstream.grad_entropy
     dummy = stats.shift  # never read where its flag is off
     inv_t = float(seg.inv_temperature)
-    gemm_dlogits_kernel[(programs,)](
+    _launch(gemm_dlogits_kernel)((programs,),
         x_desc=x_desc, w_desc=w_desc, dl_desc=dl_desc, shift_ptr=stats.shift,
         log_sum_ptr=stats.log_sum,
         mean_shifted_ptr=stats.mean_shifted if g_ent is not None else dummy,
@@ -200,7 +201,7 @@ def target_dlogits(hidden: torch.Tensor, w_seg: torch.Tensor, tokens: torch.Tens
     dummy = stats.shift  # never read where its flag is off
     inv_t = float(seg.inv_temperature)
     slab_stride = out.stride(0) if out.dim() == 3 else 0
-    target_dlogits_kernel[(triton.cdiv(n_rows, gemm_partials.TARGET_ROWS),)](
+    _launch(target_dlogits_kernel)((triton.cdiv(n_rows, gemm_partials.TARGET_ROWS),),
         hidden_ptr=hidden, weight_ptr=w_seg, tokens_ptr=tokens, shift_ptr=stats.shift, log_sum_ptr=stats.log_sum,
         mean_shifted_ptr=stats.mean_shifted if g_ent is not None else dummy, grad_log_prob_ptr=g_lp,
         grad_entropy_ptr=g_ent if g_ent is not None else dummy, out_ptr=out, num_rows=n_rows, hidden_size=width,

@@ -50,6 +50,7 @@ from ppo_ops.core import row_stats
 from ppo_ops.core.contracts import ShardOptions
 from ppo_ops.core.triton_common import (FLT_MAX, empty_row_state, grouped_tile, interpreting, options, scaled,
                                         store_row_partials)
+from ppo_ops.core.triton_launch import launcher as _launch  # fewer host steps per launch (core/triton_launch.py)
 
 TILE_PARTIALS = 3  # per row and tile: m, Σ e^(z-m), Σ e^(z-m)(z-m)
 _TILE_PARTIALS = tl.constexpr(TILE_PARTIALS)
@@ -322,7 +323,7 @@ def _forward(hidden, weight, tokens, shard: ShardOptions, with_entropy: bool, pr
         probs_desc = TensorDescriptor.from_tensor(probs.transpose(1, 2), [1, cfg.block_n, cfg.block_m])
     n_tiles = triton.cdiv(n_rows, cfg.block_m) * n_seg * tiles_per_seg
     programs = num_programs(hidden.device, n_tiles)
-    gemm_partials_kernel[(programs,)](
+    _launch(gemm_partials_kernel)((programs,),
         x_desc=x_desc, w_desc=w_desc, tiles_ptr=tiles, probs_desc=probs_desc,
         num_rows=n_rows, hidden_size=width, seg_len=seg_len,
         n_seg=n_seg, n_valid=shard.n_valid, tiles_per_seg=tiles_per_seg, num_programs=programs,
@@ -330,12 +331,12 @@ def _forward(hidden, weight, tokens, shard: ShardOptions, with_entropy: bool, pr
         STORE_PROBS=probs is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, UPCAST=interpreting(), **options(cfg))
     target = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
-    target_logits_kernel[(triton.cdiv(n_rows, TARGET_ROWS),)](
+    _launch(target_logits_kernel)((triton.cdiv(n_rows, TARGET_ROWS),),
         hidden_ptr=hidden, weight_ptr=weight, tokens_ptr=tokens, out_ptr=target, num_rows=n_rows, hidden_size=width,
         hidden_stride=hidden.stride(0), weight_stride=weight.stride(0), n_valid=shard.n_valid,
         vocab_start=shard.vocab_start, inv_temperature=inv_temperature, SCALE=inv_temperature != 1.0,
         BLOCK_R=TARGET_ROWS, BLOCK_H=TARGET_H)
-    merge_tiles_kernel[(n_seg, triton.cdiv(n_rows, _MERGE_ROWS))](
+    _launch(merge_tiles_kernel)((n_seg, triton.cdiv(n_rows, _MERGE_ROWS)),
         tiles_ptr=tiles, target_ptr=target, tokens_ptr=tokens, out_ptr=out, num_rows=n_rows,
         tiles_per_seg=tiles_per_seg, seg_len=seg_len, vocab_start=shard.vocab_start, BLOCK_R=_MERGE_ROWS)
     return out, tiles

@@ -39,6 +39,7 @@ import triton.language as tl
 
 from ppo_ops.core.contracts import BackwardStats, ShardOptions, UpstreamGrads
 from ppo_ops.core.triton_common import COMPILED, interpreting, round_bf16_by_bits, store_rounded
+from ppo_ops.core.triton_launch import launcher as _launch  # fewer host steps per launch (core/triton_launch.py)
 from ppo_ops.lm_head import gemm_dlogits, gemm_partials
 
 # Rows and columns per step of a program (the columns within one forward tile, BLOCK_N, so one tile max per row),
@@ -167,7 +168,7 @@ def dlogits(probs: torch.Tensor, tiles: torch.Tensor, n_rows: int, hidden: torch
     inv_t = float(shard.inv_temperature)
     block_c = min(PASS_COLS, block_n)
     steps = max(1, min(PASS_STEPS, block_n // block_c))  # powers of two: a program's columns lie in one tile
-    prob_dlogits_kernel[(triton.cdiv(n_rows, PASS_ROWS), n_seg * triton.cdiv(seg_len, block_c * steps))](
+    _launch(prob_dlogits_kernel)((triton.cdiv(n_rows, PASS_ROWS), n_seg * triton.cdiv(seg_len, block_c * steps)),
         probs_ptr=probs, out_ptr=out, tiles_ptr=tiles, shift_ptr=stats.shift, log_sum_ptr=stats.log_sum,
         mean_shifted_ptr=stats.mean_shifted if g_ent is not None else dummy,
         grad_log_prob_ptr=g_lp if g_lp is not None else dummy, grad_entropy_ptr=g_ent if g_ent is not None else dummy,

@@ -50,6 +50,7 @@ import torch
 from ppo_ops.core import layout, row_stats
 from ppo_ops.core.contracts import (BackwardStats, GradsWanted, HeadRows, HeldProbs, LinearSaved, LossHooks,
                                     RowInputs, RowStats, ShardOptions, UpstreamGrads)
+from ppo_ops.core.triton_launch import launcher  # fewer host steps per launch
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -152,14 +153,14 @@ class _TritonPasses:
         config = tb.launch_config("forward", chunk.dtype, seg.seg_len, self._tc.interpreting())
         _, kwargs = tb.forward_launch_args(RowInputs(chunk, tokens, None, None), seg, with_entropy, out.unsqueeze(0),
                                            config)
-        self._tk.forward_partials_kernel[(n, 1)](**kwargs)  # programs for the real rows only
+        launcher(self._tk.forward_partials_kernel)((n, 1), **kwargs)  # programs for the real rows only
 
     def dlogits(self, chunk, n, tokens, seg, stats: BackwardStats, upstream: UpstreamGrads, out) -> None:
         """out [>= n, seg_len] in its dtype: the logits op's gradient of the chunk's first n rows (fp32 math, one
         rounding to out's dtype)."""
         tb = self._tb
         config = tb.launch_config("backward", chunk.dtype, seg.seg_len, self._tc.interpreting())
-        self._tk.backward_grad_kernel[(n, self._tc.cdiv(seg.seg_len, config.block_v))](
+        launcher(self._tk.backward_grad_kernel)((n, self._tc.cdiv(seg.seg_len, config.block_v)),
             **tb.backward_launch_args(RowInputs(chunk, tokens, None, None), seg, stats, upstream, out, config))
 
 

@@ -45,6 +45,7 @@ from ppo_ops.core.checks import argument_error
 from ppo_ops.core.contracts import GradsWanted, HeadRows, LinearSaved, ShardOptions, UpstreamGrads, holds_nothing
 from ppo_ops.core.triton_common import (FLT_MAX, cdiv, interpreting, options, round_bf16_by_bits, scaled,
                                         empty_row_state, grouped_tile, store_rounded, store_row_partials)
+from ppo_ops.core.triton_launch import launcher as _launch  # fewer host steps per launch (core/triton_launch.py)
 from ppo_ops.logits.triton_backend import merge_partials  # the logits op's fused merge: the partials are the same
 
 # Integers that differ between ranks / TP sizes: not specialised on (divisibility by 16 would change the code).
@@ -285,7 +286,7 @@ def forward_partials(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.T
     if out.numel() == 0:
         return out
     cfg = tile_config(hidden.dtype)
-    forward_partials_kernel[(v_local // seg_len, cdiv(n_rows, cfg.block_m))](
+    _launch(forward_partials_kernel)((v_local // seg_len, cdiv(n_rows, cfg.block_m)),
         x_ptr=hidden, w_ptr=weight, tokens_ptr=tokens.to(torch.int64).contiguous(), out_ptr=out,
         num_rows=n_rows, H=width, seg_len=seg_len, n_valid=shard.n_valid, v_local=v_local,
         vocab_start=int(shard.vocab_start),
@@ -307,7 +308,7 @@ def _launch_dlogits(hidden, weight, tokens, out, col_lo, col_hi, shard: ShardOpt
     logits_only = saved is None
     saved = saved or LinearSaved(unused, unused, None)
     upstream = upstream or UpstreamGrads(None, None)
-    dlogits_kernel[(cdiv(col_hi - col_lo, cfg.block_n) * cdiv(n_rows, cfg.block_m),)](
+    _launch(dlogits_kernel)((cdiv(col_hi - col_lo, cfg.block_n) * cdiv(n_rows, cfg.block_m),),
         x_ptr=hidden, w_ptr=weight, tokens_ptr=tokens, shift_ptr=saved.shift, log_sum_ptr=saved.log_sum,
         mean_shifted_ptr=unused if saved.mean_shifted is None else saved.mean_shifted,
         grad_log_prob_ptr=unused if upstream.grad_log_prob is None else upstream.grad_log_prob,
@@ -337,7 +338,7 @@ def _gemm(a, b, out, accumulate):
         return
     (m, k), n = a.shape, b.shape[1]
     cfg = tile_config(a.dtype)
-    gemm_kernel[(cdiv(m, cfg.block_m), cdiv(n, cfg.block_n))](
+    _launch(gemm_kernel)((cdiv(m, cfg.block_m), cdiv(n, cfg.block_n)),
         a_ptr=a, b_ptr=b, c_ptr=out, out_ptr=out,  # c is out: read only when accumulating
         M=m, N=n, K=k,
         stride_am=a.stride(0), stride_ak=a.stride(1), stride_bk=b.stride(0), stride_bn=b.stride(1),
