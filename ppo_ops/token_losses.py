@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -92,22 +92,58 @@ class TokenLoss:
         w.r.t. log_probs [R] fp32 and entropy [R] fp32. The entropy is used only when entropy_coef != 0, and then
         required; otherwise it may be None and the result does not depend on it."""
         self._check_call(log_probs, entropy, rows)
+        return self._forward(log_probs, entropy, rows).value
+
+    def value_and_grad(self, log_probs: torch.Tensor, entropy: Optional[torch.Tensor], rows: torch.Tensor, *,
+                       entropy_grad: bool = True) -> tuple:
+        """(terms [R], d terms.sum() / d log_probs [R], d terms.sum() / d entropy [R] or None) without autograd: the
+        elementwise ops autograd's backward of __call__ runs, in its order, on the same values, so the same bits
+        (tests/test_token_losses.py checks that). The fused token loss calls this once per row block, for a
+        fraction of the host time of recording a graph and running its backward. The entropy's gradient is None
+        where the entropy is not used (entropy_coef == 0) or not asked (`entropy_grad` False)."""
+        self._check_call(log_probs, entropy, rows)
+        f = self._forward(log_probs, entropy, rows)
+        g_term = f.weight  # the upstream 1 times the weight: 1 * w == w
+        g_log_r = (g_term * f.neg_adv) * f.e  # through -A * exp(log_r): exp's gradient is grad * result
+        if f.capped is not None:  # where(A >= 0, log_r, clamp(log_r, max=cap)): each branch's share, then their sum
+            g_log_r = (torch.where(f.positive, g_log_r, 0.0)
+                       + torch.where(f.log_r <= f.cap, torch.where(f.positive, 0.0, g_log_r), 0.0))
+        # where(A >= 0, clamp(log_ratio, max=hi), clamp(log_ratio, min=lo)): clamp passes the gradient within bounds
+        g_lp = (torch.where(f.log_ratio <= f.hi, torch.where(f.positive, g_log_r, 0.0), 0.0)
+                + torch.where(f.log_ratio >= f.lo, torch.where(f.positive, 0.0, g_log_r), 0.0))
+        if f.kl_x is not None:
+            g_lp = g_lp + _kl_grad(f.kl_x, self.kl_type, g_term * self.kl_coef)
+        g_lp = torch.where(f.counted, g_lp, 0.0)
+        g_ent = None
+        if self.entropy_coef != 0.0 and entropy_grad:
+            g_ent = torch.where(f.counted, -g_term * self.entropy_coef, 0.0)
+        return f.value.detach(), g_lp, g_ent
+
+    def _forward(self, log_probs, entropy, rows) -> "_Terms":
+        """The terms and the intermediates their gradient reads (one set of ops for __call__ and value_and_grad)."""
         weight = self.weight[rows]
         counted = weight != 0
         lp = torch.where(counted, log_probs, 0.0)
         log_ratio = lp - self.old_log_probs[rows]
         adv = self.advantages[rows]
         positive = adv >= 0
-        log_r = torch.where(positive, log_ratio.clamp(max=math.log1p(self.clip_high)),
-                            log_ratio.clamp(min=math.log1p(-self.clip_low)))
+        hi, lo = math.log1p(self.clip_high), math.log1p(-self.clip_low)
+        log_r = torch.where(positive, log_ratio.clamp(max=hi), log_ratio.clamp(min=lo))
+        cap = capped = None
         if self.dual_clip is not None:
-            log_r = torch.where(positive, log_r, log_r.clamp(max=math.log(self.dual_clip)))
-        term = -adv * torch.exp(log_r)
+            cap = math.log(self.dual_clip)
+            capped = torch.where(positive, log_r, log_r.clamp(max=cap))
+        neg_adv = -adv
+        e = torch.exp(log_r if capped is None else capped)
+        term = neg_adv * e
+        kl_x = None
         if self.kl_coef != 0.0:
-            term = term + self.kl_coef * _kl(lp - self.ref_log_probs[rows], self.kl_type)
+            kl_x = lp - self.ref_log_probs[rows]
+            term = term + self.kl_coef * _kl(kl_x, self.kl_type)
         if self.entropy_coef != 0.0:
             term = term - self.entropy_coef * torch.where(counted, entropy, 0.0)
-        return weight * term
+        return _Terms(weight * term, weight, counted, positive, log_ratio, hi, lo, log_r, cap, capped, neg_adv, e,
+                      kl_x)
 
     def total(self, log_probs: torch.Tensor, entropy: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The scalar loss (fp32) from every token's log-prob (and entropy), shaped like the constants: e.g. the
@@ -339,6 +375,33 @@ def _kl(x: torch.Tensor, kl_type: str) -> torch.Tensor:
     if kl_type == "k2":
         return 0.5 * x * x
     return torch.expm1(-x) + x
+
+
+def _kl_grad(x: torch.Tensor, kl_type: str, g: torch.Tensor) -> torch.Tensor:
+    """d/dx of _kl(x) times g, as autograd's backward of _kl forms it (each use of x's share, then their sum)."""
+    if kl_type == "k1":
+        return g
+    if kl_type == "k2":  # (0.5 * x) * x
+        return g * (0.5 * x) + (g * x) * 0.5
+    return g + -(g * (torch.expm1(-x) + 1))  # expm1(-x) + x: expm1's gradient is grad * (result + 1)
+
+
+class _Terms(NamedTuple):
+    """TokenLoss._forward's result: the terms and what their gradient reads."""
+
+    value: torch.Tensor
+    weight: torch.Tensor
+    counted: torch.Tensor
+    positive: torch.Tensor
+    log_ratio: torch.Tensor
+    hi: float
+    lo: float
+    log_r: torch.Tensor
+    cap: Optional[float]
+    capped: Optional[torch.Tensor]
+    neg_adv: torch.Tensor
+    e: torch.Tensor
+    kl_x: Optional[torch.Tensor]
 
 
 # ---- checks ----

@@ -288,6 +288,41 @@ def test_policy_loss_matches_float64(case, seed):
     _check_against_reference_once(loss_fn, batch, _Ref(batch, opts), opts)
 
 
+def _autograd_value_and_grad(loss_fn, lp, ent, rows, entropy_grad):
+    """The closure's terms and autograd's gradients, as a fused op without the closed form would take them."""
+    lp_in = lp.detach().clone().requires_grad_(True)
+    ent_in = ent.detach().clone().requires_grad_(entropy_grad)
+    terms = loss_fn(lp_in, ent_in, rows)
+    inputs = [lp_in] + ([ent_in] if entropy_grad else [])
+    grads = torch.autograd.grad(terms, inputs, grad_outputs=torch.ones_like(terms), allow_unused=True)
+    return terms.detach(), grads[0], (grads[1] if entropy_grad else None)
+
+
+@pytest.mark.parametrize("entropy_grad", [True, False], ids=["entropy_grad", "entropy_value"])
+@pytest.mark.parametrize("case", sorted(POLICY_CASES))
+def test_closed_form_gradient_is_autograds_bitwise(case, entropy_grad):
+    """value_and_grad (what the fused token loss calls per block) gives autograd's terms and gradients of __call__
+    bit for bit, on every option, on rows in any order, with uncounted placeholders (-inf, NaN) and log-ratios past
+    fp32's exp range among them."""
+    opts = POLICY_CASES[case]
+    batch = _make_batch(500 + sorted(POLICY_CASES).index(case), clip_high=opts.get("clip_high"),
+                        dual_clip=opts.get("dual_clip"), **POLICY_LAYOUTS.get(case, {}))
+    loss_fn = ppo_ops.policy_loss(batch["old_log_probs"], batch["advantages"], **_loss_kwargs(batch, opts))
+    lp, ent = batch["log_probs"].reshape(-1).clone(), batch["entropy"].reshape(-1).clone()
+    uncounted = torch.nonzero(loss_fn.weight == 0).squeeze(1)
+    if uncounted.numel():
+        lp[uncounted[::2]], ent[uncounted[1::2]] = -math.inf, math.nan
+    lp[:3] = loss_fn.old_log_probs[:3] + 100.0  # ratios e^100: clipped, capped or honestly inf
+    rows = torch.randperm(lp.numel(), generator=torch.Generator().manual_seed(5))[:257]
+    want = _autograd_value_and_grad(loss_fn, lp[rows], ent[rows], rows, entropy_grad)
+    got = loss_fn.value_and_grad(lp[rows], ent[rows], rows, entropy_grad=entropy_grad)
+    for name, g, w in zip(("terms", "d / d log_probs", "d / d entropy"), got, want):
+        assert (g is None) == (w is None), f"{name}: one side has no gradient"
+        if w is not None:
+            assert torch.equal(g.view(torch.int32), w.view(torch.int32)), f"{name}: not autograd's bits"
+    assert not got[0].requires_grad
+
+
 @pytest.mark.parametrize("case", ["ppo", "clip_higher", "dual_clip"])
 def test_clipped_tokens_get_exactly_zero_gradient(case):
     """Without KL or entropy, a token's log-prob gradient is 0 exactly where the textbook surrogate is clipped (the

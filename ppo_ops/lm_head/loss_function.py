@@ -57,6 +57,7 @@ from ppo_ops.core.scale import scale_in_place, scale_round_in_place
 from ppo_ops.core.contracts import BlockGrads, GradsWanted, HeadRows, RowStats
 from ppo_ops.core.shell import Plan, refuse_double_backward
 from ppo_ops.lm_head.function import kept, kept_row_indices, scatter_rows
+from ppo_ops import token_losses
 
 # The end flags, one int64 each per rank: NaN / +inf logits (merged statistics), non-finite loss values or
 # gradients, and how token_loss failed on this rank (FAILURES index + 1; 0: it did not).
@@ -334,7 +335,11 @@ def _collective_failure(fn: str, table, failed, mine: Optional[BaseException]) -
 
 
 def _call_loss(fn_name, token_loss, log_prob, entropy, rows, *, need_grad, entropy_grad):
-    """(values [n] fp32, d sum / d log_prob or None, d sum / d entropy or None) of the caller's loss on a block."""
+    """(values [n] fp32, d sum / d log_prob or None, d sum / d entropy or None) of the caller's loss on a block:
+    ppo_ops' own losses (token_losses.TokenLoss) in their closed form, autograd's bits without its graph (the host
+    time of a block's graph and backward is what many row blocks add up to); any other closure through autograd."""
+    if need_grad and isinstance(token_loss, token_losses.TokenLoss):
+        return token_loss.value_and_grad(log_prob, entropy, rows, entropy_grad=entropy_grad)
     lp_in = log_prob.detach().requires_grad_(need_grad)
     ent_in = None
     if entropy is not None:
