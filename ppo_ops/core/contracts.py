@@ -207,6 +207,7 @@ class BlockGrads:
 
     grad_log_prob: Optional[torch.Tensor]
     grad_entropy: Optional[torch.Tensor]
+    keep_term: bool = False  # a sparse keep set's term goes into the block's dlogits (hooks.keep_dlogits)
 
 
 class LossHooks(Protocol):

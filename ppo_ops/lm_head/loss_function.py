@@ -154,6 +154,10 @@ class BlockLoop:
         self.entropy = torch.zeros(n_kept, dtype=torch.float32, device=device) if self.with_entropy else None
         self.loss = torch.zeros((), dtype=torch.float32, device=device)
         self.flags = torch.zeros(3, dtype=torch.int64, device=device)  # _BAD_LOGITS, _NON_FINITE, _FAILURE
+        # With validate, each block's bad-logit rows and its loss values and gradients (0 where absent), checked once
+        # after the last block: a copy per block instead of a reduction and a flag update per block and tensor.
+        self.bad_rows = torch.zeros(n_kept, dtype=torch.bool, device=device) if plan.validate else None
+        self.returned = torch.zeros((3, n_kept), dtype=torch.float32, device=device) if plan.validate else None
         self.dx = None
         if need_dx:  # dropped rows keep zeros; without a row mask every row is written
             self.dx = (torch.zeros if rows is not None else torch.empty)(hidden.shape, dtype=hidden.dtype,
@@ -193,13 +197,13 @@ class BlockLoop:
         value, g_lp, g_ent = self._loss_of_block(log_prob, ent, self.row_ids[r0:r1])
         self.loss.add_(value.sum())
         if self.plan.validate:
-            self.flags[_BAD_LOGITS] |= stats.bad_input.any()
-            finite = torch.isfinite(value).all()
-            for g in (g_lp, g_ent):
-                if g is not None:
-                    finite = finite & torch.isfinite(g).all()
-            self.flags[_NON_FINITE] |= ~finite
+            self.bad_rows[r0:r1] = stats.bad_input
+            for i, t in enumerate((value, g_lp, g_ent)):
+                if t is not None:
+                    self.returned[i, r0:r1] = t
             if r1 == self.n_kept:
+                self.flags[_BAD_LOGITS] |= self.bad_rows.any()
+                self.flags[_NON_FINITE] |= ~torch.isfinite(self.returned).all()
                 self.end_read = self._start_end_read()
         self.keep_coef = None
         if self.keep_state is not None and g_lp is not None:
@@ -208,10 +212,10 @@ class BlockLoop:
             g_lp = sparse_keep.dense_grad(g_lp, self.keep_state, r0, r1)
         # No gradient where the quantity has none (log-prob -inf: no mass in its set; entropy of an empty row).
         if g_lp is not None:
-            g_lp = torch.where(stats.log_prob_defined, g_lp, torch.zeros_like(g_lp)).contiguous()
+            g_lp = torch.where(stats.log_prob_defined, g_lp, 0.0).contiguous()
         if g_ent is not None:
-            g_ent = torch.where(stats.row_has_mass, g_ent, torch.zeros_like(g_ent)).contiguous()
-        return BlockGrads(g_lp, g_ent)
+            g_ent = torch.where(stats.row_has_mass, g_ent, 0.0).contiguous()
+        return BlockGrads(g_lp, g_ent, keep_term=self.keep_coef is not None)
 
     def keep_dlogits(self, dl: torch.Tensor, r0: int, c0: int) -> None:
         """Adds the current block's keep term into `dl` [n, cols] (rows r0.. of the kept rows, local columns c0..), a

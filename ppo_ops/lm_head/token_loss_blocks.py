@@ -181,7 +181,8 @@ def _blocks_by_probs(passes, head: HeadRows, with_entropy: bool, hooks: LossHook
                 probs, tiles, n, x, weight, tokens[rs], shard,
                 BackwardStats(stats.shift, stats.log_sum, None, stats.mean_shifted if g_ent is not None else None),
                 UpstreamGrads(g_lp, g_ent), hidden.dtype)
-        _add_keep_term(hooks, dl, r0, n, segments)
+        if up.keep_term:
+            _add_keep_term(hooks, dl, r0, n, segments)
         n_gemm = segment_gemms.gemm_rows(n)  # dl's rows are its contiguous dimension: segment_gemms.GEMM_ROWS
         if n_gemm > n:
             dl[:, n:n_gemm].zero_()
@@ -229,7 +230,8 @@ def _blocks_by_chunks(passes, head: HeadRows, with_entropy: bool, hooks: LossHoo
                                         BackwardStats(stats.shift, stats.log_sum, None,
                                                       stats.mean_shifted if g_ent is not None else None),
                                         UpstreamGrads(g_lp, g_ent), dl[s, offset:offset + n])
-        _add_keep_term(hooks, dl[:, offset:offset + n], r0, n, grads.segments)
+        if up.keep_term:
+            _add_keep_term(hooks, dl[:, offset:offset + n], r0, n, grads.segments)
         grads.add_dx(dl[:, offset:offset + n], r0, n)
         if (b + 1) % blocks_per_group == 0 or b + 1 == blocks.count:
             g0 = (b // blocks_per_group) * shape.loss_dw_rows
@@ -269,6 +271,9 @@ class _Gradients:
     def __init__(self, weight, segments, hooks: LossHooks, dw, need_dx: bool, finished: bool = False):
         self.weight, self.segments, self.hooks, self.dw = weight, segments, hooks, dw
         self.seg_len = weight.shape[0] // len(segments)
+        # (segment, its weight rows, its dW rows) of the segments with real columns: views made once, not per block
+        self.live = [(s, weight[lo:lo + self.seg_len], None if dw is None else dw[lo:lo + self.seg_len])
+                     for s, lo, seg in segments if seg.n_valid]
         self.need_dx, self.finished = need_dx, finished
         self.dx_block = None  # fp32 [rows, H], allocated for the first (largest) block
         self.started = [False] * len(segments)
@@ -296,8 +301,7 @@ class _Gradients:
             self.dx_block = torch.empty((n, self.weight.shape[1]), dtype=torch.float32, device=self.weight.device)
         return self.dx_block[:n]
 
-    def _dx_segment(self, out, dl_s, s: int, first: bool) -> None:
-        w_s = self.weight[s * self.seg_len:(s + 1) * self.seg_len]
+    def _dx_segment(self, out, dl_s, w_s, first: bool) -> None:
         if first:
             segment_gemms.mm_fp32(dl_s, w_s, out)
         else:
@@ -309,12 +313,10 @@ class _Gradients:
             return
         n_gemm = n if n_gemm is None else n_gemm
         out = self._dx_rows(n_gemm)
-        contributed = False
-        for s, _seg_lo, seg in self.segments:
-            if seg.n_valid:
-                self._dx_segment(out, dl[s, :n_gemm], s, first=not contributed)
-                contributed = True
-        if not contributed:
+        rows = dl[:, :n_gemm].unbind(0)
+        for i, (s, w_s, _dw_s) in enumerate(self.live):
+            self._dx_segment(out, rows[s], w_s, first=i == 0)
+        if not self.live:
             out.zero_()
         self.hooks.finish_dx(out[:n], r0, r0 + n)
 
@@ -322,14 +324,12 @@ class _Gradients:
         """dW_s (+)= dl[s, :m]^T @ x (x: the m rows of hidden)."""
         if self.dw is None:
             return
-        for s, seg_lo, seg in self.segments:
-            if seg.n_valid == 0:
-                continue
-            acc = self.dw[seg_lo:seg_lo + self.seg_len]
+        rows = dl[:, :m].transpose(1, 2).unbind(0)
+        for s, _w_s, acc in self.live:
             if self.started[s]:
-                segment_gemms.addmm_fp32(acc, dl[s, :m].T, x)
+                segment_gemms.addmm_fp32(acc, rows[s], x)
             else:
-                segment_gemms.mm_fp32(dl[s, :m].T, x, acc)
+                segment_gemms.mm_fp32(rows[s], x, acc)
                 self.started[s] = True
 
     def _add_finished(self, dl, r0: int, n: int, x, n_gemm: int) -> None:
@@ -348,7 +348,7 @@ class _Gradients:
             if seg.n_valid == 0:
                 continue
             if out is not None:
-                self._dx_segment(out, dl[s, :n_gemm], s, first=not contributed)
+                self._dx_segment(out, dl[s, :n_gemm], self.weight[seg_lo:seg_lo + seg_len], first=not contributed)
                 contributed = True
                 if main is not None:
                     read[s] = torch.cuda.Event()
