@@ -483,6 +483,34 @@ def test_non_finite_half_precision_logits_raise(backend, bad):
 
 
 @pytest.mark.parametrize("backend", backend_params(DEVICE))
+@pytest.mark.parametrize("name", ["policy", "policy_seq_mean", "grpo"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_shipped_loss_closed_form_is_the_autograd_path_bitwise(name, backend, dtype, monkeypatch):
+    """A TokenLoss goes through its closed-form gradient (TokenLoss.value_and_grad, once per block), any other
+    callable through autograd: the same loss wrapped as a plain closure gives the same loss, log-probs, entropies, dX
+    and dW bit for bit, over several row blocks with a row mask (fp32: dX and dW carry every bit of the loss's
+    gradient)."""
+    from ppo_ops import token_losses
+
+    calls = []
+    closed_form = token_losses.TokenLoss.value_and_grad
+    monkeypatch.setattr(token_losses.TokenLoss, "value_and_grad",
+                        lambda self, *a, **k: calls.append(1) or closed_form(self, *a, **k))
+    n = 2 * _token_loss_blocks.HOST_PROB_ROWS + 5  # several blocks on CPU
+    hidden, weight, tokens = inputs((n,), dtype, seed=110)
+    token_loss = LOSSES[name](n, 111)
+    row_mask = torch.rand(n, generator=torch.Generator().manual_seed(112)) < 0.9
+    opts = dict(entropy="grad", backend=backend, row_mask=row_mask.to(DEVICE))
+    closed = _run(hidden, weight, tokens, token_loss, **opts)
+    assert calls, "the TokenLoss did not take its closed form"
+    calls.clear()
+    wrapped = _run(hidden, weight, tokens, lambda lp, ent, rows: token_loss(lp, ent, rows), **opts)
+    assert not calls, "a plain closure took the closed form"
+    for what, a, b in zip(("loss", "log-probs", "entropy", "dX", "dW"), closed, wrapped):
+        assert torch.equal(a, b), f"{what}: the closed form differs from autograd's path"
+
+
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
 def test_one_gradient_asked_equals_both_asked_bitwise(backend):
     """dX alone (the weight frozen) and dW alone (the hidden states frozen) are the same bits as when both are
     asked, and a loss that does not depend on the log-probs gives exact zeros (bf16: the one-GEMM blocks on
