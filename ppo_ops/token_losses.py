@@ -10,7 +10,9 @@ however the rows are split into calls and in whatever order. A term depends only
 and constants (gathered by `rows`): that row-separability is what lets a fused LM head evaluate the loss, and take
 its gradient with autograd, chunk by chunk while each chunk's logits are live. The same closure serves the unfused
 path through `loss.total(log_probs, entropy)` on the outputs of `ppo_ops.log_probs_and_entropy`. A closure issues
-no collective: at TP > 1 every rank holds the same one and calls it with the same global values.
+no collective: at TP > 1 every rank holds the same one and calls it with the same global values. The fused op does
+not record a graph per block for these losses: `value_and_grad` returns the terms with their gradients in closed
+form, the elementwise ops autograd's backward of the call would run, in its order, hence the same bits.
 
 The term of token t, with lp its log-prob, old / ref its old and reference log-probs, A its advantage, H its entropy:
 
