@@ -39,9 +39,9 @@ The LM head's suites (`HeadCase`: hidden states [T, H] and a weight shard [V_loc
   lm_head_own   the same without the other projects' kernels; its local-shape rows are gemms, fused, token_loss.
   lm_head_smoke  every LM-head provider on a tiny shape, for the CPU tests.
   lm_head_small  Qwen3-0.6B's head (H = 1024, tied), T in (8192, 32768), TP = 1: the GEMMs, the logits path
-            (unfused), the fused head with and without a following backward, and the token loss: the head's own cost
-            at the shape of the megatron_step suites, where a small H leaves the GEMMs light against the passes over
-            T x V.
+            (unfused), the fused head with and without a following backward, and the token loss (also with
+            working_memory=0, token_loss_lean): the head's own cost at the shape of the megatron_step suites, where a
+            small H leaves the GEMMs light against the passes over T x V.
   lm_head_keep  fused and token_loss with and without a 64-id sparse keep set per row (T = 8192); keep_set, in the
             logits family: the triton provider without one, with it, and with the dense mask built from it
             (--suite=keep_set --providers=triton,triton_keep_sparse,triton_keep_dense).
@@ -86,12 +86,12 @@ MCORE_FLASH_PROVIDERS = tuple(f"{p}_flash" for p in MCORE_STEP_PROVIDERS)
 # The LM head's shape and providers (lm_head.py says what each one runs).
 LM_HEAD_HIDDEN = 4096
 LM_HEAD_SMALL_HIDDEN = 1024  # Qwen3-0.6B's hidden size (the megatron_step suites' model)
-LM_HEAD_SMALL = ("gemms", "unfused", "fused", "fused_nograd", "token_loss")  # the lm_head_small suite
+LM_HEAD_SMALL = ("gemms", "unfused", "fused", "fused_nograd", "token_loss", "token_loss_lean")  # lm_head_small
 LM_HEAD_TOKENS = (8192, 32768)
 LM_HEAD_TP = (1, 2, 4, 8)  # the TP sizes whose ranks split V = 151936 into the 8 equal segments
 LM_HEAD_PROVIDERS = ("gemms", "gemm1", "unfused", "fused", "fused_novalidate", "fused_nograd",
-                     "token_loss", "token_loss_novalidate", "liger", "liger_flsce", "liger_flsce_nograd", "cce",
-                     "cce_exact", "verl")
+                     "token_loss", "token_loss_novalidate", "token_loss_lean", "liger", "liger_flsce",
+                     "liger_flsce_nograd", "cce", "cce_exact", "verl")
 LM_HEAD_KEEP_PROVIDERS = ("fused_keep", "token_loss_keep")  # fused / token_loss with a sparse keep set (keep_set.py)
 LM_HEAD_KEEP = ("fused", "fused_keep", "token_loss", "token_loss_keep")  # the lm_head_keep suite: keep set vs none
 LM_HEAD_PEERS = ("liger", "liger_flsce", "liger_flsce_nograd", "cce", "cce_exact", "verl")  # other projects' kernels

@@ -21,7 +21,8 @@ target. Providers:
             keep_set.py), set against fused and token_loss on the same case (the lm_head_keep suite)
   token_loss ppo_ops.linear_token_loss with ppo_ops.token_losses.policy_loss (clipped surrogate with DAPO's clip
             range, entropy bonus, k3 KL to a reference, token mean), validate on and off (token_loss_novalidate): the
-            gradient formed in the forward
+            gradient formed in the forward; token_loss_lean the same with working_memory=0 (its least memory: 1024-row
+            blocks beside the fp32 dW accumulator, each block's host steps against its GPU work)
   liger     Liger-Kernel's fused linear cross entropy (log-prob only, reduction "mean"; TP=1), where installed
   liger_flsce Liger-Kernel's fused linear scaled cross entropy (per-token NLL and entropy, both gradients; on sm_90
             its CuTe DSL kernel; TP=1), where it and the CUTLASS DSL are installed; liger_flsce_nograd its forward
@@ -254,15 +255,16 @@ def build_fused_nograd(case: HeadCase, inp: HeadInputs) -> HeadClosure:
 
 
 def build_token_loss(case: HeadCase, inp: HeadInputs) -> HeadClosure:
-    """token_loss and token_loss_novalidate."""
+    """token_loss, token_loss_novalidate and token_loss_lean."""
     import ppo_ops
 
-    validate = case.provider == "token_loss"
+    validate = case.provider != "token_loss_novalidate"
+    working_memory = 0 if case.provider == "token_loss_lean" else None
     closure = inp.ppo_loss()
 
     def forward(x, w):
         return ppo_ops.linear_token_loss(x, w, inp.tokens, closure, tp_group=inp.group, entropy="grad",
-                                         backend=inp.backend, validate=validate)
+                                         backend=inp.backend, validate=validate, working_memory=working_memory)
 
     def step():
         x, w = inp.leaves()
@@ -456,7 +458,7 @@ PROVIDERS = registry(
       for name in ("fused", "fused_novalidate")),
     Provider("fused_nograd", build_fused_nograd, _needs_ppo_ops, modules=PPO_OPS_MODULES),
     *(Provider(name, build_token_loss, _needs_ppo_ops, modules=PPO_OPS_MODULES)
-      for name in ("token_loss", "token_loss_novalidate")),
+      for name in ("token_loss", "token_loss_novalidate", "token_loss_lean")),
     Provider("liger", build_liger, _LIGER_UNSUPPORTED, modules=LIGER_MODULES),
     *(Provider(name, build_liger_flsce, _LIGER_FLSCE_UNSUPPORTED, modules=LIGER_FLSCE_MODULES)
       for name in ("liger_flsce", "liger_flsce_nograd")),
