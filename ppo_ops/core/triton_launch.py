@@ -8,8 +8,8 @@ before the launcher proper (a few tens of microseconds) runs.
 What: `Launcher(kernel)(grid, **kwargs)` keys each call on what Triton specialises a kernel on (per argument:
 a constexpr's value; an integer's class: equal to 1, divisible by 16, 32- or 64-bit; a tensor's dtype and 16-byte
 alignment; a host tensor descriptor's dtype, block shape and padding; the launch options; the current device),
-so every call that Triton would run with one compiled kernel
-maps to one key, and no two calls that Triton would run differently share a key. The first call of a key goes
+so every call that Triton would run with one compiled kernel maps to one key, and no two calls that Triton would
+run differently share a key. The first call of a key goes
 through `kernel[grid](**kwargs)` (which compiles if needed) and keeps the CompiledKernel it returns; later calls of
 that key call its launcher directly, with the arguments in the order and the launch metadata and hooks that
 `JITFunction.run` passes. So the kernel, hence the bits, are Triton's own choice; what is skipped is the per-call
@@ -33,9 +33,9 @@ def specialization_key(names: tuple, constexpr: tuple, kwargs: dict, params: fro
     constexpr's value; an integer's (== 1, % 16 == 0, fits int32); a float's type; a tensor's dtype and 16-byte
     alignment; a TensorDescriptor's base dtype, block shape and padding (Triton compiles a descriptor argument for
     its dtype and block shape; its base, shape and strides are launch arguments); None, a bool or anything else as
-    itself), then the launch options (every keyword that is not a
-    parameter: num_warps, num_stages, ...) as given; `params`: the names as a set, where the caller keeps one. Runs on
-    every launch: types are compared exactly, most common first."""
+    itself), then the launch options (every keyword that is not a parameter: num_warps, num_stages, ...) as given;
+    `params`: the names as a set, where the caller keeps one. Runs on every launch: types are compared exactly, most
+    common first."""
     key = []
     append, get = key.append, kwargs.get
     for name, is_const in zip(names, constexpr):

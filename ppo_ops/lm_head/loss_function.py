@@ -52,12 +52,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ppo_ops import token_losses
 from ppo_ops.core import agreement, checks, shell, sparse_keep
 from ppo_ops.core.scale import scale_in_place, scale_round_in_place
 from ppo_ops.core.contracts import BlockGrads, GradsWanted, HeadRows, RowStats
 from ppo_ops.core.shell import Plan, refuse_double_backward
 from ppo_ops.lm_head.function import kept, kept_row_indices, scatter_rows
-from ppo_ops import token_losses
 
 # The end flags, one int64 each per rank: NaN / +inf logits (merged statistics), non-finite loss values or
 # gradients, and how token_loss failed on this rank (FAILURES index + 1; 0: it did not).

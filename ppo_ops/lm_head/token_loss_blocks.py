@@ -343,19 +343,14 @@ class _Gradients:
         out = self._dx_rows(n_gemm) if self.need_dx else None
         read = {}  # segment -> event after its dX GEMM (the side stream)
         late = []  # (dW rows, temporary): dW rows over dlogits not read yet when their GEMM ran
-        contributed = False
-        for s, seg_lo, seg in self.segments:
-            if seg.n_valid == 0:
-                continue
+        for i, (s, w_s, target) in enumerate(self.live):
             if out is not None:
-                self._dx_segment(out, dl[s, :n_gemm], self.weight[seg_lo:seg_lo + seg_len], first=not contributed)
-                contributed = True
+                self._dx_segment(out, dl[s, :n_gemm], w_s, first=i == 0)
                 if main is not None:
                     read[s] = torch.cuda.Event()
                     read[s].record(main)
             if dw is None:
                 continue
-            target = dw[seg_lo:seg_lo + seg_len]
             # the highest segment of dl whose storage these dW rows cover (-1: none)
             covers = ((s + 1) * seg_len * dw.shape[1] - 1) // slab if shared else -1
             if covers >= s:  # over dlogits not read yet (the first segment's own): a temporary, copied in below
@@ -367,7 +362,7 @@ class _Gradients:
                     self.side.wait_event(read[max(waits)])  # dX has read every segment these rows cover
                 segment_gemms.mm_rounded(dl[s, :n_gemm].T, x, target)
         if out is not None:
-            if not contributed:
+            if not self.live:
                 out.zero_()
             self.hooks.finish_dx(out[:n], r0, r0 + n)
         if main is not None:
