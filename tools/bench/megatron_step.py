@@ -22,8 +22,8 @@ provider name):
   mcore_loss_lean  the token loss with Context(working_memory=0): its smallest row blocks beside the fp32 dW
                  accumulator, the least memory it can take (against its default allowance's one block at T = 8192)
   mcore_loss_spare  the token loss with Context(working_memory=SPARE_WORKING_MEMORY): what a step may spare for
-                 the head's blocks (2048-row blocks at this model's head: half the lean way's blocks, so half their
-                 per-block host work, for 0.29 GiB more probabilities held)
+                 the head's blocks (3072-row blocks at this model's head: three at T = 8192 where the lean way takes
+                 eight, so less host work per row, for 0.58 GiB more probabilities held)
 and with a 64-id nucleus per row (the target among them, as a sampled token is), as top-p replay has it:
   mcore_logits_dense_keep   the logits path with the dense [T, V] keep_mask built from the nucleus in the step
   mcore_logits_sparse_keep  the logits path with the sparse keep=(ids, offsets)
@@ -54,8 +54,9 @@ QWEN3_0_6B = dict(num_layers=28, hidden_size=1024, num_attention_heads=16, num_q
                   ffn_hidden_size=3072)
 ROTARY_BASE = 1_000_000
 # The spare way's allowance: at H = 1024, V = 151936 the fp32 dW accumulator takes 0.58 GiB of it and each block row
-# 2 V bytes, so 1.2 GiB gives 2048-row blocks (prob_block_rows); the accumulator sits under the body's own peak
-SPARE_WORKING_MEMORY = 12 * 2**30 // 10
+# 2 V bytes, so 1.5 GiB gives 3072-row blocks (prob_block_rows), whose 1.45 GiB are about 0.8 GiB over the flash
+# body's own peak at T = 8192: within a quarter of the logits path's extra (docs/performance.md)
+SPARE_WORKING_MEMORY = 3 * 2**29
 
 
 def _way(provider: str) -> tuple:
