@@ -51,9 +51,9 @@ ops elsewhere. The two agree within fp32 rounding, not bit for bit; each is dete
 
 Cost: O(len(ids) + rows) memory and work besides the op's own (the entries' indices, kept logits and coefficients,
 saved for the backward; for the LM head a sort of the entries by (id, row), which finds duplicates and orders its dW
-sum; for the logits op's kernels, which need no order, a hash table of the (id, row) pairs, 1.5 to 3 slots of two
-int64 per entry, where integer compare-and-swap finds each pair's first entry: which slot an entry takes depends on
-timing, which entry counts does not); at TP > 1 one more all-reduce of 4 bytes per id and per row. The LM
+sum; for the logits op's kernels, which need no order, a hash table of the (id, row) pairs, twice as many int64
+slots as entries at most, where integer compare-and-swap finds each pair's first entry: which slot an entry takes
+depends on timing, which entry counts does not); at TP > 1 one more all-reduce of 4 bytes per id and per row. The LM
 head adds about 2 * len(ids) * H multiply-adds forward and 4 * len(ids) * H backward.
 """
 
