@@ -574,54 +574,6 @@ def test_validate_false_malformed_keep_is_memory_safe():
         assert not torch.isnan(lp).any() and torch.isfinite(grad).all()
 
 
-def _adversarial_entries(n_rows, vocab, seed):
-    """A CSR keep set with every way an entry can fail to count or count twice: long runs of one id within a row
-    (many probes into one hash slot), the target listed several times, ids out of range, empty rows."""
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab, (n_rows,), generator=gen)
-    rows = []
-    for r in range(n_rows):
-        t = int(tokens[r])
-        pattern = r % 5
-        if pattern == 0:
-            rows.append([])
-        elif pattern == 1:
-            rows.append([FREQUENT_ID] * 30 + [t, t] + torch.randint(0, vocab, (20,), generator=gen).tolist())
-        elif pattern == 2:
-            rows.append([vocab, -1, vocab + 7, t, FREQUENT_ID])  # out of range ids around valid ones
-        elif pattern == 3:
-            rows.append(torch.randint(0, 4, (40,), generator=gen).tolist())  # four ids, each many times
-        else:
-            rows.append(torch.randint(0, vocab, (25,), generator=gen).tolist())
-    return tokens, rows
-
-
-@pytest.mark.skipif(triton_skip_reason(DEVICE) is not None, reason=triton_skip_reason(DEVICE) or "")
-@pytest.mark.parametrize("vocab", [V_GLOBAL, 1 << 30], ids=["narrow_keys", "wide_keys"])
-def test_hash_and_sort_find_the_same_entries(vocab):
-    """The logits op's kernels find duplicates in a hash table, the LM head's in the sorted order: both give every
-    entry the same row, id, flags and column, with a row mask, compacted rows and a shard that holds part of the
-    ids; keys past int32 take the sort's int64 path and the same hash."""
-    from ppo_ops.core import sparse_keep_kernels
-
-    n_rows = 96
-    tokens, rows = _adversarial_entries(n_rows, vocab, seed=3)
-    ids, off = csr(rows)
-    tokens = tokens.to(DEVICE)
-    row_mask = (torch.arange(n_rows) % 7 != 3).to(DEVICE)
-    kept_rows = torch.nonzero(row_mask).squeeze(1)
-    shard = dict(vocab_start=vocab // 4, n_valid=vocab // 2)
-    cases = [(tokens, None, None), (tokens, None, row_mask), (tokens[kept_rows], kept_rows, None)]
-    for toks, compact, mask in cases:
-        by_sort = sparse_keep_kernels.entries(ids, off, toks, compact, mask, vocab, vocab, ordered=True, **shard)
-        by_hash = sparse_keep_kernels.entries(ids, off, toks, compact, mask, vocab, vocab, ordered=False, **shard)
-        assert by_hash[5] is None
-        for name, a, b in zip(("row", "gid", "ok", "local", "col"), by_sort[:5], by_hash[:5]):
-            assert torch.equal(a, b), name
-        ok = by_hash[2]
-        assert ok.any() and not ok.all() and by_hash[3].any() and not torch.equal(by_hash[3], ok)
-
-
 def test_fixed_point_row_sums_do_not_overflow():
     """A row keeping the whole of a large vocabulary sums vocab_size + 1 terms of 2^fixed_bits at most."""
     for vocab in (1, 256, 151936, 1 << 20):

@@ -24,7 +24,7 @@ their gradients), then, for the keep rows only:
             entry: logits op, written once into the dense gradient (its entropy term recomputed in fp32 beside it,
             one rounding to the logits' dtype); LM head, dX[r] += Σ_j c_j W[j] (fixed order per row, before the dX
             all-reduce) and dW[v] += Σ_{rows r keeping v} c_rv X[r] (entries sorted by (id, row), a segment sum in
-            that order, then one rounding of dW + the sum to dW's dtype). No atomics in any sum.
+            that order, then one rounding of dW + the sum to dW's dtype). No atomics.
 
 Determinism and TP invariance. The kept logits are formed by one code path per entry, wherever the entry lands
 (a gather; or a dot whose reduction order depends on H only), the exchange is exact, and every rank then reduces
@@ -50,11 +50,9 @@ Paths: Triton kernels (sparse_keep_kernels.py) on CUDA, and on CPU under the int
 ops elsewhere. The two agree within fp32 rounding, not bit for bit; each is deterministic and TP-invariant.
 
 Cost: O(len(ids) + rows) memory and work besides the op's own (the entries' indices, kept logits and coefficients,
-saved for the backward; for the LM head a sort of the entries by (id, row), which finds duplicates and orders its dW
-sum; for the logits op's kernels, which need no order, a hash table of the (id, row) pairs, twice as many int64
-slots as entries at most, where integer compare-and-swap finds each pair's first entry: which slot an entry takes
-depends on timing, which entry counts does not); at TP > 1 one more all-reduce of 4 bytes per id and per row. The LM
-head adds about 2 * len(ids) * H multiply-adds forward and 4 * len(ids) * H backward.
+saved for the backward; a sort of the entries by (id, row), which finds duplicates and orders the LM head's dW
+sum); at TP > 1 one more all-reduce of 4 bytes per id and per row. The LM head adds about 2 * len(ids) * H
+multiply-adds forward and 4 * len(ids) * H backward.
 """
 
 from __future__ import annotations
@@ -214,8 +212,7 @@ class Entries:
     ok: torch.Tensor  # [E] bool: the entry is in its keep row's set (first of its (row, id), a valid id)
     local: torch.Tensor  # [E] bool: ok, and the id is in this rank's shard
     col: torch.Tensor  # [E] int64 the id's local column (the weight's row), clamped into the shard
-    order: Optional[torch.Tensor]  # [E] int64 entries sorted by (id, row), targets first among equal (id, row); None
-    # where the caller asked for none (entries(ordered=False), kernel path)
+    order: torch.Tensor  # [E] int64 entries sorted by (id, row), targets first among equal (id, row)
     offsets: torch.Tensor  # [T + 1] the CSR (the torch path's made monotone), T the call's rows
     rows: Optional[torch.Tensor]  # [R] the call's row of each of the R rows, or None (the same rows)
     row_mask: Optional[torch.Tensor]  # [T] the call's row mask where rows are not compacted, or None
@@ -227,17 +224,15 @@ class Entries:
 
 
 def entries(keep: SparseKeep, tokens: torch.Tensor, *, rows: Optional[torch.Tensor], row_mask: Optional[torch.Tensor],
-            vocab_size: int, v_global: int, vocab_start: int, n_valid: int, kernels: bool,
-            ordered: bool = True) -> Entries:
+            vocab_size: int, v_global: int, vocab_start: int, n_valid: int, kernels: bool) -> Entries:
     """The entries of `keep` over R = len(tokens) rows: `rows` maps them to the call's rows where the LM head
     compacted them (R kept rows of a row mask; None: the rows are the call's); `row_mask` (call rows) drops rows
     otherwise. This rank's shard is [vocab_start, vocab_start + n_valid). Device-side, no sync; malformed offsets
-    give unspecified entries, never an access out of bounds (validation reports them). ordered=False: the kernel
-    path may leave `order` None (the logits op, which never reads it, finds duplicates without sorting)."""
+    give unspecified entries, never an access out of bounds (validation reports them)."""
     if kernels:
         from ppo_ops.core import sparse_keep_kernels
         row, gid, ok, local, col, order = sparse_keep_kernels.entries(
-            keep.ids, keep.offsets, tokens, rows, row_mask, vocab_size, v_global, vocab_start, n_valid, ordered)
+            keep.ids, keep.offsets, tokens, rows, row_mask, vocab_size, v_global, vocab_start, n_valid)
         return Entries(keep.ids.numel(), tokens.numel(), row, gid, ok, local, col, order, keep.offsets, rows,
                        row_mask, vocab_start, n_valid)
     device = tokens.device
@@ -411,13 +406,9 @@ def logits_forward(keep: SparseKeep, logits: torch.Tensor, tokens: torch.Tensor,
     layout, shard = plan.layout, plan.shard
     kernels = use_kernels(logits, plan.backend.name)
     ent = entries(keep, tokens, rows=None, row_mask=row_mask, vocab_size=layout.vocab_size, v_global=layout.v_global,
-                  vocab_start=shard.vocab_start, n_valid=shard.n_valid, kernels=kernels, ordered=False)
-    gathers = bool(ent.row.numel() and logits.shape[0] and logits.shape[1])
-    if kernels and gathers:  # the gather kernel writes every entry
-        z = torch.empty(ent.row.numel(), dtype=torch.float32, device=logits.device)
-    else:
-        z = torch.zeros(ent.row.numel(), dtype=torch.float32, device=logits.device)
-    if gathers:
+                  vocab_start=shard.vocab_start, n_valid=shard.n_valid, kernels=kernels)
+    z = torch.zeros(ent.row.numel(), dtype=torch.float32, device=logits.device)
+    if z.numel() and logits.shape[0] and logits.shape[1]:
         if kernels:
             from ppo_ops.core import sparse_keep_kernels
             sparse_keep_kernels.gather(logits, ent.row, ent.col, ent.local, shard.inv_temperature, z)

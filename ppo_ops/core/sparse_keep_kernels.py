@@ -84,12 +84,11 @@ def header_values(ids, offsets):
 
 @triton.jit
 def _entries_kernel(ids_ptr, off_ptr, tok_ptr, rows_ptr, to_compact_ptr, row_mask_ptr, row_out, gid_out, valid_out,
-                    key_out, table_ptr, n_ids, n_all, n_rows, vocab_size, v_global, n_steps, n_slots,
-                    HAS_ROWS: tl.constexpr, HAS_ROW_MASK: tl.constexpr, BY_HASH: tl.constexpr, BLOCK: tl.constexpr):
+                    key_out, n_ids, n_all, n_rows, vocab_size, v_global, n_steps, HAS_ROWS: tl.constexpr,
+                    HAS_ROW_MASK: tl.constexpr, BLOCK: tl.constexpr):
     """Per entry (the ids in CSR order, then one target per row): its row, id (clamped), whether it may be kept
-    (a valid id of a kept row, not the row's target; or a keep row's valid target) and its (id, row) key (the
-    stable sort keeps an id before its row's target, which never both count). BY_HASH: instead of the key, each
-    valid entry's slot in the (id, row) hash table (see `_insert`), where it has left its index."""
+    (a valid id of a kept row, not the row's target; or a keep row's valid target) and its (id, row) sort key (the
+    stable sort keeps an id before its row's target, which never both count)."""
     j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     is_id = j < n_ids
     c_t = j - n_ids
@@ -124,48 +123,7 @@ def _entries_kernel(ids_ptr, off_ptr, tok_ptr, rows_ptr, to_compact_ptr, row_mas
     tl.store(row_out + j, crow, mask=m)
     tl.store(gid_out + j, gid, mask=m)
     tl.store(valid_out + j, valid.to(tl.uint8), mask=m)
-    if BY_HASH:
-        tl.store(key_out + j, _insert(table_ptr, key, valid & m, n_ids + n_rows - j, n_slots), mask=m)
-    else:
-        tl.store(key_out + j, key, mask=m)
-
-
-@triton.jit
-def _insert(table_ptr, key, todo, rank, n_slots):
-    """Open addressing over n_slots (a power of 2) int64 slots: table[s] holds key + 1 (0: empty), table[n_slots + s]
-    the largest `rank` (E - entry) inserted with that key, i.e. its first entry. Linear probing from a multiplicative
-    hash; a lane claims an empty slot by compare-and-swap or finds its key there. Lanes not inserting compare
-    against -1, which no slot holds: they write nothing. The slots an entry lands in depend on the order other
-    entries arrive in; what the table ends up saying (each key's first entry) does not. Returns each lane's slot."""
-    stored = key + 1
-    h = key ^ (key >> 17)
-    h = (h & 0x7FFFFFFF) * 2654435761
-    slot = (h ^ (h >> 29)) & (n_slots - 1)
-    insert = todo
-    while tl.max(todo.to(tl.int32), 0) > 0:
-        none = tl.full(key.shape, -1, tl.int64)
-        prev = tl.atomic_cas(table_ptr + slot, tl.where(todo, 0, none), tl.where(todo, stored, none))
-        todo &= (prev != 0) & (prev != stored)
-        slot = tl.where(todo, (slot + 1) & (n_slots - 1), slot)
-    tl.atomic_max(table_ptr + n_slots + slot, rank, mask=insert)
-    return slot
-
-
-@triton.jit
-def _hash_dedup_kernel(slot_ptr, valid_ptr, gid_ptr, table_ptr, ok_out, local_out, col_out, n, n_slots, vocab_start,
-                       n_valid, BLOCK: tl.constexpr):
-    """In entry order: a valid entry counts where it is its (id, row)'s first (the table's largest rank is its
-    own); its local column and whether this rank holds it. The same flags as the sort's `_dedup_kernel`."""
-    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = j < n
-    valid = (tl.load(valid_ptr + j, mask=m, other=0) != 0) & m
-    slot = tl.load(slot_ptr + j, mask=valid, other=0)
-    ok = valid & (tl.load(table_ptr + n_slots + slot, mask=valid, other=0) == n - j)
-    col = tl.load(gid_ptr + j, mask=m, other=0) - vocab_start
-    local = ok & (col >= 0) & (col < n_valid)
-    tl.store(ok_out + j, ok.to(tl.uint8), mask=m)
-    tl.store(local_out + j, local.to(tl.uint8), mask=m)
-    tl.store(col_out + j, tl.minimum(tl.maximum(col, 0), tl.maximum(n_valid - 1, 0)), mask=m)
+    tl.store(key_out + j, key, mask=m)
 
 
 @triton.jit
@@ -190,11 +148,8 @@ def _dedup_kernel(skey_ptr, order_ptr, valid_ptr, gid_ptr, ok_out, local_out, co
     tl.store(col_out + e, tl.minimum(tl.maximum(col, 0), tl.maximum(n_valid - 1, 0)), mask=m)
 
 
-def entries(keep_ids, offsets, tokens, rows, row_mask, vocab_size, v_global, vocab_start, n_valid, ordered=True):
-    """The kernel path of sparse_keep.entries: (row, gid, ok, local, col, order) of the E = len(ids) + R entries.
-    ordered: `order` sorts them by (id, row) and duplicates are found beside each other in it; else (the logits op,
-    which needs no order) duplicates are found in a hash table of the valid entries, order is None: the same flags
-    for a few passes over E where the sort takes four radix passes and a scattered pass."""
+def entries(keep_ids, offsets, tokens, rows, row_mask, vocab_size, v_global, vocab_start, n_valid):
+    """The kernel path of sparse_keep.entries: (row, gid, ok, local, col, order) of the E = len(ids) + R entries."""
     device = tokens.device
     n_ids, n_all, n_rows = keep_ids.numel(), offsets.numel() - 1, tokens.numel()
     n = n_ids + n_rows
@@ -206,24 +161,16 @@ def entries(keep_ids, offsets, tokens, rows, row_mask, vocab_size, v_global, voc
     row, gid, key = ints[0], ints[1], ints[2]
     flags = torch.empty((3, n), dtype=torch.uint8, device=device)
     valid, ok, local = flags[0], flags[1], flags[2]
-    # at most two thirds full, so that probe runs stay short
-    n_slots = triton.next_power_of_2(max(n + n // 2, 64)) if not ordered else 1
-    table = torch.zeros(2 * n_slots, dtype=torch.int64, device=device) if not ordered else offsets
     grid = (cdiv(max(n, 1), _ENTRY_BLOCK),)
     _launch(_entries_kernel)(grid, keep_ids, offsets, tokens, rows if rows is not None else offsets,
                              to_compact if to_compact is not None else offsets,
-                             _flags(row_mask) if row_mask is not None else offsets, row, gid, valid, key, table, n_ids,
-                             n_all, n_rows, vocab_size, v_global, (n_all + 1).bit_length() + 1, n_slots,
-                             HAS_ROWS=rows is not None, HAS_ROW_MASK=row_mask is not None, BY_HASH=not ordered,
-                             BLOCK=_ENTRY_BLOCK)
-    col = key  # reused: the keys are sorted into skey, or the slots read once
-    if not ordered:
-        _launch(_hash_dedup_kernel)(grid, key, valid, gid, table, ok, local, col, n, n_slots, vocab_start, n_valid,
-                                    BLOCK=_ENTRY_BLOCK)
-        return row, gid, ok.view(torch.bool), local.view(torch.bool), col, None
+                             _flags(row_mask) if row_mask is not None else offsets, row, gid, valid, key, n_ids, n_all,
+                             n_rows, vocab_size, v_global, (n_all + 1).bit_length() + 1, HAS_ROWS=rows is not None,
+                             HAS_ROW_MASK=row_mask is not None, BLOCK=_ENTRY_BLOCK)
     # (id, row) keys fit int32 up to V_global * R < 2^31 (T = 8192 at Qwen3's vocabulary): half the radix passes.
     narrow = (v_global + 2) * max(n_rows, 1) < 2**31
     skey, order = torch.sort(key.to(torch.int32) if narrow else key, stable=True)
+    col = key  # reused: the keys are sorted into skey
     _launch(_dedup_kernel)(grid, skey, order, valid, gid, ok, local, col, n, vocab_start, n_valid, BLOCK=_ENTRY_BLOCK)
     return row, gid, ok.view(torch.bool), local.view(torch.bool), col, order
 
