@@ -54,8 +54,8 @@ QWEN3_0_6B = dict(num_layers=28, hidden_size=1024, num_attention_heads=16, num_q
                   ffn_hidden_size=3072)
 ROTARY_BASE = 1_000_000
 # The spare way's allowance: at H = 1024, V = 151936 the fp32 dW accumulator takes 0.58 GiB of it and each block row
-# 2 V bytes, so 1.5 GiB gives 3072-row blocks (prob_block_rows), whose 1.45 GiB are about 0.8 GiB over the flash
-# body's own peak at T = 8192: within a quarter of the logits path's extra (docs/performance.md)
+# 2 V bytes, so 1.5 GiB gives 3072-row blocks (prob_block_rows); the step's peak is then 0.59 GiB over the flash body's
+# at T = 8192, within a quarter of the logits path's extra (0.915 GiB; docs/performance.md)
 SPARE_WORKING_MEMORY = 3 * 2**29
 
 
