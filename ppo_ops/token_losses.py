@@ -114,7 +114,7 @@ class TokenLoss:
         g_lp = (torch.where(f.log_ratio <= f.hi, torch.where(f.positive, g_log_r, 0.0), 0.0)
                 + torch.where(f.log_ratio >= f.lo, torch.where(f.positive, 0.0, g_log_r), 0.0))
         if f.kl_x is not None:
-            g_lp = g_lp + _kl_grad(f.kl_x, self.kl_type, g_term * self.kl_coef)
+            g_lp = g_lp + _kl_grad(f.kl_x, f.kl_saved, self.kl_type, g_term * self.kl_coef)
         g_lp = torch.where(f.counted, g_lp, 0.0)
         g_ent = None
         if self.entropy_coef != 0.0 and entropy_grad:
@@ -138,14 +138,15 @@ class TokenLoss:
         neg_adv = -adv
         e = torch.exp(log_r if capped is None else capped)
         term = neg_adv * e
-        kl_x = None
+        kl_x = kl_saved = None
         if self.kl_coef != 0.0:
             kl_x = lp - self.ref_log_probs[rows]
-            term = term + self.kl_coef * _kl(kl_x, self.kl_type)
+            kl, kl_saved = _kl(kl_x, self.kl_type)
+            term = term + self.kl_coef * kl
         if self.entropy_coef != 0.0:
             term = term - self.entropy_coef * torch.where(counted, entropy, 0.0)
         return _Terms(weight * term, weight, counted, positive, log_ratio, hi, lo, log_r, cap, capped, neg_adv, e,
-                      kl_x)
+                      kl_x, kl_saved)
 
     def total(self, log_probs: torch.Tensor, entropy: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The scalar loss (fp32) from every token's log-prob (and entropy), shaped like the constants: e.g. the
@@ -371,21 +372,25 @@ def _advantages(fn, rewards, group_size, scale_by_std, eps) -> torch.Tensor:
     return centred.reshape(-1)
 
 
-def _kl(x: torch.Tensor, kl_type: str) -> torch.Tensor:
+def _kl(x: torch.Tensor, kl_type: str) -> tuple:
+    """(the estimator's value, the intermediate its gradient reads: k2's 0.5 x, k3's expm1(-x), else None)."""
     if kl_type == "k1":
-        return x
+        return x, None
     if kl_type == "k2":
-        return 0.5 * x * x
-    return torch.expm1(-x) + x
+        half = 0.5 * x
+        return half * x, half
+    e = torch.expm1(-x)
+    return e + x, e
 
 
-def _kl_grad(x: torch.Tensor, kl_type: str, g: torch.Tensor) -> torch.Tensor:
-    """d/dx of _kl(x) times g, as autograd's backward of _kl forms it (each use of x's share, then their sum)."""
+def _kl_grad(x: torch.Tensor, saved: Optional[torch.Tensor], kl_type: str, g: torch.Tensor) -> torch.Tensor:
+    """d/dx of _kl(x) times g, as autograd's backward of _kl forms it (each use of x's share, then their sum), from
+    the intermediate the forward kept (`saved`, _kl's second result), as autograd keeps it."""
     if kl_type == "k1":
         return g
     if kl_type == "k2":  # (0.5 * x) * x
-        return g * (0.5 * x) + (g * x) * 0.5
-    return g + -(g * (torch.expm1(-x) + 1))  # expm1(-x) + x: expm1's gradient is grad * (result + 1)
+        return g * saved + (g * x) * 0.5
+    return g + -(g * (saved + 1))  # expm1(-x) + x: expm1's gradient is grad * (result + 1)
 
 
 class _Terms(NamedTuple):
@@ -404,6 +409,7 @@ class _Terms(NamedTuple):
     neg_adv: torch.Tensor
     e: torch.Tensor
     kl_x: Optional[torch.Tensor]
+    kl_saved: Optional[torch.Tensor]
 
 
 # ---- checks ----
