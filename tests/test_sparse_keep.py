@@ -560,7 +560,8 @@ def test_one_host_read_per_call_with_keep(monkeypatch):
     assert len(reads) == 1
 
 
-def test_validate_false_malformed_keep_is_memory_safe():
+@with_each_backend
+def test_validate_false_malformed_keep_is_memory_safe(backend):
     """validate=False reads nothing: a malformed keep set gives unspecified values, never a crash or NaN."""
     logits, tokens, _, kept = logits_case(lead=(8,))
     ids, off = csr(kept)
@@ -568,10 +569,54 @@ def test_validate_false_malformed_keep_is_memory_safe():
     bad_ids[::3] = 10**6
     bad_off = off.clone()
     bad_off[3] = off[-1] + 5
-    for keep in ((bad_ids, off), (ids, bad_off), (ids, -off)):
-        lp, _, grad = run_logits(logits, tokens, keep=keep, w_lp=make_weights((8,), 4), backend="torch",
+    short_off = off.clone()
+    short_off[0], short_off[-1] = 3, off[-1] - 4  # ids before the first row and after the last
+    for keep in ((bad_ids, off), (ids, bad_off), (ids, -off), (ids, short_off), (ids, off.flip(0))):
+        lp, _, grad = run_logits(logits, tokens, keep=keep, w_lp=make_weights((8,), 4), backend=backend,
                                  validate=False)
         assert not torch.isnan(lp).any() and torch.isfinite(grad).all()
+
+
+def long_rows(n_rows, vocab, seed=11):
+    """Rows of 0 to 300 ids drawn from a few dozen ids, so that most are listed more than once and the repeats lie in
+    other steps of the row's kernel program than the first listing; some rows list their target."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [0, 1, 15, 16, 17, 33, 64, 65, 130, 300]
+    rows, tokens = [], make_tokens((n_rows,), vocab, seed)
+    for r in range(n_rows):
+        pool = torch.randint(0, vocab, (24,), generator=gen)
+        row = pool[torch.randint(0, 24, (lengths[r % len(lengths)],), generator=gen)].tolist()
+        if r % 3 == 0 and row:
+            row[len(row) // 2] = int(tokens[r])
+        rows.append(row)
+    return rows, tokens
+
+
+@pytest.mark.skipif(triton_skip_reason(DEVICE) is not None, reason=triton_skip_reason(DEVICE) or "")
+@pytest.mark.parametrize("steps", [(16, 32), (64, 256)], ids=["small-steps", "as-compiled"])
+def test_logits_entries_kernel_matches_the_sorted_entries(steps):
+    """The logits op's per-row entries kernel (first listings by comparing steps, and by a bitmap in the scanner
+    programs for rows past the pairwise bound) marks exactly the entries the sorted path marks, with the same rows,
+    columns and kept logits: on one shard of three, with a row mask and the padding past vocab_size."""
+    from ppo_ops.core import sparse_keep_kernels
+    chunk, pairwise_max = steps
+    n_rows, vocab, v_global = 30, 200, 208
+    kept, tokens = long_rows(n_rows, vocab)
+    ids, off = csr(kept)
+    logits = make_logits((n_rows, 80), torch.float32, 2).to(DEVICE)
+    row_mask = (torch.arange(n_rows) % 7 != 5).to(DEVICE)
+    tokens = tokens.to(DEVICE)
+    keep = sparse_keep.SparseKeep(ids, off)
+    want = sparse_keep.entries(keep, tokens, rows=None, row_mask=row_mask, vocab_size=vocab, v_global=v_global,
+                               vocab_start=80, n_valid=80, kernels=False)
+    row, gid, ok, local, col, z = sparse_keep_kernels.logits_entries(
+        ids, off, tokens, row_mask, logits, 0.5, vocab, v_global, 80, 80, chunk=chunk, pairwise_max=pairwise_max)
+    assert torch.equal(ok, want.ok) and torch.equal(local, want.local)
+    assert want.ok.sum() < ids.numel() // 2  # most listings are repeats
+    assert torch.equal(row[want.ok], want.row[want.ok]) and torch.equal(col[local], want.col[local])
+    assert torch.equal(gid, want.gid)
+    want_z = torch.where(want.local, logits[want.row, want.col] * 0.5, 0.0)
+    assert torch.equal(z, want_z)
 
 
 def test_fixed_point_row_sums_do_not_overflow():

@@ -6,9 +6,9 @@ The forward operator prepares the call exactly as the eager wrapper does and run
 reads ([T] each; an empty placeholder where the eager Function keeps None). The backward operator prepares the call
 again without value checks (validate=False: no host read, no header exchange) and runs the eager backward body
 (grad_logits). With a sparse keep set the backward forms the keep state again from the logits (the eager Function
-holds it from the forward, an object no schema carries): one more gather of the kept logits and sort of the entries,
-and at TP > 1 one more all-reduce of them. Not under compile: inplace_grad=True (it mutates an input the compiler
-owns) and reduction_order="sglang" is taken as in eager.
+holds it from the forward, an object no schema carries): one more pass over the entries with the gather of the kept
+logits, and at TP > 1 one more all-reduce of them. Not under compile: inplace_grad=True (it mutates an input the
+compiler owns) and reduction_order="sglang" is taken as in eager.
 """
 
 from __future__ import annotations

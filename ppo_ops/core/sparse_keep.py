@@ -50,8 +50,10 @@ Paths: Triton kernels (sparse_keep_kernels.py) on CUDA, and on CPU under the int
 ops elsewhere. The two agree within fp32 rounding, not bit for bit; each is deterministic and TP-invariant.
 
 Cost: O(len(ids) + rows) memory and work besides the op's own (the entries' indices, kept logits and coefficients,
-saved for the backward; a sort of the entries by (id, row), which finds duplicates and orders the LM head's dW
-sum); at TP > 1 one more all-reduce of 4 bytes per id and per row. The LM head adds about 2 * len(ids) * H
+saved for the backward). The LM head sorts its entries by (id, row), which finds duplicates and orders its dW sum;
+the logits op, which needs no order, finds each row's first listings in one kernel over the rows without a sort
+(with Triton kernels; bitmaps of the vocabulary for rows of more than 256 ids, 128 * V / 8 bytes while it runs). At
+TP > 1 one more all-reduce of 4 bytes per id and per row. The LM head adds about 2 * len(ids) * H
 multiply-adds forward and 4 * len(ids) * H backward.
 """
 
@@ -212,7 +214,8 @@ class Entries:
     ok: torch.Tensor  # [E] bool: the entry is in its keep row's set (first of its (row, id), a valid id)
     local: torch.Tensor  # [E] bool: ok, and the id is in this rank's shard
     col: torch.Tensor  # [E] int64 the id's local column (the weight's row), clamped into the shard
-    order: torch.Tensor  # [E] int64 entries sorted by (id, row), targets first among equal (id, row)
+    order: Optional[torch.Tensor]  # [E] int64 entries sorted by (id, row), targets first among equal (id, row);
+    #   None from the logits op's kernel path, which needs no order
     offsets: torch.Tensor  # [T + 1] the CSR (the torch path's made monotone), T the call's rows
     rows: Optional[torch.Tensor]  # [R] the call's row of each of the R rows, or None (the same rows)
     row_mask: Optional[torch.Tensor]  # [T] the call's row mask where rows are not compacted, or None
@@ -405,14 +408,18 @@ def logits_forward(keep: SparseKeep, logits: torch.Tensor, tokens: torch.Tensor,
     (KeepState, the call's log-probs with the keep rows' replaced)."""
     layout, shard = plan.layout, plan.shard
     kernels = use_kernels(logits, plan.backend.name)
-    ent = entries(keep, tokens, rows=None, row_mask=row_mask, vocab_size=layout.vocab_size, v_global=layout.v_global,
-                  vocab_start=shard.vocab_start, n_valid=shard.n_valid, kernels=kernels)
-    z = torch.zeros(ent.row.numel(), dtype=torch.float32, device=logits.device)
-    if z.numel() and logits.shape[0] and logits.shape[1]:
-        if kernels:
-            from ppo_ops.core import sparse_keep_kernels
-            sparse_keep_kernels.gather(logits, ent.row, ent.col, ent.local, shard.inv_temperature, z)
-        else:
+    if kernels:  # one launch per row: entries, first listings and kept logits, no sort (no order needed here)
+        from ppo_ops.core import sparse_keep_kernels
+        row, gid, ok, local, col, z = sparse_keep_kernels.logits_entries(
+            keep.ids, keep.offsets, tokens, row_mask, logits, shard.inv_temperature, layout.vocab_size,
+            layout.v_global, shard.vocab_start, shard.n_valid)
+        ent = Entries(keep.ids.numel(), tokens.numel(), row, gid, ok, local, col, None, keep.offsets, None, row_mask,
+                      shard.vocab_start, shard.n_valid)
+    else:
+        ent = entries(keep, tokens, rows=None, row_mask=row_mask, vocab_size=layout.vocab_size,
+                      v_global=layout.v_global, vocab_start=shard.vocab_start, n_valid=shard.n_valid, kernels=False)
+        z = torch.zeros(ent.row.numel(), dtype=torch.float32, device=logits.device)
+        if z.numel() and logits.shape[0] and logits.shape[1]:
             z = torch.where(ent.local, logits[ent.row, ent.col].to(torch.float32) * shard.inv_temperature, 0.0)
     z = _exchange(z, layout.group)
     return keep_state(ent, z, layout.vocab_size, shard.inv_temperature, kernels, dense_log_prob)
