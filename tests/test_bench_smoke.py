@@ -531,3 +531,16 @@ def test_mcore_provider_names_say_their_way():
                                               "loss_lean", "loss_spare"}
     assert [keep for _, keep, _ in local] == [False] * 4 + [True] * 4 + [False] * 2
     assert {case.provider for case in suite_cases(["megatron_step_flash"])} == set(MCORE_FLASH_PROVIDERS)
+
+
+def test_custom_runs_vary_validate_for_the_megatron_head_ways():
+    """--suite=custom --validate=on,off: each Megatron-step way that calls ppo_ops runs with validate on and off (what
+    its host read costs in the step), the body-only way once."""
+    from tools.bench.cases import CustomGrid, cross_product
+
+    grid = CustomGrid(providers=["mcore_body_flash", "mcore_loss_spare_flash", "mcore_logits"], tokens=[8192],
+                      vocab=[151936], dtypes=["bf16"], entropy=["grad"], keep_mask=[False], row_frac=[1.0],
+                      validate=[True, False], inplace_grad=[False], tp=1)
+    got = sorted((c.provider, c.validate) for c in cross_product(grid))
+    assert got == [("mcore_body_flash", True), ("mcore_logits", False), ("mcore_logits", True),
+                   ("mcore_loss_spare_flash", False), ("mcore_loss_spare_flash", True)]

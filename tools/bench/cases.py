@@ -418,12 +418,14 @@ class CustomGrid:
 
 def cross_product(grid: CustomGrid) -> list[Case]:
     """The cases of a custom run (--suite=custom). validate / inplace_grad vary only for the ppo_ops providers (the
-    small-call ones included)."""
+    small-call ones and the Megatron step's head ways included)."""
     out, seen = [], set()
     axes = itertools.product(grid.providers, grid.tokens, grid.vocab, grid.dtypes, grid.entropy, grid.keep_mask,
                              grid.row_frac)
     for p, T, V, dt, ent, keep, row in axes:
-        ppo_ops_call = p in PPO_OPS_PROVIDERS + SMALL_CALL_PROVIDERS
+        # The Megatron step's ways but the body call ppo_ops with its validate (what the host read costs in a step).
+        megatron_head = p in MCORE_STEP_PROVIDERS + MCORE_FLASH_PROVIDERS and not p.startswith("mcore_body")
+        ppo_ops_call = p in PPO_OPS_PROVIDERS + SMALL_CALL_PROVIDERS or megatron_head
         extra = itertools.product(grid.validate, grid.inplace_grad) if ppo_ops_call else [(None, None)]
         for val, inp in extra:
             case = Case(p, T=T, V=V, dtype=dt, entropy=ent, keep_mask=keep, row_frac=row, tp=grid.tp, validate=val,
