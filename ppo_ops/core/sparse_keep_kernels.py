@@ -347,7 +347,8 @@ def _scan_long_rows(ids_ptr, off_ptr, tok_ptr, row_mask_ptr, logits_ptr, row_out
 def logits_entries(keep_ids, offsets, tokens, row_mask, logits, inv_temperature, vocab_size, v_global, vocab_start,
                    n_valid, chunk=None, pairwise_max=None, warps=None):
     """The logits op's entries and kept logits (before the exchange) in one launch: (row, gid, ok, local, col, z) of
-    the E = len(ids) + T entries, as `entries` gives them and `gather` fills z, without the sort (no `order`).
+    the E = len(ids) + T entries as `entries` gives them, z the kept logits times inv_t where this rank holds the
+    entry (else 0), without the sort (no `order`).
     `chunk`, `pairwise_max` and `warps` default to the tuning constants above (tests take small ones to reach the
     long-row path)."""
     chunk = chunk or _ROW_CHUNK
