@@ -121,7 +121,7 @@ def _gemm_partials_args(n_rows, v_local, n_valid, inv_t=1.5, store_probs=False, 
             TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]), torch.empty(1), probs_desc, n_rows,
             H_QWEN3_8B, seg_len, v_local // seg_len, n_valid, -(-seg_len // cfg.block_n), 132, inv_t)
     kwargs = dict(SCALE=inv_t != 1.0, WITH_ENTROPY=True, STORE_PROBS=store_probs, BLOCK_M=cfg.block_m,
-                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=False,
+                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten, UPCAST=False,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return args, kwargs
 

@@ -69,12 +69,16 @@ class GemmConfig(NamedTuple):
     group_m: int
     num_warps: Optional[int]  # None under the interpreter
     num_stages: Optional[int]
+    flatten: bool = False  # the tile loop flattened with the K loop (the pipeliner then loads across tiles)
+    programs_per_sm: int = 1  # persistent programs per SM (two: one's epilogue beside the other's mainloop)
 
 
-# The fastest of the tile shapes, stage counts, group sizes and loop forms timed at Qwen3's shape on Hopper
-# (docs/performance.md, "The fused LM head", has the alternatives and their times): persistent, not flattened. The
-# epilogue keeps few [BLOCK_M, BLOCK_N] tiles live, since every live tile costs registers the mainloop needs.
-GPU_CONFIG = GemmConfig(128, 256, 64, 16, 8, 3)
+# The fastest of the tile shapes, stage counts, group sizes and loop forms timed at Qwen3's shapes on Hopper
+# (docs/performance.md, "The fused LM head" and later sections, has the alternatives and their times): persistent,
+# flattened (the next tile's loads issue during this tile's epilogue: with the probabilities' store 12% faster at
+# H = 1024 and 4% at H = 4096, the same without it). The epilogue keeps few [BLOCK_M, BLOCK_N] tiles live, since
+# every live tile costs registers the mainloop needs.
+GPU_CONFIG = GemmConfig(128, 256, 64, 16, 8, 3, flatten=True)
 # Interpreter: the smallest tiles tl.dot takes (every program runs in Python).
 INTERPRET_CONFIG = GemmConfig(16, 32, 16, 2, None, None)
 _INTERPRET_PROGRAMS = 3  # persistent programs under the interpreter: each walks several tiles
@@ -84,11 +88,11 @@ def config() -> GemmConfig:
     return INTERPRET_CONFIG if interpreting() else GPU_CONFIG
 
 
-def num_programs(device: torch.device, n_tiles: int) -> int:
-    """Programs of a persistent launch: one per SM (compiled), a few under the interpreter."""
+def num_programs(device: torch.device, n_tiles: int, per_sm: int = 1) -> int:
+    """Programs of a persistent launch: per_sm per SM (compiled), a few under the interpreter."""
     if interpreting():
         return max(1, min(_INTERPRET_PROGRAMS, n_tiles))
-    return max(1, min(torch.cuda.get_device_properties(device).multi_processor_count, n_tiles))
+    return max(1, min(per_sm * torch.cuda.get_device_properties(device).multi_processor_count, n_tiles))
 
 
 def applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -148,11 +152,12 @@ def gemm_partials_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    FLATTEN: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     n_row_blocks = tl.cdiv(num_rows, BLOCK_M)
     n_col_tiles = n_seg * tiles_per_seg
-    for tile_id in tl.range(tl.program_id(0), n_row_blocks * n_col_tiles, num_programs):
+    for tile_id in tl.range(tl.program_id(0), n_row_blocks * n_col_tiles, num_programs, flatten=FLATTEN):
         pid_m, pid_n = grouped_tile(tile_id, n_row_blocks, n_col_tiles, GROUP_M)
         seg = pid_n // tiles_per_seg
         tile = pid_n % tiles_per_seg
@@ -322,14 +327,14 @@ def _forward(hidden, weight, tokens, shard: ShardOptions, with_entropy: bool, pr
                              f"{probs.stride()}")
         probs_desc = TensorDescriptor.from_tensor(probs.transpose(1, 2), [1, cfg.block_n, cfg.block_m])
     n_tiles = triton.cdiv(n_rows, cfg.block_m) * n_seg * tiles_per_seg
-    programs = num_programs(hidden.device, n_tiles)
+    programs = num_programs(hidden.device, n_tiles, cfg.programs_per_sm)
     _launch(gemm_partials_kernel)((programs,),
         x_desc=x_desc, w_desc=w_desc, tiles_ptr=tiles, probs_desc=probs_desc,
         num_rows=n_rows, hidden_size=width, seg_len=seg_len,
         n_seg=n_seg, n_valid=shard.n_valid, tiles_per_seg=tiles_per_seg, num_programs=programs,
         inv_temperature=inv_temperature, SCALE=inv_temperature != 1.0, WITH_ENTROPY=with_entropy,
         STORE_PROBS=probs is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, UPCAST=interpreting(), **options(cfg))
+        GROUP_M=cfg.group_m, FLATTEN=cfg.flatten, UPCAST=interpreting(), **options(cfg))
     target = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
     _launch(target_logits_kernel)((triton.cdiv(n_rows, TARGET_ROWS),),
         hidden_ptr=hidden, weight_ptr=weight, tokens_ptr=tokens, out_ptr=target, num_rows=n_rows, hidden_size=width,
