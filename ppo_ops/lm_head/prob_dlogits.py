@@ -77,6 +77,7 @@ def prob_dlogits_kernel(
     grad_log_prob_ptr,  # [R] fp32 (read only when HAS_GRAD_LOG_PROB)
     grad_entropy_ptr,  # [R] fp32 (read only when HAS_GRAD_ENTROPY)
     num_rows,  # R
+    io_rows,  # rows the element accesses cover: R, or R rounded up to 16 where both buffers hold those rows
     col_stride,  # B: a multiple of 16 (the forward's row tile), which the compiler may assume for vector accesses
     slab_stride,
     out_col_stride,  # the output's (read only when not IN_PLACE), likewise a multiple of 16
@@ -123,7 +124,7 @@ def prob_dlogits_kernel(
             out_offsets = offsets
         else:
             out_offsets = out_slab + (cols.to(tl.int64) * out_col_stride)[None, :] + rows[:, None]
-        io_mask = row_ok[:, None] & in_seg[None, :]
+        io_mask = (rows < io_rows)[:, None] & in_seg[None, :]
         e = tl.load(probs_ptr + offsets, mask=io_mask, other=0.0).to(tl.float32)
         p = e * scale_row[:, None]
         if HAS_GRAD_ENTROPY:
@@ -137,8 +138,17 @@ def prob_dlogits_kernel(
             grad = -g_lp[:, None] * p
         if SCALE:
             grad = grad * inv_temperature
-        grad = tl.where(real[None, :], grad, 0.0)
+        grad = tl.where(row_ok[:, None] & real[None, :], grad, 0.0)  # rows in [R, io_rows) get 0
         store_rounded(out_ptr + out_offsets, grad, io_mask, ROUND_BF16_BY_BITS)
+
+
+def access_rows(n_rows: int, probs: torch.Tensor, out: torch.Tensor) -> int:
+    """The rows the pass's loads and stores cover: n_rows rounded up to 16 where both buffers hold that many rows
+    (rows past n_rows then get 0), else n_rows. A bound that is a multiple of 16 lets the compiler vectorise the
+    contiguous row axis; at a bound like 8191 every access splits into single elements and the pass runs at half
+    its rate (docs/performance.md)."""
+    rounded = -(-n_rows // 16) * 16
+    return rounded if rounded <= min(probs.shape[1], out.shape[1]) else n_rows
 
 
 def dlogits(probs: torch.Tensor, tiles: torch.Tensor, n_rows: int, hidden: torch.Tensor, weight: torch.Tensor,
@@ -162,6 +172,7 @@ def dlogits(probs: torch.Tensor, tiles: torch.Tensor, n_rows: int, hidden: torch
     g_lp, g_ent = upstream.grad_log_prob, upstream.grad_entropy
     if n_rows == 0:
         return out
+    io_rows = access_rows(n_rows, probs, out)
     block_n = gemm_partials.config().block_n
     tiles_per_seg = triton.cdiv(seg_len, block_n)
     dummy = stats.shift  # never read where its flag is off
@@ -172,8 +183,8 @@ def dlogits(probs: torch.Tensor, tiles: torch.Tensor, n_rows: int, hidden: torch
         probs_ptr=probs, out_ptr=out, tiles_ptr=tiles, shift_ptr=stats.shift, log_sum_ptr=stats.log_sum,
         mean_shifted_ptr=stats.mean_shifted if g_ent is not None else dummy,
         grad_log_prob_ptr=g_lp if g_lp is not None else dummy, grad_entropy_ptr=g_ent if g_ent is not None else dummy,
-        num_rows=n_rows, col_stride=probs.stride(2), slab_stride=probs.stride(0), out_col_stride=out.stride(2),
-        out_slab_stride=out.stride(0), seg_len=seg_len, n_valid=shard.n_valid,
+        num_rows=n_rows, io_rows=io_rows, col_stride=probs.stride(2), slab_stride=probs.stride(0),
+        out_col_stride=out.stride(2), out_slab_stride=out.stride(0), seg_len=seg_len, n_valid=shard.n_valid,
         tiles_per_seg=tiles_per_seg, inv_temperature=inv_t, HAS_GRAD_LOG_PROB=g_lp is not None,
         HAS_GRAD_ENTROPY=g_ent is not None, SCALE=inv_t != 1.0, ROUND_BF16_BY_BITS=round_bf16_by_bits(dtype),
         IN_PLACE=in_place, BLOCK_R=PASS_ROWS, BLOCK_C=block_c, STEPS=steps, BLOCK_N=block_n,
