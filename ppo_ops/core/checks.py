@@ -9,6 +9,7 @@ was expected: TypeError for a wrong dtype or type, ValueError for a wrong shape 
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Optional
@@ -89,6 +90,14 @@ def check_sglang_shard(fn_name: str, layout) -> None:
             f"{SGLANG_BLOCK}-column block may span at most two ranks), got V_local={layout.v_local}")
 
 
+@functools.lru_cache(maxsize=64)
+def _inverse_fp32(temperature: float) -> float:
+    """1 / temperature rounded once to fp32 (inf below MIN_TEMPERATURE / 2); kept per value: trainers pass the same
+    few temperatures, and the CPU tensor's round trip is host time on every call."""
+    return float(torch.tensor(1.0 / temperature if temperature >= MIN_TEMPERATURE / 2 else math.inf,
+                              dtype=torch.float32).item())  # a CPU tensor: no device sync
+
+
 def check_options(
     fn_name: str,
     *,
@@ -110,8 +119,7 @@ def check_options(
     if not math.isfinite(temperature) or temperature <= 0.0:
         raise argument_error(ValueError, fn_name, "temperature",
                              f"temperature must be finite and > 0, got {temperature}")
-    inv_temperature = float(torch.tensor(1.0 / temperature if temperature >= MIN_TEMPERATURE / 2 else math.inf,
-                                         dtype=torch.float32).item())  # a CPU tensor: no device sync
+    inv_temperature = _inverse_fp32(temperature)
     if not math.isfinite(inv_temperature):
         raise argument_error(
             ValueError, fn_name, "temperature",

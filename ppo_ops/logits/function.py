@@ -118,4 +118,6 @@ def grad_logits(inputs: RowInputs, plan: Plan, stats: BackwardStats, grad_log_pr
 
 
 def _as_fp32(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return None if grad is None else grad.to(torch.float32).contiguous()
+    if grad is None or (grad.dtype == torch.float32 and grad.is_contiguous()):
+        return grad  # no torch call: host time on a small call's critical path
+    return grad.to(torch.float32).contiguous()

@@ -88,7 +88,7 @@ def _row_bytes(name, flags, logits):
     if flags.device != logits.device:
         raise argument_error(ValueError, _WHERE, name,
                              f"{name} must be on {logits.device} like logits, got {flags.device}")
-    return flags.contiguous().view(torch.uint8)
+    return (flags if flags.is_contiguous() else flags.contiguous()).view(torch.uint8)
 
 
 def _check_row_vector(name, t, logits):
@@ -116,12 +116,27 @@ class LaunchConfig(NamedTuple):
     lane_width: int = 1  # forward: contiguous columns per lane and tile, a power of two <= block_v (backward: unused)
 
 
+_DEFAULT_CONFIGS: dict = {}  # (pass_name, dtype, n_cols, interpreted) -> the LaunchConfig without overrides
+
+
 def launch_config(pass_name, dtype, n_cols, interpreted, block_v=None, num_warps=None, num_stages=None,
                   lane_width=None):
     """Tile and launch options of a pass whose tiles cover n_cols columns (forward: a segment; backward: a row).
 
     The forward's config depends only on (seg_len, dtype), never on V_local, so every TP size runs the same code on a
-    segment. The keywords override single fields (tools/triton_tune.py); the lane width is capped at the tile."""
+    segment. The keywords override single fields (tools/triton_tune.py); the lane width is capped at the tile. Without
+    overrides the result is kept per arguments (it is a function of them): one dict lookup per launch."""
+    if block_v is None and num_warps is None and num_stages is None and lane_width is None:
+        key = (pass_name, dtype, n_cols, interpreted)
+        found = _DEFAULT_CONFIGS.get(key)
+        if found is None:
+            found = _DEFAULT_CONFIGS[key] = _launch_config(pass_name, dtype, n_cols, interpreted)
+        return found
+    return _launch_config(pass_name, dtype, n_cols, interpreted, block_v, num_warps, num_stages, lane_width)
+
+
+def _launch_config(pass_name, dtype, n_cols, interpreted, block_v=None, num_warps=None, num_stages=None,
+                   lane_width=None):
     if interpreted:
         default = LaunchConfig(min(_next_pow2(n_cols), _INTERPRET_MAX_BLOCK), None, None, _INTERPRET_LANE_WIDTH)
     else:
@@ -266,9 +281,12 @@ def backward_launch_args(inputs: RowInputs, shard: ShardOptions, stats: Backward
 
 
 def _vector(t, dtype, default=None):
-    """A [T] per-row tensor as the kernels index it: contiguous, of `dtype` (no copy when it already is)."""
+    """A [T] per-row tensor as the kernels index it: contiguous, of `dtype` (no copy, and no torch call, when it
+    already is: each would be host time on a small call's critical path)."""
     if t is None:
         return default
+    if t.dtype == dtype and t.is_contiguous():
+        return t
     return t.to(dtype).contiguous()
 
 
@@ -280,7 +298,8 @@ def merge_partials(partials: torch.Tensor, has_keep_mask: bool) -> RowStats:
     """[segments, 5, T] fp32 partials -> RowStats, the math of row_stats.merge_partials in one launch (its fields
     views of one fp32 and one flag buffer)."""
     num_seg, _, num_rows = partials.shape
-    partials = partials.contiguous()
+    if not partials.is_contiguous():
+        partials = partials.contiguous()
     k = triton_kernels
     out = torch.empty((k.MERGED_FIELDS, num_rows), dtype=torch.float32, device=partials.device)
     flags = torch.empty((k.MERGED_FLAGS, num_rows), dtype=torch.uint8, device=partials.device)
