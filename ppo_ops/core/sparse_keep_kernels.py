@@ -385,8 +385,7 @@ def _lse_kernel(z_ptr, ok_ptr, off_ptr, rows_ptr, row_mask_ptr, dense_ptr, stats
     log-prob, and the row's log-prob (the dense one where the row has no keep set)."""
     c = tl.program_id(0)
     r = tl.load(rows_ptr + c) if HAS_ROWS else c
-    start = tl.minimum(tl.maximum(tl.load(off_ptr + r), 0), n_ids)
-    end = tl.maximum(tl.minimum(tl.load(off_ptr + r + 1), n_ids), start)
+    start, end = _row_range(off_ptr, r, n_ids)
     keep = end > start
     if HAS_ROW_MASK:
         keep &= tl.load(row_mask_ptr + r) != 0
@@ -539,8 +538,7 @@ def _keep_dx_kernel(dx_ptr, w_ptr, coef_ptr, col_ptr, local_ptr, off_ptr, rows_p
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = h < width
     call_row = tl.load(rows_ptr + r) if HAS_ROWS else r
-    start = tl.minimum(tl.maximum(tl.load(off_ptr + call_row), 0), n_ids)
-    end = tl.maximum(tl.minimum(tl.load(off_ptr + call_row + 1), n_ids), start)
+    start, end = _row_range(off_ptr, call_row, n_ids)
     acc = tl.zeros([BLOCK_H], tl.float32)
     for j0 in range(start, end, BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)

@@ -70,7 +70,6 @@ class GemmConfig(NamedTuple):
     num_warps: Optional[int]  # None under the interpreter
     num_stages: Optional[int]
     flatten: bool = False  # the tile loop flattened with the K loop (the pipeliner then loads across tiles)
-    programs_per_sm: int = 1  # persistent programs per SM (two: one's epilogue beside the other's mainloop)
 
 
 # The fastest of the tile shapes, stage counts, group sizes and loop forms timed at Qwen3's shapes on Hopper
@@ -88,11 +87,11 @@ def config() -> GemmConfig:
     return INTERPRET_CONFIG if interpreting() else GPU_CONFIG
 
 
-def num_programs(device: torch.device, n_tiles: int, per_sm: int = 1) -> int:
-    """Programs of a persistent launch: per_sm per SM (compiled), a few under the interpreter."""
+def num_programs(device: torch.device, n_tiles: int) -> int:
+    """Programs of a persistent launch: one per SM (compiled), a few under the interpreter."""
     if interpreting():
         return max(1, min(_INTERPRET_PROGRAMS, n_tiles))
-    return max(1, min(per_sm * torch.cuda.get_device_properties(device).multi_processor_count, n_tiles))
+    return max(1, min(torch.cuda.get_device_properties(device).multi_processor_count, n_tiles))
 
 
 def applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -327,7 +326,7 @@ def _forward(hidden, weight, tokens, shard: ShardOptions, with_entropy: bool, pr
                              f"{probs.stride()}")
         probs_desc = TensorDescriptor.from_tensor(probs.transpose(1, 2), [1, cfg.block_n, cfg.block_m])
     n_tiles = triton.cdiv(n_rows, cfg.block_m) * n_seg * tiles_per_seg
-    programs = num_programs(hidden.device, n_tiles, cfg.programs_per_sm)
+    programs = num_programs(hidden.device, n_tiles)
     _launch(gemm_partials_kernel)((programs,),
         x_desc=x_desc, w_desc=w_desc, tiles_ptr=tiles, probs_desc=probs_desc,
         num_rows=n_rows, hidden_size=width, seg_len=seg_len,

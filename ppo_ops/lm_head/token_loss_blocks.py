@@ -173,19 +173,22 @@ def _blocks_by_probs(passes, head: HeadRows, with_entropy: bool, hooks: LossHook
         stats = hooks.merge(parts)
         up = hooks.block_grads(stats, r0, r0 + n)
         g_lp, g_ent = up.grad_log_prob, up.grad_entropy
+        # the GEMMs run on n_gemm rows, those above n zero (dl's rows are its contiguous dimension:
+        # segment_gemms.GEMM_ROWS)
+        n_gemm = segment_gemms.gemm_rows(n)
         if g_lp is None and g_ent is None:  # the loss does not depend on these rows: zero gradient
             dl = probs.view(hidden.dtype)
-            dl[:, :n].zero_()
+            dl[:, :n_gemm].zero_()
         else:
             dl = passes.token_loss_pass.dlogits(
                 probs, tiles, n, x, weight, tokens[rs], shard,
                 BackwardStats(stats.shift, stats.log_sum, None, stats.mean_shifted if g_ent is not None else None),
                 UpstreamGrads(g_lp, g_ent), hidden.dtype)
+            if passes.token_loss_pass.access_rows(n, probs, probs) < n_gemm:  # the pass zeroes the rows it covers
+                dl[:, n:n_gemm].zero_()
         if up.keep_term:
             _add_keep_term(hooks, dl, r0, n, segments)
-        n_gemm = segment_gemms.gemm_rows(n)  # dl's rows are its contiguous dimension: segment_gemms.GEMM_ROWS
         if n_gemm > n:
-            dl[:, n:n_gemm].zero_()
             x = segment_gemms.gemm_operand_rows(x, n_gemm)
         grads.add_block(dl, r0, n, x, n_gemm)
     return dw

@@ -21,6 +21,7 @@ the backend, so `import ppo_ops` works without triton and TRITON_INTERPRET is re
 kernels are decorated).
 """
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -116,27 +117,14 @@ class LaunchConfig(NamedTuple):
     lane_width: int = 1  # forward: contiguous columns per lane and tile, a power of two <= block_v (backward: unused)
 
 
-_DEFAULT_CONFIGS: dict = {}  # (pass_name, dtype, n_cols, interpreted) -> the LaunchConfig without overrides
-
-
+@functools.lru_cache(maxsize=256)
 def launch_config(pass_name, dtype, n_cols, interpreted, block_v=None, num_warps=None, num_stages=None,
                   lane_width=None):
     """Tile and launch options of a pass whose tiles cover n_cols columns (forward: a segment; backward: a row).
 
     The forward's config depends only on (seg_len, dtype), never on V_local, so every TP size runs the same code on a
-    segment. The keywords override single fields (tools/triton_tune.py); the lane width is capped at the tile. Without
-    overrides the result is kept per arguments (it is a function of them): one dict lookup per launch."""
-    if block_v is None and num_warps is None and num_stages is None and lane_width is None:
-        key = (pass_name, dtype, n_cols, interpreted)
-        found = _DEFAULT_CONFIGS.get(key)
-        if found is None:
-            found = _DEFAULT_CONFIGS[key] = _launch_config(pass_name, dtype, n_cols, interpreted)
-        return found
-    return _launch_config(pass_name, dtype, n_cols, interpreted, block_v, num_warps, num_stages, lane_width)
-
-
-def _launch_config(pass_name, dtype, n_cols, interpreted, block_v=None, num_warps=None, num_stages=None,
-                   lane_width=None):
+    segment. The keywords override single fields (tools/triton_tune.py); the lane width is capped at the tile. A
+    function of its arguments, so kept per arguments: one lookup per launch."""
     if interpreted:
         default = LaunchConfig(min(_next_pow2(n_cols), _INTERPRET_MAX_BLOCK), None, None, _INTERPRET_LANE_WIDTH)
     else:
