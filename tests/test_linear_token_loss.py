@@ -932,49 +932,56 @@ def test_failure_is_collective(tmp_path, tp):
 
 @pytest.mark.skipif(triton_skip_reason(DEVICE) is not None, reason=str(triton_skip_reason(DEVICE)))
 def test_probability_pass_rounds_its_row_bound_and_writes_no_row_it_does_not_own(monkeypatch):
-    """The dlogits pass over the probabilities covers the rows rounded up to 16 where both buffers hold them (so the
-    compiled pass can vectorise its contiguous row axis at an odd row count): the rows below the count get the same
-    bits as with the exact bound, the rows past it 0 (never the buffer's NaN scratch); where the output buffer holds
-    only the counted rows, nothing past them is written."""
+    """The dlogits pass over the forward's probabilities covers the rows rounded up to 16 where both buffers hold them
+    (so the compiled pass can vectorise its contiguous row axis at an odd row count): the rows below the count get
+    the same bits as with the exact bound, the rows past it exact zeros. Those rows hold what the forward left there
+    (whole row tiles, from zero-filled hidden rows: finite, never the buffer's NaN scratch), which the pass's zero
+    factors rely on. Where the output buffer holds only the counted rows, nothing past them is written."""
     from ppo_ops.core.contracts import BackwardStats, ShardOptions, UpstreamGrads
     from ppo_ops.lm_head import gemm_partials, prob_dlogits
 
-    n_seg, seg_len, width, n_rows, held = 2, 40, 24, 13, 16
+    n_seg, seg_len, width, n_rows = 2, 40, 24, 13
+    rounded_rows = 16
+    held = -(-n_rows // gemm_partials.config().block_m) * gemm_partials.config().block_m  # the forward's row tiles
     gen = torch.Generator().manual_seed(5)
-    tiles_per_seg = -(-seg_len // gemm_partials.config().block_n)
     hidden = torch.randn(n_rows, width, generator=gen).to(torch.bfloat16).to(DEVICE)
     weight = torch.randn(n_seg * seg_len, width, generator=gen).to(torch.bfloat16).to(DEVICE)
     tokens = torch.randint(0, n_seg * seg_len, (n_rows,), generator=gen).to(DEVICE)
     shard = ShardOptions(inv_temperature=1.0, n_valid=n_seg * seg_len - 3, seg_len=seg_len, vocab_start=0)
-    tiles = (-torch.rand(n_seg, tiles_per_seg, 3, n_rows, generator=gen)).to(DEVICE)
     stats = BackwardStats(torch.zeros(n_rows, device=DEVICE), torch.full((n_rows,), 2.0, device=DEVICE), None,
                           torch.randn(n_rows, generator=gen).to(DEVICE))
-    upstream = UpstreamGrads(*(torch.randn(n_rows, generator=gen).to(DEVICE) for _ in range(2)))
-    fresh = torch.rand(n_seg, seg_len, held, generator=gen).to(torch.float16)
-    fresh[:, :, n_rows:] = float("nan")  # scratch rows
+    scratch = torch.full((n_seg, seg_len, held), float("nan"), dtype=torch.float16, device=DEVICE)
+    _, tiles = gemm_partials.forward_probs(hidden, weight, tokens, shard, True, scratch.transpose(1, 2))
+    fresh = scratch.cpu()
+    past = fresh[:, :, n_rows:rounded_rows].float()
+    assert torch.isfinite(past).all() and past.ge(0).all() and past.le(1).all(), "the forward's rows past the count"
 
-    def in_place(exact: bool):
-        if exact:
-            monkeypatch.setattr(prob_dlogits, "access_rows", lambda n, probs, out: n)
-        else:
-            monkeypatch.undo()
-        storage = fresh.clone().to(DEVICE)
-        probs = storage.transpose(1, 2)
-        prob_dlogits.dlogits(probs, tiles, n_rows, hidden, weight, tokens, shard, stats, upstream, torch.bfloat16)
-        return storage.view(torch.bfloat16).cpu()
+    for upstream in (UpstreamGrads(*(torch.randn(n_rows, generator=gen).to(DEVICE) for _ in range(2))),
+                     UpstreamGrads(torch.randn(n_rows, generator=gen).to(DEVICE), None)):
+        def in_place(exact: bool, upstream=upstream):
+            if exact:
+                monkeypatch.setattr(prob_dlogits, "access_rows", lambda n, probs, out: n)
+            else:
+                monkeypatch.undo()
+            storage = fresh.clone().to(DEVICE)
+            prob_dlogits.dlogits(storage.transpose(1, 2), tiles, n_rows, hidden, weight, tokens, shard, stats,
+                                 upstream, torch.bfloat16)
+            return storage.view(torch.bfloat16).cpu()
 
-    exact, rounded = in_place(True), in_place(False)
-    assert torch.equal(rounded[:, :, :n_rows], exact[:, :, :n_rows]), "the counted rows' bits depend on the bound"
-    untouched = exact.view(torch.int16)[:, :, n_rows:] == fresh.view(torch.int16)[:, :, n_rows:]
-    assert untouched.all(), "the exact bound wrote past the counted rows"
-    assert torch.equal(rounded[:, :, n_rows:].float(), torch.zeros(n_seg, seg_len, held - n_rows)), "scratch rows"
-    assert rounded[:, :, :n_rows].float().abs().gt(0).any()
+        exact, rounded = in_place(True), in_place(False)
+        assert torch.equal(rounded[:, :, :n_rows].view(torch.int16), exact[:, :, :n_rows].view(torch.int16)), \
+            "the counted rows' bits depend on the bound"
+        untouched = exact.view(torch.int16)[:, :, n_rows:] == fresh.view(torch.int16)[:, :, n_rows:]
+        assert untouched.all(), "the exact bound wrote past the counted rows"
+        assert not rounded.view(torch.int16)[:, :, n_rows:rounded_rows].any(), "rows past the count: not +0"
+        assert torch.equal(rounded.view(torch.int16)[:, :, rounded_rows:], fresh.view(torch.int16)[:, :, rounded_rows:])
+        assert rounded[:, :, :n_rows].float().abs().gt(0).any()
 
     # an output that holds only the counted rows (its columns 16-byte aligned): nothing past them is written
-    out_storage = torch.full((n_seg, seg_len, held), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    out_storage = torch.full((n_seg, seg_len, rounded_rows), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     out = out_storage[:, :, :n_rows].transpose(1, 2)
     assert prob_dlogits.access_rows(n_rows, fresh.transpose(1, 2), out) == n_rows
-    assert prob_dlogits.access_rows(n_rows, fresh.transpose(1, 2), fresh.transpose(1, 2)) == held
+    assert prob_dlogits.access_rows(n_rows, fresh.transpose(1, 2), fresh.transpose(1, 2)) == rounded_rows
     probs = fresh.clone().to(DEVICE).transpose(1, 2)
     prob_dlogits.dlogits(probs, tiles, n_rows, hidden, weight, tokens, shard, stats, upstream, torch.bfloat16, out=out)
     assert torch.isnan(out_storage[:, :, n_rows:].float()).all(), "the pass wrote past the output's rows"
