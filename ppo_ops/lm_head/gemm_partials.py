@@ -295,11 +295,12 @@ def forward_partials(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.T
 def forward_probs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, shard: ShardOptions,
                   with_entropy: bool, probs: torch.Tensor):
     """The forward partials, and every logit kept as a probability relative to its tile: probs [n_seg, B, seg_len]
-    fp16, vocabulary-major (probs.transpose(1, 2) contiguous; B >= R a multiple of config().block_m; rows >= R are
-    scratch) gets e^(z - m) rounded once, m the max of the element's row over its tile's columns (a tile: BLOCK_N
-    columns from a segment start), 0 on padding columns. Returns (partials [n_seg, 5, R], tiles [n_seg,
-    tiles_per_seg, 3, R] fp32: the tile partials, channel 0 the tile max m): z = m + log e up to e's rounding, and
-    p = e * e^(m - M - log S). `applies(hidden, weight)` must hold."""
+    fp16, vocabulary-major (probs.transpose(1, 2) contiguous; B >= R a multiple of config().block_m) gets e^(z - m)
+    rounded once, m the max of the element's row over its tile's columns (a tile: BLOCK_N columns from a segment
+    start), 0 on padding columns. Rows >= R: those of the last row tile get a zero hidden row's (1, or 0 on padding
+    columns: finite, which the dlogits pass relies on), the rest are not written. Returns (partials [n_seg, 5, R],
+    tiles [n_seg, tiles_per_seg, 3, R] fp32: the tile partials, channel 0 the tile max m): z = m + log e up to e's
+    rounding, and p = e * e^(m - M - log S). `applies(hidden, weight)` must hold."""
     return _forward(hidden, weight, tokens, shard, with_entropy, probs)
 
 
