@@ -936,7 +936,8 @@ def test_probability_pass_rounds_its_row_bound_and_writes_no_row_it_does_not_own
     (so the compiled pass can vectorise its contiguous row axis at an odd row count): the rows below the count get
     the same bits as with the exact bound, the rows past it exact zeros. Those rows hold what the forward left there
     (whole row tiles, from zero-filled hidden rows: finite, never the buffer's NaN scratch), which the pass's zero
-    factors rely on. Where the output buffer holds only the counted rows, nothing past them is written."""
+    upstream gradients on those rows rely on. Where the output buffer holds only the counted rows, nothing past them
+    is written."""
     from ppo_ops.core.contracts import BackwardStats, ShardOptions, UpstreamGrads
     from ppo_ops.lm_head import gemm_partials, prob_dlogits
 

@@ -109,8 +109,8 @@ def prob_dlogits_kernel(
     m_shift = m - tl.load(shift_ptr + rows, mask=row_ok, other=0.0)  # m - M <= 0
     scale_row = tl.exp(m_shift - tl.load(log_sum_ptr + rows, mask=row_ok, other=0.0))
     # Rows in [R, io_rows) get 0 through their upstream gradients (loaded as 0), not through a select on row_ok per
-    # element: at a row count like 8191 that select is computed element by element and costs a quarter of the
-    # pass (docs/performance.md). Their e are the forward's, finite (see access_rows), so every product stays 0.
+    # element: at a row count like 8191 that select is computed element by element and slows the whole pass
+    # (docs/performance.md). Their e are the forward's, finite (see access_rows), so every product stays 0.
     if HAS_GRAD_ENTROPY:
         g_ent = tl.load(grad_entropy_ptr + rows, mask=row_ok, other=0.0)
         mean_shifted = tl.load(mean_shifted_ptr + rows, mask=row_ok, other=0.0)
@@ -149,8 +149,8 @@ def prob_dlogits_kernel(
 def access_rows(n_rows: int, probs: torch.Tensor, out: torch.Tensor) -> int:
     """The rows the pass's loads and stores cover: n_rows rounded up to 16 where both buffers hold that many rows
     (rows past n_rows then get 0), else n_rows. A bound that is a multiple of 16 lets the compiler vectorise the
-    contiguous row axis; at a bound like 8191 every access splits into single elements and the pass runs at half
-    its rate (docs/performance.md). The rows past n_rows that it reads were written by the forward
+    contiguous row axis; at a bound like 8191 every access splits into single elements and the pass runs far below
+    the copy rate (docs/performance.md). The rows past n_rows that it reads were written by the forward
     (gemm_partials.forward_probs stores whole row tiles, a multiple of 16 rows, and its TMA loads zero-fill the
     hidden rows past n_rows), so they hold finite e in [0, 1], which the pass's zero upstream gradients turn into
     exact zeros."""
