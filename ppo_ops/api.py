@@ -403,6 +403,11 @@ def _token_loss_eager(hidden, weight, tokens, token_loss, *, tp_group, entropy, 
 def _outputs(out, call: shell.Call) -> LogProbsEntropy:
     """A Function's log-prob (and entropy) outputs, [T] each, in the call's leading shape."""
     if call.plan.entropy_mode == "none":
-        return LogProbsEntropy(out.reshape(call.lead), None)
+        return LogProbsEntropy(_shaped(out, call.lead), None)
     log_prob, ent = out
-    return LogProbsEntropy(log_prob.reshape(call.lead), ent.reshape(call.lead))
+    return LogProbsEntropy(_shaped(log_prob, call.lead), _shaped(ent, call.lead))
+
+
+def _shaped(t: torch.Tensor, lead: tuple) -> torch.Tensor:
+    """t in the call's leading shape; itself when it has it (a reshape would add a view, and a node for autograd)."""
+    return t if t.shape == lead else t.reshape(lead)

@@ -73,6 +73,27 @@ def test_run_to_run_bitwise(backend):
 
 
 @with_each_backend
+def test_calls_in_any_order_are_each_their_own(backend):
+    """Calls whose options differ (the prepared plans the shell keeps per call signature), interleaved, each give the
+    bits the same call gives with nothing kept before it: no option of one call leaks into another's."""
+    from ppo_ops.core import shell
+
+    logits, tokens, opts, weights = _full_case(shape=(6, 320), vocab_size=300)
+    tokens = tokens.clamp(min=0)  # valid ids in every row, so the variant without a row mask may run
+    variants = [opts, dict(opts, temperature=1.3), dict(opts, vocab_size=310), dict(opts, entropy="value"),
+                dict(opts, keep_mask=None), dict(opts, row_mask=None), dict(opts, validate=False),
+                dict(opts, entropy="none")]
+    alone = []
+    for variant in variants:
+        shell._PLANS.clear()
+        alone.append(run_op(logits, tokens, backend=backend, **variant, **weights))
+    shell._PLANS.clear()
+    for i in (0, 1, 0, 2, 3, 1, 4, 5, 6, 7, 0, 3, 7, 2):
+        _assert_results_identical(alone[i], run_op(logits, tokens, backend=backend, **variants[i], **weights),
+                                  f"variant {i} after others")
+
+
+@with_each_backend
 def test_layout_and_dtype_variants_are_bitwise_invisible(backend):
     """int32 tokens, validate=False, logits with a row stride != V (a column slice), column-major logits and
     expanded (stride-0) upstream gradients all give the same bits as the plain call."""

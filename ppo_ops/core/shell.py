@@ -111,10 +111,30 @@ def _prepare(fn_name: str, tp_group, validate, like, local_checks: Callable[...,
         agreement.raise_collectively(fn_name, exc, group, world_size, validate, like)
 
 
+# Plans already built, by everything a Plan is made of: a trainer repeats a few call signatures, and building one
+# (the layout, the backend, two frozen dataclasses) is host time on every small call. Bounded: cleared when full.
+_PLANS: dict = {}
+_PLANS_MAX = 256
+
+
 def _plan(fn_name, group, world_size, rank, rows: torch.Tensor, v_local: int, options: tuple, *, op: str,
           entropy, backend, validate, fused_loss: bool = False, **fields) -> Plan:
     """The layout and the backend of a call whose options (`options`: what checks.check_options returned) and tensors
-    passed their checks."""
+    passed their checks: built once per signature (a call that raises is not kept)."""
+    key = (fn_name, group, world_size, rank, rows.dtype, rows.device.type, v_local, options, op, entropy, backend,
+           validate, fused_loss, tuple(fields.items()))
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _build_plan(fn_name, group, world_size, rank, rows, v_local, options, op=op, entropy=entropy,
+                           backend=backend, validate=validate, fused_loss=fused_loss, **fields)
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
+def _build_plan(fn_name, group, world_size, rank, rows, v_local, options, *, op, entropy, backend, validate,
+                fused_loss, **fields) -> Plan:
     temperature, inv_temperature, chunk_size, vocab_size = options
     layout = make_layout(group, world_size, rank, v_local, vocab_size)
     checks.check_vocab(fn_name, vocab_size, layout.v_global)
@@ -145,7 +165,7 @@ def prepare_logits(fn_name, logits, tokens, *, tp_group, entropy, keep_mask, tem
         sparse = sparse_keep.check(fn_name, keep, n_rows, logits.device, keep_mask, reduction_order)
         flat = _flatten_logits(fn_name, logits, n_rows, v_local, inplace_grad,
                                needs_unit_stride=plan.backend.needs_unit_column_stride)
-        return Call(flat, tokens.reshape(n_rows),
+        return Call(flat, tokens if tokens.dim() == 1 else tokens.reshape(n_rows),
                     None if keep_mask is None else keep_mask.reshape(n_rows, v_local),
                     None if row_mask is None else row_mask.reshape(n_rows), plan, lead, sparse)
 
@@ -204,7 +224,8 @@ def _flatten_logits_view(fn_name, logits, n_rows, v_local, inplace_grad, needs_u
                 f"{tuple(logits.shape)}, strides {logits.stride()})") from err
         checks.check_inplace_target(fn_name, flat, needs_unit_stride)
         return flat
-    flat = logits.reshape(n_rows, v_local)
+    # Already [T, V_local]: the tensor itself (a reshape would add a view, and a node for autograd to run backward).
+    flat = logits if logits.dim() == 2 else logits.reshape(n_rows, v_local)
     if needs_unit_stride and v_local > 1 and flat.stride(1) != 1:
         flat = flat.contiguous()
     return flat

@@ -117,9 +117,11 @@ class Launcher:
         grid = tuple(grid) + (1,) * (3 - len(grid))
         stream = self._driver.active.get_current_stream(device)
         hooks = self._hooks
+        enter = hooks.launch_enter_hook
+        # launch_metadata is None without an enter hook (what Triton's own launch computes then), so skip the call.
         compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
-                     compiled.launch_metadata(grid, stream, *args), hooks.launch_enter_hook, hooks.launch_exit_hook,
-                     *args)
+                     None if enter is None else compiled.launch_metadata(grid, stream, *args), enter,
+                     hooks.launch_exit_hook, *args)
 
 
 _LAUNCHERS: dict = {}  # id(kernel) -> its Launcher (by id: whether a Triton kernel object hashes varies by version)
