@@ -403,11 +403,6 @@ def _token_loss_eager(hidden, weight, tokens, token_loss, *, tp_group, entropy, 
 def _outputs(out, call: shell.Call) -> LogProbsEntropy:
     """A Function's log-prob (and entropy) outputs, [T] each, in the call's leading shape."""
     if call.plan.entropy_mode == "none":
-        return LogProbsEntropy(_shaped(out, call.lead), None)
+        return LogProbsEntropy(shell.shaped(out, call.lead), None)
     log_prob, ent = out
-    return LogProbsEntropy(_shaped(log_prob, call.lead), _shaped(ent, call.lead))
-
-
-def _shaped(t: torch.Tensor, lead: tuple) -> torch.Tensor:
-    """t in the call's leading shape; itself when it has it (a reshape would add a view, and a node for autograd)."""
-    return t if t.shape == lead else t.reshape(lead)
+    return LogProbsEntropy(shell.shaped(log_prob, call.lead), shell.shaped(ent, call.lead))

@@ -165,9 +165,9 @@ def prepare_logits(fn_name, logits, tokens, *, tp_group, entropy, keep_mask, tem
         sparse = sparse_keep.check(fn_name, keep, n_rows, logits.device, keep_mask, reduction_order)
         flat = _flatten_logits(fn_name, logits, n_rows, v_local, inplace_grad,
                                needs_unit_stride=plan.backend.needs_unit_column_stride)
-        return Call(flat, tokens if tokens.dim() == 1 else tokens.reshape(n_rows),
-                    None if keep_mask is None else keep_mask.reshape(n_rows, v_local),
-                    None if row_mask is None else row_mask.reshape(n_rows), plan, lead, sparse)
+        return Call(flat, shaped(tokens, (n_rows,)),
+                    None if keep_mask is None else shaped(keep_mask, (n_rows, v_local)),
+                    None if row_mask is None else shaped(row_mask, (n_rows,)), plan, lead, sparse)
 
     return _prepare(fn_name, tp_group, validate, logits, local_checks)
 
@@ -199,10 +199,16 @@ def prepare_lm_head(fn_name, hidden, weight, tokens, *, tp_group, entropy, tempe
                      if needs_grad is None else needs_grad, working_memory=memory)
         n_rows = math.prod(lead)
         sparse = sparse_keep.check(fn_name, keep, n_rows, hidden.device)
-        return Call(hidden.reshape(n_rows, width), tokens.reshape(n_rows), None,
-                    None if row_mask is None else row_mask.reshape(n_rows), plan, lead, sparse)
+        return Call(shaped(hidden, (n_rows, width)), shaped(tokens, (n_rows,)), None,
+                    None if row_mask is None else shaped(row_mask, (n_rows,)), plan, lead, sparse)
 
     return _prepare(fn_name, tp_group, validate, hidden, local_checks, host_read_row_mask=row_mask)
+
+
+def shaped(t: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """t reshaped to `shape`, or t itself when it has that shape already: a reshape would add a view, and a node for
+    autograd to run backward (host time on every small call)."""
+    return t if t.shape == shape else t.reshape(shape)
 
 
 def _flatten_logits(fn_name, logits, n_rows, v_local, inplace_grad, needs_unit_stride):
@@ -224,8 +230,7 @@ def _flatten_logits_view(fn_name, logits, n_rows, v_local, inplace_grad, needs_u
                 f"{tuple(logits.shape)}, strides {logits.stride()})") from err
         checks.check_inplace_target(fn_name, flat, needs_unit_stride)
         return flat
-    # Already [T, V_local]: the tensor itself (a reshape would add a view, and a node for autograd to run backward).
-    flat = logits if logits.dim() == 2 else logits.reshape(n_rows, v_local)
+    flat = shaped(logits, (n_rows, v_local))
     if needs_unit_stride and v_local > 1 and flat.stride(1) != 1:
         flat = flat.contiguous()
     return flat
