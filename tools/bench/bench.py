@@ -7,9 +7,10 @@
     python3 tools/bench/bench.py --suite=whole_step --out_dir=/tmp/bench        # RL step through random Qwen3-0.6B
     bazel run //tools:bench -- --suite=lm_head --out_dir=...   # the fused LM head from hidden states (lm_head.py)
     python3 tools/bench/bench.py --suite=lm_head_pieces --out_dir=/tmp/bench    # the segment GEMMs' pieces, CUDA
-    python3 tools/bench/bench.py --suite=small_call --providers=eager,compiled,reduce_overhead --out_dir=/tmp/bench \
-        --min_reps=200 --max_reps=4000 --target_ms=1500
-        # the logits op's small calls (T = 1024, 8192): eager, torch.compile, reduce-overhead, each with its host time;
+    python3 tools/bench/bench.py --suite=small_call --out_dir=/tmp/bench --min_reps=200 --max_reps=4000 \
+        --target_ms=1500
+        # the logits op's small calls (T = 1024, 8192): eager, torch.compile, reduce-overhead, each with its host time,
+        # and the same modes of an op doing one kernel each way (floor_*: what torch itself takes on this host);
         # ~1.5 s a case, since a host's slow phases last longer than the default 50 repetitions of a small call
 
 Families: a suite belongs to the logits op's family (logits.py: results.csv / .md / .png, named by --csv, --md,

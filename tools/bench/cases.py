@@ -16,9 +16,10 @@ stops on its time budget (bench --time_budget_s) has measured the headline befor
   small_call  the host cost of a small call: the logits op at T = 1024 and 8192, V = 151936, bf16, entropy with
             gradient, validate=False, called plainly (eager), through torch.compile(fullgraph=True) (compiled) and
             torch.compile(mode="reduce-overhead") (reduce_overhead: CUDA graphs), each row with its host time per
-            call beside its device time (--suite=small_call --providers=eager,compiled,reduce_overhead).
-            small_call_smoke: the same on the smoke shape, for the CPU tests (no CUDA graphs there: reduce_overhead
-            is skipped with its reason).
+            call beside its device time; floor_eager / floor_compiled / floor_reduce_overhead: the same three modes
+            of an op doing one kernel each way, the host time torch itself takes there (--suite=small_call).
+            small_call_smoke: the same on the smoke shape, for the CPU tests (no CUDA graphs there: the
+            reduce-overhead rows are skipped with their reason).
   whole_step  one RL step through a random Qwen3-0.6B (T=8192, bf16, forward + backward through the model, ppo_ops
             for log-prob + entropy), validate on and off: what the host sync costs in a whole step
             (--suite=whole_step --providers=qwen3_step). whole_step_smoke: the same on a tiny model, on CPU.
@@ -71,7 +72,8 @@ KEEP_SET_PROVIDERS = ("triton_keep_sparse", "triton_keep_dense")  # the keep_set
 # SGLang's log_softmax order beside ppo_ops' own and SGLang's kernel (the sglang_order suite; pass --providers)
 SGLANG_ORDER_PROVIDERS = ("triton", "triton_sglang", "sglang", "naive")
 # The logits op as a user calls it (backend "auto"): plain, torch.compile(fullgraph=True), mode="reduce-overhead".
-SMALL_CALL_PROVIDERS = ("eager", "compiled", "reduce_overhead")
+SMALL_CALL_PROVIDERS = ("eager", "compiled", "reduce_overhead",  # the logits op, then the floor under any op:
+                        "floor_eager", "floor_compiled", "floor_reduce_overhead")
 SMALL_CALL_TOKENS = (1024, 8192)  # a small call, where the host's cost shows, and the headline T
 # A whole training step through a model that calls ppo_ops (tools/bench/whole_step.py): only in its own suites.
 WHOLE_STEP_PROVIDERS = ("qwen3_step", "qwen3_step_ckpt", "qwen3_step_head", "qwen3_step_loss")

@@ -23,6 +23,9 @@ Providers:
           trees' warm-up run, recording, first replay) before the bench's own warm-up; dynamo is enabled for the
           compile whatever TORCHDYNAMO_DISABLE says, and a compile that ran eagerly fails the case. Under
           reduce-overhead the logits are marked static (no copy into the graph's input buffer per replay)
+  floor_eager / floor_compiled / floor_reduce_overhead  the same three modes of an autograd op that does next to
+          nothing (one kernel each way, _FloorOp): the host time torch itself takes per call on this host, beside
+          which the small-call rows read. Not checked (its gradient is not one)
   legacy  ppo_ops.legacy.calculate_log_probs_and_entropy (Megatron fused vocab-parallel CE + separate entropy)
   naive   log_softmax + gather + softmax entropy in fp32 (TP=1)
   qwen3_step  one RL step through a random Qwen3-0.6B with ppo_ops (tools/bench/whole_step.py; its own suites);
@@ -210,8 +213,28 @@ def _unique_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+class _FloorOp(torch.autograd.Function):
+    """The least work an autograd op with the logits op's outputs and gradient can launch: forward, one kernel writing
+    two [T] fp32 outputs from two columns; backward, an uninitialised [T, V] gradient and one kernel writing its first
+    column. Not a gradient (its row is not checked): its host time is what torch's autograd (and, compiled, its
+    graph machinery) costs on this host before any op's own work."""
+
+    @staticmethod
+    def forward(ctx, logits):
+        ctx.shape, ctx.dtype = logits.shape, logits.dtype
+        pair = logits[:, :2].float()
+        return pair[:, 0], pair[:, 1]
+
+    @staticmethod
+    def backward(ctx, grad_first, grad_second):
+        grad = torch.empty(ctx.shape, dtype=ctx.dtype, device=grad_first.device)
+        grad[:, 0] = grad_first
+        return grad
+
+
 def build_small_call(case: Case, inp: Inputs) -> Closure:
-    """eager / compiled / reduce_overhead: the logits op called as a user calls it (see the module docstring)."""
+    """eager / compiled / reduce_overhead: the logits op called as a user calls it; floor_*: _FloorOp in the same mode
+    (see the module docstring)."""
     import ppo_ops
 
     def call(logits):
@@ -219,14 +242,17 @@ def build_small_call(case: Case, inp: Inputs) -> Closure:
                                             keep_mask=inp.keep_mask, row_mask=inp.row_mask, validate=case.validate)
         return out.log_probs, out.entropy
 
-    graphs = case.provider == "reduce_overhead"
+    mode = case.provider.removeprefix("floor_")
+    if mode != case.provider:
+        call = _FloorOp.apply
+    graphs = mode == "reduce_overhead"
     if graphs:
         # CUDA graph trees copy every input that is not static into the graph's own buffer at each replay. The logits
         # are the bench's one fixed tensor; marked static, the rows time the op, not a copy of T x V_local elements
         # that a trainer whose logits come from outside the compiled function would pay on top (and one whose LM
         # head is compiled with it would not). Unguarded: a new address re-records rather than recompiles.
         torch._dynamo.mark_static_address(inp.logits)
-    if case.provider != "eager":
+    if mode != "eager":
         torch._dynamo.reset()  # a fresh compile per case: static shapes, as a trainer with a fixed T has them
         with _dynamo_enabled():
             call = torch.compile(call, mode="reduce-overhead") if graphs else torch.compile(call, fullgraph=True)
@@ -246,7 +272,7 @@ def build_small_call(case: Case, inp: Inputs) -> Closure:
         # Copies: a CUDA graph's outputs are overwritten by its next replay.
         return _fp32_1d(log_prob).clone(), None if entropy is None else _fp32_1d(entropy).clone()
 
-    if case.provider != "eager":
+    if mode != "eager":
         before = _unique_graphs()
         for _ in range(COMPILE_WARMUP_CALLS):
             step(inp.logits)  # its gradient dropped at once, as the bench's repetitions drop theirs
@@ -258,7 +284,7 @@ def build_small_call(case: Case, inp: Inputs) -> Closure:
 def _unsupported_small_call(case: Case, device: torch.device) -> Optional[str]:
     if case.inplace_grad:
         return "the small-call rows time the op's default call (inplace_grad off)"
-    if case.provider == "reduce_overhead" and device.type != "cuda":
+    if case.provider.endswith("reduce_overhead") and device.type != "cuda":
         return "reduce-overhead's CUDA graphs need a GPU (on CPU it would time the compiled provider again)"
     return first_import_problem(TORCH_MODULES)
 
@@ -420,7 +446,8 @@ PROVIDERS = registry(
     Provider("triton_sglang", build_triton_sglang, _unsupported_triton_sglang, modules=TRITON_MODULES),
     *(Provider(name, build_triton_keep, _unsupported_triton_keep, checked=False, modules=TRITON_MODULES)
       for name in ("triton_keep_sparse", "triton_keep_dense")),
-    *(Provider(name, build_small_call, _unsupported_small_call, modules=TORCH_MODULES)
+    *(Provider(name, build_small_call, _unsupported_small_call, checked=not name.startswith("floor_"),
+               modules=TORCH_MODULES)
       for name in SMALL_CALL_PROVIDERS),
     Provider("sglang", build_sglang, _unsupported_sglang, modules=SGLANG_MODULES),
     Provider("legacy", build_legacy, _unsupported_legacy, modules=LEGACY_MODULES),
