@@ -557,6 +557,48 @@ def test_launch_key_of_a_tensor_descriptor():
     assert key(small, [16, 32]) != key(small.half(), [16, 32])
 
 
+def test_generated_launch_key_is_the_definitions():
+    """The straight-line function a Launcher generates from one call's arguments gives, for every later call, the key
+    specialization_key defines and the arguments in signature order (an absent one's default): also when an argument
+    comes as another kind than the call it was generated from."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from ppo_ops.core.triton_launch import key_and_arguments, specialization_key
+
+    names = ("x_ptr", "n", "scale", "flag", "desc", "stride", "BLOCK")
+    constexpr = (False, False, False, False, False, False, True)
+    defaults = (None, None, None, None, None, 7, None)
+    base = torch.empty(4096, dtype=torch.bfloat16)
+    example = dict(x_ptr=base[:64], n=17, scale=0.5, flag=True, desc=TensorDescriptor.from_tensor(base.view(64, 64),
+                   [16, 32]), BLOCK=64, num_warps=4)
+    generated = key_and_arguments(names, constexpr, defaults, example)
+    variants = [
+        example,
+        dict(example, x_ptr=base[1:65]), dict(example, x_ptr=base[4:68]),  # 2- and 8-byte aligned
+        dict(example, x_ptr=base[:64].float()),
+        dict(example, x_ptr=torch.nn.Parameter(base[:64].float())),  # a tensor subclass
+        dict(example, x_ptr=3),  # another kind than the example's
+        dict(example, n=1), dict(example, n=24), dict(example, n=32), dict(example, n=2 ** 31 + 1),
+        dict(example, n=-2 ** 31 - 1), dict(example, n=True),
+        dict(example, n=base[:8]), dict(example, n=None),
+        dict(example, scale=2), dict(example, scale=torch.tensor(0.5)),
+        dict(example, flag=False), dict(example, flag=None),
+        dict(example, desc=TensorDescriptor.from_tensor(base.view(32, 128).half(), [16, 32])),
+        dict(example, stride=4096), dict(example, stride=16),
+        dict(example, BLOCK=128),
+        dict(example, num_warps=8, num_stages=3), dict(reversed(list(dict(example, num_stages=3).items()))),
+        {k: v for k, v in example.items() if k not in ("flag", "num_warps")},
+    ]
+    for kwargs in variants:
+        want_args = tuple(kwargs[n] if n in kwargs else d for n, d in zip(names, defaults))
+        key, args = generated(kwargs)
+        assert key == specialization_key(names, constexpr, kwargs), kwargs
+        assert len(args) == len(want_args) and all(a is b for a, b in zip(args, want_args)), kwargs
+    # The order the options are written in does not make another key; their values do.
+    assert generated(dict(example, num_stages=3))[0] == generated(variants[-2])[0]
+    assert generated(variants[-3])[0] != generated(dict(example, num_stages=3))[0]
+
+
 def test_launch_binds_positions_as_a_call_does():
     """Launcher(kernel)(grid, *args, **kwargs) takes arguments as kernel[grid](...) does: positions in signature
     order, then names; too many positions or one argument twice is refused."""

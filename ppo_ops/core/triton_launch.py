@@ -9,7 +9,9 @@ What: `Launcher(kernel)(grid, **kwargs)` keys each call on what Triton specialis
 a constexpr's value; an integer's class: equal to 1, divisible by 16, 32- or 64-bit; a tensor's dtype and 16-byte
 alignment; a host tensor descriptor's dtype, block shape and padding; the launch options; the current device),
 so every call that Triton would run with one compiled kernel maps to one key, and no two calls that Triton would
-run differently share a key. The first call of a key goes
+run differently share a key. The key and the launch's argument list come from one straight-line function generated
+per kernel (`key_and_arguments`), equal by construction to `specialization_key` and a loop over the signature, for
+a third of their host time. The first call of a key goes
 through `kernel[grid](**kwargs)` (which compiles if needed) and keeps the CompiledKernel it returns; later calls of
 that key call its launcher directly, with the arguments in the order and the launch metadata and hooks that
 `JITFunction.run` passes. So the kernel, hence the bits, are Triton's own choice; what is skipped is the per-call
@@ -33,29 +35,76 @@ def specialization_key(names: tuple, constexpr: tuple, kwargs: dict, params: fro
     constexpr's value; an integer's (== 1, % 16 == 0, fits int32); a float's type; a tensor's dtype and 16-byte
     alignment; a TensorDescriptor's base dtype, block shape and padding (Triton compiles a descriptor argument for
     its dtype and block shape; its base, shape and strides are launch arguments); None, a bool or anything else as
-    itself), then the launch options (every keyword that is not a parameter: num_warps, num_stages, ...) as given;
-    `params`: the names as a set, where the caller keeps one. Runs on every launch: types are compared exactly, most
-    common first."""
-    key = []
-    append, get = key.append, kwargs.get
-    for name, is_const in zip(names, constexpr):
-        value = get(name)
-        kind = type(value)
-        if is_const or value is None or kind is bool:
-            append(value)
+    itself), then the launch options (every keyword that is not a parameter: num_warps, num_stages, ...) by name;
+    `params`: the names as a set, where the caller keeps one. The definition; a launch computes the same with the
+    function key_and_arguments generates."""
+    get = kwargs.get
+    key = tuple(get(name) if is_const else value_class(get(name)) for name, is_const in zip(names, constexpr))
+    return key, launch_options(kwargs, params or frozenset(names))
+
+
+def value_class(value):
+    """What Triton specialises a non-constexpr argument on (specialization_key)."""
+    kind = type(value)
+    if value is None or kind is bool:
+        return value
+    if kind is int:
+        return (value == 1, value % 16 == 0, _INT32_MIN <= value <= _INT32_MAX)
+    if kind is float:
+        return float
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, value.data_ptr() % 16 == 0)
+    if hasattr(value, "block_shape") and hasattr(value, "base"):  # a host TMA descriptor
+        return (kind, value.base.dtype, tuple(value.block_shape), getattr(value, "padding", None))
+    return (kind, value)
+
+
+def launch_options(kwargs: dict, params: frozenset) -> tuple:
+    """The keywords that are not parameters (num_warps, num_stages, ...), by name: a set difference in C, then the
+    few left sorted (a key must not depend on the order the caller wrote them in)."""
+    extra = kwargs.keys() - params
+    return tuple(sorted((k, kwargs[k]) for k in extra)) if extra else ()
+
+
+_MISSING = object()
+
+
+def key_and_arguments(names: tuple, constexpr: tuple, defaults: tuple, example: dict):
+    """A function `f(kwargs) -> (specialization_key(names, constexpr, kwargs), the launch's arguments in signature
+    order, a default where a name is absent)`, as straight-line code: per parameter one dict lookup and, for a
+    tensor, an int or a float (the kinds `example`, one call's kwargs, gives it), the class inline, behind a type
+    test that hands any other kind to `value_class`. Same result as the loop for every argument, of any kind."""
+    lines, key_parts = [], []
+    for i, (name, is_const) in enumerate(zip(names, constexpr)):
+        v = f"v{i}"
+        lines.append(f"    {v} = get({name!r}, M)")
+        kind = type(example.get(name))
+        if is_const:
+            form = v
         elif kind is int:
-            append((value == 1, value % 16 == 0, _INT32_MIN <= value <= _INT32_MAX))
+            form = (f"(({v} == 1, {v} % 16 == 0, {_INT32_MIN} <= {v} <= {_INT32_MAX}) "
+                    f"if type({v}) is int else value_class({v}))")
         elif kind is float:
-            append(float)
-        elif isinstance(value, torch.Tensor):
-            append((value.dtype, value.data_ptr() % 16 == 0))
-        elif hasattr(value, "block_shape") and hasattr(value, "base"):  # a host TMA descriptor
-            append((kind, value.base.dtype, tuple(value.block_shape), getattr(value, "padding", None)))
+            form = f"(float if type({v}) is float else value_class({v}))"
+        elif isinstance(example.get(name), torch.Tensor):
+            form = f"(({v}.dtype, {v}.data_ptr() % 16 == 0) if type({v}) is Tensor else value_class({v}))"
         else:
-            append((kind, value))
-    params = params or frozenset(names)
-    options = tuple((k, v) for k, v in kwargs.items() if k not in params)
-    return tuple(key), options
+            form = f"value_class({v})"
+        # An absent name keys as None (what the loop's kwargs.get gives) and launches with its default.
+        lines.append(f"    if {v} is M:\n        k{i} = None\n        {v} = D[{i}]\n    else:\n        k{i} = {form}")
+        key_parts.append(f"k{i}")
+    key = _tuple_source(key_parts)
+    arguments = _tuple_source(f"v{i}" for i in range(len(names)))
+    source = ("def key_and_arguments(kwargs):\n    get = kwargs.get\n" + "\n".join(lines)
+              + f"\n    return ({key}, launch_options(kwargs, P)), {arguments}\n")
+    scope = dict(M=_MISSING, D=defaults, P=frozenset(names), Tensor=torch.Tensor, value_class=value_class,
+                 launch_options=launch_options)
+    exec(compile(source, f"<ppo_ops launch of {len(names)} parameters>", "exec"), scope)  # noqa: S102
+    return scope["key_and_arguments"]
+
+
+def _tuple_source(parts) -> str:
+    return "(" + "".join(f"{p}, " for p in parts) + ")"  # a trailing comma each: a 1-tuple stays a tuple
 
 
 def bind_arguments(names: tuple, args: tuple, kwargs: dict) -> dict:
@@ -78,6 +127,7 @@ class Launcher:
         self._compiled: dict = {}  # (device, key) -> CompiledKernel
         self._signature = None  # (names, constexpr flags, defaults, names as a set) once read from the kernel
         self._direct = None  # whether this Triton has what the direct launch needs (decided at the first launch)
+        self._key_and_arguments = None  # generated at the first direct launch (key_and_arguments)
 
     def _read_signature(self) -> bool:
         try:
@@ -100,11 +150,15 @@ class Launcher:
         if not self._direct:
             self.kernel[grid](*args, **kwargs)
             return
-        names, constexpr, defaults, params = self._signature
         if args:
-            kwargs = bind_arguments(names, args, kwargs)
+            kwargs = bind_arguments(self._signature[0], args, kwargs)
+        prepare = self._key_and_arguments
+        if prepare is None:
+            names, constexpr, defaults, _ = self._signature
+            prepare = self._key_and_arguments = key_and_arguments(names, constexpr, defaults, kwargs)
         device = torch.cuda.current_device()
-        key = (device, specialization_key(names, constexpr, kwargs, params))
+        key, args = prepare(kwargs)
+        key = (device, key)
         compiled = self._compiled.get(key)
         if compiled is None:
             compiled = self.kernel[grid](**kwargs)
@@ -113,7 +167,6 @@ class Launcher:
             else:
                 self._direct = False
             return
-        args = [kwargs[n] if n in kwargs else d for n, d in zip(names, defaults)]
         grid = tuple(grid) + (1,) * (3 - len(grid))
         stream = self._driver.active.get_current_stream(device)
         hooks = self._hooks
