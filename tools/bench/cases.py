@@ -17,7 +17,8 @@ stops on its time budget (bench --time_budget_s) has measured the headline befor
             gradient, validate=False, called plainly (eager), through torch.compile(fullgraph=True) (compiled) and
             torch.compile(mode="reduce-overhead") (reduce_overhead: CUDA graphs), each row with its host time per
             call beside its device time; floor_eager / floor_compiled / floor_reduce_overhead: the same three modes
-            of an op doing one kernel each way, the host time torch itself takes there (--suite=small_call).
+            of an op doing one kernel each way, the host time torch itself takes there (--suite=small_call with
+            these six as --providers).
             small_call_smoke: the same on the smoke shape, for the CPU tests (no CUDA graphs there: the
             reduce-overhead rows are skipped with their reason).
   whole_step  one RL step through a random Qwen3-0.6B (T=8192, bf16, forward + backward through the model, ppo_ops
