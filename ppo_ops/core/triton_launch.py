@@ -10,8 +10,8 @@ a constexpr's value; an integer's class: equal to 1, divisible by 16, 32- or 64-
 alignment; a host tensor descriptor's dtype, block shape and padding; the launch options; the current device),
 so every call that Triton would run with one compiled kernel maps to one key, and no two calls that Triton would
 run differently share a key. The key and the launch's argument list come from one straight-line function generated
-per kernel (`key_and_arguments`), equal by construction to `specialization_key` and a loop over the signature, for
-a third of their host time. The first call of a key goes
+per kernel (`key_and_arguments`), equal by construction to `specialization_key` and a loop over the signature, in
+fewer Python steps. The first call of a key goes
 through `kernel[grid](**kwargs)` (which compiles if needed) and keeps the CompiledKernel it returns; later calls of
 that key call its launcher directly, with the arguments in the order and the launch metadata and hooks that
 `JITFunction.run` passes. So the kernel, hence the bits, are Triton's own choice; what is skipped is the per-call
@@ -30,17 +30,16 @@ import torch
 _INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1
 
 
-def specialization_key(names: tuple, constexpr: tuple, kwargs: dict, params: frozenset = frozenset()) -> tuple:
+def specialization_key(names: tuple, constexpr: tuple, kwargs: dict) -> tuple:
     """The key of one call: each parameter's class in signature order (`names`, with `constexpr` flags; a
     constexpr's value; an integer's (== 1, % 16 == 0, fits int32); a float's type; a tensor's dtype and 16-byte
     alignment; a TensorDescriptor's base dtype, block shape and padding (Triton compiles a descriptor argument for
     its dtype and block shape; its base, shape and strides are launch arguments); None, a bool or anything else as
-    itself), then the launch options (every keyword that is not a parameter: num_warps, num_stages, ...) by name;
-    `params`: the names as a set, where the caller keeps one. The definition; a launch computes the same with the
-    function key_and_arguments generates."""
+    itself), then the launch options (every keyword that is not a parameter: num_warps, num_stages, ...) by name.
+    The definition; a launch computes the same with the function key_and_arguments generates."""
     get = kwargs.get
     key = tuple(get(name) if is_const else value_class(get(name)) for name, is_const in zip(names, constexpr))
-    return key, launch_options(kwargs, params or frozenset(names))
+    return key, launch_options(kwargs, frozenset(names))
 
 
 def value_class(value):
@@ -125,7 +124,7 @@ class Launcher:
     def __init__(self, kernel):
         self.kernel = kernel
         self._compiled: dict = {}  # (device, key) -> CompiledKernel
-        self._signature = None  # (names, constexpr flags, defaults, names as a set) once read from the kernel
+        self._signature = None  # (names, constexpr flags, defaults) once read from the kernel
         self._direct = None  # whether this Triton has what the direct launch needs (decided at the first launch)
         self._key_and_arguments = None  # generated at the first direct launch (key_and_arguments)
 
@@ -141,7 +140,7 @@ class Launcher:
             self._hooks, self._driver = knobs.runtime, driver
         except (AttributeError, ImportError):
             return False
-        self._signature = (names, constexpr, defaults, frozenset(names))
+        self._signature = (names, constexpr, defaults)
         return True
 
     def __call__(self, grid: tuple, *args, **kwargs) -> None:
@@ -154,8 +153,7 @@ class Launcher:
             kwargs = bind_arguments(self._signature[0], args, kwargs)
         prepare = self._key_and_arguments
         if prepare is None:
-            names, constexpr, defaults, _ = self._signature
-            prepare = self._key_and_arguments = key_and_arguments(names, constexpr, defaults, kwargs)
+            prepare = self._key_and_arguments = key_and_arguments(*self._signature, kwargs)
         device = torch.cuda.current_device()
         key, args = prepare(kwargs)
         key = (device, key)
