@@ -5,24 +5,37 @@ ppo_ops' fused LM head: the model's [B, S, V] logits are never formed.
     out = token_log_probs(model, input_ids, attention_mask=attention_mask, entropy="grad")
     out.log_probs[b, i]  # log p(input_ids[b, i + 1] | input_ids[b, :i + 1]), fp32
 
-The model's body (its base model, `model.base_model`: e.g. `Qwen3ForCausalLM.model`) runs once and returns the last
-hidden states (after its final norm); its output embedding, an nn.Linear without bias whose weight is [V, H], is the
-head's weight. That is exactly what the causal LM's own forward does for Qwen3, Qwen2, Llama, Mistral, Gemma 2 with
-final_logit_softcapping=None and most decoder-only models, so the results are the log-softmax of the model's own
-logits, computed by `ppo_ops.linear_log_probs_and_entropy` (or `linear_token_loss`) in the model's dtype (fp32, bf16
-or fp16; fp32 logit accumulation). One difference: where the output embedding has more rows than the config's
-vocab_size (a padded vocabulary), the extra columns get no probability mass (ppo_ops' vocab_size).
+The model's own forward runs once (`model(...)`, so whatever wraps it runs too: FSDP's parameter gathering, hooks),
+with its output embedding's forward replaced for that one call by the fused head: where the causal LM would compute
+lm_head(hidden_states), the head takes those hidden states and the output embedding's weight (an nn.Linear without
+bias, [V, H]) as they are at that moment, and its results travel back as the model's `logits` output. That is what the
+causal LM's own forward does for Qwen3, Qwen2, Llama, Mistral, Gemma 2 with final_logit_softcapping=None and most
+decoder-only models, so the results are the log-softmax of the model's own logits, computed by
+`ppo_ops.linear_log_probs_and_entropy` (or `linear_token_loss`) in the model's dtype (fp32, bf16 or fp16; fp32 logit
+accumulation). One difference: where the output embedding has more rows than the config's vocab_size (a padded
+vocabulary), the extra columns get no probability mass (ppo_ops' vocab_size).
+
+Why inside the model's call and not on `model.base_model`'s output: a trainer's model is often sharded (FSDP2's
+fully_shard, FSDP: both tested). Its parameters are whole only while the module that owns them runs (the root's
+gathering runs in model.forward, an output embedding sharded alone gathers in its own call), and its backward gathers
+them again from hooks on the module's outputs. Running the head in the output embedding's own call, on the weight as
+it is there, and returning what carries the gradient through the model's outputs, keeps both. Under accelerate's hook
+protocol (add_hook_to_module: the instance's forward runs `_hf_hook` around `_old_forward`) the head takes the place of
+`_old_forward`, inside the hook; any other forward set on the instance is refused. The weight must be whole there: a
+head sharded by tensor parallelism (a DTensor weight) is refused.
 
 Models that change the logits after the head, or the hidden states before it, cannot be served this way and are
 refused with an error naming the model class: a non-neutral value of one of the config settings in
 LOGIT_TRANSFORMS (logit soft-capping as Gemma 2/3's, Cohere's logit_scale, Granite's and MiniCPM3's logits_scaling,
 ...) or a `final_logits_bias`; a model without a base model or output embedding, an output embedding that is not an
-nn.Linear, or one with a bias. A model that does something else between its body and its head, under another name,
-is not detected: compare a batch against its own logits once before relying on it.
+nn.Linear, or one with a bias. At run time, a model whose forward does not call its output embedding exactly once on
+every position, or returns something other than what the head returned as its logits (a scale, a cap, a cast), is
+refused too, after its forward ran.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional
 
 import torch
@@ -64,11 +77,13 @@ def token_log_probs(
 ):
     """Log-prob of each next token (and the entropy of each position's distribution) under a transformers causal LM.
 
-    Runs the model's base model once on (input_ids, attention_mask, position_ids) without a cache, then the fused LM
-    head (`ppo_ops.linear_log_probs_and_entropy`, or `ppo_ops.linear_token_loss` when `token_loss` is given) on its
-    last hidden states and the output embedding's weight. Gradients reach every parameter of the model as through
-    its own logits; with tied embeddings (the output embedding's weight is the input embedding's Parameter) autograd
-    accumulates the head's and the embedding's contributions into that one Parameter's .grad.
+    Runs the model's own forward once on (input_ids, attention_mask, position_ids) without a cache, its output
+    embedding's forward replaced for that call by the fused LM head (`ppo_ops.linear_log_probs_and_entropy`, or
+    `ppo_ops.linear_token_loss` when `token_loss` is given) on the hidden states the model hands it and the output
+    embedding's weight as it is then (gathered, under FSDP: module docstring). Gradients reach every parameter of
+    the model as through its own logits; with tied embeddings (the output embedding's weight is the input
+    embedding's Parameter) autograd accumulates the head's and the embedding's contributions into that one
+    Parameter's .grad. Not reentrant for one model: the output embedding's forward is swapped during the call.
 
     Position i of the results is about the token after it: log_probs[b, i] = log p(input_ids[b, i + 1]) under the
     model's distribution at position i, with logits / temperature. Position i counts where
@@ -82,9 +97,10 @@ def token_log_probs(
 
     Args:
       model: a transformers causal LM (e.g. Qwen3ForCausalLM) in any float dtype ppo_ops takes (fp32, bf16, fp16).
-        Its base model must return the last hidden states (`last_hidden_state`, after the final norm) and its output
-        embedding must be an nn.Linear without bias; models that transform the logits are refused (module
-        docstring). Dropout and train/eval mode are the model's own.
+        Its output embedding must be an nn.Linear without bias that its forward calls once on the hidden states of
+        every position and returns as its logits; models that transform the logits are refused (module docstring).
+        It may be sharded by FSDP2's fully_shard (or another wrapper that makes the weight whole while the model's
+        forward runs). Dropout and train/eval mode are the model's own.
       input_ids: [B, S] integer token ids on the model's device, S >= 1.
       attention_mask: [B, S] (bool or integer, non-zero: a real token) or None (no padding). Passed to the model.
       position_ids: [B, S] or [1, S] integer, or None (0..S-1). Passed to the model. Packed batches (several
@@ -112,31 +128,130 @@ def token_log_probs(
 
     Errors: a model it cannot serve raises TypeError (not a causal LM with a base model and an nn.Linear output
     embedding) or ValueError (a bias, or a logit transform), naming the model class; bad arguments raise TypeError or
-    ValueError naming the argument, before the model runs.
+    ValueError naming the argument, before the model runs. What only the model's forward shows (a head not called
+    once on every position, logits changed after it, a DTensor weight) raises ValueError or TypeError from it.
     """
-    weight, vocab_size = _head(model)
-    _check_ids(input_ids, weight.device)
+    head, config_vocab = _head(model)
+    _check_ids(input_ids, head.weight.device)
     attention_mask = _check_rows("attention_mask", attention_mask, input_ids, allow_int=True)
     row_mask = _check_rows("row_mask", row_mask, input_ids, allow_int=False)
     _check_positions(position_ids, input_ids)
 
     targets, counted = _targets(input_ids, attention_mask, position_ids, row_mask)
+    opts = dict(entropy=entropy, temperature=temperature, row_mask=counted, validate=validate,
+                **({"keep": keep} if keep is not None else {}))
+    fused = _FusedHead(type(model).__name__, head, config_vocab, targets, token_loss, working_memory, opts)
+    with fused.in_place_of_forward():
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    return fused.results(out.logits if hasattr(out, "logits") else out[0])
 
-    out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           use_cache=False)
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    hidden = hidden.to(weight.dtype)  # a no-op for a model in one dtype; else the cast such models make before the head
 
-    opts = dict(entropy=entropy, temperature=temperature, row_mask=counted, vocab_size=vocab_size,
-                validate=validate, **({"keep": keep} if keep is not None else {}))
-    if token_loss is None:
-        return ppo_ops.linear_log_probs_and_entropy(hidden, weight, targets, **opts)
-    return ppo_ops.linear_token_loss(hidden, weight, targets, token_loss, working_memory=working_memory, **opts)
+class _FusedHead:
+    """The fused head in place of the output embedding's forward, for one call of the model's forward.
+
+    forward(hidden) runs the head on the hidden states the model hands its output embedding and the weight as it is
+    then (gathered, where a wrapper shards it), keeps what needs no gradient, and returns the outputs that carry one
+    stacked as the model's "logits"; results() takes them back out of the model's output, checking
+    that it is that tensor."""
+
+    def __init__(self, model_name, head, config_vocab, targets, token_loss, working_memory, opts):
+        self.model_name, self.head, self.config_vocab, self.targets = model_name, head, config_vocab, targets
+        self.token_loss, self.working_memory, self.opts = token_loss, working_memory, opts
+        self.returned = None  # what forward returned as the logits
+        self.kept = None  # (loss or None, LogProbsEntropy)
+        self.calls = 0
+
+    @contextlib.contextmanager
+    def in_place_of_forward(self):
+        """self.forward in place of the output embedding's own forward during the model's call. Under accelerate's
+        hooks (device_map dispatch, offloading) the instance's forward is the hook's, which calls the module's own,
+        kept as `_old_forward`, between its steps: that one is swapped, so the hook still runs around the head."""
+        head = self.head
+        attr = "_old_forward" if _accelerate_hooked(head) else "forward"
+        own = head.__dict__.get(attr)
+        setattr(head, attr, self.forward)
+        try:
+            yield
+        finally:
+            if own is None:
+                delattr(head, attr)
+            else:
+                setattr(head, attr, own)
+
+    def forward(self, hidden):
+        self.calls += 1
+        if self.calls > 1:
+            raise self._refused("calls its output embedding more than once in one forward")
+        weight = self.head.weight
+        _check_weight(self.model_name, weight)
+        if hidden.dim() != 3 or hidden.shape[:2] != self.targets.shape or hidden.shape[2] != weight.shape[1]:
+            raise self._refused(f"hands its output embedding hidden states of shape {tuple(hidden.shape)}, not one "
+                                f"[H = {weight.shape[1]}] row per position of input_ids {tuple(self.targets.shape)}")
+        hidden = hidden.to(weight.dtype)  # a no-op for a model in one dtype; else the cast such models make
+        # the rows past the config's vocabulary (a padded one) get no mass; read here, where the weight is whole
+        vocab = self.config_vocab
+        vocab_size = vocab if vocab is not None and vocab < weight.shape[0] else None
+        if self.token_loss is None:
+            out = ppo_ops.linear_log_probs_and_entropy(hidden, weight, self.targets, vocab_size=vocab_size, **self.opts)
+            self.kept = (None, out)
+            carried = [t for t in out if t is not None and t.requires_grad]
+        else:
+            loss, out = ppo_ops.linear_token_loss(hidden, weight, self.targets, self.token_loss, vocab_size=vocab_size,
+                                                  working_memory=self.working_memory, **self.opts)
+            self.kept = (loss, out)
+            carried = [loss] if loss.requires_grad else []
+        # [k, B, S] (the loss: [1]): each output a contiguous view of it again in results()
+        self.returned = torch.stack(carried) if carried else hidden.new_empty(0, dtype=torch.float32)
+        return self.returned
+
+    def results(self, logits):
+        if self.calls != 1:
+            raise self._refused("never called its output embedding in its forward")
+        if logits is not self.returned:
+            raise self._refused("changes what its output embedding returns before returning it as its logits (a "
+                                "scale, a cap or a cast the fused head does not make)")
+        loss, out = self.kept
+        if not logits.requires_grad:
+            return out if loss is None else (loss, out)
+        if loss is not None:
+            return logits.reshape(()), out
+        carried = iter(logits.unbind(0))
+        log_probs = next(carried) if out.log_probs.requires_grad else out.log_probs
+        entropy = next(carried) if out.entropy is not None and out.entropy.requires_grad else out.entropy
+        return type(out)(log_probs, entropy)
+
+    def _refused(self, what):
+        return argument_error(ValueError, _FN, "model", f"{self.model_name} {what}: the fused head cannot stand in "
+                                                        "for its output embedding")
+
+
+def _accelerate_hooked(module) -> bool:
+    """accelerate's add_hook_to_module: an instance forward that runs `_hf_hook` around `_old_forward`."""
+    return "forward" in module.__dict__ and "_old_forward" in module.__dict__ and hasattr(module, "_hf_hook")
+
+
+def _is_dtensor(tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def _check_weight(model_name, weight):
+    """The output embedding's weight as the model's forward hands it to its head: a whole [V, H] float tensor."""
+    if _is_dtensor(weight):
+        raise argument_error(TypeError, _FN, "model", f"{model_name}'s output embedding weight is a DTensor inside its "
+                             "forward (sharded by tensor parallelism): the fused head needs the whole weight there, as "
+                             "FSDP gathers it")
+    if weight.dtype not in FLOAT_DTYPES:
+        raise argument_error(TypeError, _FN, "model", f"{model_name} is in {weight.dtype}: ppo_ops' head takes "
+                                                      "float32, bfloat16 or float16 models")
 
 
 def _head(model):
-    """The output embedding's weight [V, H] and the true vocabulary (None: every row), after refusing what the
-    fused head cannot compute."""
+    """The output embedding (an nn.Linear, weight [V, H]) and the config's vocabulary size (None: not given), after
+    refusing what the fused head cannot compute."""
     name = type(model).__name__
     if not isinstance(model, nn.Module):
         raise argument_error(TypeError, _FN, "model", f"model must be a transformers causal LM (an nn.Module), got "
@@ -144,7 +259,7 @@ def _head(model):
     base = getattr(model, "base_model", None)
     if not isinstance(base, nn.Module) or base is model:
         raise argument_error(TypeError, _FN, "model",
-                             f"{name} has no base model (model.base_model) to run for the last hidden states: pass "
+                             f"{name} has no base model (model.base_model), as a causal LM has: pass "
                              "the causal LM (e.g. Qwen3ForCausalLM), not its body")
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
@@ -157,6 +272,9 @@ def _head(model):
     if head.bias is not None:
         raise argument_error(ValueError, _FN, "model", f"{name}'s output embedding has a bias, which the fused head "
                                                        "does not add")
+    if "forward" in head.__dict__ and not _accelerate_hooked(head):
+        raise argument_error(TypeError, _FN, "model", f"{name}'s output embedding has a forward of its own instance "
+                             "(a wrapper's that is not accelerate's hook): the fused head cannot run inside it")
     configs = [getattr(model, "config", None)]
     text_config = getattr(configs[0], "get_text_config", None)
     if callable(text_config):
@@ -171,9 +289,8 @@ def _head(model):
     if getattr(model, "final_logits_bias", None) is not None:
         raise argument_error(ValueError, _FN, "model", f"{name} adds final_logits_bias to its logits, which the fused "
                                                        "head does not add")
-    weight = head.weight
-    if weight.dtype not in FLOAT_DTYPES:
-        raise argument_error(TypeError, _FN, "model", f"{name} is in {weight.dtype}: ppo_ops' head takes "
+    if head.weight.dtype not in FLOAT_DTYPES:  # before the model runs; _check_weight sees the gathered weight
+        raise argument_error(TypeError, _FN, "model", f"{name} is in {head.weight.dtype}: ppo_ops' head takes "
                                                       "float32, bfloat16 or float16 models")
     vocab = None
     for config in reversed(configs):  # the text config's vocabulary where there is one
@@ -181,7 +298,7 @@ def _head(model):
         if isinstance(size, int) and not isinstance(size, bool):
             vocab = size
             break
-    return weight, (vocab if vocab is not None and vocab < weight.shape[0] else None)
+    return head, vocab
 
 
 def _neutral(value, neutral) -> bool:

@@ -7,7 +7,8 @@ float64: its own logits (model(...).logits), float64 log_softmax, gather, entrop
 entropy) over the positions that count, and autograd into every parameter. Batches: unpadded, left-padded (with
 position_ids from the mask, as generation makes them), right-padded, and packed (several sequences per row,
 position_ids restarting, no attention_mask). Which positions count is spelled out here from the documented rule, not
-taken from the module.
+taken from the module. Sharded models (FSDP2's fully_shard, FSDP) run on 2 gloo ranks, each on its own batch, against
+the mean of the float64 model's gradients over both batches (what the ranks' reduction gives).
 
 The float32 model's body rounds at every layer, so the tolerances against float64 are those of a float32 forward
 and backward of the whole model; the fused head itself is held to ppo_ops' own (tighter) tolerances against the
@@ -23,6 +24,7 @@ from torch import nn
 
 import ppo_ops
 from ppo_ops.hf import token_log_probs
+from tests.ranks import run_gloo
 from tests.reference import ENTROPY_TOL, LOG_PROB_TOL
 
 transformers = pytest.importorskip("transformers")
@@ -384,6 +386,104 @@ def test_another_architecture_gemma2_without_softcapping():
     _assert_grads(_grads(model), ref_grads, BODY_FP32_GRAD_REL_TOL)
 
 
+# --- a sharded model: FSDP2, FSDP ---
+
+def _shard(model, wrap, world_size):
+    """The model sharded over the gloo ranks: "fully_shard" (FSDP2 on each layer, then the root), "head_alone" (the
+    same, with the output embedding sharded on its own), "fsdp" (FSDP with each layer wrapped, original parameters)."""
+    if wrap == "fsdp":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        layer = type(model.model.layers[0])
+        return FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True,
+                                        auto_wrap_policy=ModuleWrapPolicy({layer}))
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    if wrap == "head_alone":
+        fully_shard(model.lm_head, mesh=mesh)  # gathered by its own call's hook only
+    return fully_shard(model, mesh=mesh)
+
+
+def _full_grads(model, wrap):
+    """Every parameter's gradient after the ranks' reduction, whole, by name."""
+    if wrap != "fsdp":
+        return {name: p.grad.full_tensor().double() for name, p in model.named_parameters()}
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    with FullyShardedDataParallel.summon_full_params(model, with_grads=True):
+        return {name.replace("_fsdp_wrapped_module.", ""): p.grad.double().clone()
+                for name, p in model.named_parameters()}
+
+
+def _sharded_worker(rank, world_size, wrap, tied, with_loss, padded):
+    """One rank of a sharded tiny Qwen3 (the same seeded weights on every rank), each rank on its own batch kind.
+    Its values against the float64 model on its batch; every parameter's gradient after the ranks' reduction (the
+    mean over ranks) against the mean of the float64 model's gradients over both batches."""
+    model = _qwen3(304 if padded else 301, tied)
+    vocab = 300 if padded else 301
+    model.config.vocab_size = vocab  # padded: 4 rows past the vocabulary, read where the weight is whole
+    model64 = _float64(model)
+    sharded = _shard(model, wrap, world_size)
+
+    def case(r):
+        ids, kwargs = _batch(["right_padded", "packed"][r], vocab, seed=11 + r)
+        counted = _expected_counted(ids, **kwargs)
+        w_lp, w_ent = _upstream(ids.shape, 20 + r)
+        return ids, kwargs, counted, w_lp, w_ent
+
+    def ppo_loss(r, ids, kwargs, counted):
+        with torch.no_grad():
+            lp64, _ = _model_log_probs(model64, ids, kwargs, counted, vocab=vocab)
+        gen = torch.Generator().manual_seed(30 + r)
+        log_ratio = torch.tensor([0.5, 0.05, -0.05, -0.5])[torch.randint(0, 4, ids.shape, generator=gen)]
+        return ppo_ops.policy_loss((lp64 - log_ratio).float(), torch.randn(ids.shape, generator=gen), clip_low=0.2,
+                                   clip_high=0.28, entropy_coef=0.01, loss_mask=counted, normalization="token_mean")
+
+    ids, kwargs, counted, w_lp, w_ent = case(rank)
+    if with_loss:
+        loss, out = token_log_probs(sharded, ids, entropy="grad", token_loss=ppo_loss(rank, ids, kwargs, counted),
+                                    **kwargs)
+    else:
+        out = token_log_probs(sharded, ids, entropy="grad", **kwargs)
+        loss = (w_lp * out.log_probs + w_ent * out.entropy).sum()
+    loss.backward()
+    got = _full_grads(sharded, wrap)
+
+    want = None
+    for r in range(world_size):
+        r_ids, r_kwargs, r_counted, r_w_lp, r_w_ent = case(r)
+        if with_loss:
+            ppo = ppo_loss(r, r_ids, r_kwargs, r_counted)
+            model64.zero_grad(set_to_none=True)
+            lp, ent = _model_log_probs(model64, r_ids, r_kwargs, r_counted, vocab=vocab)
+            ppo.total(lp.float(), ent.float()).backward()
+            lp, ent, grads = lp.detach(), ent.detach(), _grads(model64)
+        else:
+            lp, ent, grads = _run_reference(model64, r_ids, r_kwargs, r_counted, r_w_lp, r_w_ent, vocab=vocab)
+        if r == rank:
+            _assert_values(out.log_probs.detach(), out.entropy.detach(), lp, ent, counted, BODY_FP32_LOG_PROB_TOL,
+                           BODY_FP32_ENTROPY_TOL)
+        want = grads if want is None else {name: want[name] + grads[name] for name in grads}
+    _assert_grads(got, {name: g / world_size for name, g in want.items()}, BODY_FP32_GRAD_REL_TOL)
+
+
+@pytest.mark.parametrize("wrap, tied, with_loss, padded", [
+    ("fully_shard", True, False, False),
+    ("head_alone", False, False, True),
+    ("fully_shard", True, True, False),
+    ("fsdp", False, False, True),
+], ids=["fully_shard_tied", "fully_shard_head_alone_padded", "fully_shard_token_loss", "fsdp_padded"])
+def test_sharded_model(wrap, tied, with_loss, padded):
+    """A trainer's sharded model: its parameters are whole only inside the model's forward (and the output
+    embedding's own call, when that is sharded alone) and are gathered again for the backward. Values and every
+    parameter's reduced gradient on 2 gloo ranks against float64; a padded vocabulary read where the weight is
+    whole (outside the forward a rank holds only its shard)."""
+    pytest.importorskip("torch.distributed.fsdp", reason="this torch has no torch.distributed.fsdp")
+    run_gloo(2, _sharded_worker, wrap, tied, with_loss, padded)
+
+
 # --- models it cannot serve ---
 
 _TINY = dict(vocab_size=301, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
@@ -464,6 +564,104 @@ def test_models_it_cannot_serve(build, error, class_name, says):
     message = str(caught.value)
     assert message.startswith("ppo_ops.hf.token_log_probs: ") and class_name in message and says in message, message
     assert not ran
+
+
+class _ScalesItsLogits(transformers.Qwen3ForCausalLM):
+    """A logit transform no config names: the model's forward scales what its head returned."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 2.0
+        return out
+
+
+class _BypassesItsHead(transformers.Qwen3ForCausalLM):
+    """Logits from the output embedding's weight without calling the output embedding."""
+
+    def forward(self, input_ids=None, **kwargs):
+        hidden = self.model(input_ids=input_ids, **kwargs).last_hidden_state
+        return transformers.modeling_outputs.CausalLMOutputWithPast(
+            logits=nn.functional.linear(hidden, self.lm_head.weight))
+
+
+class _LastPositionOnly(transformers.Qwen3ForCausalLM):
+    """A forward that computes only the last position's logits (generation's logits_to_keep=1)."""
+
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, logits_to_keep=1, **kwargs)
+
+
+@pytest.mark.parametrize("cls, error, says", [
+    (_ScalesItsLogits, ValueError, "changes what its output embedding returns"),
+    (_BypassesItsHead, ValueError, "never called its output embedding"),
+    (_LastPositionOnly, ValueError, "hands its output embedding hidden states of shape (2, 1, 64)"),
+], ids=["scaled_after_head", "head_not_called", "last_position_only"])
+def test_models_refused_by_their_forward(cls, error, says):
+    """What no config shows, the model's own forward does: refused with the model class named, and the output
+    embedding's own forward back in place afterwards."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = cls(_config(301, True, attn_implementation="sdpa")).eval()
+    with pytest.raises(error) as caught:
+        token_log_probs(model, torch.zeros(2, 5, dtype=torch.long))
+    message = str(caught.value)
+    assert message.startswith("ppo_ops.hf.token_log_probs: ") and cls.__name__ in message and says in message, message
+    assert "forward" not in model.lm_head.__dict__
+    assert model(input_ids=torch.zeros(1, 3, dtype=torch.long)).logits.shape[-1] == 301  # its own head again
+
+
+class _OffloadHook:
+    """accelerate's hook protocol (add_hook_to_module: the instance's forward runs pre_forward, the module's own
+    forward kept as `_old_forward`, then post_forward), offloading as its device-map dispatch does: outside a call the
+    module holds a placeholder weight, pre_forward puts the real one in and post_forward takes it out again."""
+
+    def __init__(self, module, weight):
+        self.weight, self.placeholder, self.calls = weight, torch.zeros_like(weight), []
+        module.weight = nn.Parameter(self.placeholder, requires_grad=False)
+
+    def pre_forward(self, module, *args, **kwargs):
+        self.calls.append("pre")
+        module.weight = nn.Parameter(self.weight, requires_grad=False)
+        return args, kwargs
+
+    def post_forward(self, module, output):
+        self.calls.append("post")
+        module.weight = nn.Parameter(self.placeholder, requires_grad=False)
+        return output
+
+
+def _add_hook(module, hook):
+    module._hf_hook = hook
+    module._old_forward = module.forward
+
+    def new_forward(*args, **kwargs):
+        args, kwargs = module._hf_hook.pre_forward(module, *args, **kwargs)
+        return module._hf_hook.post_forward(module, module._old_forward(*args, **kwargs))
+
+    module.forward = new_forward
+
+
+def test_accelerate_style_hook_runs_around_the_head():
+    """An output embedding under accelerate's hook (its weight brought in only for its own call) is served through
+    the hook, and the hook is back in place afterwards; a forward replaced on the instance by anything else is
+    refused before the model runs."""
+    model = _qwen3(301, tied=False)
+    ids, kwargs = _batch("right_padded", 301)
+    counted = _expected_counted(ids, **kwargs)
+    with torch.no_grad():
+        want_lp, want_ent = _model_log_probs(model, ids, kwargs, counted)
+        hook = _OffloadHook(model.lm_head, model.lm_head.weight.detach().clone())
+        _add_hook(model.lm_head, hook)
+        hooked_forward, own_forward = model.lm_head.forward, model.lm_head._old_forward
+        got = token_log_probs(model, ids, entropy="value", **kwargs)
+    assert hook.calls == ["pre", "post"]
+    assert model.lm_head.forward is hooked_forward and model.lm_head._old_forward is own_forward
+    _assert_values(got.log_probs, got.entropy, want_lp, want_ent, counted, LOG_PROB_TOL, ENTROPY_TOL)
+
+    model = _qwen3(301, tied=False)
+    model.lm_head.forward = lambda hidden: hidden  # not accelerate's protocol
+    with pytest.raises(TypeError, match="Qwen3ForCausalLM's output embedding has a forward of its own instance"):
+        token_log_probs(model, ids, **kwargs)
 
 
 @pytest.mark.parametrize("kwargs, error, says", [
