@@ -386,6 +386,36 @@ def test_another_architecture_gemma2_without_softcapping():
     _assert_grads(_grads(model), ref_grads, BODY_FP32_GRAD_REL_TOL)
 
 
+def test_compiled_model(monkeypatch):
+    """torch.compile(model) is served with its body compiled (the head in place of its output embedding inside the
+    compiled forward): values and gradients as the eager model's within float32 rounding of the body, and no
+    recompilation on later calls with new batches of the same shape."""
+    from torch._dynamo.utils import counters
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")  # the suite's default turns dynamo off (tests/conftest.py)
+    model = _qwen3(301, tied=True)
+    compiled = torch.compile(model)
+    torch._dynamo.reset()
+    counters.clear()
+    for seed in (1, 2, 3):
+        ids, kwargs = _batch("right_padded", 301, seed=seed)
+        w_lp, w_ent = _upstream(ids.shape, seed)
+        eager = token_log_probs(model, ids, entropy="grad", **kwargs)
+        model.zero_grad(set_to_none=True)
+        (w_lp * eager.log_probs + w_ent * eager.entropy).sum().backward()
+        want = _grads(model)
+        model.zero_grad(set_to_none=True)
+        got = token_log_probs(compiled, ids, entropy="grad", **kwargs)
+        (w_lp * got.log_probs + w_ent * got.entropy).sum().backward()
+        if seed == 1:
+            graphs = counters["stats"]["unique_graphs"]
+            assert graphs >= 1  # the body did compile
+        counted = _expected_counted(ids, **kwargs)
+        _assert_values(got.log_probs.detach(), got.entropy.detach(), eager.log_probs.detach().double(),
+                       eager.entropy.detach().double(), counted, BODY_FP32_LOG_PROB_TOL, BODY_FP32_ENTROPY_TOL)
+        _assert_grads(_grads(model), want, BODY_FP32_GRAD_REL_TOL)
+    assert counters["stats"]["unique_graphs"] == graphs, "recompiled on a new batch of the same shape"
+
+
 # --- a sharded model: FSDP2, FSDP ---
 
 def _shard(model, wrap, world_size):
