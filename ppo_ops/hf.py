@@ -132,7 +132,8 @@ def token_log_probs(
     once on every position, logits changed after it, a DTensor weight) raises ValueError or TypeError from it.
     """
     head, config_vocab = _head(model)
-    _check_ids(input_ids, head.weight.device)
+    # a sharded weight (a DTensor: FSDP2, maybe offloaded to the CPU) says nothing of where the model computes
+    _check_ids(input_ids, None if _is_dtensor(head.weight) else head.weight.device)
     attention_mask = _check_rows("attention_mask", attention_mask, input_ids, allow_int=True)
     row_mask = _check_rows("row_mask", row_mask, input_ids, allow_int=False)
     _check_positions(position_ids, input_ids)
@@ -184,6 +185,9 @@ class _FusedHead:
             raise self._refused("calls its output embedding more than once in one forward")
         weight = self.head.weight
         _check_weight(self.model_name, weight)
+        if weight.device != self.targets.device:
+            raise argument_error(ValueError, _FN, "input_ids", "input_ids must be on the device the model computes on, "
+                                 f"{weight.device} (its output embedding's weight), got {self.targets.device}")
         if hidden.dim() != 3 or hidden.shape[:2] != self.targets.shape or hidden.shape[2] != weight.shape[1]:
             raise self._refused(f"hands its output embedding hidden states of shape {tuple(hidden.shape)}, not one "
                                 f"[H = {weight.shape[1]}] row per position of input_ids {tuple(self.targets.shape)}")
@@ -324,7 +328,7 @@ def _check_ids(input_ids, device):
     if input_ids.dim() != 2 or input_ids.shape[1] < 1:
         raise argument_error(ValueError, _FN, "input_ids",
                              f"input_ids must have shape [B, S] with S >= 1, got {tuple(input_ids.shape)}")
-    if input_ids.device != device:
+    if device is not None and input_ids.device != device:
         raise argument_error(ValueError, _FN, "input_ids",
                              f"input_ids must be on the model's device {device}, got {input_ids.device}")
 
