@@ -174,8 +174,8 @@ class _FusedHead:
         try:
             yield
         finally:
-            if own is None:
-                delattr(head, attr)
+            if own is None:  # popped, not delattr: dynamo traces this (its delattr of a pending store fails)
+                head.__dict__.pop(attr, None)
             else:
                 setattr(head, attr, own)
 

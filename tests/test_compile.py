@@ -494,6 +494,7 @@ def test_hf_policy_loss_step_compiles_fullgraph(packed):
 
     torch._dynamo.reset()
     _assert_bitwise(run(step), run(torch.compile(step, fullgraph=True, backend="aot_eager")))
+    assert "forward" not in model.lm_head.__dict__  # the head's swap undone after the compiled call too
 
 
 # ---- CUDA graphs (one-GPU target) ----
