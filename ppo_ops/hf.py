@@ -16,7 +16,8 @@ accumulation). One difference: where the output embedding has more rows than the
 vocabulary), the extra columns get no probability mass (ppo_ops' vocab_size).
 
 Why inside the model's call and not on `model.base_model`'s output: a trainer's model is often sharded (FSDP2's
-fully_shard, FSDP: both tested). Its parameters are whole only while the module that owns them runs (the root's
+fully_shard, FSDP: both tested; a DistributedDataParallel wrapper is looked through for the checks and called for
+the forward). Its parameters are whole only while the module that owns them runs (the root's
 gathering runs in model.forward, an output embedding sharded alone gathers in its own call), and its backward gathers
 them again from hooks on the module's outputs. Running the head in the output embedding's own call, on the weight as
 it is there, and returning what carries the gradient through the model's outputs, keeps both. Under accelerate's hook
@@ -99,7 +100,8 @@ def token_log_probs(
       model: a transformers causal LM (e.g. Qwen3ForCausalLM) in any float dtype ppo_ops takes (fp32, bf16, fp16).
         Its output embedding must be an nn.Linear without bias that its forward calls once on the hidden states of
         every position and returns as its logits; models that transform the logits are refused (module docstring).
-        It may be sharded by FSDP2's fully_shard (or another wrapper that makes the weight whole while the model's
+        It may be wrapped in DistributedDataParallel (its forward runs, so the gradients are all-reduced) or
+        sharded by FSDP2's fully_shard or FSDP (or another wrapper that makes the weight whole while the model's
         forward runs). Dropout and train/eval mode are the model's own.
       input_ids: [B, S] integer token ids on the model's device, S >= 1.
       attention_mask: [B, S] (bool or integer, non-zero: a real token) or None (no padding). Passed to the model.
@@ -131,7 +133,8 @@ def token_log_probs(
     ValueError naming the argument, before the model runs. What only the model's forward shows (a head not called
     once on every position, logits changed after it, a DTensor weight) raises ValueError or TypeError from it.
     """
-    head, config_vocab = _head(model)
+    causal_lm = _inside_ddp(model)
+    head, config_vocab = _head(causal_lm)
     # a sharded weight (a DTensor: FSDP2, maybe offloaded to the CPU) says nothing of where the model computes
     _check_ids(input_ids, None if _is_dtensor(head.weight) else head.weight.device)
     attention_mask = _check_rows("attention_mask", attention_mask, input_ids, allow_int=True)
@@ -141,7 +144,7 @@ def token_log_probs(
     targets, counted = _targets(input_ids, attention_mask, position_ids, row_mask)
     opts = dict(entropy=entropy, temperature=temperature, row_mask=counted, validate=validate,
                 **({"keep": keep} if keep is not None else {}))
-    fused = _FusedHead(type(model).__name__, head, config_vocab, targets, token_loss, working_memory, opts)
+    fused = _FusedHead(type(causal_lm).__name__, head, config_vocab, targets, token_loss, working_memory, opts)
     with fused.in_place_of_forward():
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return fused.results(out.logits if hasattr(out, "logits") else out[0])
@@ -227,6 +230,13 @@ class _FusedHead:
     def _refused(self, what):
         return argument_error(ValueError, _FN, "model", f"{self.model_name} {what}: the fused head cannot stand in "
                                                         "for its output embedding")
+
+
+def _inside_ddp(model):
+    """The causal LM a DistributedDataParallel wraps (its forward, not the inner one, must run: it prepares the
+    backward's gradient all-reduce), or the model itself."""
+    from torch.nn.parallel import DistributedDataParallel
+    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def _accelerate_hooked(module) -> bool:

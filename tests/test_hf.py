@@ -416,11 +416,14 @@ def test_compiled_model(monkeypatch):
     assert counters["stats"]["unique_graphs"] == graphs, "recompiled on a new batch of the same shape"
 
 
-# --- a sharded model: FSDP2, FSDP ---
+# --- a trainer's wrapped model: FSDP2, FSDP, DDP ---
 
 def _shard(model, wrap, world_size):
     """The model sharded over the gloo ranks: "fully_shard" (FSDP2 on each layer, then the root), "head_alone" (the
-    same, with the output embedding sharded on its own), "fsdp" (FSDP with each layer wrapped, original parameters)."""
+    same, with the output embedding sharded on its own), "fsdp" (FSDP with each layer wrapped, original parameters),
+    or replicated: "ddp" (DistributedDataParallel)."""
+    if wrap == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
     if wrap == "fsdp":
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -439,6 +442,8 @@ def _shard(model, wrap, world_size):
 
 def _full_grads(model, wrap):
     """Every parameter's gradient after the ranks' reduction, whole, by name."""
+    if wrap == "ddp":
+        return {name.removeprefix("module."): p.grad.double() for name, p in model.named_parameters()}
     if wrap != "fsdp":
         return {name: p.grad.full_tensor().double() for name, p in model.named_parameters()}
     from torch.distributed.fsdp import FullyShardedDataParallel
@@ -504,12 +509,14 @@ def _sharded_worker(rank, world_size, wrap, tied, with_loss, padded):
     ("head_alone", False, False, True),
     ("fully_shard", True, True, False),
     ("fsdp", False, False, True),
-], ids=["fully_shard_tied", "fully_shard_head_alone_padded", "fully_shard_token_loss", "fsdp_padded"])
+    ("ddp", True, True, False),
+], ids=["fully_shard_tied", "fully_shard_head_alone_padded", "fully_shard_token_loss", "fsdp_padded", "ddp_token_loss"])
 def test_sharded_model(wrap, tied, with_loss, padded):
     """A trainer's sharded model: its parameters are whole only inside the model's forward (and the output
-    embedding's own call, when that is sharded alone) and are gathered again for the backward. Values and every
-    parameter's reduced gradient on 2 gloo ranks against float64; a padded vocabulary read where the weight is
-    whole (outside the forward a rank holds only its shard)."""
+    embedding's own call, when that is sharded alone) and are gathered again for the backward; or a replicated one,
+    whose wrapper's forward prepares the gradients' all-reduce. Values and every parameter's reduced gradient on 2
+    gloo ranks against float64; a padded vocabulary read where the weight is whole (outside the forward a rank holds
+    only its shard)."""
     pytest.importorskip("torch.distributed.fsdp", reason="this torch has no torch.distributed.fsdp")
     run_gloo(2, _sharded_worker, wrap, tied, with_loss, padded)
 
