@@ -23,7 +23,11 @@ them again from hooks on the module's outputs. Running the head in the output em
 it is there, and returning what carries the gradient through the model's outputs, keeps both. Under accelerate's hook
 protocol (add_hook_to_module: the instance's forward runs `_hf_hook` around `_old_forward`) the head takes the place of
 `_old_forward`, inside the hook; any other forward set on the instance is refused. The weight must be whole there: a
-head sharded by tensor parallelism (a DTensor weight) is refused.
+head sharded by tensor parallelism (a DTensor weight) is refused. `torch.compile(model)` runs this way, the swap made
+before the compiled forward runs. A call traced inside a caller's compiled function (torch.compile(step) where step
+calls token_log_probs) cannot swap and restore a module's forward, so there the base model runs and the head reads
+the output embedding's weight as the module holds it: no wrapper's gathering runs, so compile such a step only over an
+unwrapped model.
 
 Models that change the logits after the head, or the hidden states before it, cannot be served this way and are
 refused with an error naming the model class: a non-neutral value of one of the config settings in
@@ -145,6 +149,13 @@ def token_log_probs(
     opts = dict(entropy=entropy, temperature=temperature, row_mask=counted, validate=validate,
                 **({"keep": keep} if keep is not None else {}))
     fused = _FusedHead(type(causal_lm).__name__, head, config_vocab, targets, token_loss, working_memory, opts)
+    if torch.compiler.is_compiling():
+        # Traced into a caller's compiled function: dynamo cannot trace putting the output embedding's forward back
+        # (torch 2.11 refuses popping the instance attribute, 2.13 deleting it), so the body runs and the head takes
+        # its last hidden states and the output embedding's weight as the module holds them (no wrapper runs here).
+        body = causal_lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                    use_cache=False)
+        return fused.results(fused.forward(body.last_hidden_state if hasattr(body, "last_hidden_state") else body[0]))
     with fused.in_place_of_forward():
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return fused.results(out.logits if hasattr(out, "logits") else out[0])
@@ -177,8 +188,8 @@ class _FusedHead:
         try:
             yield
         finally:
-            if own is None:  # popped, not delattr: dynamo traces this (its delattr of a pending store fails)
-                head.__dict__.pop(attr, None)
+            if own is None:
+                delattr(head, attr)
             else:
                 setattr(head, attr, own)
 
