@@ -166,8 +166,8 @@ class _FusedHead:
 
     forward(hidden) runs the head on the hidden states the model hands its output embedding and the weight as it is
     then (gathered, where a wrapper shards it), keeps what needs no gradient, and returns the outputs that carry one
-    stacked as the model's "logits"; results() takes them back out of the model's output, checking
-    that it is that tensor."""
+    stacked as the model's "logits"; results() takes them back out of the model's output, checking that it is that
+    tensor."""
 
     def __init__(self, model_name, head, config_vocab, targets, token_loss, working_memory, opts):
         self.model_name, self.head, self.config_vocab, self.targets = model_name, head, config_vocab, targets
