@@ -17,9 +17,9 @@ vocabulary), the extra columns get no probability mass (ppo_ops' vocab_size).
 
 Why inside the model's call and not on `model.base_model`'s output: a trainer's model is often sharded (FSDP2's
 fully_shard, FSDP: both tested; a DistributedDataParallel wrapper is looked through for the checks and called for
-the forward). Its parameters are whole only while the module that owns them runs (the root's
-gathering runs in model.forward, an output embedding sharded alone gathers in its own call), and its backward gathers
-them again from hooks on the module's outputs. Running the head in the output embedding's own call, on the weight as
+the forward). Its parameters are whole only while the module that owns them runs (the root's gathering runs in
+model.forward, an output embedding sharded alone gathers in its own call), and its backward gathers them again from
+hooks on the module's outputs. Running the head in the output embedding's own call, on the weight as
 it is there, and returning what carries the gradient through the model's outputs, keeps both. Under accelerate's hook
 protocol (add_hook_to_module: the instance's forward runs `_hf_hook` around `_old_forward`) the head takes the place of
 `_old_forward`, inside the hook; any other forward set on the instance is refused. The weight must be whole there: a
@@ -269,6 +269,10 @@ def _check_weight(model_name, weight):
         raise argument_error(TypeError, _FN, "model", f"{model_name}'s output embedding weight is a DTensor inside its "
                              "forward (sharded by tensor parallelism): the fused head needs the whole weight there, as "
                              "FSDP gathers it")
+    _check_dtype(model_name, weight)
+
+
+def _check_dtype(model_name, weight):
     if weight.dtype not in FLOAT_DTYPES:
         raise argument_error(TypeError, _FN, "model", f"{model_name} is in {weight.dtype}: ppo_ops' head takes "
                                                       "float32, bfloat16 or float16 models")
@@ -314,9 +318,7 @@ def _head(model):
     if getattr(model, "final_logits_bias", None) is not None:
         raise argument_error(ValueError, _FN, "model", f"{name} adds final_logits_bias to its logits, which the fused "
                                                        "head does not add")
-    if head.weight.dtype not in FLOAT_DTYPES:  # before the model runs; _check_weight sees the gathered weight
-        raise argument_error(TypeError, _FN, "model", f"{name} is in {head.weight.dtype}: ppo_ops' head takes "
-                                                      "float32, bfloat16 or float16 models")
+    _check_dtype(name, head.weight)  # before the model runs; _check_weight sees the gathered weight again
     vocab = None
     for config in reversed(configs):  # the text config's vocabulary where there is one
         size = getattr(config, "vocab_size", None)
