@@ -185,6 +185,7 @@ def linear_log_probs_and_entropy(
     reduce_dx: bool = True,
     backend: str = "auto",
     validate: bool = True,
+    working_memory: Optional[int] = None,
 ) -> LogProbsEntropy:
     """Log-probability of each target token and the entropy of each row, from hidden states and a (vocab-parallel)
     LM-head weight, without ever holding the [T, V] logits.
@@ -204,9 +205,10 @@ def linear_log_probs_and_entropy(
         fixed-order merge; with the same dtype and backend (the backends' GEMMs differ);
       - dX is deterministic; at TP > 1 its fp32 sum runs in another order than at TP = 1 (within fp32 rounding);
       - memory: never [T, V] logits nor their gradient. Under torch.no_grad it keeps nothing and costs one GEMM's
-        work. With a gradient the forward holds the first rows' logits as fp16 probabilities (at most 1 GiB at the
-        global vocabulary: 3328 rows at Qwen3's), whose backward needs no second GEMM; the other rows' logits are
-        formed again in the backward (four GEMMs' work for them: forward, recompute, dX, dW). Working memory beyond
+        work. With a gradient the forward holds the first rows' logits as fp16 probabilities (at most
+        `working_memory` bytes at the global vocabulary, 2 V bytes a row; default 1 GiB: 3328 rows at Qwen3's; at
+        most 8192 rows on CUDA), whose backward needs no second GEMM; the other rows' logits are formed again in the
+        backward (four GEMMs' work for them: forward, recompute, dX, dW). Working memory beyond
         dX and dW (CUDA, half precision): an fp32 dX accumulator [R, H], a dlogits buffer of 8192 rows x one
         vocabulary segment and, past 8192 rows, one segment's fp32 dW accumulator.
     Backends (backend="auto" picks triton on CUDA): "triton" with bf16 / fp16, the segment-GEMM backend (a Triton GEMM
@@ -255,6 +257,11 @@ def linear_log_probs_and_entropy(
         longer guaranteed (an argument error raises on its own rank only, the others wait in the all-gather until
         the process group's timeout). Must be the same on every rank. Not checked either way: that `hidden` is the
         same on every rank.
+      working_memory: bytes the forward may hold for the backward (None: 1 GiB; 0: nothing, every logit formed
+        again): the more rows held, the less of the second GEMM (at Qwen3-0.6B's head, T = 8192, 2.5 GiB, which
+        holds every row, took 13.3 ms against 15.2 at the default: docs/performance.md). Rounded down to whole
+        256-row steps, at most 8192 rows. Must be the same on every rank (validate=True checks it); the log-probs
+        and entropies do not depend on it, dX and dW do by the held rows' fp16 rounding.
 
     Host syncs per call on CUDA (forward + backward): validate=True, 1 without a row_mask and 2 with one (the kept-row
     count, needed to size the GEMMs before the partials exist, and the value read, which needs the partials);
@@ -273,18 +280,19 @@ def linear_log_probs_and_entropy(
       LogProbsEntropy(log_probs, entropy), float32, shaped like tokens.
     """
     options = dict(tp_group=tp_group, entropy=entropy, keep=keep, temperature=temperature, row_mask=row_mask,
-                   vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend, validate=validate)
+                   vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend, validate=validate,
+                   working_memory=working_memory)
     if not torch.compiler.is_compiling():
         return _linear_eager(hidden, weight, tokens, **options)
     return LogProbsEntropy(*linear_op.linear_log_probs_and_entropy(hidden, weight, tokens, **options))
 
 
 def _linear_eager(hidden, weight, tokens, *, tp_group, entropy, keep, temperature, row_mask, vocab_size, reduce_dx,
-                  backend, validate) -> LogProbsEntropy:
+                  backend, validate, working_memory) -> LogProbsEntropy:
     call = shell.prepare_lm_head(
         "linear_log_probs_and_entropy", hidden, weight, tokens, tp_group=tp_group, entropy=entropy,
         temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend,
-        validate=validate, keep=keep)
+        validate=validate, keep=keep, working_memory=working_memory)
     with shell.on_device(call):
         out = LinearLogProbEntropyFunction.apply(call.rows, weight, call.tokens, call.row_mask, call.plan, call.keep)
     return _outputs(out, call)

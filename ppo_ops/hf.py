@@ -122,8 +122,8 @@ def token_log_probs(
         ppo_ops.policy_loss(...) built over [B, S] per-token constants aligned with the results (position i: the
         token input_ids[b, i + 1]); `rows` index the flattened [B * S] positions. Positions that do not count are
         never passed to it: give the TokenLoss a loss_mask that does not count them either (its normalisation).
-      working_memory: with token_loss, the bytes its row blocks may hold (ppo_ops.linear_token_loss's; None: its
-        default).
+      working_memory: the bytes the head may hold beyond its outputs (ppo_ops.linear_token_loss's with token_loss,
+        else ppo_ops.linear_log_probs_and_entropy's; None: its default).
       validate: ppo_ops' value checks (token range, NaN logits): one host sync per call. On CUDA the head's row mask
         costs one more (the kept-row count), either way.
 
@@ -210,7 +210,8 @@ class _FusedHead:
         vocab = self.config_vocab
         vocab_size = vocab if vocab is not None and vocab < weight.shape[0] else None
         if self.token_loss is None:
-            out = ppo_ops.linear_log_probs_and_entropy(hidden, weight, self.targets, vocab_size=vocab_size, **self.opts)
+            out = ppo_ops.linear_log_probs_and_entropy(hidden, weight, self.targets, vocab_size=vocab_size,
+                                                       working_memory=self.working_memory, **self.opts)
             self.kept = (None, out)
             carried = [t for t in out if t is not None and t.requires_grad]
         else:

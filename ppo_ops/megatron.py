@@ -75,8 +75,9 @@ class Context:
       [B * S] label-layout positions (row b * S + s), as the head's rows are. Needs a ppo_ops head that takes `keep`.
     token_loss: a row-separable per-token loss as for ppo_ops.linear_token_loss (e.g. ppo_ops.policy_loss(...), its
       constants in the labels' [B, S] layout); the processor then returns (loss, LogProbsEntropy). None: log-probs.
-    working_memory: with token_loss, the bytes its row blocks may hold (linear_token_loss's working_memory; None:
-      its default); the same on every rank.
+    working_memory: the bytes the head may hold beyond its outputs (the working_memory of linear_token_loss with a
+      token_loss: its row blocks; else of linear_log_probs_and_entropy: the rows whose probabilities its forward
+      keeps for the backward); None: the head's default; the same on every rank.
     validate: the head's value checks and collective failure (one host sync per call; False: none).
     tp_group: the tensor-parallel group, when not the output layer's or parallel_state's.
     backend: the head's backend ("auto": Triton on CUDA tensors, PyTorch elsewhere).
@@ -143,7 +144,8 @@ def output_processor(*, hidden_states: torch.Tensor, labels: torch.Tensor, conte
 
     options = dict(tp_group=group, entropy=context.entropy, temperature=_temperature(context.temperature, config),
                    row_mask=None if loss_mask is None else loss_mask != 0, vocab_size=context.vocab_size,
-                   reduce_dx=reduce_dx, backend=context.backend, validate=context.validate)
+                   reduce_dx=reduce_dx, backend=context.backend, validate=context.validate,
+                   working_memory=context.working_memory)
     head = api.linear_log_probs_and_entropy if context.token_loss is None else api.linear_token_loss
     if context.keep is not None:
         if "keep" not in inspect.signature(head).parameters:
@@ -154,7 +156,7 @@ def output_processor(*, hidden_states: torch.Tensor, labels: torch.Tensor, conte
     hidden = hidden_states.transpose(0, 1)  # [B, S, H]: the labels' layout
     if context.token_loss is None:
         return head(hidden, weight, labels, **options)
-    return head(hidden, weight, labels, context.token_loss, working_memory=context.working_memory, **options)
+    return head(hidden, weight, labels, context.token_loss, **options)
 
 
 def gpt_log_probs(model, input_ids, position_ids, attention_mask, labels, loss_mask, context: Context, *,

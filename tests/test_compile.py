@@ -251,6 +251,8 @@ LINEAR_CASES = {
     "keep": dict(entropy="grad", keep=True),
     "validate": dict(entropy="grad", validate=True),
     "bf16": dict(entropy="grad", dtype=torch.bfloat16),
+    "bf16_hold_none": dict(entropy="grad", dtype=torch.bfloat16, working_memory=0),  # the operator's int option
+    "bf16_hold_all": dict(entropy="grad", dtype=torch.bfloat16, working_memory=1 << 20),
 }
 
 
@@ -387,7 +389,7 @@ def test_lm_head_operators_opcheck(case):
     common = (float(opts.get("temperature", 1.0)), opts.get("vocab_size"), True, "auto", opts["validate"])
     validate = opts["validate"]
     syncs = validate or "row_mask" in opts
-    args = (hidden, weight, t, opts.get("row_mask"), ids, offsets, "", opts["entropy"]) + common + (True,)
+    args = (hidden, weight, t, opts.get("row_mask"), ids, offsets, "", opts["entropy"]) + common + (1 << 20, True)
     op = linear_op.forward_op.syncing if syncs else linear_op.forward_op.plain
     torch.library.opcheck(op, args)
     torch.library.opcheck(op, (hidden.detach(), weight.detach()) + args[2:-1] + (False,))

@@ -298,6 +298,9 @@ def test_padded_vocabulary():
                    BODY_FP32_ENTROPY_TOL)
     _assert_grads(_grads(model), ref_grads, BODY_FP32_GRAD_REL_TOL)
     assert bool((model.lm_head.weight.grad[300:] == 0).all())  # padding rows: no head gradient, never embedded
+    # working_memory reaches the general head too (a bad one is its error, naming it)
+    with pytest.raises(ValueError, match="linear_log_probs_and_entropy: .*working_memory"):
+        token_log_probs(model, ids, entropy="grad", working_memory=-1)
 
 
 @pytest.mark.parametrize("kind", ["right_padded", "packed"])

@@ -224,6 +224,56 @@ def test_held_rows_at_qwen3_shape():
     assert _segment_gemms.held_rows(5, 32, cpu) == 5
 
 
+def test_held_rows_follow_the_working_memory():
+    """A caller's working_memory sets the held rows: its bytes at 2 per logit of the global vocabulary, rounded down
+    to the row step, at most one dW group; 0 holds none."""
+    cuda, seg_len, row_bytes = torch.device("cuda"), 151936 // 8, 151936 * 2
+    assert _segment_gemms.held_rows(32768, seg_len, cuda, 0) == 0
+    assert _segment_gemms.held_rows(32768, seg_len, cuda, 2**31) == 2**31 // row_bytes // 256 * 256 == 6912
+    assert _segment_gemms.held_rows(32768, seg_len, cuda, int(2.5 * 2**30)) == _segment_gemms.CUDA_SHAPE.dw_rows
+    assert _segment_gemms.held_rows(5000, seg_len, cuda, 10 * 2**30) == 5000
+    cpu, host_row_bytes = torch.device("cpu"), 32 * 8 * 2
+    assert _segment_gemms.held_rows(43, 32, cpu, 0) == 0
+    assert _segment_gemms.held_rows(43, 32, cpu, 20 * host_row_bytes) == 16
+    assert _segment_gemms.held_rows(43, 32, cpu, 10**9) == _segment_gemms.HOST_SHAPE.dw_rows
+
+
+@pytest.mark.parametrize("backend", [p for p in backend_params(DEVICE) if p.id == "triton"])
+def test_working_memory_sets_the_held_rows_of_a_call(backend):
+    """working_memory reaches the forward: none held at 0, half a dW group, a whole dW group (never more than it
+    allows); log-probs and entropies bitwise the same whatever is held, gradients within their float64 bound (the
+    held rows' with the probabilities' rounding)."""
+    shape = _segment_gemms.chunk_shape(DEVICE)
+    lead = (shape.dw_rows + 3,)
+    hidden, weight, tokens = _inputs(lead, torch.bfloat16, seed=36)
+    tokens = tokens.clamp(max=229)
+    g_lp, g_ent = make_weights(lead, 37), make_weights(lead, 38, low=-1.0, high=1.0)
+    row_bytes = _segment_len(weight.shape[0]) * 8 * 2
+    step = _segment_gemms.PROB_ROWS_STEP if DEVICE.type == "cuda" else _segment_gemms.HOST_ROWS_STEP
+    half = shape.dw_rows // 2 // step * step
+    runs = {}
+    allowances = (("none", 0), ("half", half * row_bytes + row_bytes // 2), ("group", shape.dw_rows * row_bytes))
+    for name, memory in allowances:
+        h = hidden.to(DEVICE).requires_grad_(True)
+        w = weight.to(DEVICE).requires_grad_(True)
+        out = ppo_ops.linear_log_probs_and_entropy(h, w, tokens.to(DEVICE), entropy="grad", temperature=1.3,
+                                                   vocab_size=230, backend=backend, working_memory=memory)
+        held = _saved_half_tensors(out)
+        expected = {"none": 0, "half": half, "group": shape.dw_rows}[name]
+        assert [t.shape[1] >= expected for t in held] == ([True] if expected else []), (name, held)
+        assert not held or held[0].shape[1] < expected + step, (name, held[0].shape)  # no more than allowed
+        grads = torch.autograd.grad((out.log_probs, out.entropy), (h, w), (g_lp.to(DEVICE), g_ent.to(DEVICE)))
+        runs[name] = (out.log_probs.detach(), out.entropy.detach(), expected, grads)
+    assert 0 < runs["half"][2] < runs["group"][2]
+    for name, (lp, ent, cap, (dx, dw)) in runs.items():
+        assert torch.equal(lp, runs["none"][0]) and torch.equal(ent, runs["none"][1]), name
+        bounds = _bounds(hidden, weight, tokens, g_lp, g_ent, temperature=1.3, vocab_size=230,
+                         dl_roundoff=_dl_roundoff(backend, torch.bfloat16), prob_storage=torch.arange(lead[0]) < cap)
+        _assert_within(f"dX ({name})", dx.cpu(), bounds["dx"])
+        _assert_within(f"dW ({name})", dw.cpu(), bounds["dw"])
+    assert not torch.equal(runs["none"][3][1], runs["group"][3][1]), "the held rows' rounding left dW unchanged"
+
+
 def _saved_half_tensors(out):
     """The fp16 tensors among the op's autograd node's saved ones (the held probabilities; the inputs are bf16)."""
     node = out.log_probs.grad_fn
@@ -248,7 +298,7 @@ def test_held_probabilities_vs_float64_freed_and_reread(backend, hold, monkeypat
     opts = dict(entropy="grad", temperature=1.3, vocab_size=230, backend=backend)
 
     def call(rows_cap):
-        monkeypatch.setattr(_segment_gemms, "held_rows", lambda n, seg_len, device: min(n, rows_cap))
+        monkeypatch.setattr(_segment_gemms, "held_rows", lambda n, seg_len, device, memory=None: min(n, rows_cap))
         h = hidden.to(DEVICE).requires_grad_(True)
         w = weight.to(DEVICE).requires_grad_(True)
         return h, w, ppo_ops.linear_log_probs_and_entropy(h, w, tokens.to(DEVICE), **opts)
@@ -292,7 +342,7 @@ def test_held_rows_change_no_value_at_qwen3_vocabulary():
     for rows_cap in (None, 0):
         real = _segment_gemms.held_rows
         if rows_cap == 0:
-            _segment_gemms.held_rows = lambda n, seg_len, device: 0
+            _segment_gemms.held_rows = lambda n, seg_len, device, memory=None: 0
         try:
             h = hidden.detach().requires_grad_(True)
             out = ppo_ops.linear_log_probs_and_entropy(h, weight, tokens, entropy="grad")
@@ -433,6 +483,8 @@ def _error_cases():
         (dict(reduce_dx=1), TypeError, "reduce_dx must be a bool"),
         (dict(keep_mask=torch.ones((4, V_GLOBAL), dtype=torch.bool)), TypeError, "keep_mask"),
         (dict(inplace_grad=True), TypeError, "inplace_grad"),
+        (dict(working_memory=-1), ValueError, "working_memory must be a number of bytes >= 0"),
+        (dict(working_memory=1.5), TypeError, "working_memory must be"),
     ]
 
 

@@ -351,6 +351,10 @@ def test_processor_is_the_head_on_the_labels_layout():
         masked = (mask == 0).T  # [S, B], hidden's leading layout
         assert torch.equal(h.grad[masked], torch.zeros_like(h.grad[masked]))
         assert bool((out.log_probs[mask == 0] == 0).all())
+    # Context.working_memory reaches the general head (a bad one is its error, naming it)
+    bad = pm.Context(entropy="grad", vocab_size=ms.VOCAB, working_memory=-1)
+    with pytest.raises(ValueError, match="linear_log_probs_and_entropy: .*working_memory"):
+        pm.output_processor(**ms.hook_kwargs(hidden, layer, None, labels, mask, bad, None))
 
 
 def test_processor_token_loss_returns_the_loss_and_values():

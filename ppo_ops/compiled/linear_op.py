@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ppo_ops.compiled import common
-from ppo_ops.core import shell, sparse_keep
+from ppo_ops.core import checks, shell, sparse_keep
 from ppo_ops.core.contracts import GradsWanted, HeldProbs, LinearSaved
 from ppo_ops.lm_head import function
 from ppo_ops.lm_head.function import KeptRows, kept, kept_row_indices
@@ -31,19 +31,20 @@ FN = "linear_log_probs_and_entropy"
 
 
 def _prepare(hidden, weight, tokens, row_mask, keep_ids, keep_offsets, group_name, entropy, temperature, vocab_size,
-             reduce_dx, backend, validate, needs_grad) -> shell.Call:
+             reduce_dx, backend, validate, needs_grad, working_memory=None) -> shell.Call:
     return shell.prepare_lm_head(
         FN, hidden, weight, tokens, tp_group=common.resolve_group(group_name), entropy=entropy,
         temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend,
-        validate=validate, keep=common.keep_pair(keep_ids, keep_offsets), needs_grad=needs_grad)
+        validate=validate, keep=common.keep_pair(keep_ids, keep_offsets), needs_grad=needs_grad,
+        working_memory=working_memory)
 
 
 def _forward(hidden: Tensor, weight: Tensor, tokens: Tensor, row_mask: Optional[Tensor], keep_ids: Optional[Tensor],
              keep_offsets: Optional[Tensor], group_name: str, entropy: str, temperature: float,
-             vocab_size: Optional[int], reduce_dx: bool, backend: str, validate: bool, hold: bool
-             ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+             vocab_size: Optional[int], reduce_dx: bool, backend: str, validate: bool, working_memory: Optional[int],
+             hold: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     call = _prepare(hidden, weight, tokens, row_mask, keep_ids, keep_offsets, group_name, entropy, temperature,
-                    vocab_size, reduce_dx, backend, validate, needs_grad=hold)
+                    vocab_size, reduce_dx, backend, validate, needs_grad=hold, working_memory=working_memory)
     with shell.on_device(call):
         log_prob, ent, kept_rows, stats, held, _ = function.forward_values(
             call.rows, weight, call.tokens, call.row_mask, call.plan, call.keep, hold=hold)
@@ -61,7 +62,7 @@ def _forward(hidden: Tensor, weight: Tensor, tokens: Tensor, row_mask: Optional[
 
 
 def _forward_fake(hidden, weight, tokens, row_mask, keep_ids, keep_offsets, group_name, entropy, temperature,
-                  vocab_size, reduce_dx, backend, validate, hold):
+                  vocab_size, reduce_dx, backend, validate, working_memory, hold):
     lead = hidden.shape[:-1]
     n_rows = tokens.numel()
 
@@ -121,7 +122,7 @@ def _backward_fake(hidden, weight, *args):
 
 def _setup_context(ctx, inputs, output):
     (hidden, weight, tokens, row_mask, keep_ids, keep_offsets, group_name, entropy, temperature, vocab_size,
-     reduce_dx, backend, _validate, _hold) = inputs
+     reduce_dx, backend, _validate, _working_memory, _hold) = inputs
     ctx.save_for_backward(hidden, weight, tokens, row_mask, keep_ids, keep_offsets, *output[2:])
     ctx.options = (group_name, entropy, temperature, vocab_size, reduce_dx, backend)
     ctx.mark_non_differentiable(*output[2:], *((output[1],) if entropy != "grad" else ()))
@@ -135,11 +136,11 @@ def _backward(ctx, grad_log_prob, grad_entropy, *_stats):
         grad_entropy = None
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if (grad_log_prob is None and grad_entropy is None) or not (need_dx or need_dw):
-        return (None,) * 14
+        return (None,) * 15
     hidden, weight, tokens, row_mask, keep_ids, keep_offsets, *stats = ctx.saved_tensors
     dx, dw = _backward_op(hidden, weight, tokens, row_mask, keep_ids, keep_offsets, *stats, grad_log_prob,
                           grad_entropy, *options, need_dx, need_dw)
-    return (dx if need_dx else None, dw if need_dw else None) + (None,) * 12
+    return (dx if need_dx else None, dw if need_dw else None) + (None,) * 13
 
 
 forward_op = common.TwoRegistrations("linear_log_probs_and_entropy", _forward, _forward_fake, _backward,
@@ -147,12 +148,15 @@ forward_op = common.TwoRegistrations("linear_log_probs_and_entropy", _forward, _
 
 
 def linear_log_probs_and_entropy(hidden, weight, tokens, *, tp_group, entropy, keep, temperature, row_mask,
-                                 vocab_size, reduce_dx, backend, validate):
+                                 vocab_size, reduce_dx, backend, validate, working_memory):
     """The public function's route under torch.compile: (log_probs, entropy or None), shaped like tokens."""
-    common.check_crossable(FN, tp_group, keep, temperature=temperature, vocab_size=vocab_size)
+    common.check_crossable(FN, tp_group, keep, temperature=temperature, vocab_size=vocab_size,
+                           working_memory=working_memory)
+    working_memory = checks.check_working_memory(FN, working_memory)  # an int (or None) for the schema
     keep_ids, keep_offsets = common.keep_tensors(keep)
     out = forward_op(hidden, weight, tokens, row_mask, keep_ids, keep_offsets, common.group_name(tp_group), entropy,
                      common.number(temperature), common.number(vocab_size, numbers.Integral), reduce_dx, backend,
-                     validate, torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad),
+                     validate, working_memory,
+                     torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad),
                      syncs=bool(validate) or row_mask is not None)
     return out[0], (out[1] if entropy != "none" else None)

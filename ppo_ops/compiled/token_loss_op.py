@@ -112,7 +112,7 @@ def linear_token_loss(hidden, weight, tokens, token_loss, *, tp_group, entropy, 
     if not isinstance(token_loss, TokenLoss):
         return traced_closure(hidden, weight, tokens, token_loss, tp_group=tp_group, entropy=entropy, keep=keep,
                               temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx,
-                              backend=backend, validate=validate)
+                              backend=backend, validate=validate, working_memory=working_memory)
     keep_ids, keep_offsets = common.keep_tensors(keep)
     grad = torch.is_grad_enabled()
     need_dx, need_dw = grad and hidden.requires_grad, grad and weight.requires_grad
@@ -127,18 +127,20 @@ def linear_token_loss(hidden, weight, tokens, token_loss, *, tp_group, entropy, 
 
 
 def traced_closure(hidden, weight, tokens, token_loss, *, tp_group, entropy, keep, temperature, row_mask, vocab_size,
-                   reduce_dx, backend, validate):
+                   reduce_dx, backend, validate, working_memory=None):
     """A loss of the caller's own under torch.compile: the general head's operator (linear_op.py) for every row's
     log-prob and entropy, then the closure, traced into the graph, called once on all T rows (rows = arange(T)); rows
     a row_mask drops are masked out of the sum (the head gives them log-prob 0 and no gradient whatever the closure
     makes of them). The loss is the eager op's within rounding, not bit for bit: the general head's logits path
     and one sum over all rows instead of the token loss's row blocks, and four GEMMs' work instead of three (the
-    gradient flows back through the head's backward). What validate checks of the closure's values here: dtype and
+    gradient flows back through the head's backward; working_memory is the general head's: what it may hold for
+    its backward). What validate checks of the closure's values here: dtype and
     shape (known while tracing); not their finiteness, which would take a host read."""
     from ppo_ops.compiled import linear_op
     log_prob, ent = linear_op.linear_log_probs_and_entropy(
         hidden, weight, tokens, tp_group=tp_group, entropy=entropy, keep=keep, temperature=temperature,
-        row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend, validate=validate)
+        row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend, validate=validate,
+        working_memory=working_memory)
     flat_lp = log_prob.reshape(-1)
     rows = torch.arange(flat_lp.numel(), device=hidden.device)
     values = token_loss(flat_lp, None if ent is None else ent.reshape(-1), rows)

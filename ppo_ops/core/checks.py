@@ -61,7 +61,7 @@ def _scalar(fn_name: str, name: str, value, integral: bool):
 
 
 def check_working_memory(fn_name: str, working_memory) -> Optional[int]:
-    """linear_token_loss's working_memory: None or bytes >= 0, as a Python int."""
+    """The LM head's working_memory: None or bytes >= 0, as a Python int."""
     if working_memory is None:
         return None
     value = _scalar(fn_name, "working_memory", working_memory, integral=True)

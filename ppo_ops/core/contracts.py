@@ -133,10 +133,11 @@ class Backend(Protocol):
 #         the logits op's five per-segment partials (channels in core/row_stats.py) of z = (hidden @ weight.T) * inv_t,
 #         fp32 accumulation, columns >= n_valid padding. A segment's partials may not depend on V_local, the rank or
 #         the row count R (that is what makes the results TP- and row-count invariant).
-#     forward_for_backward(hidden, weight, tokens, shard, with_entropy) -> (partials, HeldProbs or None): the
-#         forward of a call that a backward follows (grad mode, an input requiring grad): the same partials, bit for
-#         bit, and what the backend holds for its backward beyond the row statistics (None: nothing). What it holds
-#         is bounded by a constant (never [R, V_local]) and the same on every rank for the same call.
+#     forward_for_backward(hidden, weight, tokens, shard, with_entropy, working_memory=None) -> (partials,
+#         HeldProbs or None): the forward of a call that a backward follows (grad mode, an input requiring grad): the
+#         same partials, bit for bit, and what the backend holds for its backward beyond the row statistics (None:
+#         nothing). What it holds is bounded by working_memory bytes (None: the backend's default) and the same on
+#         every rank for the same call.
 #     merge_partials(partials in global segment order, has_keep_mask=False) -> RowStats: the logits op's merge.
 #     backward(head: HeadRows, saved, upstream, wanted: GradsWanted) -> (dX fp32 [R, H] or None: this rank's
 #         contribution; dW [V_local, H] in weight's dtype or None). dlogits = inv_t * (g_lp * (onehot - p)
@@ -231,7 +232,8 @@ class LinearBackend(Protocol):
                          shard: ShardOptions, with_entropy: bool) -> torch.Tensor: ...
 
     def forward_for_backward(self, hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor,
-                             shard: ShardOptions, with_entropy: bool) -> tuple: ...
+                             shard: ShardOptions, with_entropy: bool, working_memory: Optional[int] = None
+                             ) -> tuple: ...
 
     def merge_partials(self, partials: torch.Tensor, has_keep_mask: bool) -> RowStats: ...
 
@@ -240,7 +242,7 @@ class LinearBackend(Protocol):
 
 def holds_nothing(forward_partials: Callable[..., torch.Tensor]) -> Callable[..., tuple]:
     """forward_for_backward of a backend whose backward recomputes every logit: the partials, nothing kept."""
-    def forward_for_backward(hidden, weight, tokens, shard, with_entropy):
+    def forward_for_backward(hidden, weight, tokens, shard, with_entropy, working_memory=None):
         return forward_partials(hidden, weight, tokens, shard, with_entropy), None
     return forward_for_backward
 

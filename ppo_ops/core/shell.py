@@ -60,7 +60,7 @@ class Plan:
     reduce_dx: bool = True  # LM head
     needs_grad: bool = True  # LM head: grad mode on and hidden or weight requires grad, else the forward keeps nothing
     reduction_order: str = "fused"  # logits op: "fused" or "sglang" (logits/sglang_order.py)
-    working_memory: Optional[int] = None  # linear_token_loss: bytes its row blocks may hold (None: the default)
+    working_memory: Optional[int] = None  # LM head: bytes it may hold beyond its outputs (None: the default)
 
 
 class Call(NamedTuple):
@@ -175,8 +175,8 @@ def prepare_logits(fn_name, logits, tokens, *, tp_group, entropy, keep_mask, tem
 def prepare_lm_head(fn_name, hidden, weight, tokens, *, tp_group, entropy, temperature, row_mask, vocab_size,
                     reduce_dx, backend, validate, token_loss=None, fused_loss=False, keep=None,
                     needs_grad: Optional[bool] = None, working_memory=None) -> Call:
-    """The LM head's call (fused_loss: linear_token_loss, whose `token_loss` must be callable, and its
-    `working_memory`): every local check, the layout, the backend, the flattened [T, H] hidden states. needs_grad:
+    """The LM head's call (fused_loss: linear_token_loss, whose `token_loss` must be callable; `working_memory`
+    for both ops): every local check, the layout, the backend, the flattened [T, H] hidden states. needs_grad:
     whether a backward follows (None: grad mode and the inputs' requires_grad say; the custom operators, which run
     below autograd, pass it)."""
     def local_checks(group, world_size, rank):
@@ -190,7 +190,7 @@ def prepare_lm_head(fn_name, hidden, weight, tokens, *, tp_group, entropy, tempe
         if not isinstance(reduce_dx, bool):
             raise checks.argument_error(TypeError, fn_name, "reduce_dx",
                                         f"reduce_dx must be a bool, got {type(reduce_dx).__name__}")
-        memory = checks.check_working_memory(fn_name, working_memory) if fused_loss else None
+        memory = checks.check_working_memory(fn_name, working_memory)
         checks.check_lm_head_tensors(fn_name, hidden, weight, tokens, row_mask)
         lead, width = tuple(hidden.shape[:-1]), hidden.shape[-1]
         plan = _plan(fn_name, group, world_size, rank, hidden, weight.shape[0], options, op="lm_head",

@@ -96,7 +96,7 @@ def forward_values(hidden, weight, tokens, row_mask, plan: Plan, keep, *, hold: 
     t = kept(tokens, rows)
     with_entropy = plan.entropy_mode != "none"
     if hold:
-        partials, held = plan.backend.forward_for_backward(h, weight, t, plan.shard, with_entropy)
+        partials, held = plan.backend.forward_for_backward(h, weight, t, plan.shard, with_entropy, plan.working_memory)
     else:
         partials, held = plan.backend.forward_partials(h, weight, t, plan.shard, with_entropy), None
     # TP > 1, validate: before the all-gather of the partials, whose size depends on the call, ranks that

@@ -79,23 +79,29 @@ def chunk_shape(device: torch.device) -> ChunkShape:
 
 
 # The general op's one-GEMM forward, in a call that a backward follows, also keeps the first rows' logits as fp16
-# probabilities within their tiles (the token loss's store), at most HOLD_BYTES at the global vocabulary (a multiple
-# of PROB_ROWS_STEP rows, so of the forward's row tile, and at most one dW group): their backward then forms
-# dlogits from them in a memory-bound pass instead of a second GEMM over those rows. The bound keeps them well under
-# the fp32 [T, V] logits of the logits path (HOLD_BYTES is 1 GiB: 3328 rows at Qwen3's vocabulary).
+# probabilities within their tiles (the token loss's store), at most the call's working_memory bytes at the global
+# vocabulary (default HOLD_BYTES; a multiple of PROB_ROWS_STEP rows, so of the forward's row tile, and at most one dW
+# group): their backward then forms dlogits from them in a memory-bound pass instead of a second GEMM over those rows.
+# The default keeps them well under the fp32 [T, V] logits of the logits path (1 GiB: 3328 rows at Qwen3's
+# vocabulary); a caller who can spare more saves more of the second GEMM (docs/performance.md).
 HOLD_BYTES = 2**30
-HOST_HOLD_ROWS = 16  # the interpreter: the tests' row counts cross it (one row block of HOST_SHAPE)
+HOST_HOLD_ROWS = 16  # the interpreter's default: the tests' row counts cross it (one row block of HOST_SHAPE)
 PROB_ROWS_STEP = 256  # the row tile of the probabilities' pass (prob_dlogits.PASS_ROWS): held rows are a multiple
+HOST_ROWS_STEP = 16  # the interpreter's step (its forward's row tile), so the tests' small allowances hold rows
 
 
-def held_rows(n_rows: int, seg_len: int, device: torch.device) -> int:
-    """How many of a call's first rows the general op's forward keeps as probabilities for its backward: a function
-    of the row count and the segment length only (the global vocabulary), so the same on every rank and TP size."""
+def held_rows(n_rows: int, seg_len: int, device: torch.device, working_memory: Optional[int] = None) -> int:
+    """How many of a call's first rows the general op's forward keeps as probabilities for its backward: 2 bytes
+    a logit at the global vocabulary within working_memory (None: HOLD_BYTES, or HOST_HOLD_ROWS rows off CUDA), in
+    steps of a row tile, at most one dW group. A function of the row count, the segment length and the allowance
+    only (the global vocabulary), so the same on every rank and TP size."""
+    vocab = seg_len * layout.NUM_FIXED_SEGMENTS
     if device.type != "cuda":
-        cap = HOST_HOLD_ROWS
+        step = HOST_ROWS_STEP
+        cap = HOST_HOLD_ROWS if working_memory is None else working_memory // (vocab * 2) // step * step
     else:
-        vocab = seg_len * layout.NUM_FIXED_SEGMENTS
-        cap = HOLD_BYTES // (vocab * 2) // PROB_ROWS_STEP * PROB_ROWS_STEP
+        allowance = HOLD_BYTES if working_memory is None else working_memory
+        cap = allowance // (vocab * 2) // PROB_ROWS_STEP * PROB_ROWS_STEP
     return max(0, min(n_rows, cap, chunk_shape(device).dw_rows))
 
 
@@ -289,15 +295,16 @@ class SegmentGemmBackend:
         # [blocks, segments, 5, rows] -> [segments, 5, R] (O(R) bytes)
         return buf.permute(1, 2, 0, 3).reshape(n_seg, row_stats.NUM_PARTIALS, -1)[:, :, :n_rows]
 
-    def forward_for_backward(self, hidden, weight, tokens, shard: ShardOptions, with_entropy: bool) -> tuple:
+    def forward_for_backward(self, hidden, weight, tokens, shard: ShardOptions, with_entropy: bool,
+                             working_memory: Optional[int] = None) -> tuple:
         """The forward of a call that a backward follows: where the one-GEMM forward and the probabilities' pass
-        apply, the first held_rows rows through forward_probs (their probabilities held), the rest through
-        forward_partials; the same partials, bit for bit (a row's partials do not depend on the other rows). Two
-        launches, not one with a store branch: a branch in the epilogue lets the compiler schedule the other rows'
-        arithmetic differently, and values must not depend on grad mode."""
+        apply, the first held_rows rows (within working_memory) through forward_probs (their probabilities held),
+        the rest through forward_partials; the same partials, bit for bit (a row's partials do not depend on the
+        other rows). Two launches, not one with a store branch: a branch in the epilogue lets the compiler schedule
+        the other rows' arithmetic differently, and values must not depend on grad mode."""
         passes = self.passes
         n_rows = hidden.shape[0]
-        k = held_rows(n_rows, shard.seg_len, hidden.device)
+        k = held_rows(n_rows, shard.seg_len, hidden.device, working_memory)
         if passes.token_loss_pass is None or k == 0 or not passes.one_gemm_recompute.applies(hidden, weight):
             return self.forward_partials(hidden, weight, tokens, shard, with_entropy), None
         forward = passes.one_gemm_forward
