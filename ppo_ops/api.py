@@ -258,10 +258,9 @@ def linear_log_probs_and_entropy(
         the process group's timeout). Must be the same on every rank. Not checked either way: that `hidden` is the
         same on every rank.
       working_memory: bytes the forward may hold for the backward (None: 1 GiB; 0: nothing, every logit formed
-        again): the more rows held, the less of the second GEMM (at Qwen3-0.6B's head, T = 8192, 2.5 GiB, which
-        holds every row, took 13.3 ms against 15.2 at the default: docs/performance.md). Rounded down to whole
-        256-row steps, at most 8192 rows. Must be the same on every rank (validate=True checks it); the log-probs
-        and entropies do not depend on it, dX and dW do by the held rows' fp16 rounding.
+        again): the more rows held, the less of the second GEMM (the trade at Qwen3's shapes: docs/performance.md).
+        Rounded down to whole 256-row steps, at most 8192 rows. Must be the same on every rank (validate=True
+        checks it); the log-probs and entropies do not depend on it, dX and dW do by the held rows' fp16 rounding.
 
     Host syncs per call on CUDA (forward + backward): validate=True, 1 without a row_mask and 2 with one (the kept-row
     count, needed to size the GEMMs before the partials exist, and the value read, which needs the partials);

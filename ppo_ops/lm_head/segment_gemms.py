@@ -95,13 +95,13 @@ def held_rows(n_rows: int, seg_len: int, device: torch.device, working_memory: O
     a logit at the global vocabulary within working_memory (None: HOLD_BYTES, or HOST_HOLD_ROWS rows off CUDA), in
     steps of a row tile, at most one dW group. A function of the row count, the segment length and the allowance
     only (the global vocabulary), so the same on every rank and TP size."""
-    vocab = seg_len * layout.NUM_FIXED_SEGMENTS
-    if device.type != "cuda":
-        step = HOST_ROWS_STEP
-        cap = HOST_HOLD_ROWS if working_memory is None else working_memory // (vocab * 2) // step * step
+    on_cuda = device.type == "cuda"
+    if working_memory is None and not on_cuda:
+        cap = HOST_HOLD_ROWS
     else:
+        step = PROB_ROWS_STEP if on_cuda else HOST_ROWS_STEP
         allowance = HOLD_BYTES if working_memory is None else working_memory
-        cap = allowance // (vocab * 2) // PROB_ROWS_STEP * PROB_ROWS_STEP
+        cap = allowance // (seg_len * layout.NUM_FIXED_SEGMENTS * 2) // step * step
     return max(0, min(n_rows, cap, chunk_shape(device).dw_rows))
 
 
