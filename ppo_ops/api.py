@@ -259,7 +259,7 @@ def linear_log_probs_and_entropy(
         same on every rank.
       working_memory: bytes the forward may hold for the backward (None: 1 GiB; 0: nothing, every logit formed
         again): the more rows held, the less of the second GEMM (the trade at Qwen3's shapes: docs/performance.md).
-        Rounded down to whole 256-row steps, at most 8192 rows. Must be the same on every rank (validate=True
+        Rounded down to whole 256-row steps, at most the call's rows. Must be the same on every rank (validate=True
         checks it); the log-probs and entropies do not depend on it, dX and dW do by the held rows' fp16 rounding.
 
     Host syncs per call on CUDA (forward + backward): validate=True, 1 without a row_mask and 2 with one (the kept-row

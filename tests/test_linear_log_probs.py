@@ -213,12 +213,12 @@ def test_segments_of_any_width_take_the_fused_recompute_vs_float64(backend):
 
 def test_held_rows_at_qwen3_shape():
     """How many rows the chunked forward holds as probabilities: 1 GiB at the global vocabulary, rounded down to 256
-    rows, never more than the call's rows or one dW group; the interpreter's cap is one row block."""
+    rows, never more than the call's rows (across dW groups); the interpreter's cap is one row block."""
     cuda, seg_len = torch.device("cuda"), 151936 // 8
     assert _segment_gemms.held_rows(32768, seg_len, cuda) == 3328
     assert 3328 * 151936 * 2 <= _segment_gemms.HOLD_BYTES < 3584 * 151936 * 2
     assert _segment_gemms.held_rows(3000, seg_len, cuda) == 3000
-    assert _segment_gemms.held_rows(32768, 4096 // 8, cuda) == _segment_gemms.CUDA_SHAPE.dw_rows
+    assert _segment_gemms.held_rows(32768, 4096 // 8, cuda) == 32768  # a small vocabulary: every row, every group
     cpu = torch.device("cpu")
     assert _segment_gemms.held_rows(43, 32, cpu) == _segment_gemms.HOST_HOLD_ROWS == _segment_gemms.HOST_SHAPE.rows
     assert _segment_gemms.held_rows(5, 32, cpu) == 5
@@ -226,22 +226,22 @@ def test_held_rows_at_qwen3_shape():
 
 def test_held_rows_follow_the_working_memory():
     """A caller's working_memory sets the held rows: its bytes at 2 per logit of the global vocabulary, rounded down
-    to the row step, at most one dW group; 0 holds none."""
+    to the row step, at most the call's rows (past one dW group where it allows); 0 holds none."""
     cuda, seg_len, row_bytes = torch.device("cuda"), 151936 // 8, 151936 * 2
     assert _segment_gemms.held_rows(32768, seg_len, cuda, 0) == 0
     assert _segment_gemms.held_rows(32768, seg_len, cuda, 2**31) == 2**31 // row_bytes // 256 * 256 == 6912
-    assert _segment_gemms.held_rows(32768, seg_len, cuda, int(2.5 * 2**30)) == _segment_gemms.CUDA_SHAPE.dw_rows
+    assert _segment_gemms.held_rows(32768, seg_len, cuda, int(2.5 * 2**30)) == 8704 > _segment_gemms.CUDA_SHAPE.dw_rows
     assert _segment_gemms.held_rows(5000, seg_len, cuda, 10 * 2**30) == 5000
     cpu, host_row_bytes = torch.device("cpu"), 32 * 8 * 2
     assert _segment_gemms.held_rows(43, 32, cpu, 0) == 0
     assert _segment_gemms.held_rows(43, 32, cpu, 20 * host_row_bytes) == 16
-    assert _segment_gemms.held_rows(43, 32, cpu, 10**9) == _segment_gemms.HOST_SHAPE.dw_rows
+    assert _segment_gemms.held_rows(43, 32, cpu, 10**9) == 43 > _segment_gemms.HOST_SHAPE.dw_rows
 
 
 @pytest.mark.parametrize("backend", [p for p in backend_params(DEVICE) if p.id == "triton"])
 def test_working_memory_sets_the_held_rows_of_a_call(backend):
-    """working_memory reaches the forward: none held at 0, half a dW group, a whole dW group (never more than it
-    allows); log-probs and entropies bitwise the same whatever is held, gradients within their float64 bound (the
+    """working_memory reaches the forward: none held at 0, half a dW group, a whole dW group, every row of a call
+    past one group (never more than it allows); log-probs and entropies bitwise the same whatever is held, gradients within their float64 bound (the
     held rows' with the probabilities' rounding)."""
     shape = _segment_gemms.chunk_shape(DEVICE)
     lead = (shape.dw_rows + 3,)
@@ -252,19 +252,20 @@ def test_working_memory_sets_the_held_rows_of_a_call(backend):
     step = _segment_gemms.PROB_ROWS_STEP if DEVICE.type == "cuda" else _segment_gemms.HOST_ROWS_STEP
     half = shape.dw_rows // 2 // step * step
     runs = {}
-    allowances = (("none", 0), ("half", half * row_bytes + row_bytes // 2), ("group", shape.dw_rows * row_bytes))
+    allowances = (("none", 0), ("half", half * row_bytes + row_bytes // 2), ("group", shape.dw_rows * row_bytes),
+                  ("all", 10 * lead[0] * row_bytes))
     for name, memory in allowances:
         h = hidden.to(DEVICE).requires_grad_(True)
         w = weight.to(DEVICE).requires_grad_(True)
         out = ppo_ops.linear_log_probs_and_entropy(h, w, tokens.to(DEVICE), entropy="grad", temperature=1.3,
                                                    vocab_size=230, backend=backend, working_memory=memory)
         held = _saved_half_tensors(out)
-        expected = {"none": 0, "half": half, "group": shape.dw_rows}[name]
+        expected = {"none": 0, "half": half, "group": shape.dw_rows, "all": lead[0]}[name]
         assert [t.shape[1] >= expected for t in held] == ([True] if expected else []), (name, held)
         assert not held or held[0].shape[1] < expected + step, (name, held[0].shape)  # no more than allowed
         grads = torch.autograd.grad((out.log_probs, out.entropy), (h, w), (g_lp.to(DEVICE), g_ent.to(DEVICE)))
         runs[name] = (out.log_probs.detach(), out.entropy.detach(), expected, grads)
-    assert 0 < runs["half"][2] < runs["group"][2]
+    assert 0 < runs["half"][2] < runs["group"][2] < runs["all"][2]
     for name, (lp, ent, cap, (dx, dw)) in runs.items():
         assert torch.equal(lp, runs["none"][0]) and torch.equal(ent, runs["none"][1]), name
         bounds = _bounds(hidden, weight, tokens, g_lp, g_ent, temperature=1.3, vocab_size=230,
@@ -272,6 +273,8 @@ def test_working_memory_sets_the_held_rows_of_a_call(backend):
         _assert_within(f"dX ({name})", dx.cpu(), bounds["dx"])
         _assert_within(f"dW ({name})", dw.cpu(), bounds["dw"])
     assert not torch.equal(runs["none"][3][1], runs["group"][3][1]), "the held rows' rounding left dW unchanged"
+    # the last group's held rows came from their probabilities too: its dX rows differ from the group-only call's
+    assert not torch.equal(runs["group"][3][0][shape.dw_rows:], runs["all"][3][0][shape.dw_rows:])
 
 
 def _saved_half_tensors(out):
@@ -283,15 +286,16 @@ def _saved_half_tensors(out):
 
 
 @pytest.mark.parametrize("backend", [p for p in backend_params(DEVICE) if p.id == "triton"])
-@pytest.mark.parametrize("hold", ["none", "one_block", "all"])
+@pytest.mark.parametrize("hold", ["none", "one_block", "past_a_group", "all", "all_groups"])
 def test_held_probabilities_vs_float64_freed_and_reread(backend, hold, monkeypatch):
     """The chunked forward holds its first rows' logits as fp16 probabilities for the backward (none, one row block
-    of a call over two dW groups, or every row of a call): log-probs and entropies bitwise those of a call holding none,
+    of a call over two dW groups, a group and half a block of it, every row of a one-group call or of the two-group
+    one): log-probs and entropies bitwise those of a call holding none,
     gradients within their float64 bound (the held rows' with the probabilities' rounding), the buffer among the
     saved tensors and freed by the backward, and a second backward under retain_graph bitwise the first."""
     shape = _segment_gemms.chunk_shape(DEVICE)
     lead = (shape.rows + 5,) if hold == "all" else (shape.dw_rows + shape.rows // 2 + 3,)
-    cap = {"none": 0, "one_block": shape.rows, "all": lead[0]}[hold]
+    cap = {"none": 0, "one_block": shape.rows, "past_a_group": shape.dw_rows + shape.rows // 2}.get(hold, lead[0])
     hidden, weight, tokens = _inputs(lead, torch.bfloat16, seed=27)
     tokens = tokens.clamp(max=229)
     g_lp, g_ent = make_weights(lead, 28), make_weights(lead, 29, low=-1.0, high=1.0)

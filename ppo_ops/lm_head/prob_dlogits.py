@@ -70,7 +70,8 @@ def prob_dlogits_kernel(
     probs_ptr,  # [n_seg, B, seg_len] fp16 e^(z - m), vocabulary-major (strides slab_stride, 1, col_stride), READ
     out_ptr,  # dlogits in the output dtype (bf16 / fp16), vocabulary-major (strides out_slab_stride, 1,
     #           out_col_stride): the probabilities' own storage (written over each element once read) or another buffer
-    tiles_ptr,  # [n_seg, tiles_per_seg, 3, R] fp32 tile partials of the forward (channel 0: the tile max m)
+    tiles_ptr,  # [n_seg, tiles_per_seg, 3, >= R] fp32 tile partials of the forward (channel 0: the tile max m),
+    #             rows contiguous, tile_stride between tiles (a view of a call's rows starts where its first row does)
     shift_ptr,  # [R] fp32 row max M
     log_sum_ptr,  # [R] fp32 log Σ e^(z - M)
     mean_shifted_ptr,  # [R] fp32 E_p[z] - M (read only when HAS_GRAD_ENTROPY)
@@ -85,6 +86,7 @@ def prob_dlogits_kernel(
     seg_len,
     n_valid,  # local columns that are real vocabulary
     tiles_per_seg,
+    tile_stride,  # elements between consecutive tiles' partials (3 x the rows the forward wrote)
     inv_temperature,
     HAS_GRAD_LOG_PROB: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr,
@@ -104,8 +106,7 @@ def prob_dlogits_kernel(
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_rows
     # the rows' factors, once per program: p = e * scale_row, z - M = log e + m_shift
-    m = tl.load(tiles_ptr + (seg.to(tl.int64) * tiles_per_seg + tile) * (3 * num_rows) + rows, mask=row_ok,
-                other=0.0)
+    m = tl.load(tiles_ptr + (seg.to(tl.int64) * tiles_per_seg + tile) * tile_stride + rows, mask=row_ok, other=0.0)
     m_shift = m - tl.load(shift_ptr + rows, mask=row_ok, other=0.0)  # m - M <= 0
     scale_row = tl.exp(m_shift - tl.load(log_sum_ptr + rows, mask=row_ok, other=0.0))
     # Rows in [R, io_rows) get 0 through their upstream gradients (loaded as 0), not through a select on row_ok per
@@ -163,12 +164,17 @@ def dlogits(probs: torch.Tensor, tiles: torch.Tensor, n_rows: int, hidden: torch
             dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The first n_rows rows of every segment of probs ([n_seg, B, seg_len] fp16, vocabulary-major, from
     gemm_partials.forward_probs on hidden [n_rows, H] and weight, the segments' weight rows; tiles its tile
-    partials; shard the segments' options) turned into dlogits of `dtype`: in place (returns that view of probs'
-    storage, probs' shape and strides), or into `out` ([n_seg, >= n_rows, seg_len] of `dtype`, vocabulary-major,
-    columns 16-byte aligned; returned). stats and upstream are the n_rows rows' own."""
+    partials [n_seg, tiles_per_seg, 3, >= n_rows], rows contiguous; probs and tiles may be views starting at a later
+    row of the forward's buffers; shard the segments' options) turned into dlogits of `dtype`: in place (returns
+    that view of probs' storage, probs' shape and strides), or into `out` ([n_seg, >= n_rows, seg_len] of `dtype`,
+    vocabulary-major, columns 16-byte aligned; returned). stats and upstream are the n_rows rows' own."""
     n_seg, _, seg_len = probs.shape
     if probs.stride(1) != 1:
         raise ValueError(f"probs: expected a vocabulary-major buffer (row stride 1), got strides {probs.stride()}")
+    if (tiles.stride(3) != 1 or tiles.stride(2) * 3 != tiles.stride(1) or tiles.shape[3] < n_rows
+            or (tiles.shape[0] > 1 and tiles.stride(0) != tiles.shape[1] * tiles.stride(1))):
+        raise ValueError(f"tiles: expected [n_seg, tiles_per_seg, 3, >= {n_rows}] partials with contiguous rows, got "
+                         f"{tuple(tiles.shape)} strides {tiles.stride()}")
     in_place = out is None
     if in_place:
         out = probs.view(dtype)
@@ -192,9 +198,9 @@ def dlogits(probs: torch.Tensor, tiles: torch.Tensor, n_rows: int, hidden: torch
         grad_log_prob_ptr=g_lp if g_lp is not None else dummy, grad_entropy_ptr=g_ent if g_ent is not None else dummy,
         num_rows=n_rows, io_rows=io_rows, col_stride=probs.stride(2), slab_stride=probs.stride(0),
         out_col_stride=out.stride(2), out_slab_stride=out.stride(0), seg_len=seg_len, n_valid=shard.n_valid,
-        tiles_per_seg=tiles_per_seg, inv_temperature=inv_t, HAS_GRAD_LOG_PROB=g_lp is not None,
-        HAS_GRAD_ENTROPY=g_ent is not None, SCALE=inv_t != 1.0, ROUND_BF16_BY_BITS=round_bf16_by_bits(dtype),
-        IN_PLACE=in_place, BLOCK_R=PASS_ROWS, BLOCK_C=block_c, STEPS=steps, BLOCK_N=block_n,
+        tiles_per_seg=tiles_per_seg, tile_stride=tiles.stride(1), inv_temperature=inv_t,
+        HAS_GRAD_LOG_PROB=g_lp is not None, HAS_GRAD_ENTROPY=g_ent is not None, SCALE=inv_t != 1.0,
+        ROUND_BF16_BY_BITS=round_bf16_by_bits(dtype), IN_PLACE=in_place, BLOCK_R=PASS_ROWS, BLOCK_C=block_c, STEPS=steps, BLOCK_N=block_n,
         **({} if interpreting() else {"num_warps": PASS_WARPS}))
     if g_lp is not None:  # the target's element, from the forward's own target logit, in its segment's slab
         gemm_dlogits.target_dlogits(hidden, weight, tokens, shard, stats, upstream, out)

@@ -80,8 +80,8 @@ def chunk_shape(device: torch.device) -> ChunkShape:
 
 # The general op's one-GEMM forward, in a call that a backward follows, also keeps the first rows' logits as fp16
 # probabilities within their tiles (the token loss's store), at most the call's working_memory bytes at the global
-# vocabulary (default HOLD_BYTES; a multiple of PROB_ROWS_STEP rows, so of the forward's row tile, and at most one dW
-# group): their backward then forms dlogits from them in a memory-bound pass instead of a second GEMM over those rows.
+# vocabulary (default HOLD_BYTES; a multiple of PROB_ROWS_STEP rows, so of the forward's row tile): their backward
+# then forms each group's dlogits of those rows in a memory-bound pass instead of a second GEMM over them.
 # The default keeps them well under the fp32 [T, V] logits of the logits path (1 GiB: 3328 rows at Qwen3's
 # vocabulary); a caller who can spare more saves more of the second GEMM (docs/performance.md).
 HOLD_BYTES = 2**30
@@ -93,7 +93,7 @@ HOST_ROWS_STEP = 16  # the interpreter's step (its forward's row tile), so the t
 def held_rows(n_rows: int, seg_len: int, device: torch.device, working_memory: Optional[int] = None) -> int:
     """How many of a call's first rows the general op's forward keeps as probabilities for its backward: 2 bytes
     a logit at the global vocabulary within working_memory (None: HOLD_BYTES, or HOST_HOLD_ROWS rows off CUDA), in
-    steps of a row tile, at most one dW group. A function of the row count, the segment length and the allowance
+    steps of a row tile, at most the call's rows. A function of the row count, the segment length and the allowance
     only (the global vocabulary), so the same on every rank and TP size."""
     on_cuda = device.type == "cuda"
     if working_memory is None and not on_cuda:
@@ -102,7 +102,7 @@ def held_rows(n_rows: int, seg_len: int, device: torch.device, working_memory: O
         step = PROB_ROWS_STEP if on_cuda else HOST_ROWS_STEP
         allowance = HOLD_BYTES if working_memory is None else working_memory
         cap = allowance // (seg_len * layout.NUM_FIXED_SEGMENTS * 2) // step * step
-    return max(0, min(n_rows, cap, chunk_shape(device).dw_rows))
+    return max(0, min(n_rows, cap))
 
 
 # ---- GEMMs: the library's, fp32 accumulation ----
@@ -363,9 +363,10 @@ class SegmentGemmBackend:
                 if fused:  # no fp32 chunk
                     stop = min(g0 + group_rows, n_rows)
                     lo = g0
-                    if held is not None and g0 == 0:  # the held rows (the first group's first): from their probs
-                        lo = held.rows
-                        self._held_dlogits(held, s, HeadRows(hidden, w_s, tokens, seg), saved, upstream, dl)
+                    if held is not None and g0 < held.rows:  # the group's held rows (the call's first): their probs
+                        lo = min(stop, held.rows)
+                        self._held_dlogits(held, s, slice(g0, lo), HeadRows(hidden, w_s, tokens, seg), saved,
+                                           upstream, dl)
                     if lo < stop:  # the forward's GEMM tiles again, the gradient in their epilogue
                         rs = slice(lo, stop)
                         recompute.dlogits(hidden[rs], w_s, tokens[rs], seg, *backward_rows(saved, upstream, rs),
@@ -397,14 +398,17 @@ class SegmentGemmBackend:
                 dw[seg_lo:seg_lo + seg_len].copy_(dw_acc)
         return None if dx is None else dx[:n_rows], dw
 
-    def _held_dlogits(self, held: HeldProbs, s: int, segment: HeadRows, saved: LinearSaved, upstream: UpstreamGrads,
-                      dl) -> None:
-        """dl[:held.rows] = segment s's dlogits of the held rows, from the probabilities the forward held (read
-        only: a second backward finds them unchanged). `segment`: the rows with segment s's weight and options."""
-        rs = slice(0, held.rows)
+    def _held_dlogits(self, held: HeldProbs, s: int, rs: slice, segment: HeadRows, saved: LinearSaved,
+                      upstream: UpstreamGrads, dl) -> None:
+        """dl[:n] = segment s's dlogits of the held rows rs (n of them, a group's first), from the probabilities the
+        forward held (read only: a second backward finds them unchanged). `segment`: the rows with segment s's
+        weight and options. The views start at rs.start and run to the buffers' ends (the pass may cover the rows
+        that round n up to 16, which the forward wrote)."""
+        n = rs.stop - rs.start
         self.passes.token_loss_pass.dlogits(
-            held.probs[s:s + 1], held.tiles[s:s + 1], held.rows, segment.hidden[rs], segment.weight,
-            segment.tokens[rs], segment.shard, *backward_rows(saved, upstream, rs), dl.dtype, out=dl[None, :held.rows])
+            held.probs[s:s + 1, rs.start:], held.tiles[s:s + 1, :, :, rs.start:], n, segment.hidden[rs],
+            segment.weight, segment.tokens[rs], segment.shard, *backward_rows(saved, upstream, rs), dl.dtype,
+            out=dl[None, :n])
 
     # -- the token loss: lm_head/token_loss_blocks.py --
 
