@@ -525,15 +525,15 @@ def test_mcore_flash_body_attention_is_causal_grouped_attention():
 
 def test_mcore_provider_names_say_their_way():
     """Each Megatron-step provider parses to its way to the loss, keep set and body: the flash suite runs the same
-    ten ways as the local one."""
+    eleven ways as the local one."""
     from tools.bench.cases import MCORE_FLASH_PROVIDERS, MCORE_STEP_PROVIDERS
     from tools.bench.megatron_step import _way
 
     local = [_way(p) for p in MCORE_STEP_PROVIDERS]
     assert [_way(p) for p in MCORE_FLASH_PROVIDERS] == [(kind, keep, "flash") for kind, keep, _ in local]
     assert {kind for kind, _, _ in local} == {"body", "logits", "head", "loss", "logits_dense", "logits_sparse",
-                                              "loss_lean", "loss_spare"}
-    assert [keep for _, keep, _ in local] == [False] * 4 + [True] * 4 + [False] * 2
+                                              "loss_lean", "loss_spare", "head_spare"}
+    assert [keep for _, keep, _ in local] == [False] * 4 + [True] * 4 + [False] * 3
     assert {case.provider for case in suite_cases(["megatron_step_flash"])} == set(MCORE_FLASH_PROVIDERS)
 
 

@@ -82,7 +82,7 @@ HEAD_STEP_PROVIDERS = WHOLE_STEP_PROVIDERS[1:]  # with checkpointing; the logits
 # A whole step through a megatron-core GPTModel (tools/bench/megatron_step.py): only in the megatron_step suite.
 MCORE_STEP_PROVIDERS = ("mcore_body", "mcore_logits", "mcore_head", "mcore_loss", "mcore_logits_dense_keep",
                         "mcore_logits_sparse_keep", "mcore_head_keep", "mcore_loss_keep", "mcore_loss_lean",
-                        "mcore_loss_spare")
+                        "mcore_loss_spare", "mcore_head_spare")
 # The same ways on a body whose core attention is torch's SDPA (flash): no [S, S] tensor (the megatron_step_flash suite)
 MCORE_FLASH_PROVIDERS = tuple(f"{p}_flash" for p in MCORE_STEP_PROVIDERS)
 

@@ -24,6 +24,8 @@ provider name):
   mcore_loss_spare  the token loss with Context(working_memory=SPARE_WORKING_MEMORY): what a step may spare for
                  the head's blocks (3072-row blocks at this model's head: three at T = 8192 where the lean way takes
                  eight, so less host work per row, for 0.58 GiB more probabilities held)
+  mcore_head_spare  the fused head with Context(working_memory=head_spare_memory(T)): the rows' probabilities it
+                 may hold from forward to backward within what the step spares at T, so fewer rows formed again
 and with a 64-id nucleus per row (the target among them, as a sampled token is), as top-p replay has it:
   mcore_logits_dense_keep   the logits path with the dense [T, V] keep_mask built from the nucleus in the step
   mcore_logits_sparse_keep  the logits path with the sparse keep=(ids, offsets)
@@ -57,6 +59,14 @@ ROTARY_BASE = 1_000_000
 # 2 V bytes, so 1.5 GiB gives 3072-row blocks (prob_block_rows); the step's peak is then 0.59 GiB over the flash body's
 # at T = 8192, within a quarter of the logits path's extra (0.915 GiB; docs/performance.md)
 SPARE_WORKING_MEMORY = 3 * 2**29
+# The general head's: bytes of fp16 probabilities (2 V a row) held across the loss, per T, chosen so the step's peak
+# stays within a quarter of the logits path's extra over the flash body (0.915 GiB at T = 8192, 4.03 at 32768); part
+# of them lies under the body's own backward peak (docs/performance.md). Other T: SPARE_WORKING_MEMORY.
+HEAD_SPARE_MEMORY = {8192: 5 * 2**28, 32768: 5 * 2**30}
+
+
+def head_spare_memory(tokens: int) -> int:
+    return HEAD_SPARE_MEMORY.get(tokens, SPARE_WORKING_MEMORY)
 
 
 def _way(provider: str) -> tuple:
@@ -190,8 +200,8 @@ def build(case: Case, inp: Inputs) -> Closure:
             return logits_path({"keep": keep})
         if kind == "logits":
             return logits_path({})
-        if kind == "head":
-            out = processor(None)
+        if kind in ("head", "head_spare"):
+            out = processor(None, head_spare_memory(case.T) if kind == "head_spare" else None)
             return ppo.total(out.log_probs, out.entropy)
         working_memory = {"loss": None, "loss_lean": 0, "loss_spare": SPARE_WORKING_MEMORY}[kind]
         loss, _ = processor(ppo, working_memory)
