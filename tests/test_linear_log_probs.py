@@ -241,8 +241,8 @@ def test_held_rows_follow_the_working_memory():
 @pytest.mark.parametrize("backend", [p for p in backend_params(DEVICE) if p.id == "triton"])
 def test_working_memory_sets_the_held_rows_of_a_call(backend):
     """working_memory reaches the forward: none held at 0, half a dW group, a whole dW group, every row of a call
-    past one group (never more than it allows); log-probs and entropies bitwise the same whatever is held, gradients within their float64 bound (the
-    held rows' with the probabilities' rounding)."""
+    past one group (never more than it allows); log-probs and entropies bitwise the same whatever is held, gradients
+    within their float64 bound (the held rows' with the probabilities' rounding)."""
     shape = _segment_gemms.chunk_shape(DEVICE)
     lead = (shape.dw_rows + 3,)
     hidden, weight, tokens = _inputs(lead, torch.bfloat16, seed=36)

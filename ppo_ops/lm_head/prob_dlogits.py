@@ -200,7 +200,8 @@ def dlogits(probs: torch.Tensor, tiles: torch.Tensor, n_rows: int, hidden: torch
         out_col_stride=out.stride(2), out_slab_stride=out.stride(0), seg_len=seg_len, n_valid=shard.n_valid,
         tiles_per_seg=tiles_per_seg, tile_stride=tiles.stride(1), inv_temperature=inv_t,
         HAS_GRAD_LOG_PROB=g_lp is not None, HAS_GRAD_ENTROPY=g_ent is not None, SCALE=inv_t != 1.0,
-        ROUND_BF16_BY_BITS=round_bf16_by_bits(dtype), IN_PLACE=in_place, BLOCK_R=PASS_ROWS, BLOCK_C=block_c, STEPS=steps, BLOCK_N=block_n,
+        ROUND_BF16_BY_BITS=round_bf16_by_bits(dtype), IN_PLACE=in_place, BLOCK_R=PASS_ROWS, BLOCK_C=block_c,
+        STEPS=steps, BLOCK_N=block_n,
         **({} if interpreting() else {"num_warps": PASS_WARPS}))
     if g_lp is not None:  # the target's element, from the forward's own target logit, in its segment's slab
         gemm_dlogits.target_dlogits(hidden, weight, tokens, shard, stats, upstream, out)
