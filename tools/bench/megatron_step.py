@@ -22,8 +22,8 @@ provider name):
   mcore_loss_lean  the token loss with Context(working_memory=0): its smallest row blocks beside the fp32 dW
                  accumulator, the least memory it can take (against its default allowance's one block at T = 8192)
   mcore_loss_spare  the token loss with Context(working_memory=SPARE_WORKING_MEMORY): what a step may spare for
-                 the head's blocks (3072-row blocks at this model's head: three at T = 8192 where the lean way takes
-                 eight, so less host work per row, for 0.58 GiB more probabilities held)
+                 the head's blocks (4096-row blocks at this model's head: two at T = 8192 where the lean way takes
+                 eight, so less host work and fewer dW accumulations per row, for 0.87 GiB more probabilities held)
   mcore_head_spare  the fused head with Context(working_memory=head_spare_memory(T)): the rows' probabilities it
                  may hold from forward to backward within what the step spares at T, so fewer rows formed again
 and with a 64-id nucleus per row (the target among them, as a sampled token is), as top-p replay has it:
@@ -56,9 +56,10 @@ QWEN3_0_6B = dict(num_layers=28, hidden_size=1024, num_attention_heads=16, num_q
                   ffn_hidden_size=3072)
 ROTARY_BASE = 1_000_000
 # The spare way's allowance: at H = 1024, V = 151936 the fp32 dW accumulator takes 0.58 GiB of it and each block row
-# 2 V bytes, so 1.5 GiB gives 3072-row blocks (prob_block_rows); the step's peak is then 0.59 GiB over the flash body's
-# at T = 8192, within a quarter of the logits path's extra (0.915 GiB; docs/performance.md)
-SPARE_WORKING_MEMORY = 3 * 2**29
+# 2 V bytes, so 1.75 GiB gives 4096-row blocks (prob_block_rows); the step's peak is then 0.86 to 0.90 GiB over the
+# flash body's at T = 8192, within a quarter of the logits path's extra (0.915 GiB; 2 GiB went over, 1.5 GiB's
+# three blocks took 0.59: docs/performance.md)
+SPARE_WORKING_MEMORY = 7 * 2**28
 # The general head's: bytes of fp16 probabilities (2 V a row) held across the loss, per T, chosen so the step's peak
 # stays within a quarter of the logits path's extra over the flash body (0.915 GiB at T = 8192, 4.03 at 32768); part
 # of them lies under the body's own backward peak (docs/performance.md). Other T: SPARE_WORKING_MEMORY.
