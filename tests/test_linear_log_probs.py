@@ -132,10 +132,10 @@ def _dl_roundoff(backend, dtype):
     return UNIT_ROUNDOFF[dtype] if backend == "triton" and dtype != torch.float32 else 0.0
 
 
-def _held_rows(backend, dtype, hidden, weight, row_mask=None):
+def _held_rows(backend, dtype, hidden, weight, row_mask=None, working_memory=None):
     """[rows] bool over the flattened rows: those whose dlogits the segment-GEMM backend forms from the fp16
-    probabilities its forward held (the first segment_gemms.held_rows of the kept rows, where the one-GEMM forward
-    applies)."""
+    probabilities its forward held (the first segment_gemms.held_rows of the kept rows within the call's
+    working_memory, where the one-GEMM forward applies)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
     kept = torch.ones(flat.shape[0], dtype=torch.bool) if row_mask is None else row_mask.reshape(-1).cpu()
     held = torch.zeros_like(kept)
@@ -145,14 +145,14 @@ def _held_rows(backend, dtype, hidden, weight, row_mask=None):
     if not gemm_partials.applies(flat.to(DEVICE).contiguous(), weight.to(DEVICE)):
         return held
     rows = torch.nonzero(kept).squeeze(1)
-    held[rows[:_segment_gemms.held_rows(rows.numel(), _segment_len(weight.shape[0]), DEVICE)]] = True
+    held[rows[:_segment_gemms.held_rows(rows.numel(), _segment_len(weight.shape[0]), DEVICE, working_memory)]] = True
     return held
 
 
-def _rounding(backend, dtype, hidden, weight, row_mask=None):
+def _rounding(backend, dtype, hidden, weight, row_mask=None, working_memory=None):
     """The bounds' rounding terms of the path the op takes: dlogits' rounding and the rows held as probabilities."""
     return dict(dl_roundoff=_dl_roundoff(backend, dtype),
-                prob_storage=_held_rows(backend, dtype, hidden, weight, row_mask))
+                prob_storage=_held_rows(backend, dtype, hidden, weight, row_mask, working_memory))
 
 
 def _check_vs_float64_once(backend, dtype, temperature, vocab_size, masked, lead=(2, 7), v=V_GLOBAL):
@@ -674,7 +674,10 @@ TP_CASES = {
     # on CPU: the segment-GEMM backend's first 16 rows from held probabilities, the next 16 recomputed, then a second
     # group
     "bf16_beyond_held": (torch.bfloat16, 1.0, None, False, 40),
+    # every row held, past the first group (TP_WORKING_MEMORY): the second group's rows from their probabilities too
+    "bf16_held_past_a_group": (torch.bfloat16, 1.0, None, False, 40),
 }
+TP_WORKING_MEMORY = {"bf16_held_past_a_group": 10**9}  # the cases' working_memory where not the default
 
 
 def _tp_inputs(name):
@@ -684,6 +687,8 @@ def _tp_inputs(name):
     if vocab_size is not None:
         tokens = tokens.clamp(max=vocab_size - 1)
     opts = dict(entropy="grad", temperature=temperature, vocab_size=vocab_size)
+    if name in TP_WORKING_MEMORY:
+        opts["working_memory"] = TP_WORKING_MEMORY[name]
     if masked:
         opts["row_mask"] = torch.tensor([True, True, False, True, False, True])
         tokens = torch.where(opts["row_mask"], tokens, -100)
@@ -733,7 +738,7 @@ def test_tp_bitwise_invariant(tp_results, backend, tp, name):
     dtype = TP_CASES[name][0]
     bounds = _bounds(hidden, weight, tokens, g_lp, g_ent, temperature=opts["temperature"],
                      vocab_size=opts["vocab_size"], row_mask=opts.get("row_mask"),
-                     **_rounding(backend, dtype, hidden, weight, opts.get("row_mask")))
+                     **_rounding(backend, dtype, hidden, weight, opts.get("row_mask"), opts.get("working_memory")))
     dx_tp = ranks[0][(backend, name, True)][2]
     _assert_within("dX (reduced)", dx_tp, bounds["dx"])
     partial_sum = sum(per_rank[(backend, name, False)][2].double() for per_rank in ranks)
