@@ -27,8 +27,9 @@ log_probs_and_entropy(tile_logits(...)) bit for bit; on the one-GEMM path they e
 reduction order (the epilogue reduces over GEMM tiles).
 
 Held probabilities. A forward that a backward follows (forward_for_backward) also stores the first held_rows rows'
-logits as fp16 probabilities e^(z - tile max) within their tiles (at most HOLD_BYTES at the global vocabulary), whose
-dlogits the backward then forms in a memory-bound pass (prob_dlogits.py) instead of a second GEMM; those dlogits
+logits as fp16 probabilities e^(z - tile max) within their tiles (at most the call's working_memory, default
+HOLD_BYTES, at the global vocabulary; in as many dW groups as they reach), whose dlogits the backward then forms,
+group by group, in a memory-bound pass (prob_dlogits.py) instead of a second GEMM; those dlogits
 carry that fp16 rounding (2^-11 of their terms) before their own rounding to the input dtype. The held rows run in a
 launch of their own, so the other rows' partials are those of the forward without a store, bit for bit, in any
 grad mode.
