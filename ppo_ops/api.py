@@ -206,8 +206,8 @@ def linear_log_probs_and_entropy(
       - dX is deterministic; at TP > 1 its fp32 sum runs in another order than at TP = 1 (within fp32 rounding);
       - memory: never [T, V] logits nor their gradient. Under torch.no_grad it keeps nothing and costs one GEMM's
         work. With a gradient the forward holds the first rows' logits as fp16 probabilities (at most
-        `working_memory` bytes at the global vocabulary, 2 V bytes a row; default 1 GiB: 3328 rows at Qwen3's; at
-        most 8192 rows on CUDA), whose backward needs no second GEMM; the other rows' logits are formed again in the
+        `working_memory` bytes at the global vocabulary, 2 V bytes a row; default 1 GiB: 3328 rows at Qwen3's; up to
+        every row), whose backward needs no second GEMM; the other rows' logits are formed again in the
         backward (four GEMMs' work for them: forward, recompute, dX, dW). Working memory beyond
         dX and dW (CUDA, half precision): an fp32 dX accumulator [R, H], a dlogits buffer of 8192 rows x one
         vocabulary segment and, past 8192 rows, one segment's fp32 dW accumulator.
