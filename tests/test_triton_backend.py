@@ -588,6 +588,9 @@ def test_generated_launch_key_is_the_definitions():
         dict(example, BLOCK=128),
         dict(example, num_warps=8, num_stages=3), dict(reversed(list(dict(example, num_stages=3).items()))),
         {k: v for k, v in example.items() if k not in ("flag", "num_warps")},
+        # as many keywords as the example, but another option in place of its one, or of a parameter
+        dict({k: v for k, v in example.items() if k != "num_warps"}, num_stages=3),
+        dict({k: v for k, v in example.items() if k != "flag"}, num_stages=3),
     ]
     for kwargs in variants:
         want_args = tuple(kwargs[n] if n in kwargs else d for n, d in zip(names, defaults))
@@ -595,8 +598,8 @@ def test_generated_launch_key_is_the_definitions():
         assert key == specialization_key(names, constexpr, kwargs), kwargs
         assert len(args) == len(want_args) and all(a is b for a, b in zip(args, want_args)), kwargs
     # The order the options are written in does not make another key; their values do.
-    assert generated(dict(example, num_stages=3))[0] == generated(variants[-2])[0]
-    assert generated(variants[-3])[0] != generated(dict(example, num_stages=3))[0]
+    assert generated(dict(example, num_stages=3))[0] == generated(variants[-4])[0]
+    assert generated(variants[-5])[0] != generated(dict(example, num_stages=3))[0]
 
 
 def test_launch_binds_positions_as_a_call_does():

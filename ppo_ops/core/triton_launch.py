@@ -72,8 +72,9 @@ def key_and_arguments(names: tuple, constexpr: tuple, defaults: tuple, example: 
     """A function `f(kwargs) -> (specialization_key(names, constexpr, kwargs), the launch's arguments in signature
     order, a default where a name is absent)`, as straight-line code: per parameter one dict lookup and, for a
     tensor, an int or a float (the kinds `example`, one call's kwargs, gives it), the class inline, behind a type
-    test that hands any other kind to `value_class`. Same result as the loop for every argument, of any kind."""
-    lines, key_parts = [], []
+    test that hands any other kind to `value_class`; the launch options as `example` has them without a sort. Same
+    result as the loop for every argument, of any kind."""
+    lines, key_parts = ["    missing = 0"], []
     for i, (name, is_const) in enumerate(zip(names, constexpr)):
         v = f"v{i}"
         lines.append(f"    {v} = get({name!r}, M)")
@@ -90,12 +91,21 @@ def key_and_arguments(names: tuple, constexpr: tuple, defaults: tuple, example: 
         else:
             form = f"value_class({v})"
         # An absent name keys as None (what the loop's kwargs.get gives) and launches with its default.
-        lines.append(f"    if {v} is M:\n        k{i} = None\n        {v} = D[{i}]\n    else:\n        k{i} = {form}")
+        lines.append(f"    if {v} is M:\n        k{i} = None\n        {v} = D[{i}]\n        missing += 1\n"
+                     f"    else:\n        k{i} = {form}")
         key_parts.append(f"k{i}")
+    # The example's launch options, sorted as launch_options sorts them: when a call has exactly these (its length
+    # leaves room for no other keyword), they key without launch_options' set difference and sort.
+    options = sorted(set(example) - set(names))
+    same_options = " and ".join([f"len(kwargs) == {len(names) + len(options)} - missing"]
+                                + [f"{o!r} in kwargs" for o in options])
+    option_pairs = _tuple_source(f"({o!r}, kwargs[{o!r}])" for o in options)
+    lines.append(f"    if {same_options}:\n        options = {option_pairs}\n"
+                 f"    else:\n        options = launch_options(kwargs, P)")
     key = _tuple_source(key_parts)
     arguments = _tuple_source(f"v{i}" for i in range(len(names)))
     source = ("def key_and_arguments(kwargs):\n    get = kwargs.get\n" + "\n".join(lines)
-              + f"\n    return ({key}, launch_options(kwargs, P)), {arguments}\n")
+              + f"\n    return ({key}, options), {arguments}\n")
     scope = dict(M=_MISSING, D=defaults, P=frozenset(names), Tensor=torch.Tensor, value_class=value_class,
                  launch_options=launch_options)
     exec(compile(source, f"<ppo_ops launch of {len(names)} parameters>", "exec"), scope)  # noqa: S102
