@@ -59,7 +59,7 @@ LOGIT_TRANSFORMS = {
     "logits_soft_cap": (None,),  # RecurrentGemma: the same soft-capping
     "output_logit_soft_cap": (None,),  # xLSTM: the same soft-capping
     "logit_scale": (None, 1.0),  # Cohere, Cohere2: logits * logit_scale
-    "logits_scaling": (None, 1.0),  # Granite (logits / s), MiniCPM3 (hidden states / s before the head)
+    "logits_scaling": (None, 1.0),  # Granite (logits / s), HyperCLOVAX (logits * s), MiniCPM3 (hidden states / s)
     "lm_head_multiplier": (None, 1.0),  # Falcon-H1: logits * m
     "output_multiplier": (None, 1.0),  # MuseGlimmer / MuseSpark: logits * m before their soft-capping
     "logits_mup_width_multiplier": (None, 1.0),  # Inkling: hidden states / m before the head
@@ -153,8 +153,8 @@ def token_log_probs(
         # Traced into a caller's compiled function: dynamo cannot trace putting the output embedding's forward back
         # (torch 2.11 refuses popping the instance attribute, 2.13 deleting it), so the body runs and the head takes
         # its last hidden states and the output embedding's weight as the module holds them (no wrapper runs here).
-        body = causal_lm.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                    use_cache=False)
+        body = _body(causal_lm)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                use_cache=False)
         return fused.results(fused.forward(body.last_hidden_state if hasattr(body, "last_hidden_state") else body[0]))
     with fused.in_place_of_forward():
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
@@ -286,10 +286,9 @@ def _head(model):
     if not isinstance(model, nn.Module):
         raise argument_error(TypeError, _FN, "model", f"model must be a transformers causal LM (an nn.Module), got "
                                                       f"{name}")
-    base = getattr(model, "base_model", None)
-    if not isinstance(base, nn.Module) or base is model:
+    if _body(model) is None:
         raise argument_error(TypeError, _FN, "model",
-                             f"{name} has no base model (model.base_model), as a causal LM has: pass "
+                             f"{name} has no base model (model.base_model or model.model), as a causal LM has: pass "
                              "the causal LM (e.g. Qwen3ForCausalLM), not its body")
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
@@ -327,6 +326,16 @@ def _head(model):
             vocab = size
             break
     return head, vocab
+
+
+def _body(model):
+    """The causal LM's body (the module yielding its last hidden states), or None: `base_model`, or, where that
+    falls back to the model itself (a base_model_prefix naming no attribute, as Llama4ForCausalLM's and
+    MllamaForCausalLM's "language_model" beside their `model`), the `model` attribute."""
+    for body in (getattr(model, "base_model", None), getattr(model, "model", None)):
+        if isinstance(body, nn.Module) and body is not model:
+            return body
+    return None
 
 
 def _neutral(value, neutral) -> bool:

@@ -389,6 +389,39 @@ def test_another_architecture_gemma2_without_softcapping():
     _assert_grads(_grads(model), ref_grads, BODY_FP32_GRAD_REL_TOL)
 
 
+def test_another_architecture_whose_base_model_is_not_its_prefix():
+    """Llama 4's text causal LM keeps its body in `model` while its base_model_prefix names `language_model`, so
+    transformers' `base_model` is the causal LM itself: it is served all the same (values and every gradient against
+    its float64 copy), and a caller's compiled step, which runs the body itself, finds it there too."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        config = transformers.Llama4TextConfig(
+            vocab_size=301, hidden_size=64, intermediate_size=128, intermediate_size_mlp=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=1, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2, attn_implementation="eager")
+        model = transformers.Llama4ForCausalLM(config).eval()
+        with torch.no_grad():
+            model.model.norm.weight.uniform_(*FINAL_NORM_RANGE)
+    assert model.base_model is model  # what the case is about
+    model64 = _float64(model)
+    ids, kwargs = _batch("plain", 301)
+    counted = _expected_counted(ids)
+    w_lp, w_ent = _upstream(ids.shape, 11)
+
+    out = token_log_probs(model, ids, entropy="grad")
+    (w_lp * out.log_probs + w_ent * out.entropy).sum().backward()
+    ref_lp, ref_ent, ref_grads = _run_reference(model64, ids, kwargs, counted, w_lp, w_ent)
+
+    _assert_values(out.log_probs.detach(), out.entropy.detach(), ref_lp, ref_ent, counted, BODY_FP32_LOG_PROB_TOL,
+                   BODY_FP32_ENTROPY_TOL)
+    _assert_grads(_grads(model), ref_grads, BODY_FP32_GRAD_REL_TOL)
+
+    compiled = torch.compile(lambda m, i: token_log_probs(m, i, entropy="value", validate=False), backend="eager",
+                             fullgraph=True)
+    got = compiled(model, ids)
+    assert torch.equal(got.log_probs, out.log_probs.detach()) and torch.equal(got.entropy, out.entropy.detach())
+
+
 def test_compiled_model(monkeypatch):
     """torch.compile(model) is served with its body compiled (the head in place of its output embedding inside the
     compiled forward): values and gradients as the eager model's within float32 rounding of the body, and no
