@@ -18,12 +18,20 @@ that key call its launcher directly, with the arguments in the order and the lau
 bookkeeping only (the changed-global check guards against editing a module's constants at run time, which ppo_ops
 never does).
 
+`recording()` keeps every launch a thread makes inside it (`Launch`: the kernel, grid and arguments), and
+`Launcher.run` makes a launch from those parts: the logits op replays a small call's recorded launches with the new
+call's pointers (ppo_ops/logits/replay.py).
+
 Where it does not apply it is `kernel[grid](**kwargs)`: under the interpreter (TRITON_INTERPRET=1), and for a Triton
 whose internals differ from those this relies on (`JITFunction.params`, `CompiledKernel.run`/`function`/
 `packed_metadata`/`launch_metadata`, `triton.knobs.runtime` launch hooks), found once per kernel at the first launch.
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -156,8 +164,11 @@ class Launcher:
     def __call__(self, grid: tuple, *args, **kwargs) -> None:
         if self._direct is None:
             self._direct = not _interpreting() and self._read_signature()
+        record = getattr(_RECORDING, "launches", None)
         if not self._direct:
             self.kernel[grid](*args, **kwargs)
+            if record is not None:
+                record.append(Launch(self, None, None, tuple(grid), (), kwargs))
             return
         if args:
             kwargs = bind_arguments(self._signature[0], args, kwargs)
@@ -168,14 +179,22 @@ class Launcher:
         key, args = prepare(kwargs)
         key = (device, key)
         compiled = self._compiled.get(key)
+        grid3 = tuple(grid) + (1,) * (3 - len(grid))
         if compiled is None:
             compiled = self.kernel[grid](**kwargs)
             if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata", "launch_metadata")):
                 self._compiled[key] = compiled
             else:
                 self._direct = False
-            return
-        grid = tuple(grid) + (1,) * (3 - len(grid))
+                compiled = None
+        else:
+            self.run(compiled, device, grid3, args)
+        if record is not None:
+            record.append(Launch(self, compiled, device, grid3, args, kwargs))
+
+    def run(self, compiled, device: int, grid: tuple, args: tuple) -> None:
+        """Launches `compiled` (a CompiledKernel this launcher keeps) on grid (3 dims) with `args` in signature order,
+        on the current stream of `device` (the current device), with Triton's launch hooks."""
         stream = self._driver.active.get_current_stream(device)
         hooks = self._hooks
         enter = hooks.launch_enter_hook
@@ -183,6 +202,33 @@ class Launcher:
         compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
                      None if enter is None else compiled.launch_metadata(grid, stream, *args), enter,
                      hooks.launch_exit_hook, *args)
+
+
+class Launch(NamedTuple):
+    """One launch a Launcher made, as `recording()` keeps it: enough to make it again with other pointers."""
+
+    launcher: Launcher
+    compiled: Optional[object]  # the CompiledKernel; None where it went through kernel[grid] (not replayable)
+    device: Optional[int]
+    grid: tuple  # three dims (as given, where not replayable)
+    args: tuple  # every argument in signature order (empty where not replayable)
+    kwargs: dict  # the arguments as the caller named them
+
+
+_RECORDING = threading.local()
+
+
+@contextlib.contextmanager
+def recording():
+    """Every Launcher call this thread makes inside the block, in order, as a list of Launch (the launches happen as
+    usual)."""
+    launches: list = []
+    outer = getattr(_RECORDING, "launches", None)
+    _RECORDING.launches = launches
+    try:
+        yield launches
+    finally:
+        _RECORDING.launches = outer
 
 
 _LAUNCHERS: dict = {}  # id(kernel) -> its Launcher (by id: whether a Triton kernel object hashes varies by version)

@@ -292,13 +292,22 @@ def merge_partials(partials: torch.Tensor, has_keep_mask: bool) -> RowStats:
     out = torch.empty((k.MERGED_FIELDS, num_rows), dtype=torch.float32, device=partials.device)
     flags = torch.empty((k.MERGED_FLAGS, num_rows), dtype=torch.uint8, device=partials.device)
     if num_rows:
-        _MERGE((cdiv(num_rows, _MERGE_BLOCK_R),), partials_ptr=partials, out_ptr=out, flags_ptr=flags,
-               num_rows=num_rows, NUM_SEG=num_seg, HAS_KEEP=has_keep_mask, BLOCK_R=_MERGE_BLOCK_R)
+        grid, kwargs = merge_launch_args(partials, out, flags, has_keep_mask)
+        _MERGE(grid, **kwargs)
     log_prob, entropy, shift, log_sum, log_sum_kept, mean_shifted = out.unbind(0)
     defined, has_mass, bad = flags.view(torch.bool).unbind(0)
     return RowStats(log_prob=log_prob, entropy=entropy, shift=shift, log_sum=log_sum,
                     log_sum_kept=log_sum_kept if has_keep_mask else None, mean_shifted=mean_shifted,
                     bad_input=bad, log_prob_defined=defined, row_has_mass=has_mass)
+
+
+def merge_launch_args(partials: torch.Tensor, out: torch.Tensor, flags: torch.Tensor, has_keep_mask: bool):
+    """(grid, kwargs) of the merge of contiguous [segments, 5, T] partials into `out` [MERGED_FIELDS, T] fp32 and
+    `flags` [MERGED_FLAGS, T] uint8."""
+    num_seg, _, num_rows = partials.shape
+    return (cdiv(num_rows, _MERGE_BLOCK_R),), dict(partials_ptr=partials, out_ptr=out, flags_ptr=flags,
+                                                   num_rows=num_rows, NUM_SEG=num_seg, HAS_KEEP=has_keep_mask,
+                                                   BLOCK_R=_MERGE_BLOCK_R)
 
 
 class TritonBackend:
