@@ -107,17 +107,17 @@ def grad_logits(inputs: RowInputs, plan: Plan, stats: BackwardStats, grad_log_pr
     inplace_grad) and returns it."""
     # Everything between here and the backend's launch is host time on the critical path when the forward
     # synchronised (validate=True): the backends zero the upstream gradients of rows without one themselves.
-    upstream = UpstreamGrads(_as_fp32(grad_log_prob), _as_fp32(grad_entropy) if plan.entropy_mode == "grad" else None)
+    upstream = UpstreamGrads(as_fp32(grad_log_prob), as_fp32(grad_entropy) if plan.entropy_mode == "grad" else None)
     if keep_state is not None:  # keep rows: their log-prob's term is added below, on the kept entries only
         upstream = UpstreamGrads(sparse_keep.dense_grad(upstream.grad_log_prob, keep_state), upstream.grad_entropy)
     plan.backend.backward_grad(inputs, plan.shard, stats, upstream, out)
     if keep_state is not None:
-        sparse_keep.logits_backward(keep_state, _as_fp32(grad_log_prob), upstream.grad_entropy, stats.shift,
+        sparse_keep.logits_backward(keep_state, as_fp32(grad_log_prob), upstream.grad_entropy, stats.shift,
                                     stats.log_sum, stats.mean_shifted, out)
     return out
 
 
-def _as_fp32(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def as_fp32(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     if grad is None or (grad.dtype == torch.float32 and grad.is_contiguous()):
         return grad  # no torch call: host time on a small call's critical path
     return grad.to(torch.float32).contiguous()
