@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ppo_ops.compiled import linear_op, logits_op, token_loss_op
-from ppo_ops.core import shell, triton_launch
+from ppo_ops.core import shell
 from ppo_ops.lm_head.function import LinearLogProbEntropyFunction
 from ppo_ops.lm_head.loss_function import LinearTokenLossFunction
 from ppo_ops.logits import replay
@@ -115,30 +115,22 @@ def log_probs_and_entropy(
 
 def _log_probs_eager(logits, tokens, *, tp_group, entropy, keep_mask, keep, temperature, row_mask, vocab_size,
                      chunk_size, inplace_grad, backend, validate, reduction_order) -> LogProbsEntropy:
-    # A small call of a signature seen before replays that call's launches (logits/replay.py).
+    # A call of a signature seen before replays that call's launches (logits/replay.py).
     key = replay.signature(logits, tokens, tp_group=tp_group, entropy=entropy, keep_mask=keep_mask, keep=keep,
                            temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, chunk_size=chunk_size,
                            inplace_grad=inplace_grad, backend=backend, validate=validate,
                            reduction_order=reduction_order)
-    found = None if key is None else replay.entry(key)
-    if found is not None and not replay.not_replayable(found):
-        out = replay.run(found, logits, tokens)
-        if out is not None:
-            return _shaped_outputs(out, found.plan.entropy_mode, found.lead)
+    replayed = replay.run(key, logits, tokens)
+    if replayed is not None:
+        return _shaped_outputs(*replayed)
     call = shell.prepare_logits(
         "log_probs_and_entropy", logits, tokens, tp_group=tp_group, entropy=entropy, keep_mask=keep_mask,
         temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, chunk_size=chunk_size,
         inplace_grad=inplace_grad, backend=backend, validate=validate, reduction_order=reduction_order, keep=keep,
     )
-    with shell.on_device(call):
-        if key is None or found is not None:
-            out = LogProbEntropyFunction.apply(call.rows, call.tokens, call.keep_mask, call.row_mask, call.plan,
-                                               call.keep)
-        else:
-            with triton_launch.recording() as launches:
-                out = LogProbEntropyFunction.apply(call.rows, call.tokens, call.keep_mask, call.row_mask,
-                                                   call.plan, call.keep)
-            replay.remember(key, call, logits, launches)
+    with shell.on_device(call), replay.recording(key, call, logits):
+        out = LogProbEntropyFunction.apply(call.rows, call.tokens, call.keep_mask, call.row_mask, call.plan,
+                                           call.keep)
     return _outputs(out, call)
 
 

@@ -7,7 +7,7 @@ Triton's specialisation key, none of which changes between calls of one signatur
 What: a call's signature (`signature`) is everything the op's own path decides from: each tensor's type, shape,
 strides, dtype, device and address modulo 16 (Triton specialises pointers on 16-byte alignment), every option, and
 grad mode. The first call of a signature runs the op's own path (logits/function.py) while the launcher records its
-launches (core/triton_launch.py, `recording`). `remember` turns the record into an `Entry`: per launch the compiled
+launches (core/triton_launch.py, `recording`), and the record becomes an `Entry`: per launch the compiled
 kernel, its grid, and its argument list as a function of the call's pointers, each tensor argument replaced by the
 role of the buffer it points into (the logits, the tokens, the partials, the merged statistics or flags, and in the
 backward the gradient and the upstream gradients), every other argument kept as recorded. A later call of the
@@ -25,6 +25,7 @@ takes the op's own path. Entries are kept per signature, cleared when 256 are he
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -88,16 +89,19 @@ def _on_cuda(tensor) -> bool:
     return tensor.is_cuda
 
 
-def entry(key: tuple):
-    """The Entry of a signature, _NOT_REPLAYABLE, or None when none was recorded yet."""
-    return _ENTRIES.get(key)
+@contextlib.contextmanager
+def recording(key: Optional[tuple], call: shell.Call, logits: torch.Tensor):
+    """Around the op's own path on `call`: the first call of a signature (`key` not None) records its launches and
+    leaves the signature's Entry (or marks it not replayable); any other call runs as it is."""
+    if key is None or key in _ENTRIES:
+        yield
+        return
+    with triton_launch.recording() as launches:
+        yield
+    _remember(key, call, logits, launches)
 
 
-def not_replayable(found) -> bool:
-    return found is _NOT_REPLAYABLE
-
-
-def remember(key: tuple, call: shell.Call, logits: torch.Tensor, launches: list) -> None:
+def _remember(key: tuple, call: shell.Call, logits: torch.Tensor, launches: list) -> None:
     """Turns the recorded forward of a signature's first call into its Entry (or marks it not replayable)."""
     found = _NOT_REPLAYABLE
     rows, tokens = call.rows, call.tokens
@@ -117,10 +121,12 @@ def remember(key: tuple, call: shell.Call, logits: torch.Tensor, launches: list)
     _ENTRIES[key] = found
 
 
-def run(found: Entry, logits: torch.Tensor, tokens: torch.Tensor):
-    """The call replayed: what the op's Function returns ([T] outputs), or None when this call cannot replay (its
-    current device or fresh buffers differ from the record; the caller then takes the op's own path)."""
-    if torch.cuda.current_device() != found.device:
+def run(key: Optional[tuple], logits: torch.Tensor, tokens: torch.Tensor):
+    """The call replayed: (what the op's Function returns, [T] outputs; the entropy mode; the leading shape), or None
+    when the signature has no Entry or this call cannot replay (its current device or fresh buffers differ from the
+    record): the caller then takes the op's own path."""
+    found = None if key is None else _ENTRIES.get(key)
+    if found is None or found is _NOT_REPLAYABLE or torch.cuda.current_device() != found.device:
         return None
     n_rows = found.partials_shape[2]
     rows, flat_tokens = shell.shaped(logits, (n_rows, logits.shape[-1])), shell.shaped(tokens, (n_rows,))
@@ -130,7 +136,8 @@ def run(found: Entry, logits: torch.Tensor, tokens: torch.Tensor):
     flags = torch.empty((_FLAGS, n_rows), dtype=torch.uint8, device=device)
     if (partials.data_ptr() % 16, merged.data_ptr() % 16, flags.data_ptr() % 16) != found.fresh_residues:
         return None
-    return ReplayedFunction.apply(rows, flat_tokens, partials, merged, flags, found)
+    out = ReplayedFunction.apply(rows, flat_tokens, partials, merged, flags, found)
+    return out, found.plan.entropy_mode, found.lead
 
 
 class ReplayedFunction(torch.autograd.Function):
