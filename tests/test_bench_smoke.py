@@ -278,7 +278,8 @@ def test_small_call_suite_is_the_issue_shape():
     cases = suite_cases(["small_call"])
     modes = ("eager", "compiled", "reduce_overhead")
     assert [(c.provider, c.T) for c in cases] == [(p, T) for T in (1024, 8192)
-                                                  for p in modes + tuple(f"floor_{m}" for m in modes)]
+                                                  for p in ("eager", "eager_own_path") + modes[1:]
+                                                  + tuple(f"floor_{m}" for m in modes)]
     for c in cases:
         assert (c.V, c.dtype, c.entropy, c.validate, c.inplace_grad, c.tp) == (151936, "bf16", "grad", False, False, 1)
     assert all((c.T, c.V) == (TINY["T"], TINY["V"]) for c in suite_cases(["small_call_smoke"]))
@@ -301,8 +302,8 @@ def test_small_calls_are_measured_and_checked(small_calls):
     assert rc == 0
     assert still_disabled  # the providers enable dynamo only while they compile
     by_provider = {r["provider"]: r for r in rows}
-    assert len(rows) == len(cases) == 6
-    for name in ("eager", "compiled", "floor_eager", "floor_compiled"):
+    assert len(rows) == len(cases) == 7
+    for name in ("eager", "eager_own_path", "compiled", "floor_eager", "floor_compiled"):
         row = by_provider[name]
         # The floor's gradient is not one: its rows are timed, never checked.
         check = "" if name.startswith("floor_") else "ok"
@@ -313,7 +314,8 @@ def test_small_calls_are_measured_and_checked(small_calls):
             "skipped: reduce-overhead's CUDA graphs need a GPU (on CPU it would time the compiled provider again)")
     md = pathlib.Path(config.paths.md).read_text()
     section = md.split("## Small calls", 1)[1].split("## All cases", 1)[0]
-    for name in ("eager", "compiled", "reduce_overhead", "floor_eager", "floor_compiled", "floor_reduce_overhead"):
+    for name in ("eager", "eager_own_path", "compiled", "reduce_overhead", "floor_eager", "floor_compiled",
+                 "floor_reduce_overhead"):
         assert f"| {name} | 8 | 256 | bf16 | grad | off | 1 |" in section
     assert "CUDA graphs need a GPU" in section
 

@@ -8,8 +8,10 @@
     bazel run //tools:bench -- --suite=lm_head --out_dir=...   # the fused LM head from hidden states (lm_head.py)
     python3 tools/bench/bench.py --suite=lm_head_pieces --out_dir=/tmp/bench    # the segment GEMMs' pieces, CUDA
     python3 tools/bench/bench.py --suite=small_call --out_dir=/tmp/bench --min_reps=200 --max_reps=4000 \
-        --target_ms=1500 --providers=eager,compiled,reduce_overhead,floor_eager,floor_compiled,floor_reduce_overhead
-        # the logits op's small calls (T = 1024, 8192): eager, torch.compile, reduce-overhead, each with its host time,
+        --target_ms=1500 --providers=eager,eager_own_path,compiled,reduce_overhead,floor_eager,floor_compiled,\
+floor_reduce_overhead
+        # the logits op's small calls (T = 1024, 8192): eager (eager_own_path: without the replay of repeated calls),
+        # torch.compile, reduce-overhead, each with its host time,
         # and the same modes of an op doing one kernel each way (floor_*: what torch itself takes on this host);
         # ~1.5 s a case, since a host's slow phases last longer than the default 50 repetitions of a small call
 
@@ -55,7 +57,8 @@ PIECES_SUITE = "lm_head_pieces"
 LM_HEAD_CSV, LM_HEAD_MD = "lm_head.csv", "lm_head.md"
 
 _SUITE = flags.DEFINE_list("suite", ["headline"], "Named case lists (tools/bench/cases.py SUITES, e.g. small_call "
-                           "with --providers=eager,compiled,reduce_overhead and their floor_*), 'custom', or "
+                           "with --providers=eager,eager_own_path,compiled,reduce_overhead and their floor_*), "
+                           "'custom', or "
                            f"'{PIECES_SUITE}'.")
 _PROVIDERS = flags.DEFINE_list("providers", ["triton", "torch", "legacy", "naive", "liger", "qwen3_step"],
                                "Providers to run (filters the suites too; the LM head's suites only when given).")

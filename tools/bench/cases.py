@@ -14,11 +14,12 @@ stops on its time budget (bench --time_budget_s) has measured the headline befor
             (--suite=sglang_order --providers=triton,triton_sglang,sglang,naive; SGLang importable for its row).
   smoke     a tiny CPU shape covering every provider and option (few for triton), for tests/test_bench_smoke.py.
   small_call  the host cost of a small call: the logits op at T = 1024 and 8192, V = 151936, bf16, entropy with
-            gradient, validate=False, called plainly (eager), through torch.compile(fullgraph=True) (compiled) and
+            gradient, validate=False, called plainly (eager: repeated calls replay, ppo_ops/logits/replay.py;
+            eager_own_path: the same with the replay off), through torch.compile(fullgraph=True) (compiled) and
             torch.compile(mode="reduce-overhead") (reduce_overhead: CUDA graphs), each row with its host time per
             call beside its device time; floor_eager / floor_compiled / floor_reduce_overhead: the same three modes
             of an op doing one kernel each way, the host time torch itself takes there (--suite=small_call with
-            these six as --providers).
+            these seven as --providers).
             small_call_smoke: the same on the smoke shape, for the CPU tests (no CUDA graphs there: the
             reduce-overhead rows are skipped with their reason).
   whole_step  one RL step through a random Qwen3-0.6B (T=8192, bf16, forward + backward through the model, ppo_ops
@@ -73,8 +74,8 @@ KEEP_SET_PROVIDERS = ("triton_keep_sparse", "triton_keep_dense")  # the keep_set
 # SGLang's log_softmax order beside ppo_ops' own and SGLang's kernel (the sglang_order suite; pass --providers)
 SGLANG_ORDER_PROVIDERS = ("triton", "triton_sglang", "sglang", "naive")
 # The logits op as a user calls it (backend "auto"): plain, torch.compile(fullgraph=True), mode="reduce-overhead".
-SMALL_CALL_PROVIDERS = ("eager", "compiled", "reduce_overhead",  # the logits op, then the floor under any op:
-                        "floor_eager", "floor_compiled", "floor_reduce_overhead")
+SMALL_CALL_PROVIDERS = ("eager", "eager_own_path", "compiled", "reduce_overhead",  # the logits op, then the floor
+                        "floor_eager", "floor_compiled", "floor_reduce_overhead")  # under any op:
 SMALL_CALL_TOKENS = (1024, 8192)  # a small call, where the host's cost shows, and the headline T
 # A whole training step through a model that calls ppo_ops (tools/bench/whole_step.py): only in its own suites.
 WHOLE_STEP_PROVIDERS = ("qwen3_step", "qwen3_step_ckpt", "qwen3_step_head", "qwen3_step_loss")

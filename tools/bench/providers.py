@@ -23,6 +23,8 @@ Providers:
           trees' warm-up run, recording, first replay) before the bench's own warm-up; dynamo is enabled for the
           compile whatever TORCHDYNAMO_DISABLE says, and a compile that ran eagerly fails the case. Under
           reduce-overhead the logits are marked static (no copy into the graph's input buffer per replay)
+  eager_own_path  the eager call with the replay of repeated calls off (ppo_ops/logits/replay.py, ENABLED): every
+          call takes the op's own path, as before the replay; beside `eager`, what the replay saves
   floor_eager / floor_compiled / floor_reduce_overhead  the same three modes of an autograd op that does next to
           nothing (one kernel each way, _FloorOp): the host time torch itself takes per call on this host, beside
           which the small-call rows read. Not checked (its gradient is not one)
@@ -236,6 +238,7 @@ def build_small_call(case: Case, inp: Inputs) -> Closure:
     """eager / compiled / reduce_overhead: the logits op called as a user calls it; floor_*: _FloorOp in the same mode
     (see the module docstring)."""
     import ppo_ops
+    from ppo_ops.logits import replay
 
     def call(logits):
         out = ppo_ops.log_probs_and_entropy(logits, inp.tokens, tp_group=inp.group, entropy=case.entropy,
@@ -245,6 +248,15 @@ def build_small_call(case: Case, inp: Inputs) -> Closure:
     mode = case.provider.removeprefix("floor_")
     if mode != case.provider:
         call = _FloorOp.apply
+    if mode == "eager_own_path":
+        mode, replayed = "eager", call
+
+        def call(logits):  # the replay off for this call only: the other rows keep it
+            replay.ENABLED = False
+            try:
+                return replayed(logits)
+            finally:
+                replay.ENABLED = True
     graphs = mode == "reduce_overhead"
     if graphs:
         # CUDA graph trees copy every input that is not static into the graph's own buffer at each replay. The logits
