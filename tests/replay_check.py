@@ -68,6 +68,7 @@ def _stand_in_cuda():
     shell.interpret_requested = lambda: True  # backend="triton" on CPU tensors, without the interpreter
     replay._on_cuda = lambda tensor: True
     torch.cuda.current_device = lambda: 0
+    torch.cuda.is_current_stream_capturing = lambda: False
     driver = types.SimpleNamespace(active=types.SimpleNamespace(get_current_stream=lambda device: 0))
     for launcher in (tb._FORWARD, tb._MERGE, tb._BACKWARD):
         assert launcher._read_signature()
@@ -201,6 +202,26 @@ def _case(make_logits, make_tokens, grads, gen, expect_replay=True, **options):
     return {"replayed": ["forward", "merge", "backward"], "mismatches": mismatches}
 
 
+def _bad_token(make_logits, make_tokens):
+    """validate=True: a replayed call with a token out of range raises the op's own error (its value checks run)."""
+    options = dict(entropy="grad", validate=True, backend="triton")
+    ppo_ops.log_probs_and_entropy(make_logits(), make_tokens(), **options)  # recorded
+    logits, tokens = make_logits(), make_tokens()
+    tokens[5] = logits.shape[-1] + 7
+    errors = []
+    for enabled in (True, False):
+        replay.ENABLED = enabled
+        try:
+            ppo_ops.log_probs_and_entropy(logits, tokens, **options)
+            errors.append(None)
+        except ValueError as exc:
+            errors.append(str(exc))
+        finally:
+            replay.ENABLED = True
+    mismatches = [] if errors[0] is not None and errors[0] == errors[1] else [f"errors {errors}"]
+    return {"replayed": [], "mismatches": mismatches}
+
+
 def main():
     _stand_in_cuda()
     gen = torch.Generator().manual_seed(0)
@@ -236,8 +257,8 @@ def main():
                                                    ("lp", "ent"), gen, expect_replay=False)
     report["columns strided (copied inside)"] = _case(lambda: logits((1024, 64))().t(), tokens((64,), 1024),
                                                       ("lp", "ent"), gen, expect_replay=False)
-    report["validate on"] = _case(logits((64, 1024)), tokens((64,), 1024), ("lp", "ent"), gen, expect_replay=False,
-                                  validate=True)
+    report["validate on"] = _case(logits((64, 1024)), tokens((64,), 1024), ("lp", "ent"), gen, validate=True)
+    report["validate on, a token out of range"] = _bad_token(logits((64, 1024)), tokens((64,), 1024))
     print(json.dumps(report))
 
 

@@ -17,10 +17,12 @@ and it passed them. The backward is recorded the same way at its first run per k
 the two are given, and their alignment).
 
 Where it applies: eager calls on CUDA with the Triton kernels launched directly, one rank, no keep mask, keep set or
-row mask, validate=False, reduction_order="fused", inplace_grad=False, logits and tokens plain tensors whose flattened
-views are their own storage. Anything else, a signature whose record does not map onto those roles (a copy made
-inside the op, two roles at one address), and a call whose fresh buffers or current device differ from the record,
-takes the op's own path. Entries are kept per signature, cleared when 256 are held.
+row mask, reduction_order="fused", inplace_grad=False, logits and tokens plain tensors whose flattened views are
+their own storage. With validate=True the replayed forward ends with the op's own value checks (their one host
+read), and inside a CUDA graph capture the op's own path raises its error. Anything else, a signature whose record
+does not map onto those roles (a copy made inside the op, two roles at one address), and a call whose fresh buffers
+or current device differ from the record, takes the op's own path. Entries are kept per signature, cleared when 256
+are held.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from ppo_ops.logits import function
 # Rows of the merge's outputs (logits/triton_kernels.py): 6 fp32 fields, 3 byte flags.
 _FIELDS, _FLAGS = 6, 3
 _SHIFT, _LOG_SUM, _MEAN_SHIFTED = 2, 3, 5
-_DEFINED, _HAS_MASS = 0, 1
+_DEFINED, _HAS_MASS, _BAD_INPUT = 0, 1, 2
 
 ENABLED = True  # False: every call takes the op's own path (tests compare the two)
 _ENTRIES: dict = {}  # signature -> Entry, or _NOT_REPLAYABLE
@@ -73,7 +75,7 @@ class Entry(NamedTuple):
 def signature(logits, tokens, *, tp_group, entropy, keep_mask, keep, temperature, row_mask, vocab_size, chunk_size,
               inplace_grad, backend, validate, reduction_order) -> Optional[tuple]:
     """The call's signature, or None where replay does not apply (module docstring)."""
-    if (not ENABLED or validate is not False or tp_group is not None or keep_mask is not None or keep is not None
+    if (not ENABLED or type(validate) is not bool or tp_group is not None or keep_mask is not None or keep is not None
             or row_mask is not None or inplace_grad is not False or reduction_order != "fused"
             or type(logits) is not torch.Tensor or type(tokens) is not torch.Tensor or not _on_cuda(logits)
             or type(temperature) not in (int, float) or type(vocab_size) not in (int, type(None))
@@ -81,7 +83,7 @@ def signature(logits, tokens, *, tp_group, entropy, keep_mask, keep, temperature
         return None
     return (logits.shape, logits.stride(), logits.dtype, logits.device, logits.data_ptr() % 16, logits.requires_grad,
             tokens.shape, tokens.stride(), tokens.dtype, tokens.device, tokens.data_ptr() % 16, entropy,
-            type(temperature), temperature, vocab_size, chunk_size, backend, torch.is_grad_enabled())
+            type(temperature), temperature, vocab_size, chunk_size, backend, validate, torch.is_grad_enabled())
 
 
 def _on_cuda(tensor) -> bool:
@@ -128,6 +130,8 @@ def run(key: Optional[tuple], logits: torch.Tensor, tokens: torch.Tensor):
     found = None if key is None else _ENTRIES.get(key)
     if found is None or found is _NOT_REPLAYABLE or torch.cuda.current_device() != found.device:
         return None
+    if found.plan.validate and torch.cuda.is_current_stream_capturing():
+        return None  # the op's own path raises its error naming validate=False
     n_rows = found.partials_shape[2]
     rows, flat_tokens = shell.shaped(logits, (n_rows, logits.shape[-1])), shell.shaped(tokens, (n_rows,))
     device = logits.device
@@ -148,6 +152,8 @@ class ReplayedFunction(torch.autograd.Function):
         pointers = (rows.data_ptr(), tokens.data_ptr(), partials.data_ptr(), merged.data_ptr(), flags.data_ptr())
         for replayable in found.forward:
             replayable.run(*pointers)
+        if found.plan.validate:  # the value checks' one host read, as the op's own forward ends (function.py)
+            shell.check_single_rank(found.plan, flags[_BAD_INPUT].view(torch.bool), tokens, None)
         log_prob, entropy = merged[0], merged[1]
         ctx.found = found
         ctx.set_materialize_grads(False)
