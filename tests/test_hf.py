@@ -375,10 +375,16 @@ def test_another_architecture_gemma2_without_softcapping():
                                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                            final_logit_softcapping=None, attn_implementation="eager")
         model = transformers.Gemma2ForCausalLM(config).eval()
+    _assert_served_against_float64(model, upstream_seed=10)
+
+
+def _assert_served_against_float64(model, upstream_seed):
+    """A plain batch through token_log_probs: values and every parameter's gradient against the model's float64
+    copy, within the float32 body's tolerances. Returns the ids and the outputs."""
     model64 = _float64(model)
     ids, kwargs = _batch("plain", 301)
     counted = _expected_counted(ids)
-    w_lp, w_ent = _upstream(ids.shape, 10)
+    w_lp, w_ent = _upstream(ids.shape, upstream_seed)
 
     out = token_log_probs(model, ids, entropy="grad")
     (w_lp * out.log_probs + w_ent * out.entropy).sum().backward()
@@ -387,6 +393,7 @@ def test_another_architecture_gemma2_without_softcapping():
     _assert_values(out.log_probs.detach(), out.entropy.detach(), ref_lp, ref_ent, counted, BODY_FP32_LOG_PROB_TOL,
                    BODY_FP32_ENTROPY_TOL)
     _assert_grads(_grads(model), ref_grads, BODY_FP32_GRAD_REL_TOL)
+    return ids, out
 
 
 def test_another_architecture_whose_base_model_is_not_its_prefix():
@@ -403,18 +410,7 @@ def test_another_architecture_whose_base_model_is_not_its_prefix():
         with torch.no_grad():
             model.model.norm.weight.uniform_(*FINAL_NORM_RANGE)
     assert model.base_model is model  # what the case is about
-    model64 = _float64(model)
-    ids, kwargs = _batch("plain", 301)
-    counted = _expected_counted(ids)
-    w_lp, w_ent = _upstream(ids.shape, 11)
-
-    out = token_log_probs(model, ids, entropy="grad")
-    (w_lp * out.log_probs + w_ent * out.entropy).sum().backward()
-    ref_lp, ref_ent, ref_grads = _run_reference(model64, ids, kwargs, counted, w_lp, w_ent)
-
-    _assert_values(out.log_probs.detach(), out.entropy.detach(), ref_lp, ref_ent, counted, BODY_FP32_LOG_PROB_TOL,
-                   BODY_FP32_ENTROPY_TOL)
-    _assert_grads(_grads(model), ref_grads, BODY_FP32_GRAD_REL_TOL)
+    ids, out = _assert_served_against_float64(model, upstream_seed=11)
 
     compiled = torch.compile(lambda m, i: token_log_probs(m, i, entropy="value", validate=False), backend="eager",
                              fullgraph=True)
