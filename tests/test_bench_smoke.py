@@ -374,6 +374,25 @@ def test_validate_off_rows_get_their_own_verdicts():
     assert verdicts["TP=2 with validate=False"] == "missed by 0.150 x"
 
 
+def test_small_call_target_verdicts():
+    def small(provider, p50, T, p80=None):
+        row = _row(provider, p50, T=T, validate="off")
+        row["p80_ms"], row["host_ms"] = str(p80 or p50), str(p50)
+        return row
+
+    rows = [small("eager", 0.45, 1024), small("reduce_overhead", 0.40, 1024),
+            small("eager", 2.01, 8192), small("eager_own_path", 2.00, 8192, p80=2.02)]
+    verdicts = {t: v for t, _, v in report.target_rows(rows) if t.startswith("small call")}
+    assert verdicts == {
+        "small call, eager, T=1024: <= 0.5 ms a forward + backward": "met",
+        "small call, reduce_overhead, T=1024: <= 0.35 ms a forward + backward": "missed by 0.050 ms",
+        "small call, eager, T=8192: no slower than without the replay": "met",  # within the own path's p80
+    }
+    rows[2] = small("eager", 2.05, 8192)
+    verdicts = {t: v for t, _, v in report.target_rows(rows) if t.startswith("small call, eager, T=8192")}
+    assert list(verdicts.values()) == ["missed: +0.050 ms"]
+
+
 def test_target_on_a_wrong_forward_is_invalid():
     row = _row("triton", 1.0, frac=0.95)
     row["check"] = "fail: log_prob row 0: -3 vs reference -12"
