@@ -37,6 +37,7 @@ from ppo_ops.logits import function, replay, triton_backend as tb  # noqa: E402
 RAN = []  # (launcher, stand-in kernel, grid, arguments) of every launch that reached a compiled kernel
 ALLOCATED = []  # every tensor torch.empty / empty_like made (the replay's buffers are found here by address)
 CONVERTED = []  # every upstream gradient as the op's backward converts it (function.as_fp32)
+SHAPED = []  # every flattened input (shell.shaped): the replay's rows and tokens, a copy where they do not view
 
 
 class _StandIn:
@@ -91,6 +92,14 @@ def _stand_in_cuda():
         return grad
 
     function.as_fp32 = converted
+    shaped = shell.shaped
+
+    def flattened(tensor, shape):
+        flat = shaped(tensor, shape)
+        SHAPED.append(flat)
+        return flat
+
+    shell.shaped = flattened
 
 
 def _pointers_by_address(launcher, args):
@@ -158,7 +167,9 @@ def _case(make_logits, make_tokens, grads, gen, expect_replay=True, **options):
     for _ in range(2):  # the second call replays its backward too
         logits, tokens = make_logits(), make_tokens()
         RAN.clear()
+        SHAPED.clear()
         out = ppo_ops.log_probs_and_entropy(logits, tokens, **options)
+        flat = SHAPED[:2]  # a replayed call flattens its logits, then its tokens, first
         forward = list(RAN)
         RAN.clear()
         upstream = _backward(logits, out, grads, gen)
@@ -179,7 +190,7 @@ def _case(make_logits, make_tokens, grads, gen, expect_replay=True, **options):
                                 temperature=options.get("temperature", 1.0), vocab_size=options.get("vocab_size"),
                                 entropy=options["entropy"], validate=options["validate"],
                                 backend=options["backend"]).plan
-    rows, flat_tokens = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1)
+    rows, flat_tokens = flat
     inputs = RowInputs(rows, flat_tokens, None, None)
     config = tb.launch_config("forward", rows.dtype, plan.shard.seg_len, False)
     grid, kwargs = tb.forward_launch_args(inputs, plan.shard, plan.entropy_mode != "none", partials, config)
@@ -251,6 +262,8 @@ def main():
         "log-probs summed": (logits((64, 1024)), tokens((64,), 1024), ("sum",), {}),
         "misaligned logits": (logits((64, 1024), offset=3), tokens((64,), 1024), ("lp", "ent"), {}),
         "fewer rows": (logits((32, 1024)), tokens((32,), 1024), ("lp", "ent"), {}),
+        "tokens a strided [B, S] view (copied)": (logits((4, 16, 1024)), lambda: tokens((4, 17), 1024)()[:, 1:],
+                                                  ("lp", "ent"), {}),
     }
     report = {name: _case(*case[:3], gen, **case[3]) for name, case in cases.items()}
     report["int32 tokens (copied inside)"] = _case(logits((64, 1024)), tokens((64,), 1024, torch.int32),

@@ -33,7 +33,8 @@ def report(tmp_path_factory):
 
 REPLAYED_CASES = ["bf16, entropy with gradient", "fp32", "fp16, temperature 0.7", "temperature 0.7",
                   "entropy value", "entropy none", "entropy gradient only", "log-probs summed", "padded vocabulary",
-                  "odd width, 3-d", "misaligned logits", "fewer rows", "validate on"]
+                  "odd width, 3-d", "misaligned logits", "fewer rows", "tokens a strided [B, S] view (copied)",
+                  "validate on"]
 OWN_PATH_CASES = ["int32 tokens (copied inside)", "columns strided (copied inside)"]
 
 

@@ -67,7 +67,7 @@ class Entry(NamedTuple):
     lead: tuple  # the logits' leading shape
     device: int  # the CUDA device index the kernels were recorded on
     partials_shape: tuple
-    fresh_residues: tuple  # the partials', merged statistics' and flags' addresses modulo 16 when recorded
+    residues: tuple  # the flat logits', flat tokens', partials', merged statistics' and flags' addresses modulo 16
     forward: tuple  # (Replayable of the partials, Replayable of the merge): pointers (L, K, P, O, F)
     backward: dict  # upstream-gradient key -> Replayable (pointers L, K, G, O, F, GL, GE), or _NOT_REPLAYABLE
 
@@ -116,7 +116,7 @@ def _remember(key: tuple, call: shell.Call, logits: torch.Tensor, launches: list
             replayed = [_replayable(launch, roles) for launch in launches]
             if None not in replayed and rows.shape[0] == merged.shape[1]:
                 found = Entry(call.plan, call.lead, launches[0].device, tuple(partials.shape),
-                              (partials.data_ptr() % 16, merged.data_ptr() % 16, flags.data_ptr() % 16),
+                              tuple(t.data_ptr() % 16 for t in (rows, tokens, partials, merged, flags)),
                               tuple(replayed), {})
     if len(_ENTRIES) >= _ENTRIES_MAX:
         _ENTRIES.clear()
@@ -125,8 +125,8 @@ def _remember(key: tuple, call: shell.Call, logits: torch.Tensor, launches: list
 
 def run(key: Optional[tuple], logits: torch.Tensor, tokens: torch.Tensor):
     """The call replayed: (what the op's Function returns, [T] outputs; the entropy mode; the leading shape), or None
-    when the signature has no Entry or this call cannot replay (its current device or fresh buffers differ from the
-    record): the caller then takes the op's own path."""
+    when the signature has no Entry or this call cannot replay (its current device, or its buffers' alignment,
+    differ from the record): the caller then takes the op's own path."""
     found = None if key is None else _ENTRIES.get(key)
     if found is None or found is _NOT_REPLAYABLE or torch.cuda.current_device() != found.device:
         return None
@@ -138,7 +138,9 @@ def run(key: Optional[tuple], logits: torch.Tensor, tokens: torch.Tensor):
     partials = torch.empty(found.partials_shape, dtype=torch.float32, device=device)
     merged = torch.empty((_FIELDS, n_rows), dtype=torch.float32, device=device)
     flags = torch.empty((_FLAGS, n_rows), dtype=torch.uint8, device=device)
-    if (partials.data_ptr() % 16, merged.data_ptr() % 16, flags.data_ptr() % 16) != found.fresh_residues:
+    # Triton specialises on each pointer's 16-byte alignment: the flat tokens may be a copy made here (a strided
+    # [B, S] view), the buffers are new, so their addresses are checked against the record's
+    if tuple(t.data_ptr() % 16 for t in (rows, flat_tokens, partials, merged, flags)) != found.residues:
         return None
     out = ReplayedFunction.apply(rows, flat_tokens, partials, merged, flags, found)
     return out, found.plan.entropy_mode, found.lead
