@@ -30,7 +30,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 import torch  # noqa: E402
 
 import ppo_ops  # noqa: E402
-from ppo_ops.core import shell, triton_launch  # noqa: E402
+from ppo_ops.core import row_stats, shell, triton_launch  # noqa: E402
 from ppo_ops.core.contracts import BackwardStats, RowInputs, UpstreamGrads  # noqa: E402
 from ppo_ops.logits import function, replay, triton_backend as tb  # noqa: E402
 
@@ -201,9 +201,7 @@ def _case(make_logits, make_tokens, grads, gen, expect_replay=True, **options):
         mismatches.append(f"{len(forward)} forward and {len(backward)} backward launches, not 2 and 1")
         return {"replayed": ["forward", "merge"], "mismatches": mismatches}
     gradient = _allocated_at(tb._BACKWARD, backward[0][3], "out_ptr")
-    fields, bools = merged.unbind(0), flags.view(torch.bool).unbind(0)
-    stats = BackwardStats(fields[2], fields[3], None, fields[5] if plan.entropy_mode == "grad" else None, bools[0],
-                          bools[1])
+    stats = BackwardStats(*function.saved_stats(row_stats.merged_row_stats(merged, flags, False), plan))
     g_lp, g_ent = upstream
     config = tb.launch_config("backward", rows.dtype, rows.shape[1], False)
     kwargs = tb.backward_launch_args(inputs, plan.shard, stats, UpstreamGrads(

@@ -27,6 +27,7 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from ppo_ops.logits import triton_backend as tb, triton_kernels as _triton_kernels  # noqa: E402
 from ppo_ops.core.contracts import RowInputs, ShardOptions  # noqa: E402
+from ppo_ops.core import row_stats  # noqa: E402
 from ppo_ops.core.row_stats import NUM_PARTIALS  # noqa: E402
 from ppo_ops.core.triton_common import options  # noqa: E402
 
@@ -112,8 +113,8 @@ def main():
     report["merge"] = {}
     for keep in (False, True):  # the fused merge: the interpreter does not enforce the compiler's rules on globals
         n_rows = 300
-        args = (torch.empty((8, NUM_PARTIALS, n_rows)), torch.empty((_triton_kernels.MERGED_FIELDS, n_rows)),
-                torch.empty((_triton_kernels.MERGED_FLAGS, n_rows), dtype=torch.uint8), n_rows)
+        args = (torch.empty((8, NUM_PARTIALS, n_rows)), torch.empty((row_stats.MERGED_FIELDS, n_rows)),
+                torch.empty((row_stats.MERGED_FLAGS, n_rows), dtype=torch.uint8), n_rows)
         kwargs = dict(NUM_SEG=8, HAS_KEEP=keep, BLOCK_R=tb._MERGE_BLOCK_R)
         report["merge"][f"keep={keep}"] = ".entry" in _ptx(_triton_kernels.merge_partials_kernel, args, kwargs)
     print(json.dumps(report))

@@ -80,3 +80,19 @@ def merge_partials(p: torch.Tensor, has_keep_mask: bool) -> RowStats:
         log_sum_kept=log_kept if has_keep_mask else None, mean_shifted=ratio, bad_input=bad_input,
         log_prob_defined=defined, row_has_mass=has_mass,
     )
+
+
+# The Triton merge's outputs (logits/triton_kernels.py): an fp32 [MERGED_FIELDS, T] tensor and a byte
+# [MERGED_FLAGS, T] one (read as bool), one RowStats field per row.
+(LOG_PROB, ENTROPY, SHIFT, LOG_SUM, LOG_SUM_KEPT, MEAN_SHIFTED) = range(6)
+MERGED_FIELDS = 6
+(LOG_PROB_DEFINED, HAS_MASS, BAD_INPUT) = range(3)
+MERGED_FLAGS = 3
+
+
+def merged_row_stats(fields: torch.Tensor, flags: torch.Tensor, has_keep_mask: bool) -> RowStats:
+    """RowStats as views of the merge's two outputs (no copy)."""
+    f, b = fields.unbind(0), flags.view(torch.bool).unbind(0)
+    return RowStats(log_prob=f[LOG_PROB], entropy=f[ENTROPY], shift=f[SHIFT], log_sum=f[LOG_SUM],
+                    log_sum_kept=f[LOG_SUM_KEPT] if has_keep_mask else None, mean_shifted=f[MEAN_SHIFTED],
+                    bad_input=b[BAD_INPUT], log_prob_defined=b[LOG_PROB_DEFINED], row_has_mass=b[HAS_MASS])

@@ -32,15 +32,10 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from ppo_ops.core import shell, triton_launch
+from ppo_ops.core import row_stats, shell, triton_launch
 from ppo_ops.core.contracts import BackwardStats, RowInputs
 from ppo_ops.core.shell import Plan, forward_outputs, refuse_double_backward
 from ppo_ops.logits import function
-
-# Rows of the merge's outputs (logits/triton_kernels.py): 6 fp32 fields, 3 byte flags.
-_FIELDS, _FLAGS = 6, 3
-_SHIFT, _LOG_SUM, _MEAN_SHIFTED = 2, 3, 5
-_DEFINED, _HAS_MASS, _BAD_INPUT = 0, 1, 2
 
 ENABLED = True  # False: every call takes the op's own path (tests compare the two)
 _ENTRIES: dict = {}  # signature -> Entry, or _NOT_REPLAYABLE
@@ -136,8 +131,8 @@ def run(key: Optional[tuple], logits: torch.Tensor, tokens: torch.Tensor):
     rows, flat_tokens = shell.shaped(logits, (n_rows, logits.shape[-1])), shell.shaped(tokens, (n_rows,))
     device = logits.device
     partials = torch.empty(found.partials_shape, dtype=torch.float32, device=device)
-    merged = torch.empty((_FIELDS, n_rows), dtype=torch.float32, device=device)
-    flags = torch.empty((_FLAGS, n_rows), dtype=torch.uint8, device=device)
+    merged = torch.empty((row_stats.MERGED_FIELDS, n_rows), dtype=torch.float32, device=device)
+    flags = torch.empty((row_stats.MERGED_FLAGS, n_rows), dtype=torch.uint8, device=device)
     # Triton specialises on each pointer's 16-byte alignment: the flat tokens may be a copy made here (a strided
     # [B, S] view), the buffers are new, so their addresses are checked against the record's
     if tuple(t.data_ptr() % 16 for t in (rows, flat_tokens, partials, merged, flags)) != found.residues:
@@ -155,8 +150,8 @@ class ReplayedFunction(torch.autograd.Function):
         for replayable in found.forward:
             replayable.run(*pointers)
         if found.plan.validate:  # the value checks' one host read, as the op's own forward ends (function.py)
-            shell.check_single_rank(found.plan, flags[_BAD_INPUT].view(torch.bool), tokens, None)
-        log_prob, entropy = merged[0], merged[1]
+            shell.check_single_rank(found.plan, flags[row_stats.BAD_INPUT].view(torch.bool), tokens, None)
+        log_prob, entropy = merged[row_stats.LOG_PROB], merged[row_stats.ENTROPY]
         ctx.found = found
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(rows, tokens, merged, flags)
@@ -195,10 +190,7 @@ def _own_backward(found: Entry, rows, tokens, merged, flags, grad_log_prob, grad
     """The op's own backward (function.grad_logits) on the replayed forward's buffers; with `record`, its launch is
     kept for this kind of upstream gradient (`key`)."""
     plan = found.plan
-    fields, bools = merged.unbind(0), flags.view(torch.bool).unbind(0)
-    stats = BackwardStats(fields[_SHIFT], fields[_LOG_SUM], None,
-                          fields[_MEAN_SHIFTED] if plan.entropy_mode == "grad" else None, bools[_DEFINED],
-                          bools[_HAS_MASS])
+    stats = BackwardStats(*function.saved_stats(row_stats.merged_row_stats(merged, flags, False), plan))
     inputs = RowInputs(rows, tokens, None, None)
     if not record:
         function.grad_logits(inputs, plan, stats, grad_log_prob, grad_entropy, None, out)
@@ -221,8 +213,8 @@ def _forward_roles(rows, tokens, partials, merged, flags) -> dict:
     n_rows = merged.shape[1]
     return dict(L=(rows.data_ptr(), (0,)), K=(tokens.data_ptr(), (0,)),
                 P=(None if partials is None else partials.data_ptr(), (0,)),
-                O=(merged.data_ptr(), tuple(i * n_rows * merged.element_size() for i in range(_FIELDS))),
-                F=(flags.data_ptr(), tuple(i * n_rows * flags.element_size() for i in range(_FLAGS))))
+                O=(merged.data_ptr(), tuple(i * n_rows * merged.element_size() for i in range(merged.shape[0]))),
+                F=(flags.data_ptr(), tuple(i * n_rows * flags.element_size() for i in range(flags.shape[0]))))
 
 
 def _replayable(launch, roles: dict, order=("L", "K", "P", "O", "F")) -> Optional[Replayable]:

@@ -29,6 +29,7 @@ import triton  # noqa: F401  an ImportError here is how backend="auto" (ppo_ops/
 
 from ppo_ops.core.checks import argument_error
 from ppo_ops.core.contracts import BackwardStats, RowInputs, RowStats, ShardOptions, UpstreamGrads
+from ppo_ops.core import row_stats
 from ppo_ops.core.row_stats import NUM_PARTIALS
 from ppo_ops.core.shell import interpret_requested
 from ppo_ops.core.triton_common import cdiv, interpreting, options, round_bf16_by_bits
@@ -288,17 +289,12 @@ def merge_partials(partials: torch.Tensor, has_keep_mask: bool) -> RowStats:
     num_seg, _, num_rows = partials.shape
     if not partials.is_contiguous():
         partials = partials.contiguous()
-    k = triton_kernels
-    out = torch.empty((k.MERGED_FIELDS, num_rows), dtype=torch.float32, device=partials.device)
-    flags = torch.empty((k.MERGED_FLAGS, num_rows), dtype=torch.uint8, device=partials.device)
+    out = torch.empty((row_stats.MERGED_FIELDS, num_rows), dtype=torch.float32, device=partials.device)
+    flags = torch.empty((row_stats.MERGED_FLAGS, num_rows), dtype=torch.uint8, device=partials.device)
     if num_rows:
         grid, kwargs = merge_launch_args(partials, out, flags, has_keep_mask)
         _MERGE(grid, **kwargs)
-    log_prob, entropy, shift, log_sum, log_sum_kept, mean_shifted = out.unbind(0)
-    defined, has_mass, bad = flags.view(torch.bool).unbind(0)
-    return RowStats(log_prob=log_prob, entropy=entropy, shift=shift, log_sum=log_sum,
-                    log_sum_kept=log_sum_kept if has_keep_mask else None, mean_shifted=mean_shifted,
-                    bad_input=bad, log_prob_defined=defined, row_has_mass=has_mass)
+    return row_stats.merged_row_stats(out, flags, has_keep_mask)
 
 
 def merge_launch_args(partials: torch.Tensor, out: torch.Tensor, flags: torch.Tensor, has_keep_mask: bool):

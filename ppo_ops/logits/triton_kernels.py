@@ -51,6 +51,8 @@ import triton
 import triton.language as tl
 
 from ppo_ops.core import row_stats
+from ppo_ops.core.row_stats import (BAD_INPUT, ENTROPY, HAS_MASS, LOG_PROB, LOG_PROB_DEFINED, LOG_SUM, LOG_SUM_KEPT,
+                                    MEAN_SHIFTED, SHIFT)
 from ppo_ops.core.triton_common import (CH_ENT_SUM, CH_KEPT_SUMEXP, CH_MAX, CH_SUMEXP, CH_TARGET_Z, COMPILED, FLT_MAX,
                                         NUM_PARTIALS, scaled)
 
@@ -327,11 +329,7 @@ def backward_grad_kernel(
 
 # ---- merge: segment partials -> row statistics, in one launch ----
 # Rows of the merge's [MERGED_FIELDS, T] fp32 output and [MERGED_FLAGS, T] uint8 flags (read as bool): the RowStats
-# fields (core/contracts.py).
-(LOG_PROB, ENTROPY, SHIFT, LOG_SUM, LOG_SUM_KEPT, MEAN_SHIFTED) = range(6)
-MERGED_FIELDS = 6
-(LOG_PROB_DEFINED, HAS_MASS, BAD_INPUT) = range(3)
-MERGED_FLAGS = 3
+# fields (core/contracts.py), in row_stats.py's order.
 _LOG_PROB = tl.constexpr(LOG_PROB)
 _ENTROPY = tl.constexpr(ENTROPY)
 _SHIFT = tl.constexpr(SHIFT)

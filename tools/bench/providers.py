@@ -249,12 +249,12 @@ def build_small_call(case: Case, inp: Inputs) -> Closure:
     if mode != case.provider:
         call = _FloorOp.apply
     if mode == "eager_own_path":
-        mode, replayed = "eager", call
+        mode, plain = "eager", call
 
         def call(logits):  # the replay off for this call only: the other rows keep it
             replay.ENABLED = False
             try:
-                return replayed(logits)
+                return plain(logits)
             finally:
                 replay.ENABLED = True
     graphs = mode == "reduce_overhead"
