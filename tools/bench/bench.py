@@ -29,6 +29,11 @@ keeps what it measured); the Markdown and PNG are rendered from the whole CSV at
 An out-of-memory case is recorded as "OOM" and the run goes on; an unexpected error is recorded with its message and
 makes the exit status non-zero once everything is written.
 
+With --rounds=N the case list runs N times in one process, every other round reversed; each row records its round,
+and the targets that set one way against another (the small calls, the keep set, the Megatron step: paired.py)
+judge the median over rounds of the per-round difference: on a host whose phases move a step's time by more than
+the difference judged, the ways are then measured side by side, early and late.
+
 With --tp=N the bench spawns N ranks (NCCL on CUDA, gloo on CPU; rank r uses GPU r); every rank runs every case in
 lockstep and rank 0 records, per case, the slowest rank's quantiles and largest peak memory.
 
@@ -93,6 +98,10 @@ _WARM_MAX = flags.DEFINE_float("warm_max_s", 60.0, "CUDA: ... and at most this m
 _STEADY = flags.DEFINE_float("steady_s", 2.0, "lm_head suites: also time each case back to back for about this many "
                               "seconds (throughput; 0: not).", lower_bound=0.0)
 _SEED = flags.DEFINE_integer("seed", 1234, "Seed of the random inputs.")
+_ROUNDS = flags.DEFINE_integer("rounds", 1, "Measure the case list this many times in one process, every other "
+                               "round in reverse order; each row records its round, and the targets that compare two "
+                               "ways judge the median over rounds of their per-round difference (paired.py).",
+                               lower_bound=1)
 _LABEL = flags.DEFINE_string("label", "", f"lm_head suites and {PIECES_SUITE}: a name for this run, written on each "
                              "of its rows.")
 
@@ -132,6 +141,7 @@ def main(argv):
         seed=_SEED.value,
         family=family,
         label=_LABEL.value,
+        rounds=_ROUNDS.value,
     )
     try:
         return runner.run(config)

@@ -83,6 +83,7 @@ class RunInfo:
     env: dict  # runner.environment(): GPU, versions, date
     copy_gbps: Optional[float]  # the device copy bandwidth when the family measures against it
     label: str
+    round: int = 1  # which pass over the case list (bench --rounds), from 1
 
 
 class Family(Protocol):

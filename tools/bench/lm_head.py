@@ -529,8 +529,8 @@ class LmHeadFamily:
         return out
 
     def row(self, case: HeadCase, results: list[RankResult], info: RunInfo) -> dict:
-        row = dict(label=info.label, provider=case.provider, T=case.T, H=case.H, V=case.V, tp=case.tp,
-                   v_local=case.v_local)
+        row = dict(label=info.label, round=info.round, provider=case.provider, T=case.T, H=case.H, V=case.V,
+                   tp=case.tp, v_local=case.v_local)
         bad = [r for r in results if r.status != "ok"]
         row["status"] = bad[0].status if bad else "ok"
         if bad:
@@ -549,13 +549,15 @@ class LmHeadFamily:
         steady = max((r.steady_ms for r in results if r.steady_ms is not None), default=None)
         if steady is not None:
             row["steady_ms"] = f"{steady:.3f}"
-        base, base_steady = self._baselines.get((case.input_key(), "gemm1" if one else "gemms"), (None, None))
+        # the baselines of this round (a reversed round measures them after the rows they are set against)
+        base, base_steady = self._baselines.get((info.round, case.input_key(), "gemm1" if one else "gemms"),
+                                                (None, None))
         if base:
             row["vs_gemms"] = f"{p50 / base:.3f}"
         if base_steady and steady is not None:
             row["steady_vs"] = f"{steady / base_steady:.3f}"
         if case.provider in BASELINES:  # after: a baseline's own row has no ratio
-            self._baselines[(case.input_key(), case.provider)] = (p50, steady)
+            self._baselines[(info.round, case.input_key(), case.provider)] = (p50, steady)
         return row
 
     def describe(self, row: dict) -> str:

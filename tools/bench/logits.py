@@ -47,6 +47,7 @@ class LogitsFamily:
             tp=case.tp, validate=report.fmt_bool(case.validate), inplace_grad=report.fmt_bool(case.inplace_grad),
             bytes_fwd=bytes_.fwd, bytes_bwd=bytes_.bwd, copy_gbps=info.copy_gbps,
             grad_mib=case.T * case.v_local * measure.DTYPE_BYTES[case.dtype] / measure.MIB, **info.env,
+            round=info.round,
         )
         bad = [r for r in results if r.status != "ok"]
         row["status"] = bad[0].status if bad else "ok"

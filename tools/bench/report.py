@@ -5,8 +5,9 @@ of several runs (TP=1 on one GPU, TP=2 over two) can be appended to one file and
 appears more than once, the Markdown and the plot use its latest row.
 
 The Markdown has the environment, the performance targets checked against the measurements (met / missed by how much /
-not measured), the headline shape, the small calls (the small_call suite: device and host time per call), and every
-case. The plot shows p50 time (p20-p80 bars) and peak extra memory against T for each provider, TP=1, no masks.
+not measured; those that set one way against another over the rounds of one run, paired.py), the headline shape, the
+small calls (the small_call suite: device and host time per call), and every case. The plot shows p50 time (p20-p80
+bars) and peak extra memory against T for each provider, TP=1, no masks.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import math
 import os
 from typing import Iterable, Optional, Sequence
 
+from tools.bench import paired
+
 COLUMNS = (
     "provider", "T", "V", "V_local", "dtype", "entropy", "keep_mask", "row_frac", "kept_rows", "tp", "validate",
     "inplace_grad", "status", "check", "reps", "p20_ms", "p50_ms", "p80_ms", "host_ms", "bytes_fwd", "bytes_bwd",
     "gbps", "copy_gbps", "frac_copy_bw", "peak_extra_mib", "grad_mib", "device", "gpu", "torch", "triton", "ppo_ops",
-    "liger_kernel", "megatron_core", "torch_compile", "date",
+    "liger_kernel", "megatron_core", "torch_compile", "date", "round",
 )
 # Fields that identify a case (a later row with the same key replaces an earlier one in the rendered outputs).
 CASE_KEY = ("provider", "T", "V", "dtype", "entropy", "keep_mask", "row_frac", "tp", "validate", "inplace_grad")
@@ -32,6 +35,9 @@ MEM_SLACK_MIB = 64.0  # target: peak extra <= gradient buffer + 64 MiB (64 MiB w
 # forward + backward: eager, and under torch.compile(mode="reduce-overhead").
 SMALL_CALL_TARGETS_MS = {"eager": 0.5, "reduce_overhead": 0.35}
 TP2_SLOWDOWN = 1.15  # target: TP=2 rank time at most 15% above TP=1 on logits of the same local size
+# The keep_set suite's cases (the sparse keep set is the provider's: its row has no keep mask)
+KEEP_SHAPE = dict(T="8192", V="151936", dtype="bf16", tp="1", entropy="grad", keep_mask="off", row_frac="1.0",
+                  inplace_grad="off")
 
 
 def fmt_bool(value: Optional[bool]) -> str:
@@ -121,9 +127,12 @@ def case_label(row: dict) -> str:
     return label
 
 
-def target_rows(rows: list[dict]) -> list[tuple[str, str, str]]:
-    """(target, measured, verdict) for each performance target, from the latest rows. The time and TP=2 targets get a
-    second row for validate=False (no host sync) when that was measured."""
+def target_rows(all_rows: list[dict]) -> list[tuple[str, str, str]]:
+    """(target, measured, verdict) for each performance target: the headline's from the latest row of each case (the
+    time and TP=2 targets get a second row for validate=False, no host sync, when that was measured); the small
+    calls', the sparse keep set's and the Megatron step's from the rounds of the latest run that measured what each
+    compares (paired.py)."""
+    rows = latest_per_case(all_rows)
     out = []
     head = dict(HEADLINE, entropy="grad")
     tri = _find(rows, provider="triton", validate="on", inplace_grad="off", **head)
@@ -164,28 +173,38 @@ def target_rows(rows: list[dict]) -> list[tuple[str, str, str]]:
     tp2_fast = _tp2_target(rows, head, "off", "TP=2 with validate=False")
     if tp2_fast:
         out.append(tp2_fast)
-    return out + _small_call_targets(rows)
+    return (out + _small_call_targets(all_rows)
+            + paired.keep_targets(all_rows, [(dict(provider="triton_keep_sparse", validate=v, **KEEP_SHAPE),
+                                              dict(provider="triton", validate=v, **KEEP_SHAPE),
+                                              f"logits op, validate {v}") for v in ("on", "off")],
+                                  paired.KEEP_LOGITS_SLOWDOWN)
+            + paired.megatron_step_targets(all_rows))
 
 
 def _small_call_targets(rows: list[dict]) -> list[tuple[str, str, str]]:
-    """The small-call targets where the small_call suite measured them: T = 1024 under each mode's bound, and T = 8192
-    eager no slower than the same call without the replay of repeated calls (within that row's p20-p80 spread)."""
+    """The small-call targets where the small_call suite measured them, over the rounds of the latest run: T = 1024
+    under each mode's bound (the median of the rounds' p50), and T = 8192 eager no slower than the same call without
+    the replay of repeated calls (the median over rounds of eager's p50 less that call's p80)."""
     shape = dict(V="151936", dtype="bf16", tp="1", entropy="grad", validate="off")
     out = []
     for provider, goal in SMALL_CALL_TARGETS_MS.items():
-        row = _find(rows, provider=provider, T="1024", **shape)
-        if row:
-            p50 = _num(row, "p50_ms")
+        found = paired.rounds(rows, dict(provider=provider, T="1024", **shape))
+        if found:
+            p50 = paired.median_of(found, lambda r: _num(r, "p50_ms"))
+            host = paired.median_of(found, lambda r: _num(r, "host_ms"))
             out.append((f"small call, {provider}, T=1024: <= {goal} ms a forward + backward",
-                        f"{p50:.3f} ms (host {_fmt(row, 'host_ms', '.3f')} ms)",
-                        _verdict(p50 <= goal, f"missed by {p50 - goal:.3f} ms", row)))
-    eager = _find(rows, provider="eager", T="8192", **shape)
-    own = _find(rows, provider="eager_own_path", T="8192", **shape)
-    if eager and own:
-        a, b, b80 = _num(eager, "p50_ms"), _num(own, "p50_ms"), _num(own, "p80_ms")
+                        f"{p50:.3f} ms (host {host:.3f} ms){paired.spread(found, lambda r: _num(r, 'p50_ms'), '.3f')}",
+                        _verdict(p50 <= goal, f"missed by {p50 - goal:.3f} ms", *(r for r, in found))))
+    found = paired.rounds(rows, dict(provider="eager", T="8192", **shape),
+                          dict(provider="eager_own_path", T="8192", **shape))
+    if found:
+        a = paired.median_of(found, lambda e, o: _num(e, "p50_ms"))
+        b = paired.median_of(found, lambda e, o: _num(o, "p50_ms"))
+        over = paired.median_of(found, lambda e, o: _num(e, "p50_ms") - _num(o, "p80_ms"))
         out.append(("small call, eager, T=8192: no slower than without the replay",
-                    f"{a:.3f} ms vs {b:.3f} ms (p80 {b80:.3f})",
-                    _verdict(a <= b80, f"missed: {a - b:+.3f} ms", eager, own)))
+                    f"{a:.3f} ms vs {b:.3f} ms (eager's p50 less the other's p80: {over:+.3f} ms"
+                    f"{paired.spread(found, lambda e, o: _num(e, 'p50_ms') - _num(o, 'p80_ms'), '+.3f')})",
+                    _verdict(over <= 0, f"missed: {a - b:+.3f} ms", *(r for pair in found for r in pair))))
     return out
 
 
@@ -283,7 +302,7 @@ def render_markdown(all_rows: list[dict]) -> str:
               "forward reads the kept rows, backward reads them again and writes the whole gradient (+ keep mask read "
               "in each pass); TP=2 rows show the slowest rank", ""]
     parts += ["## Targets", "", _md_table(["target", "measured", "verdict"],
-                                                 [list(t) for t in target_rows(rows)]), ""]
+                                                 [list(t) for t in target_rows(all_rows)]), ""]
     head = [r for r in rows if all(r.get(k) == v for k, v in HEADLINE.items())]
     if head:
         parts += ["## Headline shape: T=8192, V=151936, bf16, TP=1, no masks", "",

@@ -56,6 +56,7 @@ class BenchConfig:
     warm_min_s: float = 10.0  # the device warm-up before the first case (measure.warm_up_device); CUDA only
     warm_max_s: float = 60.0  # 0: none
     steady_s: float = 2.0  # families that time steps back to back too: about this long per case (0: not)
+    rounds: int = 1  # passes over the case list in one process, every other one reversed (paired.py)
 
 
 FAMILIES = {"logits": logits.LogitsFamily, "lm_head": lm_head.LmHeadFamily}
@@ -290,21 +291,27 @@ def _run_rank(config: BenchConfig, device: torch.device, group, rank: int) -> No
         gc.unfreeze()  # frozen objects are never freed: nanobind (triton) would report them as leaks at exit
 
 
+def round_order(cases: list, rounds: int) -> list[tuple[int, object]]:
+    """(round, case) in the order they run: the case list once per round, every other round reversed, so that each
+    case is measured early and late in the run and beside the cases it is compared with."""
+    return [(r + 1, case) for r in range(rounds) for case in (cases if r % 2 == 0 else cases[::-1])]
+
+
 def _run_cases(config: BenchConfig, family: Family, device: torch.device, group, rank: int, info: RunInfo) -> None:
     world = config.tp
     cache = _InputCache(family, config, device, group, rank)
     start = time.monotonic()
-    for index, case in enumerate(config.cases):
+    order = round_order(config.cases, config.rounds)
+    for index, (round_, case) in enumerate(order):
         over = config.time_budget_s > 0 and time.monotonic() - start > config.time_budget_s
         if _any_rank(over, group, device, world):
             if rank == 0:
-                left = config.cases[index:]
-                print(f"time budget of {config.time_budget_s:.0f} s spent: {len(left)} cases not run, first "
-                      f"{left[0]}", flush=True)
+                print(f"time budget of {config.time_budget_s:.0f} s spent: {len(order) - index} cases not run, "
+                      f"first {order[index][1]} (round {round_})", flush=True)
             break
         results = _gather(_run_case(case, family, config, device, cache), group, world)
         if rank == 0:
-            row = family.row(case, results, info)
+            row = family.row(case, results, dataclasses.replace(info, round=round_))
             family.append(row)
-            print(family.describe(row), flush=True)
+            print(family.describe(row) + (f" (round {round_})" if config.rounds > 1 else ""), flush=True)
     cache.clear()
