@@ -366,6 +366,54 @@ def test_keep_is_passed_to_the_head():
     assert torch.equal(got.log_probs.detach(), want.log_probs) and torch.equal(got.entropy, want.entropy)
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_body_under_gradient_checkpointing(use_reentrant):
+    """A trainer's usual setting (transformers' gradient_checkpointing_enable, training mode): each decoder layer
+    runs again in the backward (counted), and values and every gradient are still the float64 model's."""
+    model = _qwen3(301, tied=True)
+    model64 = _float64(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    model.train()
+    # one entry per start of a layer's MLP, inside the checkpointed forward: again in the backward's recompute (a
+    # pre-hook: torch's non-reentrant recompute stops as soon as the last tensor it needs is formed)
+    runs = []
+    for layer in model.model.layers:
+        layer.mlp.register_forward_pre_hook(lambda module, args: runs.append(module))
+    ids, kwargs = _batch("left_padded", 301)
+    counted = _expected_counted(ids, **kwargs)
+    w_lp, w_ent = _upstream(ids.shape, 12)
+
+    out = token_log_probs(model, ids, entropy="grad", **kwargs)
+    assert len(runs) == len(model.model.layers)
+    (w_lp * out.log_probs + w_ent * out.entropy).sum().backward()
+    assert len(runs) == 2 * len(model.model.layers), "the layers were not recomputed: checkpointing did not run"
+    ref_lp, ref_ent, ref_grads = _run_reference(model64, ids, kwargs, counted, w_lp, w_ent)
+
+    _assert_values(out.log_probs.detach(), out.entropy.detach(), ref_lp, ref_ent, counted, BODY_FP32_LOG_PROB_TOL,
+                   BODY_FP32_ENTROPY_TOL)
+    _assert_grads(_grads(model), ref_grads, BODY_FP32_GRAD_REL_TOL)
+
+
+def test_frozen_output_embedding():
+    """An output embedding that does not train (requires_grad False, as with adapters on the body): it gets no
+    gradient, and every other parameter gets the float64 model's."""
+    model = _qwen3(301, tied=False)
+    model64 = _float64(model)
+    model.lm_head.weight.requires_grad_(False)
+    ids, kwargs = _batch("right_padded", 301)
+    counted = _expected_counted(ids, **kwargs)
+    w_lp, w_ent = _upstream(ids.shape, 13)
+
+    out = token_log_probs(model, ids, entropy="grad", **kwargs)
+    (w_lp * out.log_probs + w_ent * out.entropy).sum().backward()
+    _, _, ref_grads = _run_reference(model64, ids, kwargs, counted, w_lp, w_ent)
+
+    assert model.lm_head.weight.grad is None
+    got = {name: p.grad.detach().double() for name, p in model.named_parameters() if p.requires_grad}
+    _assert_grads(got, {name: g for name, g in ref_grads.items() if name != "lm_head.weight"},
+                  BODY_FP32_GRAD_REL_TOL)
+
+
 def test_another_architecture_gemma2_without_softcapping():
     """Not only Qwen3: Gemma 2 (scaled input embeddings, tied head, its own norms) with final_logit_softcapping=None
     is served, and matches its own logits."""
