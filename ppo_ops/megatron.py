@@ -44,7 +44,9 @@ Helpers for a trainer's batches (host-side lengths, Python ints or tensors):
   packed_targets: next-token targets and the response-row mask of packed samples;
   zigzag_split: Megatron's load-balanced context-parallel split of a dense [.., S, ..] tensor;
   zigzag_packed_index / zigzag_packed_targets: the same split of packed samples, per sample, as TransformerEngine's
-    THD context parallelism takes them.
+    THD context parallelism takes them;
+  packed_keep / zigzag_packed_keep: the sparse keep set of packed samples (or a CP rank's rows) from per-sample
+    top-p nuclei as slime records them at rollout, in place of a dense [T, V] mask.
 """
 
 from __future__ import annotations
@@ -407,6 +409,100 @@ def zigzag_packed_targets(tokens: torch.Tensor, total_lengths: Lengths, response
     at = index.clamp(min=0)
     zero = torch.zeros((), dtype=tokens.dtype, device=tokens.device)
     return (torch.where(held, tokens[at], zero), torch.where(held, targets[at], zero), held & row_mask[at])
+
+
+def packed_keep(tokens: torch.Tensor, total_lengths: Lengths, response_lengths: Lengths, top_p_token_ids: Sequence,
+                top_p_token_offsets: Sequence):
+    """The sparse keep set of packed samples, `keep=(ids, offsets)` over the rows of packed_targets, from per-sample
+    nuclei as slime records them at rollout (Sample.rollout_top_p_token_ids / rollout_top_p_token_offsets).
+
+    top_p_token_ids[k], top_p_token_offsets[k]: sample k's nucleus, 1-D integer tensors (or lists): its response
+      token j kept ids[o[j]:o[j + 1]] (o = the offsets, response_lengths[k] + 1 of them, non-decreasing, within
+      ids); None (or no offsets) for a sample without one.
+    Row i scores tokens[i + 1] (packed_targets), so response token j of sample k gets row start_k + P_k + j - 1 (P_k
+    its prompt length); a response that starts its sample (P_k = 0) has no row for its first token, whose nucleus
+    is left out. Every other row has an empty range: its full vocabulary (they are not response rows). Returns (ids
+    int64, offsets int64 [T + 1]) on tokens' device; the op checks the ids against the vocabulary. Work: O(samples)
+    Python steps and O(T + len(ids)) tensor work, no [T, V] mask.
+    """
+    fn = "megatron.packed_keep"
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
+        raise argument_error(ValueError, fn, "tokens", f"tokens must be a 1-D tensor [T], got {_shape(tokens)}")
+    lengths, responses = _lengths(fn, total_lengths, response_lengths, tokens.numel())
+    nuclei = _nuclei(fn, top_p_token_ids, top_p_token_offsets, responses)
+    counts = torch.zeros(tokens.numel(), dtype=torch.int64)
+    pieces, start = [], 0
+    for length, response, nucleus in zip(lengths, responses, nuclei):
+        if nucleus is not None and response:
+            ids, offsets = nucleus
+            first = 1 if response == length else 0  # no row scores a sample's first token
+            row0 = start + length - response - 1 + first
+            counts[row0:row0 + response - first] = offsets[first + 1:] - offsets[first:-1]
+            pieces.append(ids[int(offsets[first]):int(offsets[-1])].to(tokens.device))
+        start += length
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    ids = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=tokens.device)
+    return ids, offsets.to(tokens.device)
+
+
+def zigzag_packed_keep(tokens: torch.Tensor, total_lengths: Lengths, response_lengths: Lengths,
+                       top_p_token_ids: Sequence, top_p_token_offsets: Sequence, cp_size: int, cp_rank: int, *,
+                       multiple_of: int = 1):
+    """packed_keep on the whole packed stream, then this context-parallel rank's rows (zigzag_packed_index), in its
+    local order: (ids int64, offsets int64 [T_local + 1]), the keep set of the rows zigzag_packed_targets gives this
+    rank; padding rows have empty ranges."""
+    ids, offsets = packed_keep(tokens, total_lengths, response_lengths, top_p_token_ids, top_p_token_offsets)
+    index = zigzag_packed_index(total_lengths, cp_size, cp_rank, multiple_of=multiple_of, device=tokens.device)
+    held = index >= 0
+    at = index.clamp(min=0)
+    counts = torch.where(held, offsets[at + 1] - offsets[at], 0)
+    local = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    n_ids = int(local[-1])
+    # entry e of local row i is entry e - local[i] of global row index[i]
+    first = offsets[at].repeat_interleave(counts, output_size=n_ids)
+    within = torch.arange(n_ids, device=ids.device) - local[:-1].repeat_interleave(counts, output_size=n_ids)
+    return ids[first + within], local
+
+
+def _nuclei(fn, top_p_token_ids, top_p_token_offsets, responses):
+    """Per sample (ids int64, offsets int64) on the CPU, or None: checked against the response lengths."""
+    if isinstance(top_p_token_ids, torch.Tensor) or isinstance(top_p_token_offsets, torch.Tensor):
+        raise argument_error(TypeError, fn, "top_p_token_ids",
+                             "top_p_token_ids and top_p_token_offsets must be sequences with one entry per sample "
+                             "(slime's per-sample tensors), not one tensor")
+    ids_list, offsets_list = list(top_p_token_ids), list(top_p_token_offsets)
+    for name, values in (("top_p_token_ids", ids_list), ("top_p_token_offsets", offsets_list)):
+        if len(values) != len(responses):
+            raise argument_error(ValueError, fn, name, f"{name} must have one entry per sample ({len(responses)}), "
+                                                       f"got {len(values)}")
+    out = []
+    for k, (ids, offsets, response) in enumerate(zip(ids_list, offsets_list, responses)):
+        if offsets is None or (ids is None and len(offsets) == 0):
+            out.append(None)
+            continue
+        offsets = torch.as_tensor(offsets).to("cpu")
+        if offsets.numel() == 0:
+            out.append(None)
+            continue
+        ids = torch.as_tensor([] if ids is None else ids)
+        if ids.dim() != 1 or (ids.numel() and (ids.dtype.is_floating_point or ids.dtype == torch.bool)):
+            raise argument_error(ValueError, fn, "top_p_token_ids",
+                                 f"top_p_token_ids[{k}] must be a 1-D integer tensor, got {ids.dtype} {_shape(ids)}")
+        if offsets.dim() != 1 or offsets.dtype.is_floating_point or offsets.dtype == torch.bool:
+            raise argument_error(ValueError, fn, "top_p_token_offsets",
+                                 f"top_p_token_offsets[{k}] must be a 1-D integer tensor, got {offsets.dtype} "
+                                 f"{_shape(offsets)}")
+        offsets = offsets.to(torch.int64)
+        if offsets.numel() != response + 1:
+            raise argument_error(ValueError, fn, "top_p_token_offsets",
+                                 f"top_p_token_offsets[{k}] must have response_lengths[{k}] + 1 = {response + 1} "
+                                 f"entries, got {offsets.numel()}")
+        if bool((offsets[1:] < offsets[:-1]).any()) or int(offsets[0]) < 0 or int(offsets[-1]) > ids.numel():
+            raise argument_error(ValueError, fn, "top_p_token_offsets",
+                                 f"top_p_token_offsets[{k}] must be non-decreasing within [0, len(top_p_token_ids"
+                                 f"[{k}]) = {ids.numel()}], got {offsets.tolist()[:8]}{'...' if response > 7 else ''}")
+        out.append((ids.to(torch.int64), offsets))
+    return out
 
 
 def _check_cp(fn, cp_size, cp_rank):

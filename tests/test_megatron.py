@@ -28,6 +28,7 @@ import ppo_ops
 import ppo_ops.megatron as pm
 from tests import megatron_support as ms
 from tests.linear_support import SAFETY, U32, UNIT_ROUNDOFF, assert_within, bounds
+from tests.reference import assert_entropy_close, assert_log_probs_close, reference_log_probs_and_entropy
 from tests.ranks import DEVICE, run_ranks
 
 # --- tolerances ---
@@ -618,6 +619,115 @@ def test_zigzag_split_chunks():
     assert pm.zigzag_split(x, 1, 0) is x
     with pytest.raises(ValueError, match="divisible by 2 \\* cp_size"):
         pm.zigzag_split(torch.arange(6), 2, 0)
+
+
+# Packed samples with rollout nuclei: (total, response) per sample and its nucleus kind; T leaves padding at the end.
+KEEP_SAMPLES = [
+    (6, 3, "nucleus"),
+    (4, 4, "nucleus"),  # a response without a prompt: its first token's nucleus has no row
+    (5, 2, None),  # no nucleus recorded: full vocabulary
+    (3, 0, "empty"),  # no response: offsets [0]
+    (7, 5, "nucleus"),
+]
+KEEP_T = 28
+
+
+def _nuclei(samples, vocab, seed):
+    """Per sample slime's (ids int32, offsets int32) or None: 1 to 9 ids per response token, some repeated."""
+    gen = torch.Generator().manual_seed(seed)
+    ids, offsets = [], []
+    for _, response, kind in samples:
+        if kind is None:
+            ids.append(None)
+            offsets.append(None)
+            continue
+        counts = torch.randint(1, 10, (response,), generator=gen)
+        ids.append(torch.randint(0, vocab, (int(counts.sum()),), generator=gen, dtype=torch.int32))
+        offsets.append(torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32))
+    return ids, offsets
+
+
+def _slime_dense_mask(samples, ids, offsets, t, vocab):
+    """The dense [T, V] mask a per-token Python loop builds from the nuclei (what the sparse keep set replaces):
+    response token j of a sample, at position start + prompt + j, is scored at the row before it, which keeps its
+    nucleus; every other row keeps everything."""
+    mask = torch.ones(t, vocab, dtype=torch.bool)
+    start = 0
+    for k, (total, response, _) in enumerate(samples):
+        for j in range(response):
+            row = start + total - response + j - 1
+            if offsets[k] is not None and row >= start:
+                mask[row] = False
+                mask[row, ids[k][int(offsets[k][j]):int(offsets[k][j + 1])].long()] = True
+        start += total
+    return mask
+
+
+def test_packed_keep_is_the_per_token_nuclei_row_by_row():
+    total, response = [s[0] for s in KEEP_SAMPLES], [s[1] for s in KEEP_SAMPLES]
+    ids, offsets = _nuclei(KEEP_SAMPLES, ms.VOCAB, 71)
+    tokens = torch.randint(0, ms.VOCAB, (KEEP_T,), generator=torch.Generator().manual_seed(72))
+    keep_ids, keep_offsets = pm.packed_keep(tokens, total, response, ids, offsets)
+    assert keep_ids.dtype == keep_offsets.dtype == torch.int64 and keep_offsets.shape == (KEEP_T + 1,)
+    dense = _slime_dense_mask(KEEP_SAMPLES, ids, offsets, KEEP_T, ms.VOCAB)
+    for row in range(KEEP_T):
+        got = keep_ids[keep_offsets[row]:keep_offsets[row + 1]]
+        kept = torch.zeros(ms.VOCAB, dtype=torch.bool).index_fill_(0, got, True) if got.numel() else True
+        assert torch.equal(dense[row], torch.zeros_like(dense[row]) | kept), row  # an empty range: everything
+    # the nuclei's ids in row order, each listed as recorded (repeats kept), less the unscored first token's
+    skipped = int(offsets[1][1])  # sample 1 starts with its response
+    assert keep_ids.numel() == sum(int(o[-1]) for o in offsets if o is not None) - skipped
+
+
+def test_packed_keep_scores_as_the_dense_mask_slime_builds():
+    """The op with the helper's sparse keep set against float64 with slime's dense mask: the same renormalised
+    log-probs on the response rows."""
+    total, response = [s[0] for s in KEEP_SAMPLES], [s[1] for s in KEEP_SAMPLES]
+    ids, offsets = _nuclei(KEEP_SAMPLES, ms.VOCAB, 73)
+    gen = torch.Generator().manual_seed(74)
+    tokens = torch.randint(0, ms.VOCAB, (KEEP_T,), generator=gen)
+    logits = (torch.randn(KEEP_T, ms.VOCAB, generator=gen) * 3).to(DEVICE)
+    targets, rows = pm.packed_targets(tokens, total, response)
+    keep = pm.packed_keep(tokens, total, response, ids, offsets)
+    out = ppo_ops.log_probs_and_entropy(logits, targets.to(DEVICE), entropy="value", row_mask=rows.to(DEVICE),
+                                        keep=tuple(t.to(DEVICE) for t in keep))
+    dense = _slime_dense_mask(KEEP_SAMPLES, ids, offsets, KEEP_T, ms.VOCAB)
+    ref = reference_log_probs_and_entropy(logits.cpu(), targets, entropy="value", keep_mask=dense, row_mask=rows)
+    assert_log_probs_close(out.log_probs.cpu(), ref.log_probs)
+    assert_entropy_close(out.entropy.cpu(), ref.entropy)
+
+
+@pytest.mark.parametrize("cp, multiple_of", [(2, 1), (3, 4)])
+def test_zigzag_packed_keep_is_each_ranks_rows(cp, multiple_of):
+    total, response = [s[0] for s in KEEP_SAMPLES], [s[1] for s in KEEP_SAMPLES]
+    ids, offsets = _nuclei(KEEP_SAMPLES, ms.VOCAB, 75)
+    tokens = torch.randint(0, ms.VOCAB, (sum(total),), generator=torch.Generator().manual_seed(76))
+    whole_ids, whole_offsets = pm.packed_keep(tokens, total, response, ids, offsets)
+    seen = 0
+    for rank in range(cp):
+        local_ids, local_offsets = pm.zigzag_packed_keep(tokens, total, response, ids, offsets, cp, rank,
+                                                         multiple_of=multiple_of)
+        index = pm.zigzag_packed_index(total, cp, rank, multiple_of=multiple_of)
+        assert local_offsets.shape == (index.numel() + 1,) and int(local_offsets[-1]) == local_ids.numel()
+        for i, g in enumerate(index.tolist()):
+            got = local_ids[local_offsets[i]:local_offsets[i + 1]]
+            want = whole_ids[whole_offsets[g]:whole_offsets[g + 1]] if g >= 0 else whole_ids[:0]
+            assert torch.equal(got, want), (rank, i, g)
+        seen += local_ids.numel()
+    assert seen == whole_ids.numel()  # every listed id on exactly one rank
+
+
+@pytest.mark.parametrize("ids, offsets, argument, says", [
+    ([torch.tensor([1, 2])], [torch.tensor([0, 1, 2])], "top_p_token_ids", "one entry per sample"),
+    ([torch.tensor([1, 2]), None], [torch.tensor([0, 2]), None], "top_p_token_offsets", "3 entries, got 2"),
+    ([torch.tensor([1, 2]), None], [torch.tensor([0, 2, 1]), None], "top_p_token_offsets", "non-decreasing"),
+    ([torch.tensor([1, 2]), None], [torch.tensor([0, 1, 3]), None], "top_p_token_offsets", "non-decreasing"),
+    ([torch.tensor([1.0, 2.0]), None], [torch.tensor([0, 1, 2]), None], "top_p_token_ids", "integer"),
+    (torch.tensor([1, 2]), torch.tensor([0, 1, 2]), "top_p_token_ids", "one entry per sample"),
+])
+def test_packed_keep_errors_name_the_argument(ids, offsets, argument, says):
+    with pytest.raises((ValueError, TypeError), match=f"{argument}.*{says}|{says}"):
+        pm.packed_keep(torch.zeros(8, dtype=torch.int64), [4, 3], [2, 1], ids, offsets)
 
 
 @pytest.mark.parametrize("call, argument", [
