@@ -74,7 +74,8 @@ class Context:
       151936 for Qwen3); the columns Megatron pads the output layer with (to a multiple of 128 x TP), at and past it,
       get no probability mass and no gradient. None: every column of the output layer is a token.
     keep: the sparse top-p / top-k keep set, passed as `keep=` to the head unchanged; its rows are the flattened
-      [B * S] label-layout positions (row b * S + s), as the head's rows are. Needs a ppo_ops head that takes `keep`.
+      [B * S] label-layout positions (row b * S + s), as the head's rows are (packed_keep builds it for packed
+      samples).
     token_loss: a row-separable per-token loss as for ppo_ops.linear_token_loss (e.g. ppo_ops.policy_loss(...), its
       constants in the labels' [B, S] layout); the processor then returns (loss, LogProbsEntropy). None: log-probs.
     working_memory: the bytes the head may hold beyond its outputs (the working_memory of linear_token_loss with a
@@ -147,14 +148,8 @@ def output_processor(*, hidden_states: torch.Tensor, labels: torch.Tensor, conte
     options = dict(tp_group=group, entropy=context.entropy, temperature=_temperature(context.temperature, config),
                    row_mask=None if loss_mask is None else loss_mask != 0, vocab_size=context.vocab_size,
                    reduce_dx=reduce_dx, backend=context.backend, validate=context.validate,
-                   working_memory=context.working_memory)
+                   working_memory=context.working_memory, keep=context.keep)
     head = api.linear_log_probs_and_entropy if context.token_loss is None else api.linear_token_loss
-    if context.keep is not None:
-        if "keep" not in inspect.signature(head).parameters:
-            raise argument_error(NotImplementedError, fn, "keep",
-                                 f"Context.keep needs ppo_ops.{head.__name__} with a `keep` argument; this ppo_ops "
-                                 f"has none")
-        options["keep"] = context.keep
     hidden = hidden_states.transpose(0, 1)  # [B, S, H]: the labels' layout
     if context.token_loss is None:
         return head(hidden, weight, labels, **options)

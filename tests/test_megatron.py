@@ -511,28 +511,10 @@ def test_gpt_log_probs_refuses_what_it_cannot_run(model, error, match):
 
 # --- the keep set ---
 
-def _head_takes_keep():
-    return all("keep" in inspect.signature(f).parameters
-               for f in (ppo_ops.linear_log_probs_and_entropy, ppo_ops.linear_token_loss))
-
-
-@pytest.mark.device("cpu")  # skips once the head takes keep; a GPU target may not skip
-def test_keep_without_a_head_that_takes_it_is_refused():
-    if _head_takes_keep():
-        pytest.skip("the head takes keep: test_keep_reaches_the_head_in_label_layout checks it")
-    hidden, weight, labels, mask = _inputs()
-    keep = (torch.zeros(0, dtype=torch.int64), torch.zeros(labels.numel() + 1, dtype=torch.int64))
-    context = pm.Context(keep=keep, vocab_size=ms.VOCAB)
-    with pytest.raises(NotImplementedError, match="keep"):
-        pm.output_processor(**ms.hook_kwargs(hidden, _Layer(weight), None, labels, mask, context, None))
-
-
 @pytest.mark.device("cpu")  # the pass-through is device-independent; a GPU target may not skip
 def test_keep_reaches_the_head_in_label_layout():
     """Context.keep goes to the head unchanged, the rows being the flattened [B * S] label-layout positions: the
     processor's values equal the head's on hidden.transpose(0, 1) with the same keep set."""
-    if not _head_takes_keep():
-        pytest.skip("ppo_ops.linear_log_probs_and_entropy / linear_token_loss have no `keep` argument yet")
     hidden, weight, labels, mask = _inputs(seed=17)
     gen = torch.Generator().manual_seed(18)
     per_row = torch.randint(1, 6, (labels.numel(),), generator=gen)
@@ -695,6 +677,34 @@ def test_packed_keep_scores_as_the_dense_mask_slime_builds():
     ref = reference_log_probs_and_entropy(logits.cpu(), targets, entropy="value", keep_mask=dense, row_mask=rows)
     assert_log_probs_close(out.log_probs.cpu(), ref.log_probs)
     assert_entropy_close(out.entropy.cpu(), ref.entropy)
+
+
+def test_packed_batch_with_nuclei_through_the_processor():
+    """The README's Megatron example on one packed stream: packed_targets' labels and rows, packed_keep's keep set
+    and a PPO loss through the processor equal linear_token_loss called directly with the same rows and keep set,
+    and the nuclei renormalise the response rows' log-probs."""
+    total, response = [s[0] for s in KEEP_SAMPLES], [s[1] for s in KEEP_SAMPLES]
+    ids, offsets = _nuclei(KEEP_SAMPLES, ms.VOCAB, 77)
+    gen = torch.Generator().manual_seed(78)
+    tokens = torch.randint(0, ms.VOCAB, (1, KEEP_T), generator=gen)
+    hidden = torch.randn(KEEP_T, 1, ms.HIDDEN, generator=gen)  # [S, B, H] as the hook hands it
+    weight = torch.randn(ms.V_PAD, ms.HIDDEN, generator=gen) * ms.WEIGHT_STD
+    labels, rows = pm.packed_targets(tokens[0], total, response)
+    keep = pm.packed_keep(tokens[0], total, response, ids, offsets)
+    loss_mask = rows[None].float()
+    ppo = ppo_ops.policy_loss(-torch.rand(1, KEEP_T, generator=gen) * 4, torch.randn(1, KEEP_T, generator=gen),
+                              clip_low=0.2, clip_high=0.28, loss_mask=loss_mask)
+    context = pm.Context(entropy="grad", temperature=ms.TEMPERATURE, vocab_size=ms.VOCAB, keep=keep, token_loss=ppo)
+    loss, out = pm.output_processor(**ms.hook_kwargs(hidden, _Layer(weight), None, labels[None], loss_mask, context,
+                                                     None))
+    want_loss, want = ppo_ops.linear_token_loss(hidden.transpose(0, 1), weight, labels[None], ppo, entropy="grad",
+                                                temperature=ms.TEMPERATURE, vocab_size=ms.VOCAB, row_mask=rows[None],
+                                                keep=keep)
+    assert torch.equal(loss, want_loss) and torch.equal(out.log_probs, want.log_probs)
+    full = _direct(hidden, weight, labels[None], loss_mask, entropy="value")  # no keep set
+    nucleus_rows = rows & (keep[1][1:] > keep[1][:-1])
+    assert bool((out.log_probs[0][nucleus_rows] > full.log_probs[0][nucleus_rows]).all())
+    assert torch.equal(out.entropy, full.entropy)  # the entropy stays over the full distribution
 
 
 @pytest.mark.parametrize("cp, multiple_of", [(2, 1), (3, 4)])
