@@ -16,7 +16,6 @@ float32 model's own logits. The bf16 run's tolerances come from the bf16 model's
 """
 
 import copy
-import inspect
 
 import pytest
 import torch
@@ -341,11 +340,6 @@ def test_token_loss_with_policy_loss(kind):
         token_log_probs(model, ids, entropy="grad", token_loss=ppo, working_memory=-1, **kwargs)
 
 
-_HAS_KEEP = "keep" in inspect.signature(ppo_ops.linear_log_probs_and_entropy).parameters
-
-
-@pytest.mark.skipif(not _HAS_KEEP, reason="ppo_ops.linear_log_probs_and_entropy has no `keep` argument yet: nothing "
-                                          "to pass a keep set to")
 def test_keep_is_passed_to_the_head():
     """A keep set (ids, offsets) over the flattened [B * S] positions reaches the head unchanged: the results equal
     the head's own on the model's last hidden states, bit for bit."""
