@@ -135,6 +135,8 @@ def _step_time(way: str, where: str, found: list[tuple]) -> tuple[str, str, str]
         return None if None in (a, b) else a - b
 
     diff = median_of(found, difference)
+    if diff is None:
+        return (f"Megatron step {where}, {way}: step no slower than the logits path", "not measured", "n/a")
     mine = median_of(found, lambda m, _g, _b: number(m, "p50_ms"))
     logits = median_of(found, lambda _m, g, _b: number(g, "p50_ms"))
     return (f"Megatron step {where}, {way}: step no slower than the logits path",
