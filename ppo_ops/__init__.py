@@ -15,7 +15,8 @@ The core imports nothing above it: backends.py registers each backend's loader w
 `import ppo_ops`), and the shell loads the one it selects. Which modules run, per op, backend and dtype
 (core/shell.py, select_backend, decides):
 
-  logits op        logits/function.py, then
+  logits op        logits/function.py (repeated eager calls of one signature on CUDA at one rank replay the first
+                   call's launches: logits/replay.py), then
     backend torch    logits/torch_backend.py (any device, any float dtype)
     backend triton   logits/triton_backend.py -> logits/triton_kernels.py (CUDA, or CPU under TRITON_INTERPRET=1)
     reduction_order  "sglang": logits/sglang_order.py -> logits/sglang_order_kernels.py instead
@@ -41,7 +42,8 @@ Under torch.compile the public functions call the ops' custom operators instead 
 share, logits_op.py, linear_op.py, token_loss_op.py), which run the same forward and backward bodies as the
 autograd Functions.
 Inside trainers' models, on top of the LM head: megatron.py (GPTModel's output processor, gpt_log_probs, packed and
-context-parallel batch helpers) and hf.py (a transformers causal LM's next-token log-probs).
+context-parallel batch helpers, the keep set from rollout nuclei) and hf.py (a transformers causal LM's next-token
+log-probs).
 Not imported by `import ppo_ops`: megatron.py, hf.py, legacy/ (the yardstick: Megatron's cross entropy + an entropy
 Function) and runtime/ (what the product's programs share: the CLI contract, rank groups).
 """
