@@ -312,7 +312,8 @@ def render_markdown(all_rows: list[dict]) -> str:
         parts += ["## Small calls: eager, torch.compile and reduce-overhead (CUDA graphs)", "",
                   "Host / device near 1: the call is host bound (its CUDA events then span the GPU's wait on the "
                   "launches); well below 1: the device is the bottleneck. floor_*: an autograd op doing one kernel "
-                  "each way in the same mode, the host time torch itself takes per call on this host.", "",
+                  "each way in the same mode, the host time torch itself takes per call on this host. A run of "
+                  "several rounds shows each case's last round here; the targets take the medians over rounds.", "",
                   _md_table(["provider", "T", "V", "dtype", "entropy", "validate", "TP", "p50 ms", "host ms",
                              "host / device", "of copy BW", "status"], [_small_cells(r) for r in small]), ""]
     parts += ["## All cases", "", _md_table(_CASE_HEADER, [_case_cells(r) for r in rows]), ""]
