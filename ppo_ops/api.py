@@ -143,6 +143,8 @@ def calculate_log_probs_and_entropy(
     chunk_size: int = -1,
     log_prob_keep_mask: Optional[torch.Tensor] = None,
     with_entropy_grad: bool = True,
+    *,
+    keep: Optional[tuple] = None,
 ):
     """Drop-in replacement for slime's function of the same name, argument by argument.
 
@@ -150,6 +152,11 @@ def calculate_log_probs_and_entropy(
     torch.distributed call), tp_group=None is the default group when torch.distributed is initialised, and one rank
     otherwise; every chunk_size <= 0 means no chunking. Unlike slime's, the entropy stays finite when some logits are
     -inf. Values are validated (validate=True: one host sync per call).
+
+    One keyword beyond slime's: `keep=(ids, offsets)`, log_probs_and_entropy's sparse keep set over these rows, in
+    place of log_prob_keep_mask (not both). For a call on one sample's response rows, slime's own top-p record of
+    that sample is such a set (rollout_top_p_token_ids, rollout_top_p_token_offsets as int64 tensors on the logits'
+    device, offsets starting at 0): no dense [T, V_local] mask to build.
     """
     if tp_group is None and dist.is_available() and dist.is_initialized():
         tp_group = dist.group.WORLD
@@ -158,15 +165,16 @@ def calculate_log_probs_and_entropy(
     mode = "none" if not with_entropy else ("grad" if with_entropy_grad else "value")
     if torch.compiler.is_compiling():  # the logits op's operator (its errors name log_probs_and_entropy)
         result = log_probs_and_entropy(logits, tokens, tp_group=tp_group, entropy=mode, keep_mask=log_prob_keep_mask,
-                                       chunk_size=chunk_size)
+                                       chunk_size=chunk_size, keep=keep)
     else:
         call = shell.prepare_logits(
             "calculate_log_probs_and_entropy", logits, tokens, tp_group=tp_group, entropy=mode,
             keep_mask=log_prob_keep_mask, temperature=1.0, row_mask=None, vocab_size=None, chunk_size=chunk_size,
-            inplace_grad=False, backend="auto", validate=True,
+            inplace_grad=False, backend="auto", validate=True, keep=keep,
         )
         with shell.on_device(call):
-            out = LogProbEntropyFunction.apply(call.rows, call.tokens, call.keep_mask, call.row_mask, call.plan)
+            out = LogProbEntropyFunction.apply(call.rows, call.tokens, call.keep_mask, call.row_mask, call.plan,
+                                               call.keep)
         result = _outputs(out, call)
     log_prob = result.log_probs
     log_prob = log_prob.reshape(0) if log_prob.numel() == 0 else log_prob.unsqueeze(-1)

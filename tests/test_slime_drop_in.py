@@ -8,6 +8,8 @@
 - Output shapes and dtypes: log_prob [T, 1] fp32 ((0,) at T = 0), entropy [T] fp32 or None.
 - log_probs_and_entropy keeps tp_group=None = one rank inside a job; a token past that one rank's vocabulary raises
   an error that names tp_group.
+- keep=(ids, offsets), the one keyword beyond slime's: a sample's top-p record as slime keeps it scores as the dense
+  mask built from it.
 """
 
 import pytest
@@ -143,3 +145,36 @@ def test_single_rank_range_error_names_tp_group():
     tokens[2] = V_LOCAL
     with pytest.raises(ValueError, match=r"tokens must be global token ids in \[0, 24\), found 24.*tp_group"):
         ppo_ops.calculate_log_probs_and_entropy(logits, tokens, None)
+
+
+def test_one_samples_top_p_record_as_keep():
+    """keep=(ids, offsets), the one keyword beyond slime's: one sample's top-p record as slime keeps it (int32 ids
+    and response length + 1 offsets, one nucleus per response row) scores as the dense mask a loop builds from it
+    (float64 reference, values and gradient), and as log_probs_and_entropy's keep set bit for bit; with the dense
+    mask as well it is refused, naming keep."""
+    logits, tokens, _, w_lp, w_ent = _global_inputs(seed=6, world_size=1, with_keep=False)
+    gen = torch.Generator().manual_seed(7)
+    counts = torch.randint(1, 6, (N_ROWS,), generator=gen)
+    record_ids = torch.randint(0, V_LOCAL, (int(counts.sum()),), generator=gen, dtype=torch.int32)
+    record_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
+    keep = (record_ids.long(), record_offsets.long())
+    dense = torch.zeros(N_ROWS, V_LOCAL, dtype=torch.bool)
+    for row in range(N_ROWS):
+        dense[row, record_ids[record_offsets[row]:record_offsets[row + 1]].long()] = True
+
+    x = logits.clone().requires_grad_(True)
+    log_prob, entropy = ppo_ops.calculate_log_probs_and_entropy(x, tokens, None, with_entropy=True, keep=keep)
+    (grad,) = torch.autograd.grad([log_prob, entropy], x, [w_lp[:, None], w_ent])
+    ref = reference_log_probs_and_entropy(logits, tokens, entropy="grad", keep_mask=dense, grad_log_probs=w_lp,
+                                          grad_entropy=w_ent)
+    assert_log_probs_close(log_prob[:, 0].detach(), ref.log_probs)
+    assert_entropy_close(entropy.detach(), ref.entropy)
+    assert_grad_close(grad, ref.grad, torch.float32)
+
+    y = logits.clone().requires_grad_(True)
+    out = ppo_ops.log_probs_and_entropy(y, tokens, entropy="grad", keep=keep)
+    (grad_op,) = torch.autograd.grad([out.log_probs, out.entropy], y, [w_lp, w_ent])
+    assert torch.equal(log_prob[:, 0], out.log_probs) and torch.equal(entropy, out.entropy)
+    assert torch.equal(grad, grad_op)
+    with pytest.raises(ValueError, match="calculate_log_probs_and_entropy: .*keep"):
+        ppo_ops.calculate_log_probs_and_entropy(logits, tokens, None, log_prob_keep_mask=dense, keep=keep)
