@@ -472,7 +472,7 @@ def _nuclei(fn, top_p_token_ids, top_p_token_offsets, responses):
                                                        f"got {len(values)}")
     out = []
     for k, (ids, offsets, response) in enumerate(zip(ids_list, offsets_list, responses)):
-        if offsets is None or (ids is None and len(offsets) == 0):
+        if offsets is None:
             out.append(None)
             continue
         offsets = torch.as_tensor(offsets).to("cpu")

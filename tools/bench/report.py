@@ -102,17 +102,12 @@ def latest_per_case(rows: list[dict]) -> list[dict]:
     return [latest[k] for k in order]
 
 
-def _num(row: dict, key: str) -> Optional[float]:
-    try:
-        value = float(row.get(key, ""))
-    except ValueError:
-        return None
-    return None if math.isnan(value) else value
+_num = paired.number  # a CSV cell as a float; None where empty or NaN
 
 
 def _find(rows: list[dict], **fields) -> Optional[dict]:
     for row in rows:
-        if all(row.get(k) == v for k, v in fields.items()) and row.get("status") == "ok":
+        if paired.matches(row, fields) and row.get("status") == "ok":
             return row
     return None
 
