@@ -11,8 +11,8 @@ from the trainer only by the order of its fp32 sums; docs/calibration.md shows t
 broken values on CPU.
 
 bf16 uses the two-H200 calibration installed in sglang_checks/calibration/bfloat16.json (docs/calibration.md). The
-hand-set bf16 defaults below are the fallback where that file is absent; they were set from earlier two-H200
-measurements quoted in the reasons, so that a healthy bf16 setup passes and a wrong trainer temperature fails.
+hand-set bf16 defaults below are the fallback where that file is absent; they come from the two-H200 measurements
+quoted in the reasons, so that a healthy bf16 setup passes and a wrong trainer temperature fails.
 """
 
 from __future__ import annotations

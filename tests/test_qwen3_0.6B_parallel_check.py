@@ -10,8 +10,8 @@ Server flags: those of an SGLang install without FA3 / FlashInfer sampling kerne
 sampling, NCCL all-reduce, CPU feature transport), with CUDA graphs and warm-up off for a faster start. Expected
 wall time on two H200s: the layouts test 247 s measured (three server starts); the negative controls through the
 calibration program (two server starts, each serving every control) a few minutes more. The true on-policy test (one
-server with --rl-on-policy-target fsdp and a tensor dump, the check under SGLang's interpreter) has not run here: its
-trainer tp2 needs the second GPU; at trainer tp1 the same run gave exactly 0 on one H200 (docs/gpu_runs.md).
+server with --rl-on-policy-target fsdp and a tensor dump, the check under SGLang's interpreter) needs both GPUs for
+its trainer tp2; at trainer tp1 the same check gives exactly 0 on one H200 (docs/calibration.md, true on-policy).
 """
 
 import json
