@@ -50,9 +50,9 @@ def log_probs_and_entropy(
 ) -> LogProbsEntropy:
     """Log-probability of each target token and entropy of each row, over a vocabulary split across TP ranks.
 
-    Equivalent to `log_softmax(logits.float() / T, -1).gather(-1, tokens)` and `-(p * log p).sum(-1)` over the global
-    vocabulary that the ranks' shards make up, without fp32 [T, V] temporaries, forward and backward. Every argument
-    and guarantee in full: docs/api.md.
+    Equivalent to `log_softmax(logits.float() / T, -1).gather(-1, tokens[..., None])` and `-(p * log p).sum(-1)`
+    over the global vocabulary that the ranks' shards make up, without fp32 [T, V] temporaries, forward and
+    backward. Every argument and guarantee in full: docs/api.md.
 
     Args:
       logits: [..., V_local] float32/bfloat16/float16, this rank's contiguous slice of the global vocabulary
