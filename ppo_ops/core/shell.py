@@ -39,8 +39,6 @@ from ppo_ops.core import agreement, checks, registry, sparse_keep
 from ppo_ops.core.contracts import Backend, LinearBackend, RowStats, ShardOptions
 from ppo_ops.core.layout import VocabLayout, make_layout
 
-_HALF = (torch.bfloat16, torch.float16)
-
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -271,10 +269,11 @@ def backend_kind(fn_name: str, backend: str, tensor: torch.Tensor, name: str) ->
 
 def select_backend(fn_name: str, backend: str, rows: torch.Tensor, op: str, fused_loss: bool = False):
     """The backend of `op` ("logits" or "lm_head") of the kind backend_kind picks (see the module docstring), loaded
-    from core/registry.py, so a Triton module is imported only when selected."""
+    from core/registry.py, so a Triton module is imported only when selected. The LM head's goes through its router
+    (lm_head/paths.py, backend_key: the first step of head_path, which names the path a call takes)."""
     kind = backend_kind(fn_name, backend, rows, "logits" if op == "logits" else "hidden")
-    if op == "lm_head" and (fused_loss or (kind == "triton" and rows.dtype in _HALF)):
-        return registry.load("lm_head_segments", kind)
+    if op == "lm_head":
+        return registry.route(op, kind, rows.dtype, fused_loss)
     return registry.load(op, kind)
 
 
