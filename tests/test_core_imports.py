@@ -2,7 +2,7 @@
 registry that ppo_ops/backends.py fills.
 
 - Every module under ppo_ops/core, read with `ast`: no import of a ppo_ops module outside ppo_ops.core, at module
-  level or inside a function (the old lazy imports of the backends were exactly that).
+  level or inside a function (a lazy import of a backend counts).
 - `shell.select_backend` for each (op, backend, dtype, fused_loss) on CPU returns the very objects the backend modules
   hold (Triton kinds under TRITON_INTERPRET=1, as tests/conftest.py sets on CPU).
 - A lookup of an unregistered backend is a RuntimeError naming the op and kind.
@@ -177,7 +177,7 @@ def test_no_two_ppo_ops_modules_import_each_other():
 
 
 @pytest.mark.parametrize("modules, cycles", [
-    # direct, through a function-level import, as the pair segment_gemms / token_loss_blocks once did
+    # direct, one side through a function-level import
     ({"p.a": "from p import b", "p.b": "def f():\n    from p.a import x\n"}, [["p.a", "p.b"]]),
     # through a third module
     ({"p.a": "import p.b", "p.b": "from p import c", "p.c": "from p.a import y"}, [["p.a", "p.b", "p.c"]]),
