@@ -12,29 +12,34 @@ Two ops, their public functions all in api.py:
 Reading order, for either op: api.py (arguments) -> core/shell.py (the one call shell: local checks, layout, backend
 choice, and partials -> TP all-gather -> fixed-order merge) -> the op's autograd Function -> its backend -> kernels.
 The core imports nothing above it: backends.py registers each backend's loader with core/registry.py (on
-`import ppo_ops`), and the shell loads the one it selects. Which modules run, per op, backend and dtype
-(core/shell.py, select_backend, decides):
+`import ppo_ops`), and the shell loads the one it selects (the LM head's through its router). Which modules run, per
+op, backend and dtype (core/shell.py, select_backend, decides; for the LM head, lm_head/paths.py):
 
   logits op        logits/function.py (repeated eager calls of one signature on CUDA at one rank replay the first
                    call's launches: logits/replay.py), then
     backend torch    logits/torch_backend.py (any device, any float dtype)
     backend triton   logits/triton_backend.py -> logits/triton_kernels.py (CUDA, or CPU under TRITON_INTERPRET=1)
-    reduction_order  "sglang": logits/sglang_order.py -> logits/sglang_order_kernels.py instead
-  LM head, general op (linear_log_probs_and_entropy): lm_head/function.py, then
-    backend torch    lm_head/torch_backend.py (fixed fp32 tiles through torch.matmul, the logits op's torch code)
-    triton, bf16/fp16  lm_head/segment_gemms.py over the logits op's Triton passes: on CUDA with aligned rows
-                     lm_head/gemm_partials.py (forward GEMM, statistics in its epilogue), lm_head/gemm_dlogits.py
-                     (the recompute, gradient in its epilogue), lm_head/prob_dlogits.py (the held rows' dlogits),
-                     cuBLAS dX / dW; elsewhere chunk GEMMs and logits/triton_kernels.py's passes
-    triton, fp32     lm_head/triton_backend.py (Triton GEMM tiles with the statistics fused in)
-  LM head, token loss (linear_token_loss): lm_head/loss_function.py -> lm_head/segment_gemms.py ->
-                     lm_head/token_loss_blocks.py (its row blocks), over the Triton passes as above (triton) or the
-                     logits op's torch code (torch); the shipped losses: token_losses.py
+    reduction_order  "sglang": logits/sglang_order.py -> logits/sglang_order_kernels.py instead (the block geometry
+                     both read: logits/sglang_order_geometry.py)
+  LM head (both functions): lm_head/paths.py names the path a call takes (`head_path`; `path_of_call` for a call's
+                   own arguments; docs/lm_head.md, the table), and the shell's backend choice is its first step; then
+    general op       lm_head/function.py (linear_log_probs_and_entropy), then by path
+      torch_tiles      lm_head/torch_backend.py (fixed fp32 tiles through torch.matmul, the logits op's torch code)
+      fp32_tiles       lm_head/triton_backend.py (Triton GEMM tiles with the statistics fused in; fp32 only)
+      chunk_gemms      lm_head/segment_gemms.py: chunk GEMMs (lm_head/gemms.py) and logits/triton_kernels.py's passes
+      one_gemm(_held)  lm_head/segment_gemms.py: lm_head/gemm_partials.py (forward GEMM, statistics in its epilogue),
+                       lm_head/gemm_dlogits.py (the recompute, gradient in its epilogue), lm_head/prob_dlogits.py (the
+                       held rows' dlogits), library dX / dW GEMMs (lm_head/gemms.py)
+    token loss       lm_head/loss_function.py (linear_token_loss) -> lm_head/segment_gemms.py ->
+                     lm_head/token_loss_blocks.py (its blocks: loss_one_block and loss_blocks over the one-GEMM
+                     kernels and prob_dlogits.py, loss_chunk_blocks over chunk GEMMs and the logits op's Triton or
+                     torch passes); the shipped losses: token_losses.py
 
 The shared core beside them: core/checks.py (local argument checks), core/agreement.py (cross-rank agreement, the
 one host read), core/contracts.py (the backend contracts of both ops, as types), core/registry.py (the backends by
-op and kind, loaded when selected), core/layout.py (vocabulary shards and segments), core/row_stats.py (merge
-math), core/scale.py and core/scale_kernel.py (scaling the gradients a token loss formed in its forward),
+op and kind, loaded when selected, and the LM head's router), core/layout.py (vocabulary shards and segments),
+core/row_stats.py (merge math), core/scale.py and core/scale_kernel.py (scaling the gradients a token loss formed in
+its forward),
 core/sparse_keep.py and core/sparse_keep_kernels.py (the sparse keep set's checks, row state and gradient term, for
 both ops), core/triton_common.py (what the Triton kernels of both ops share), core/triton_launch.py (both ops'
 launches through Triton's own compiled kernel with less host work).

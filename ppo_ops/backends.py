@@ -1,4 +1,5 @@
-"""Registers every backend of both ops with the core (core/registry.py), which imports nothing above itself.
+"""Registers every backend of both ops, and the LM head's router (lm_head/paths.py, backend_key), with the core
+(core/registry.py), which imports nothing above itself.
 
 Each loader imports its module only when the shell first selects it, so `import ppo_ops` works without triton and
 TRITON_INTERPRET is read when a Triton backend is first chosen. `ppo_ops/__init__.py` imports this module.
@@ -27,6 +28,11 @@ def _lm_head_triton():
     return triton_backend.BACKEND
 
 
+def _lm_head_router():
+    from ppo_ops.lm_head import paths
+    return paths.backend_key
+
+
 def _segments(passes):
     def load():
         from ppo_ops.lm_head import segment_gemms
@@ -40,3 +46,4 @@ registry.register("lm_head", "torch", _lm_head_torch)
 registry.register("lm_head", "triton", _lm_head_triton)
 registry.register("lm_head_segments", "torch", _segments("torch"))
 registry.register("lm_head_segments", "triton", _segments("triton"))
+registry.register_router("lm_head", _lm_head_router)

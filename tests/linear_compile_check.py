@@ -4,15 +4,15 @@ gemm_dlogits.py) for an H200 (sm_90) without a GPU; run by tests/test_linear_log
 compile). Triton's bundled ptxas compiles for a fixed target.
 
 Prints one JSON object:
-- "forward_keys": {"<dtype>": distinct forward binaries over every rank of TP = 1, 2, 4, 8 at Qwen3's vocabulary
-  (V_local 151936 ... 18992) with padding on the last rank}, "gemm_partials bf16" for the segment-GEMM backend's
+- "forward_keys": {"fp32": distinct binaries of lm_head/triton_backend.py's forward (the fp32_tiles path) over every
+  rank of TP = 1, 2, 4, 8 at Qwen3's vocabulary (V_local 151936 ... 18992) with padding on the last rank},
+  "gemm_partials bf16" for the segment-GEMM backend's
   one-GEMM forward, "gemm_partials probs bf16" for its token-loss form (which also stores fp16 probabilities) and
   "gemm_dlogits bf16" for its fused backward recompute over every segment: 1 means every TP size runs the same code
   on a segment.
-- "kernels": {"<kernel> <dtype>": {"wgmma": bool, "mma": bool}} with the GPU launch configs: "wgmma" when the PTX
-  issues Hopper's warpgroup MMA (wgmma.mma_async), "mma" when it issues any tensor-core MMA at all; "gemm_partials
-  bf16", "gemm_partials probs bf16" and "gemm_dlogits bf16" have "tma" instead of "mma": their tiles move by TMA
-  (cp.async.bulk.tensor).
+- "kernels": {"<kernel> bf16": {"wgmma": bool, "tma": bool}} for the half-precision kernels ("gemm_partials",
+  "gemm_partials probs", "gemm_dlogits") with the GPU launch configs: "wgmma" when the PTX issues Hopper's warpgroup
+  MMA (wgmma.mma_async), "tma" when their tiles move by TMA (cp.async.bulk.tensor).
 """
 
 import json
@@ -33,7 +33,6 @@ from ppo_ops.core.triton_common import options  # noqa: E402
 from ppo_ops.lm_head import gemm_dlogits as gd, gemm_partials as gp, triton_backend as lt  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H200 (Hopper), 32-thread warps
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 V_QWEN3, H_QWEN3_8B = 151936, 4096
 
 
@@ -51,59 +50,27 @@ def _ptx(kernel, args, kwargs):
                           options=options.__dict__).asm["ptx"]
 
 
-def _forward_args(dtype, n_rows, v_local, seg_len, n_valid, vocab_start, inv_t=1.0):
-    cfg = lt.tile_config(dtype)
-    hidden = torch.empty((n_rows, H_QWEN3_8B), dtype=dtype)
-    weight = torch.empty((v_local, H_QWEN3_8B), dtype=dtype)
+def _forward_args(n_rows, v_local, seg_len, n_valid, vocab_start, inv_t=1.0):
+    """lm_head/triton_backend.py's forward (fp32 operands only: half precision takes the segment-GEMM backend)."""
+    cfg = lt.tile_config()
+    hidden = torch.empty((n_rows, H_QWEN3_8B), dtype=torch.float32)
+    weight = torch.empty((v_local, H_QWEN3_8B), dtype=torch.float32)
     args = (hidden, weight, torch.zeros(n_rows, dtype=torch.int64), torch.empty((v_local // seg_len, 5, n_rows)),
             n_rows, H_QWEN3_8B, seg_len, n_valid, v_local, vocab_start, H_QWEN3_8B, H_QWEN3_8B, inv_t)
-    kwargs = dict(WITH_ENTROPY=True, SCALE=inv_t != 1.0, IEEE=dtype == torch.float32, UPCAST=False,
+    kwargs = dict(WITH_ENTROPY=True, SCALE=inv_t != 1.0,
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **options(cfg))
     return args, kwargs
 
 
-def forward_key_count(dtype, n_rows=8192, vocab_size=V_QWEN3 - 100):
+def forward_key_count(n_rows=8192, vocab_size=V_QWEN3 - 100):
     keys = set()
     for tp in (1, 2, 4, 8):
         v_local = V_QWEN3 // tp
         for rank in range(tp):
             n_valid = max(0, min(v_local, vocab_size - rank * v_local))
-            args, kwargs = _forward_args(dtype, n_rows, v_local, V_QWEN3 // 8, n_valid, rank * v_local)
+            args, kwargs = _forward_args(n_rows, v_local, V_QWEN3 // 8, n_valid, rank * v_local)
             keys.add(_specialize(lt.forward_partials_kernel, args, kwargs)[0])
     return len(keys)
-
-
-def _dlogits_args(dtype, n_rows=8192, chunk=4096):
-    cfg = lt.tile_config(dtype)
-    hidden = torch.empty((n_rows, H_QWEN3_8B), dtype=dtype)
-    weight = torch.empty((V_QWEN3, H_QWEN3_8B), dtype=dtype)
-    vec = torch.zeros(n_rows)
-    out = torch.empty((n_rows, chunk), dtype=dtype)
-    args = (hidden, weight, torch.zeros(n_rows, dtype=torch.int64), vec, vec, vec, vec, vec, out,
-            n_rows, H_QWEN3_8B, 0, chunk, V_QWEN3, V_QWEN3, 0, H_QWEN3_8B, H_QWEN3_8B, chunk, 1.5)
-    kwargs = dict(HAS_GRAD_LOG_PROB=True, HAS_GRAD_ENTROPY=True, SCALE=True, IEEE=dtype == torch.float32, UPCAST=False,
-                  LOGITS_ONLY=False, ROUND_BF16_BY_BITS=False,
-                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=lt._DLOGITS_GROUP_M,
-                  **options(cfg))
-    return args, kwargs
-
-
-def _gemm_args(dtype, transposed_a, n_rows=8192, chunk=4096):
-    """dX: [R, chunk] @ [chunk, H] accumulated into fp32; dW: [chunk, R] (a transposed view) @ [R, H] into dtype."""
-    cfg = lt.tile_config(dtype)
-    dl = torch.empty((n_rows, chunk), dtype=dtype)
-    if transposed_a:
-        a, b = dl.T, torch.empty((n_rows, H_QWEN3_8B), dtype=dtype)
-        out = torch.empty((chunk, H_QWEN3_8B), dtype=dtype)
-    else:
-        a, b = dl, torch.empty((chunk, H_QWEN3_8B), dtype=dtype)
-        out = torch.empty((n_rows, H_QWEN3_8B))
-    m, k, n = a.shape[0], a.shape[1], b.shape[1]
-    args = (a, b, out, out, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-            out.stride(0), out.stride(1))
-    kwargs = dict(ACCUMULATE=not transposed_a, IEEE=dtype == torch.float32, UPCAST=False, ROUND_BF16_BY_BITS=False,
-                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **options(cfg))
-    return args, kwargs
 
 
 def _gemm_partials_args(n_rows, v_local, n_valid, inv_t=1.5, store_probs=False, prob_rows=2048):
@@ -166,7 +133,7 @@ def gemm_dlogits_key_count(n_rows=8192, vocab_size=V_QWEN3 - 100):
 
 
 def main():
-    report = {"forward_keys": {name: forward_key_count(dtype) for name, dtype in DTYPES.items()}, "kernels": {}}
+    report = {"forward_keys": {"fp32": forward_key_count()}, "kernels": {}}
     report["forward_keys"]["gemm_partials bf16"] = gemm_partials_key_count()
     report["forward_keys"]["gemm_dlogits bf16"] = gemm_dlogits_key_count()
     report["forward_keys"]["gemm_partials probs bf16"] = gemm_partials_key_count(n_rows=2048, store_probs=True)
@@ -176,17 +143,6 @@ def main():
                                ("gemm_dlogits", gd.gemm_dlogits_kernel, _gemm_dlogits_args(8192, V_QWEN3 // 8))):
         ptx = _ptx(kernel, *case)
         report["kernels"][f"{name} bf16"] = {"wgmma": "wgmma.mma_async" in ptx, "tma": "cp.async.bulk.tensor" in ptx}
-    for name, dtype in DTYPES.items():
-        cases = {
-            "forward": (lt.forward_partials_kernel, _forward_args(dtype, 8192, V_QWEN3, V_QWEN3 // 8, V_QWEN3, 0, 1.5)),
-            "dlogits": (lt.dlogits_kernel, _dlogits_args(dtype)),
-            "gemm_dx": (lt.gemm_kernel, _gemm_args(dtype, transposed_a=False)),
-            "gemm_dw": (lt.gemm_kernel, _gemm_args(dtype, transposed_a=True)),
-        }
-        for kernel_name, (kernel, (args, kwargs)) in cases.items():
-            ptx = _ptx(kernel, args, kwargs)
-            report["kernels"][f"{kernel_name} {name}"] = {"wgmma": "wgmma.mma_async" in ptx,
-                                                         "mma": "wgmma.mma_async" in ptx or "mma.sync" in ptx}
     print(json.dumps(report))
 
 

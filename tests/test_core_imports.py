@@ -2,11 +2,13 @@
 registry that ppo_ops/backends.py fills.
 
 - Every module under ppo_ops/core, read with `ast`: no import of a ppo_ops module outside ppo_ops.core, at module
-  level or inside a function (the old lazy imports of the backends were exactly that).
+  level or inside a function (a lazy import of a backend counts).
 - `shell.select_backend` for each (op, backend, dtype, fused_loss) on CPU returns the very objects the backend modules
   hold (Triton kinds under TRITON_INTERPRET=1, as tests/conftest.py sets on CPU).
 - A lookup of an unregistered backend is a RuntimeError naming the op and kind.
 - `import ppo_ops` registers every backend without importing triton, and works with triton absent.
+- No two modules of ppo_ops import each other, directly or through others: the import graph of every module under
+  ppo_ops/ (module-level and function-level imports alike) has no cycle, and a cycle is reported by its modules.
 """
 
 import ast
@@ -100,6 +102,97 @@ def test_the_check_finds_upward_imports(source, line, found):
 ])
 def test_the_check_allows_core_and_third_party_imports(source):
     assert upward_imports(source, "core/x.py") == []
+
+
+# ---- no import cycle anywhere in ppo_ops ----
+
+PACKAGE_ROOT = REPO_ROOT / "ppo_ops"
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(sources: dict) -> dict:
+    """{module: sorted modules of `sources` it imports}, from `sources` ({module name: (source, is_package)}). An
+    edge goes to the module an import names: `import a.b` and `from a import b` (b a module) to a.b, `from a import
+    name` (name not a module) and `import a` to a (a package's __init__ is a module like any other)."""
+    graph = {}
+    for name, (source, is_package) in sources.items():
+        package = name if is_package else name.rpartition(".")[0]
+        targets = set()
+        for _line, imported in _imported_modules(ast.parse(source, filename=name), package):
+            if imported in sources:  # a module, or `from a import b` with a.b a module
+                targets.add(imported)
+            elif imported.rpartition(".")[0] in sources:  # `from a import name`: a itself
+                targets.add(imported.rpartition(".")[0])
+        graph[name] = sorted(targets - {name})
+    return graph
+
+
+def import_cycles(graph: dict) -> list:
+    """Every cycle's modules (Tarjan's strongly connected components of more than one module), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+def _ppo_ops_sources() -> dict:
+    return {_module_name(path): (path.read_text(), path.name == "__init__.py")
+            for path in sorted(PACKAGE_ROOT.rglob("*.py"))}
+
+
+def test_no_two_ppo_ops_modules_import_each_other():
+    sources = _ppo_ops_sources()
+    assert len(sources) > 40 and "ppo_ops.core.shell" in sources, sorted(sources)
+    graph = import_graph(sources)
+    cycles = import_cycles(graph)
+    assert not cycles, ("import cycles among ppo_ops' modules (move what both need into a module of its own):\n  "
+                        + "\n  ".join(" <-> ".join(c) for c in cycles))
+
+
+@pytest.mark.parametrize("modules, cycles", [
+    # direct, one side through a function-level import
+    ({"p.a": "from p import b", "p.b": "def f():\n    from p.a import x\n"}, [["p.a", "p.b"]]),
+    # through a third module
+    ({"p.a": "import p.b", "p.b": "from p import c", "p.c": "from p.a import y"}, [["p.a", "p.b", "p.c"]]),
+    # relative imports
+    ({"p.a": "from . import b", "p.b": "from .a import z"}, [["p.a", "p.b"]]),
+    # a shared third module breaks it
+    ({"p.a": "from p import shared", "p.b": "from p.shared import z\nfrom p import a", "p.shared": "import torch"},
+     []),
+    # a name of a package is an edge to its __init__
+    ({"p": "from p import a", "p.a": "from p import name", "p.b": "import p.a"}, [["p", "p.a"]]),
+    ({"p": "from p import b", "p.a": "from p import name", "p.b": "import torch"}, []),
+])
+def test_the_cycle_check_finds_cycles(modules, cycles):
+    sources = {name: (source, name == "p") for name, source in modules.items()}
+    assert import_cycles(import_graph(sources)) == cycles
 
 
 # ---- backend selection through the registry ----

@@ -31,8 +31,8 @@ import ppo_ops
 from ppo_ops.core import agreement as _agreement
 from ppo_ops.core import layout as _layout
 from ppo_ops.core import scale as _scale
-from ppo_ops.lm_head import segment_gemms as _segment_gemms
-from ppo_ops.lm_head import token_loss_blocks as _token_loss_blocks
+from ppo_ops.lm_head import gemms as _gemms
+from ppo_ops.lm_head import paths as _paths
 from tests.core_support import backend_params, make_weights, triton_skip_reason
 from tests.linear_support import (HIDDEN, QWEN3_TEMPERATURE, QWEN3_TOKENS, QWEN3_TP_SHAPES, QWEN3_TP_SIZES,
                                   QWEN3_VOCAB, UNIT_ROUNDOFF, V_GLOBAL, assert_tp_invariant, assert_within, bounds,
@@ -171,7 +171,7 @@ def _keeps_probs(backend, hidden, weight):
     if backend != "triton" or triton_skip_reason(DEVICE) is not None:
         return False
     h = hidden.reshape(-1, hidden.shape[-1]).to(DEVICE)
-    return _token_loss_blocks.keeps_probs(_segment_gemms.backend("triton").passes, h, weight.to(DEVICE))
+    return _paths.one_gemm_applies("triton", h, weight.to(DEVICE))
 
 
 def _check_vs_float64_once(backend, dtype, loss_name, temperature, vocab_size, masked, entropy="grad", lead=(3, 7),
@@ -247,9 +247,9 @@ def test_shipped_losses_vs_float64(backend, loss_name, dtype, masked):
 def test_many_blocks_and_dw_groups_vs_float64(backend, blocks):
     """Rows over several loss blocks and dW groups (on CPU: chunk blocks of 8 rows, dW every 16; one-GEMM blocks of
     16), the last block partial."""
-    shape = _segment_gemms.chunk_shape(DEVICE)
+    shape = _paths.block_shape(DEVICE)
     _check_vs_float64_once(backend, torch.bfloat16, "ppo", 1.0, None, True,
-                           lead=(2 * shape.loss_dw_rows + shape.loss_rows + 3,))
+                           lead=(2 * shape.loss_group_rows + shape.loss_block_rows + 3,))
 
 
 @pytest.mark.parametrize("backend", [p for p in backend_params(DEVICE) if p.id == "triton"])
@@ -263,12 +263,13 @@ def test_one_block_vs_float64(backend, blocks, width, n_rows, vocab_size):
     """Every row one one-GEMM block: dW_s = dl_s^T X in one GEMM per segment, in the input dtype, finished in the
     forward; where the block holds 2 H rows, into the storage of dlogits already read (the first segment's through a
     temporary), else its own buffer. Values and gradients against float64, padding rows of dW zero."""
-    c = _token_loss_blocks
+    c = _paths
     hidden, weight, tokens = inputs((n_rows,), torch.bfloat16, seed=0, h=width)
     assert _keeps_probs(backend, hidden, weight)
     seg_len = _layout.segment_length(V_GLOBAL, 1)
-    rows, held, one = c.prob_blocks(_segment_gemms.backend("triton").passes, n_rows, width, seg_len,
-                                    torch.device(DEVICE))
+    path = c.head_path(kind="triton", dtype=torch.bfloat16, device=torch.device(DEVICE), token_loss=True, aligned=True,
+                       needs_grad=True, n_rows=n_rows, width=width, seg_len=seg_len)
+    rows, held, one = path.block_rows, path.buffer_rows, path.path is c.Path.LOSS_ONE_BLOCK
     assert one and rows == n_rows and held >= n_rows
     h = hidden.to(DEVICE).requires_grad_(True)
     w = weight.to(DEVICE).requires_grad_(True)
@@ -316,13 +317,13 @@ def test_log_probs_bitwise_as_the_general_op_or_the_logits_op(backend, blocks):
     the probabilities' store): log-probs and entropies bit for bit the general op's, with a gradient asked and
     under no_grad (the GEMM without the store), and the loss value the same either way. Elsewhere (chunk blocks)
     they are the logits op's on the chunks' own logits, bit for bit."""
-    n = 2 * _token_loss_blocks.HOST_PROB_ROWS + 13  # several blocks where "many" on CPU
+    n = 2 * _paths.HOST_LOSS_BLOCK_ROWS + 13  # several blocks where "many" on CPU
     hidden, weight, tokens = inputs((n,), torch.bfloat16, seed=94)
     h, w, t = hidden.to(DEVICE), weight.to(DEVICE), tokens.to(DEVICE)
     if _keeps_probs(backend, h, w):
         want = ppo_ops.linear_log_probs_and_entropy(h, w, t, entropy="value", temperature=0.9, backend=backend)
     else:
-        logits = _segment_gemms.tile_logits(h, w, _layout.segment_length(V_GLOBAL, 1))
+        logits = _gemms.tile_logits(h, w, _layout.segment_length(V_GLOBAL, 1))
         want = ppo_ops.log_probs_and_entropy(logits, t, entropy="value", temperature=0.9, backend=backend)
     losses = []
     for grad in (True, False):
@@ -356,8 +357,8 @@ def blocks(request, monkeypatch):
     """Forces the token loss's one-GEMM layout: "one" (every row one block, dW finished in the forward) or "many"
     (blocks beside the fp32 dW accumulator), by the memory allowance the choice reads."""
     allowance = {"one": 2**40, "many": 0}[request.param]
-    monkeypatch.setattr(_token_loss_blocks, "TOKEN_LOSS_BYTES", allowance)
-    monkeypatch.setattr(_token_loss_blocks, "HOST_TOKEN_LOSS_BYTES", allowance)
+    monkeypatch.setattr(_paths, "TOKEN_LOSS_BYTES", allowance)
+    monkeypatch.setattr(_paths, "HOST_TOKEN_LOSS_BYTES", allowance)
     return request.param
 
 
@@ -370,7 +371,7 @@ def test_upstream_scalar_scales_the_gradients(backend, blocks, dtype, scale):
     it (one block): like dX. 1/3 is not a bf16 number: a product that first rounded the scalar to bf16 (as a CUDA
     mul_ by a 0-d fp32 tensor does), or rounded an fp32 accumulator before scaling, fails. An upstream 1 returns the
     saved gradients' bits."""
-    n = 3 * _token_loss_blocks.HOST_PROB_ROWS + 2  # several blocks where "many" on CPU
+    n = 3 * _paths.HOST_LOSS_BLOCK_ROWS + 2  # several blocks where "many" on CPU
     hidden, weight, tokens = inputs((n,), dtype, seed=96)
     token_loss = _ppo(n, 97)
     plain = _run(hidden, weight, tokens, token_loss, entropy="grad", backend=backend)
@@ -496,7 +497,7 @@ def test_shipped_loss_closed_form_is_the_autograd_path_bitwise(name, backend, dt
     closed_form = token_losses.TokenLoss.value_and_grad
     monkeypatch.setattr(token_losses.TokenLoss, "value_and_grad",
                         lambda self, *a, **k: calls.append(1) or closed_form(self, *a, **k))
-    n = 2 * _token_loss_blocks.HOST_PROB_ROWS + 5  # several blocks on CPU
+    n = 2 * _paths.HOST_LOSS_BLOCK_ROWS + 5  # several blocks on CPU
     hidden, weight, tokens = inputs((n,), dtype, seed=110)
     token_loss = LOSSES[name](n, 111)
     row_mask = torch.rand(n, generator=torch.Generator().manual_seed(112)) < 0.9
@@ -515,7 +516,7 @@ def test_one_gradient_asked_equals_both_asked_bitwise(backend):
     """dX alone (the weight frozen) and dW alone (the hidden states frozen) are the same bits as when both are
     asked, and a loss that does not depend on the log-probs gives exact zeros (bf16: the one-GEMM blocks on
     "triton")."""
-    n = 2 * _token_loss_blocks.HOST_PROB_ROWS + 5  # several blocks on CPU
+    n = 2 * _paths.HOST_LOSS_BLOCK_ROWS + 5  # several blocks on CPU
     hidden, weight, tokens = inputs((n,), torch.bfloat16, seed=106)
     token_loss = _ppo(n, 107)
     _, _, _, dx, dw = _run(hidden, weight, tokens, token_loss, entropy="grad", backend=backend)
@@ -536,17 +537,17 @@ def test_probability_block_rows_fill_the_allowance(width, seg_len):
     """The one-GEMM blocks' rows on CUDA (a function of H and the segment length only): a multiple of the step
     within [min, max], the block's fp16 probabilities and the fp32 dW accumulator within the allowance, and one
     step more either over it or past the maximum (the most rows that fit). Qwen3-8B's shape gets 2816."""
-    c = _token_loss_blocks
-    rows = c.prob_block_rows(width, seg_len, torch.device("cuda"))
+    c = _paths
+    rows = c.loss_block_rows(width, seg_len, torch.device("cuda"))
     vocab = seg_len * _layout.NUM_FIXED_SEGMENTS
     held = lambda r: r * vocab * 2 + vocab * width * 4  # noqa: E731
-    assert rows % c.PROB_ROWS_STEP == 0 and c.PROB_ROWS_MIN <= rows <= c.PROB_ROWS_MAX, rows
+    assert rows % c.PROB_ROWS_STEP == 0 and c.LOSS_BLOCK_ROWS_MIN <= rows <= c.LOSS_BLOCK_ROWS_MAX, rows
     assert held(rows) <= c.TOKEN_LOSS_BYTES, f"{rows} rows hold {held(rows)} bytes"
     step_more = rows + c.PROB_ROWS_STEP
-    assert step_more > c.PROB_ROWS_MAX or held(step_more) > c.TOKEN_LOSS_BYTES, f"{step_more} rows would fit"
+    assert step_more > c.LOSS_BLOCK_ROWS_MAX or held(step_more) > c.TOKEN_LOSS_BYTES, f"{step_more} rows would fit"
     if (width, seg_len) == (4096, 18992):
         assert rows == 2816
-    assert c.prob_block_rows(width, seg_len, torch.device("cpu")) == c.HOST_PROB_ROWS
+    assert c.loss_block_rows(width, seg_len, torch.device("cpu")) == c.HOST_LOSS_BLOCK_ROWS
 
 
 @pytest.mark.parametrize("n_rows,one,in_probs", [
@@ -560,10 +561,10 @@ def test_one_block_where_it_fits_the_allowance(n_rows, one, in_probs):
     as one block where its probabilities, fp32 dX rows and dW (or, in the block's storage, one segment's temporary)
     fit the allowance: T = 8192 does, holding less than the many-block layout (2816 rows beside the fp32
     accumulator); T = 32768 does not."""
-    c = _token_loss_blocks
+    c = _paths
     width, seg_len = 4096, 18992
     held = -(-n_rows // 128) * 128
-    assert c.one_prob_block(n_rows, held, width, seg_len, torch.device("cuda")) == one
+    assert c.one_loss_block(n_rows, held, width, seg_len, torch.device("cuda")) == one
     if one:
         assert c.dw_in_probs(held, width) == in_probs
         held_bytes = c.one_block_bytes(n_rows, held, width, seg_len)
@@ -577,17 +578,18 @@ def test_one_block_where_it_fits_the_allowance(n_rows, one, in_probs):
 def test_working_memory_sizes_the_blocks(working_memory, rows):
     """The caller's allowance sets the one-GEMM blocks at Qwen3-0.6B's head (H = 1024) and Qwen3-8B's (H = 4096) on
     CUDA: the most rows (a multiple of the step) whose fp16 probabilities fit beside the fp32 dW accumulator, at
-    least PROB_ROWS_MIN (1 GiB is less than H = 4096's accumulator: the least blocks), at most PROB_ROWS_MAX; and
-    every row one block exactly where that fits it (T = 8192 at H = 1024 fits the default 3.125 GiB, not 1 GiB)."""
-    c, cuda, seg_len = _token_loss_blocks, torch.device("cuda"), 18992
+    least LOSS_BLOCK_ROWS_MIN (1 GiB is less than H = 4096's accumulator: the least blocks), at most
+    LOSS_BLOCK_ROWS_MAX; and every row one block exactly where that fits it (T = 8192 at H = 1024 fits the
+    default TOKEN_LOSS_BYTES, not 1 GiB)."""
+    c, cuda, seg_len = _paths, torch.device("cuda"), 18992
     vocab = seg_len * _layout.NUM_FIXED_SEGMENTS
-    assert c.prob_block_rows(4096, seg_len, cuda, working_memory) == rows
-    small = c.prob_block_rows(1024, seg_len, cuda, working_memory)
+    assert c.loss_block_rows(4096, seg_len, cuda, working_memory) == rows
+    small = c.loss_block_rows(1024, seg_len, cuda, working_memory)
     allowance = c.TOKEN_LOSS_BYTES if working_memory is None else working_memory
     fits = lambda r: r * vocab * 2 + vocab * 1024 * 4 <= allowance  # noqa: E731
-    assert small % c.PROB_ROWS_STEP == 0 and c.PROB_ROWS_MIN <= small <= c.PROB_ROWS_MAX
-    assert (fits(small) or small == c.PROB_ROWS_MIN) and (small == c.PROB_ROWS_MAX or not fits(small + 256))
-    one = c.one_prob_block(8191, 8192, 1024, seg_len, cuda, working_memory)
+    assert small % c.PROB_ROWS_STEP == 0 and c.LOSS_BLOCK_ROWS_MIN <= small <= c.LOSS_BLOCK_ROWS_MAX
+    assert (fits(small) or small == c.LOSS_BLOCK_ROWS_MIN) and (small == c.LOSS_BLOCK_ROWS_MAX or not fits(small + 256))
+    one = c.one_loss_block(8191, 8192, 1024, seg_len, cuda, working_memory)
     assert one == (c.one_block_bytes(8191, 8192, 1024, seg_len) <= allowance)
     assert one == (working_memory is None or working_memory >= 2**33)
 
@@ -598,13 +600,13 @@ def test_working_memory_chooses_one_block_or_many_vs_float64(backend, monkeypatc
     beside the fp32 accumulator (on CPU 16 rows each); both within the float64 bounds, the log-probs and entropies
     bit for bit the same (a row's values do not depend on its block)."""
     layouts = []
-    chosen = _token_loss_blocks.prob_blocks
+    chosen = _paths.one_loss_block
 
     def recorded(*args, **kwargs):
         out = chosen(*args, **kwargs)
-        layouts.append(out[2])  # one block?
+        layouts.append(out)  # one block?
         return out
-    monkeypatch.setattr(_token_loss_blocks, "prob_blocks", recorded)
+    monkeypatch.setattr(_paths, "one_loss_block", recorded)
     runs = {}
     for working_memory in (2**40, 0):
         layouts.clear()
@@ -764,11 +766,11 @@ def test_qwen3_tp_shapes_take_both_block_layouts():
     for name, (width, n_rows) in QWEN3_TP_SHAPES.items():
         kept = qwen3_kept_rows(n_rows)
         held = -(-kept // gemm_partials.GPU_CONFIG.block_m) * gemm_partials.GPU_CONFIG.block_m
-        one_block = _token_loss_blocks.one_prob_block(kept, held, width, seg_len, cuda)
+        one_block = _paths.one_loss_block(kept, held, width, seg_len, cuda)
         if name == "qwen3_8b_head":
-            assert one_block and _token_loss_blocks.dw_in_probs(held, width), name
+            assert one_block and _paths.dw_in_probs(held, width), name
         else:
-            assert not one_block and kept > _token_loss_blocks.prob_block_rows(width, seg_len, cuda), name
+            assert not one_block and kept > _paths.loss_block_rows(width, seg_len, cuda), name
 
 
 @pytest.mark.device("cuda")

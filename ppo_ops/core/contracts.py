@@ -116,16 +116,18 @@ class Backend(Protocol):
 # (lm_head/function.py: log-probs and entropy; lm_head/loss_function.py: a token loss with its gradient
 # formed in the forward) ask of a backend. The logits op meets its backends the same way (above).
 #
-# Three backends implement `LinearBackend` (core/shell.py picks one per call):
-#   lm_head/segment_gemms.py  the half-precision path (every bf16 / fp16 call, and every token loss): GEMMs over the
-#                             fixed vocabulary segments. On CUDA a Triton GEMM whose epilogue reduces each logit tile
-#                             to partials (gemm_partials.py), the same GEMM with the gradient in its epilogue for the
-#                             backward's dlogits (gemm_dlogits.py), cuBLAS for dX and dW; elsewhere, or where those
-#                             kernels do not apply, library GEMMs on fixed-shape chunks and the logits op's passes.
+# Three backends implement `LinearBackend` (core/shell.py picks one per call through lm_head/paths.py's backend_key;
+# which of a backend's paths a call takes is paths.head_path's answer):
+#   lm_head/segment_gemms.py  every half-precision call under triton, and every token loss: GEMMs over the fixed
+#                             vocabulary segments. A Triton GEMM whose epilogue reduces each logit tile to partials
+#                             (gemm_partials.py), the same GEMM with the gradient in its epilogue for the backward's
+#                             dlogits (gemm_dlogits.py), library GEMMs for dX and dW; where those kernels do not apply,
+#                             library GEMMs on fixed-shape chunks and the logits op's passes.
 #                             The only backend that also implements `FusedLossBackend` (lm_head/token_loss_blocks.py).
 #   lm_head/torch_backend.py  fixed fp32 tiles through torch.matmul and the logits op's PyTorch code (the general op
 #                             with backend="torch", any device);
-#   lm_head/triton_backend.py Triton GEMM-tile kernels with the softmax statistics fused in (fp32 inputs on CUDA).
+#   lm_head/triton_backend.py Triton GEMM-tile kernels with the softmax statistics fused in (fp32 inputs under
+#                             triton).
 #
 # Per call the Functions ask for (`HeadRows`: the kept rows, compacted, and this rank's [V_local, H] weight slice):
 #

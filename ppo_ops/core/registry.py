@@ -5,6 +5,10 @@ registers them on `import ppo_ops`). Keys the shell looks up (core/shell.py, sel
   ("logits", "torch" | "triton")            the logits op's backends
   ("lm_head", "torch" | "triton")           the general LM head's fp32-tile backends
   ("lm_head_segments", "torch" | "triton")  the segment-GEMM backend (token loss; half precision under triton)
+
+An op whose backend depends on more than its kind registers a router too: a loader of the function that maps the
+call's (kind, dtype, token loss) to one of those keys. The LM head's is lm_head/paths.py's `backend_key`, the first
+step of the function that names the head's paths, so the shell and the paths cannot disagree.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 from typing import Callable, Dict, Tuple
 
 _LOADERS: Dict[Tuple[str, str], Callable[[], object]] = {}
+_ROUTERS: Dict[str, Callable[[], Callable[..., Tuple[str, str]]]] = {}
 
 
 def register(op: str, kind: str, loader: Callable[[], object]) -> None:
@@ -36,3 +41,20 @@ def load(op: str, kind: str):
             f"ppo_ops: no backend registered for op {op!r}, kind {kind!r} (registered: {have}); backends are "
             f"registered by ppo_ops/backends.py, which `import ppo_ops` runs")
     return loader()
+
+
+def register_router(op: str, loader: Callable[[], Callable[..., Tuple[str, str]]]) -> None:
+    """Make `loader()` the router of `op`: a function of (kind, dtype, token_loss) returning a backend's key."""
+    if not callable(loader):
+        raise TypeError(f"ppo_ops.core.registry: the router loader of {op!r} must be callable, "
+                        f"got {type(loader).__name__}")
+    _ROUTERS[op] = loader
+
+
+def route(op: str, kind: str, dtype, token_loss: bool):
+    """The backend of `op` for a call of this kind, dtype and token loss, through its registered router."""
+    loader = _ROUTERS.get(op)
+    if loader is None:
+        raise RuntimeError(f"ppo_ops: no router registered for op {op!r}; routers are registered by "
+                           f"ppo_ops/backends.py, which `import ppo_ops` runs")
+    return load(*loader()(kind, dtype, token_loss))

@@ -12,13 +12,10 @@ for both ops). The core imports no op's module: each backend is a loader in core
 "lm_head" | "lm_head_segments", kind), registered by ppo_ops/backends.py on `import ppo_ops` and called (importing its
 module) when selected; an unregistered key is a RuntimeError naming it.
   logits op: "torch" -> logits/torch_backend.py; "triton" -> logits/triton_backend.py.
-  LM head, backend="torch" (or "auto" on CPU tensors): lm_head/torch_backend.py (fixed fp32 tiles) for the general op;
-      the segment-GEMM backend over the logits op's PyTorch passes for the token loss.
-  LM head, backend="triton" (or "auto" on CUDA tensors): half-precision inputs, and every token loss, take the
-      segment-GEMM backend over the logits op's Triton passes (lm_head/segment_gemms.py: Triton GEMMs with the
-      statistics in their epilogues and cuBLAS on CUDA; under TRITON_INTERPRET=1 on CPU an fp32 matmul stands in for
-      cuBLAS and the passes run in the interpreter); fp32 inputs of the general op take lm_head/triton_backend.py's
-      GEMM kernels (IEEE fp32 dots).
+  LM head: the key comes from the head's router, lm_head/paths.py's `backend_key` (the first step of `head_path`,
+      which names the path a call takes; docs/lm_head.md has the table): the segment-GEMM backend
+      (lm_head/segment_gemms.py) for every token loss and for half precision under triton, else
+      lm_head/torch_backend.py (kind torch) or lm_head/triton_backend.py (kind triton, fp32).
 
 Row statistics (`merge_row_stats`): at TP > 1 with validate=True the ranks' fixed-size headers first (the value checks'
 one host read), then the all-gather of the partials (rank-major along dim 0 is the global segment order), then the
@@ -38,8 +35,6 @@ import torch
 from ppo_ops.core import agreement, checks, registry, sparse_keep
 from ppo_ops.core.contracts import Backend, LinearBackend, RowStats, ShardOptions
 from ppo_ops.core.layout import VocabLayout, make_layout
-
-_HALF = (torch.bfloat16, torch.float16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,10 +266,11 @@ def backend_kind(fn_name: str, backend: str, tensor: torch.Tensor, name: str) ->
 
 def select_backend(fn_name: str, backend: str, rows: torch.Tensor, op: str, fused_loss: bool = False):
     """The backend of `op` ("logits" or "lm_head") of the kind backend_kind picks (see the module docstring), loaded
-    from core/registry.py, so a Triton module is imported only when selected."""
+    from core/registry.py, so a Triton module is imported only when selected. The LM head's goes through its router
+    (lm_head/paths.py, backend_key: the first step of head_path, which names the path a call takes)."""
     kind = backend_kind(fn_name, backend, rows, "logits" if op == "logits" else "hidden")
-    if op == "lm_head" and (fused_loss or (kind == "triton" and rows.dtype in _HALF)):
-        return registry.load("lm_head_segments", kind)
+    if op == "lm_head":
+        return registry.route(op, kind, rows.dtype, fused_loss)
     return registry.load(op, kind)
 
 

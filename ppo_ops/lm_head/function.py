@@ -3,13 +3,14 @@ recomputes logit tiles and returns dX and dW. No [T, V] tensor is ever held.
 
 The backend contract is a type: `LinearBackend` in core/contracts.py, implemented by lm_head/torch_backend.py,
 lm_head/triton_backend.py and lm_head/segment_gemms.py; the call is prepared by the shell both ops share
-(core/shell.py).
+(core/shell.py), and which path it takes is lm_head/paths.py's `head_path`.
 
 No grad (torch.no_grad, or neither hidden nor weight requires grad): the forward keeps nothing for a backward (no
 saved tensors, no row statistics beyond the outputs), so an old-policy or reference pass costs the forward alone.
 With a gradient the backend may keep more for its backward (`forward_for_backward`: the segment-GEMM backend's fp16
-probabilities of the first rows, at most 1 GiB), saved with the row statistics, so autograd frees them after the
-backward (or keeps them for another one under retain_graph).
+probabilities of the first rows, at most the call's working_memory, default lm_head/paths.py's HELD_BYTES), saved
+with the row statistics, so autograd frees them after the backward (or keeps them for another one under
+retain_graph).
 
 Rows: a row_mask is applied before any GEMM: the kept rows' hidden states are gathered into a compact [R, H] tensor
 (O(R * H) bytes; the index list is a host sync on CUDA), every kernel runs on those R rows only, and dropped rows get

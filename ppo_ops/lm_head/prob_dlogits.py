@@ -1,11 +1,11 @@
 """dlogits from the probabilities a one-GEMM forward kept: no second GEMM over those rows.
 
-Two users: the token loss (in place, below) and the general op's backward on the rows its forward held
-(lm_head/segment_gemms.py, `held_rows`), which writes them into its own vocabulary-major dlogits buffer (`out`) beside
-the rows it recomputes, so its dX and dW GEMMs stay one per segment and group.
+Two users: the token loss's one-GEMM blocks (in place, below) and the general op's backward on the rows its
+forward held (path one_gemm_held of lm_head/paths.py: `held_rows`), which writes them into its own vocabulary-major
+dlogits buffer (`out`) beside the rows it recomputes, so its dX and dW GEMMs stay one per segment and group.
 
 linear_token_loss forms the loss's gradient inside its forward (lm_head/token_loss_blocks.py). Where the
-one-GEMM forward applies, a row block's forward (gemm_partials.forward_probs) leaves every logit as
+one-GEMM forward applies, a block's forward (gemm_partials.forward_probs) leaves every logit as
 e = fl16(e^(z - m)) in a segment-major [n_seg, B, seg_len] fp16 buffer (vocabulary-major: a column's rows are
 contiguous), m the max of the element's row over its GEMM tile (BLOCK_N columns from a segment start), beside the
 tile maxima; the row statistics then become global (the merge, the TP all-gather) and the caller's loss gives the
@@ -22,7 +22,7 @@ Accuracy. e is rounded once to fp16: relative 2^-11 where e >= 2^-14, absolute 2
 log e errs by 2^-11 absolute there, plus at most 2^-17 from the compiled pass's approximate log (`_log`). So a
 dlogit errs by 2^-11 of its own terms, p |g_lp| and p |g_ent| (|z - E_p[z]| + 1), before its one rounding to bf16
 (2^-8). The buffer takes 2 bytes per logit where fp32 logits and separate dlogits take 6: a block holds three times
-the rows in the same memory (at Qwen3-8B's shape within 3.5 GiB: 2816 rows, where the chunk blocks hold 1024), and
+the rows in the same memory (paths.TOKEN_LOSS_BYTES sizes the blocks, paths.CUDA_SHAPE the chunk blocks), and
 dW's GEMMs get that K.
 
 Bits. A dlogit depends on its logit's tile (fixed by row, column and the K loop), its tile max, the row statistics and

@@ -1,34 +1,34 @@
-"""The token loss's row blocks (linear_token_loss, lm_head/loss_function.py): the segment-GEMM backend's
+"""The token loss's blocks (linear_token_loss, lm_head/loss_function.py): the segment-GEMM backend's
 `loss_forward`, which forms every logit once and the caller's loss's gradient in the forward.
 
-Per row block: the block's logits over every local segment -> their partials -> `hooks.merge` (TP all-gather,
+Per block: the block's logits over every local segment -> their partials -> `hooks.merge` (TP all-gather,
 fixed-order merge) -> `hooks.block_grads` (the caller's loss: upstream gradients of the block's log-probs and
 entropies) -> dlogits in the input dtype -> dX rows (fp32 over the local segments, `hooks.finish_dx` reduces and
 rounds them once) and dW; a sparse keep set's term goes into each block x segment of dlogits before those GEMMs
-(`hooks.keep_dlogits`). Two block layouts:
+(`hooks.keep_dlogits`). The path and its block rows are lm_head/paths.py's `head_path` (the caller passes it):
 
-    one-GEMM blocks (segment_gemms' Triton passes, half precision, TMA-aligned rows): the general op's one-GEMM
-        forward also stores every logit as e^(z - tile max) in fp16 into a segment-major [n_seg, rows, seg_len]
-        buffer, vocabulary-major in memory (dW's GEMMs then read dl^T K-major; gemm_partials.forward_probs), and
-        prob_dlogits.py turns it into dlogits in place. Every row is one block where that fits the allowance
-        (one_prob_block; the caller's working_memory, else TOKEN_LOSS_BYTES): dW_s = dl_s^T X is then one GEMM per
-        segment (K = T), finished in the forward in the input dtype; else blocks of prob_block_rows rows (a function
-        of H, the segment length and the allowance only: the same on every rank) beside an fp32 dW accumulator.
-        Log-probs and entropies are the general op's, bit for bit; dlogits carry e's fp16 rounding (2^-11 of
-        their terms) before their own to the input dtype. No gradient asked: the same blocks through the forward
-        without the store (the same loss sum), nothing held.
-    chunk blocks (otherwise): blocks of loss_rows rows whose fp32 logits over every local segment are held, the
-        logits op's partials and gradient passes; dW accumulated in fp32 every loss_dw_rows rows. Log-probs and
-        entropies are the logits op's on those logits, bit for bit.
+    loss_one_block, loss_blocks (the Triton passes, half precision, TMA-aligned rows): the general op's one-GEMM
+        forward also stores every logit as e^(z - tile max) in fp16 into a segment-major [n_seg, buffer_rows,
+        seg_len] buffer, vocabulary-major in memory (dW's GEMMs then read dl^T K-major; gemm_partials.forward_probs),
+        and prob_dlogits.py turns it into dlogits in place. loss_one_block where every row fits the allowance
+        (paths.one_loss_block; the caller's working_memory, else paths.TOKEN_LOSS_BYTES): dW_s = dl_s^T X is then one
+        GEMM per segment (K = T), finished in the forward in the input dtype; else loss_blocks, of
+        paths.loss_block_rows rows (a function of H, the segment length and the allowance only: the same on every
+        rank) beside an fp32 dW accumulator. Log-probs and entropies are the general op's, bit for bit; dlogits carry
+        e's fp16 rounding (2^-11 of their terms) before their own to the input dtype. No gradient asked: the same
+        blocks through the forward without the store (the same loss sum), nothing held.
+    loss_chunk_blocks (otherwise): blocks of loss_block_rows rows whose fp32 logits over every local segment are
+        held, the logits op's partials and gradient passes; dW accumulated in fp32 every loss_group_rows rows.
+        Log-probs and entropies are the logits op's on those logits, bit for bit.
 
 dW's fp32 accumulator [V_local, H] is returned as it is: the Function rounds it once in backward, together with the
 upstream scale and in place (core/scale.py). A finished dW (one block) keeps the storage it was written into (the
 block's own, from 2 H rows on) until released.
 
 Memory (besides dX and dW): one-GEMM blocks, 2 bytes per logit of a block (plus, for one block, one segment's dW
-temporary); chunk blocks, the block's fp32 logits (loss_rows x V_local) and its dlogits (loss_dw_rows x V_local in
-the input dtype); the fp32 dX rows of one block; the fp32 dW accumulator where there is one. Measured sizes and
-times: docs/performance.md, "The fused LM head".
+temporary); chunk blocks, the block's fp32 logits (loss_block_rows x V_local) and its dlogits (loss_group_rows x
+V_local in the input dtype); the fp32 dX rows of one block; the fp32 dW accumulator where there is one. Measured
+sizes and times: docs/performance.md, "The fused LM head".
 """
 
 from __future__ import annotations
@@ -38,114 +38,50 @@ from typing import Optional
 
 import torch
 
-from ppo_ops.core import layout, row_stats
+from ppo_ops.core import row_stats
 from ppo_ops.core.contracts import BackwardStats, GradsWanted, HeadRows, LossHooks, UpstreamGrads
-from ppo_ops.lm_head import segment_gemms
-from ppo_ops.lm_head.segment_gemms import PROB_ROWS_STEP
+from ppo_ops.lm_head import gemms, paths
+from ppo_ops.lm_head.paths import Path
 
 
-# The one-GEMM blocks hold 2 bytes per logit (fp16 probabilities, then dlogits in place), within TOKEN_LOSS_BYTES
-# (the working memory this op allows itself beside dX and dW):
-# - one block (every row at once) where its probabilities, its fp32 dX rows and dW fit: dW_s = dl_s^T X is then one
-#   GEMM per segment (K = T) written straight in the input dtype, no fp32 accumulator, and, where the block has at
-#   least 2 H rows, into the probabilities' own storage (bytes of segments whose dlogits were read; only the first
-#   segment's dW goes through a temporary);
-# - otherwise blocks of the most rows, a multiple of PROB_ROWS_STEP in [PROB_ROWS_MIN, PROB_ROWS_MAX], that fit beside
-#   the [V_local, H] fp32 dW accumulator. dW's K is these rows, and each block's dW GEMMs read and write the whole
-#   accumulator, so the fewer blocks the better.
-# Both count the global vocabulary (a function of H, the segment length and the row count, the same on every rank and
-# TP size: dW's GEMM shapes, hence its bits, are). The block rows swept, with their peaks: docs/performance.md.
-TOKEN_LOSS_BYTES = 25 * 2**27  # 3.125 GiB
-PROB_ROWS_MIN, PROB_ROWS_MAX = 1024, 8192
-HOST_PROB_ROWS = 16  # the interpreter: tiny test shapes cross blocks (a multiple of its GEMM tile's 16 rows)
-HOST_TOKEN_LOSS_BYTES = 48 * 1024  # the interpreter: at the tests' shapes (V = 256, H = 48) one block up to ~32 rows
-
-
-def _allowance(device: torch.device, working_memory: Optional[int] = None) -> int:
-    """The bytes the blocks may hold: the caller's working_memory, else the device's default."""
-    if working_memory is not None:
-        return working_memory
-    return TOKEN_LOSS_BYTES if device.type == "cuda" else HOST_TOKEN_LOSS_BYTES
-
-
-def prob_block_rows(width: int, seg_len: int, device: torch.device, working_memory: Optional[int] = None) -> int:
-    """Rows per one-GEMM token-loss block beside the fp32 dW accumulator: a function of H, the segment length and the
-    allowance only; PROB_ROWS_MIN where the allowance holds fewer (the least the blocked layout takes). The
-    vocabulary counted is the global one where segments are fixed (layout.NUM_FIXED_SEGMENTS of them), an upper
-    bound of V_local."""
-    if device.type != "cuda":
-        return HOST_PROB_ROWS
-    vocab = seg_len * layout.NUM_FIXED_SEGMENTS
-    fit = (_allowance(device, working_memory) - vocab * width * 4) // (vocab * 2)
-    return max(PROB_ROWS_MIN, min(PROB_ROWS_MAX, fit // PROB_ROWS_STEP * PROB_ROWS_STEP))
-
-
-def dw_in_probs(held: int, width: int) -> bool:
-    """Whether one block's dW fits into its probabilities' storage: segment s's dW (seg_len x H) then lies over the
-    dlogits of segments below s only, for every s >= 1 (held >= 2 H; the first goes through a temporary)."""
-    return held >= 2 * width
-
-
-def one_block_bytes(n_rows: int, held: int, width: int, seg_len: int) -> int:
-    """What one token-loss block of n_rows rows (held: rounded up to the forward's row tile) holds at the global
-    vocabulary: its probabilities, its fp32 dX rows, and dW (a temporary of one segment where dW_in_probs)."""
-    vocab = seg_len * layout.NUM_FIXED_SEGMENTS
-    dw = seg_len * width * 2 if dw_in_probs(held, width) else vocab * width * 2
-    return held * vocab * 2 + n_rows * width * 4 + dw
-
-
-def one_prob_block(n_rows: int, held: int, width: int, seg_len: int, device: torch.device,
-                   working_memory: Optional[int] = None) -> bool:
-    """Whether the token loss takes every row as one one-GEMM block (dW finished in its forward)."""
-    return one_block_bytes(n_rows, held, width, seg_len) <= _allowance(device, working_memory)
-
-
-def loss_forward(passes, head: HeadRows, with_entropy: bool, hooks: LossHooks, wanted: GradsWanted,
-                 working_memory: Optional[int] = None) -> Optional[torch.Tensor]:
+def loss_forward(passes, path: paths.HeadPath, head: HeadRows, with_entropy: bool, hooks: LossHooks,
+                 wanted: GradsWanted) -> Optional[torch.Tensor]:
     """The backend's loss_forward (core/contracts.py, FusedLossBackend) over `passes` (segment_gemms' Triton or
-    torch passes): the one-GEMM blocks where they apply, else the chunk blocks."""
+    torch passes) on `path` (paths.head_path's, a token loss's): the one-GEMM blocks or the chunk blocks."""
     hidden, weight, shard = head.hidden, head.weight, head.shard
     need_dx, need_dw = wanted.dx, wanted.dw
     n_rows, width = hidden.shape
     v_local = weight.shape[0]
-    segments = list(segment_gemms.segments(shard, v_local))
+    segments = list(gemms.segments(shard, v_local))
     if n_rows == 0:
         return torch.zeros((v_local, width), dtype=torch.float32, device=hidden.device) if need_dw else None
     head = HeadRows(hidden, weight, head.tokens.to(torch.int64).contiguous(), shard)
-    if keeps_probs(passes, hidden, weight):
-        return _blocks_by_probs(passes, head, with_entropy, hooks, wanted, working_memory)
+    if path.path in paths.PROB_PATHS:
+        return _blocks_by_probs(passes, path, head, with_entropy, hooks, wanted)
     dw_acc = _accumulator(weight, segments) if need_dw else None
     grads = _Gradients(weight, segments, hooks, dw_acc, need_dx)
-    _blocks_by_chunks(passes, head, with_entropy, hooks, grads)
+    _blocks_by_chunks(passes, path, head, with_entropy, hooks, grads)
     return dw_acc
 
-def keeps_probs(passes, hidden, weight) -> bool:
-    """Whether the token loss takes the one-GEMM blocks (fp16 probabilities) on these operands; else chunk
-    blocks."""
-    return passes.token_loss_pass is not None and passes.one_gemm_recompute.applies(hidden, weight)
 
-def prob_blocks(passes, n_rows: int, width: int, seg_len: int, device: torch.device,
-                working_memory: Optional[int] = None) -> tuple:
-    """(rows per block, rows held per block, one block) of the one-GEMM blocks for n_rows kept rows."""
-    block_m = passes.one_gemm_forward.config().block_m
-    held = segment_gemms.round_up(n_rows, block_m)
-    if one_prob_block(n_rows, held, width, seg_len, device, working_memory):
-        return n_rows, held, True
-    rows = prob_block_rows(width, seg_len, device, working_memory)
-    return rows, min(rows, held), False
+def keeps_probs(passes, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the token loss on these kept rows and weight takes the one-GEMM blocks (fp16 probabilities), over
+    segment_gemms' `passes` (paths.one_gemm_applies, head_path's condition for loss_one_block and loss_blocks)."""
+    return paths.one_gemm_applies(passes.name, hidden, weight)
 
-def _blocks_by_probs(passes, head: HeadRows, with_entropy: bool, hooks: LossHooks, wanted: GradsWanted,
-                     working_memory: Optional[int]) -> Optional[torch.Tensor]:
-    """One-GEMM blocks: the forward GEMM keeps each logit as an fp16 probability within its tile, the pass turns
-    them into dlogits in place (2 bytes per logit). Returns dW: finished, in the input dtype, where every row is
-    one block; else its fp32 accumulator."""
+
+def _blocks_by_probs(passes, path: paths.HeadPath, head: HeadRows, with_entropy: bool, hooks: LossHooks,
+                     wanted: GradsWanted) -> Optional[torch.Tensor]:
+    """loss_one_block, loss_blocks: the forward GEMM keeps each logit as an fp16 probability within its tile, the
+    pass turns them into dlogits in place (2 bytes per logit). Returns dW: finished, in the input dtype, on
+    loss_one_block; else its fp32 accumulator."""
     hidden, weight, tokens, shard = head.hidden, head.weight, head.tokens, head.shard
     need_dx, need_dw = wanted.dx, wanted.dw
     n_rows, width = hidden.shape
     v_local, seg_len = weight.shape[0], shard.seg_len
     n_seg = v_local // seg_len
-    segments = list(segment_gemms.segments(shard, v_local))
-    rows, held, one = prob_blocks(passes, n_rows, width, seg_len, hidden.device, working_memory)
+    segments = list(gemms.segments(shard, v_local))
+    rows, buffer_rows, one = path.block_rows, path.buffer_rows, path.path is Path.LOSS_ONE_BLOCK
     forward = passes.one_gemm_forward
     if not (need_dx or need_dw):  # values only: the same blocks (the same loss sum), no probabilities kept
         for r0 in range(0, n_rows, rows):
@@ -156,11 +92,11 @@ def _blocks_by_probs(passes, head: HeadRows, with_entropy: bool, hooks: LossHook
     # vocabulary-major ([n_seg, seg_len, B] in memory, used as its [n_seg, B, seg_len] view): dW's GEMMs read
     # their dl^T operand K-major, which cuBLAS runs faster than the row-major buffer, with the same bits for dX
     # and dW (docs/performance.md)
-    storage = torch.empty(n_seg * seg_len * held, dtype=torch.float16, device=hidden.device)
-    probs = storage.view(n_seg, seg_len, held).transpose(1, 2)
+    storage = torch.empty(n_seg * seg_len * buffer_rows, dtype=torch.float16, device=hidden.device)
+    probs = storage.view(n_seg, seg_len, buffer_rows).transpose(1, 2)
     dw = None
     if need_dw and one:
-        dw = (storage.view(hidden.dtype)[:v_local * width].view(v_local, width) if dw_in_probs(held, width)
+        dw = (storage.view(hidden.dtype)[:v_local * width].view(v_local, width) if paths.dw_in_probs(buffer_rows, width)
               else torch.empty((v_local, width), dtype=hidden.dtype, device=hidden.device))
     elif need_dw:
         dw = _accumulator(weight, segments)
@@ -174,56 +110,57 @@ def _blocks_by_probs(passes, head: HeadRows, with_entropy: bool, hooks: LossHook
         up = hooks.block_grads(stats, r0, r0 + n)
         g_lp, g_ent = up.grad_log_prob, up.grad_entropy
         # the GEMMs run on n_gemm rows, those above n zero (dl's rows are its contiguous dimension:
-        # segment_gemms.GEMM_ROWS)
-        n_gemm = segment_gemms.gemm_rows(n)
+        # gemms.GEMM_ROW_MULTIPLE)
+        n_gemm = gemms.gemm_rows(n)
         if g_lp is None and g_ent is None:  # the loss does not depend on these rows: zero gradient
             dl = probs.view(hidden.dtype)
             dl[:, :n_gemm].zero_()
         else:
-            dl = passes.token_loss_pass.dlogits(
+            dl = passes.prob_pass.dlogits(
                 probs, tiles, n, x, weight, tokens[rs], shard,
                 BackwardStats(stats.shift, stats.log_sum, None, stats.mean_shifted if g_ent is not None else None),
                 UpstreamGrads(g_lp, g_ent), hidden.dtype)
-            if passes.token_loss_pass.access_rows(n, probs, probs) < n_gemm:  # the pass zeroes the rows it covers
+            if passes.prob_pass.access_rows(n, probs, probs) < n_gemm:  # the pass zeroes the rows it covers
                 dl[:, n:n_gemm].zero_()
         if up.keep_term:
             _add_keep_term(hooks, dl, r0, n, segments)
         if n_gemm > n:
-            x = segment_gemms.gemm_operand_rows(x, n_gemm)
+            x = gemms.gemm_operand_rows(x, n_gemm)
         grads.add_block(dl, r0, n, x, n_gemm)
     return dw
 
-def _blocks_by_chunks(passes, head: HeadRows, with_entropy: bool, hooks: LossHooks, grads: "_Gradients") -> None:
-    """Chunk blocks: per block of loss_rows rows its fp32 logits over every local segment (GEMM into a held
-    chunk), the logits op's partials and gradient passes; dW every loss_dw_rows rows."""
+def _blocks_by_chunks(passes, path: paths.HeadPath, head: HeadRows, with_entropy: bool, hooks: LossHooks,
+                      grads: "_Gradients") -> None:
+    """loss_chunk_blocks: per block of path.block_rows rows its fp32 logits over every local segment (a chunk GEMM
+    per segment), the logits op's partials and gradient passes; dW every path.group_rows rows."""
     hidden, weight, tokens, shard = head.hidden, head.weight, head.tokens, head.shard
     need_grad = grads.need_dx or grads.dw is not None
     v_local, seg_len = weight.shape[0], shard.seg_len
     n_seg = v_local // seg_len
-    shape = segment_gemms.chunk_shape(hidden.device)
+    block_rows, group_stride = path.block_rows, path.group_rows
     device = hidden.device
-    blocks = segment_gemms.RowBlocks(hidden, shape.loss_rows)
-    logits = torch.empty((n_seg, shape.loss_rows, seg_len), dtype=torch.float32, device=device)
-    parts = torch.empty((n_seg, row_stats.NUM_PARTIALS, shape.loss_rows), dtype=torch.float32, device=device)
-    group_rows = min(shape.loss_dw_rows, blocks.count * shape.loss_rows)
+    blocks = gemms.RowBlocks(hidden, block_rows)
+    logits = torch.empty((n_seg, block_rows, seg_len), dtype=torch.float32, device=device)
+    parts = torch.empty((n_seg, row_stats.NUM_PARTIALS, block_rows), dtype=torch.float32, device=device)
+    group_rows = min(group_stride, blocks.count * block_rows)
     dl = torch.empty((n_seg, group_rows, seg_len), dtype=hidden.dtype, device=device) if need_grad else None
     for s, _seg_lo, seg in grads.segments:
         if seg.n_valid == 0:
-            segment_gemms.neutral_partials(parts[s])
-    blocks_per_group = shape.loss_dw_rows // shape.loss_rows
+            gemms.neutral_partials(parts[s])
+    blocks_per_group = group_stride // block_rows
     for b in range(blocks.count):
         r0, n, x = blocks.block(b)
         rs = slice(r0, r0 + n)
         for s, seg_lo, seg in grads.segments:
             if seg.n_valid:
-                segment_gemms.mm_fp32(x, weight[seg_lo:seg_lo + seg_len].T, logits[s])
+                gemms.mm_fp32(x, weight[seg_lo:seg_lo + seg_len].T, logits[s])
                 passes.partials(logits[s], n, tokens[rs], seg, with_entropy, parts[s])
         stats = hooks.merge(parts[:, :, :n])
         up = hooks.block_grads(stats, r0, r0 + n)
         if not need_grad:
             continue
         g_lp, g_ent = up.grad_log_prob, up.grad_entropy
-        offset = (b % blocks_per_group) * shape.loss_rows
+        offset = (b % blocks_per_group) * block_rows
         if g_lp is None and g_ent is None:  # the loss does not depend on these rows: zero gradient
             dl[:, offset:offset + n].zero_()
         else:
@@ -237,7 +174,7 @@ def _blocks_by_chunks(passes, head: HeadRows, with_entropy: bool, hooks: LossHoo
             _add_keep_term(hooks, dl[:, offset:offset + n], r0, n, grads.segments)
         grads.add_dx(dl[:, offset:offset + n], r0, n)
         if (b + 1) % blocks_per_group == 0 or b + 1 == blocks.count:
-            g0 = (b // blocks_per_group) * shape.loss_dw_rows
+            g0 = (b // blocks_per_group) * group_stride
             grads.add_dw(dl, r0 + n - g0, hidden[g0:r0 + n])
 
 
@@ -306,9 +243,9 @@ class _Gradients:
 
     def _dx_segment(self, out, dl_s, w_s, first: bool) -> None:
         if first:
-            segment_gemms.mm_fp32(dl_s, w_s, out)
+            gemms.mm_fp32(dl_s, w_s, out)
         else:
-            segment_gemms.addmm_fp32(out, dl_s, w_s)
+            gemms.addmm_fp32(out, dl_s, w_s)
 
     def add_dx(self, dl, r0: int, n: int, n_gemm: Optional[int] = None) -> None:
         """dX of the block's n rows, its GEMMs on n_gemm (default n) rows."""
@@ -330,9 +267,9 @@ class _Gradients:
         rows = dl[:, :m].transpose(1, 2).unbind(0)
         for s, _w_s, acc in self.live:
             if self.started[s]:
-                segment_gemms.addmm_fp32(acc, rows[s], x)
+                gemms.addmm_fp32(acc, rows[s], x)
             else:
-                segment_gemms.mm_fp32(rows[s], x, acc)
+                gemms.mm_fp32(rows[s], x, acc)
                 self.started[s] = True
 
     def _add_finished(self, dl, r0: int, n: int, x, n_gemm: int) -> None:
@@ -363,7 +300,7 @@ class _Gradients:
                 waits = [k for k in read if k <= covers]
                 if main is not None and waits:
                     self.side.wait_event(read[max(waits)])  # dX has read every segment these rows cover
-                segment_gemms.mm_rounded(dl[s, :n_gemm].T, x, target)
+                gemms.mm_rounded(dl[s, :n_gemm].T, x, target)
         if out is not None:
             if not self.live:
                 out.zero_()

@@ -1,37 +1,33 @@
-"""Triton backend of the fused LM head (linear_log_probs_and_entropy): GEMM tiles on tensor cores, no [T, V] logits.
+"""Triton backend of the fused LM head for fp32 inputs (linear_log_probs_and_entropy, path fp32_tiles of
+lm_head/paths.py): GEMM tiles with IEEE fp32 dots, no [T, V] logits. Half precision, and every token loss, take the
+segment-GEMM backend (lm_head/segment_gemms.py) instead, so every kernel here runs on fp32 operands.
 
-Implements the LinearBackend contract of core/contracts.py for fp32 inputs on CUDA (half precision takes
-lm_head/segment_gemms.py) with three kernels:
+Implements the LinearBackend contract of core/contracts.py with three kernels:
 
 Forward, `forward_partials_kernel`, grid (local segment, row block): one program sweeps its segment's vocabulary in
 tiles of BLOCK_N columns starting at the segment start; per tile it forms the [BLOCK_M, BLOCK_N] logit tile with a K
-loop over H in steps of BLOCK_K (`tl.dot` on the input dtype's tiles: wgmma on Hopper for bf16/fp16, fp32
-accumulators; fp32 inputs use IEEE fp32 dots), scales it by 1/temperature (rounded once, as the logits op's kernel
-does) and folds it into per-row online statistics (max m, Σ e^(z-m), Σ e^(z-m)(z-m), the target's logit). At the end
-it stores the five partials of its (segment, rows): the same channels as the logits op (row_stats.py), so the
-core's all-gather and fixed-order merge apply unchanged. The segment axis is the grid's fast axis: programs running
-together share a few weight tiles (one per segment) and a few hidden-row blocks, which stay in L2.
-Backward, per vocabulary chunk of at most DL_CHUNK_BYTES of dlogits (chunks start at segment starts, so tiles do):
+loop over H in steps of BLOCK_K (`tl.dot` with IEEE fp32 products, not tf32; fp32 accumulators), scales it by
+1/temperature (rounded once, as the logits op's kernel does) and folds it into per-row online statistics (max m,
+Σ e^(z-m), Σ e^(z-m)(z-m), the target's logit). At the end it stores the five partials of its (segment, rows): the
+same channels as the logits op (row_stats.py), so the core's all-gather and fixed-order merge apply unchanged. The
+segment axis is the grid's fast axis: programs running together share a few weight tiles (one per segment) and a
+few hidden-row blocks, which stay in L2.
+Backward, per span of columns holding at most DL_SPAN_BYTES of dlogits (spans start at segment starts, so tiles do):
     `dlogits_kernel`, one program per (row block, column tile), grouped for L2 reuse: recomputes the logit tile
     with the forward's code and tiles, forms dlogits = inv_t * (g_lp * (onehot - p) + g_ent * p * (mean_shifted - d))
-    in fp32 (the logits op's formula) and stores it in the input dtype into a [R, chunk] buffer;
-    two GEMMs: dX32[R, H] += dlogits @ W[chunk] (fp32 accumulator, chunks added in order) and
-    dW[chunk] = dlogits^T @ X (fp32 accumulation over all R rows, one rounding to the weight's dtype); cuBLAS for
-    half-precision operands on CUDA, `gemm_kernel` otherwise (see _gemm).
-No atomics anywhere, every reduction order is fixed by the tile shapes (cuBLAS: by the shape, on one device):
-bitwise deterministic run to run.
+    in fp32 (the logits op's formula) into an fp32 [R, span] buffer;
+    two GEMMs by `gemm_kernel`: dX32[R, H] += dlogits @ W[span] (fp32 accumulator, spans added in order) and
+    dW[span] = dlogits^T @ X (fp32 accumulation over all R rows).
+No atomics anywhere, every reduction order is fixed by the tile shapes: bitwise deterministic run to run.
 
-Bits. A column's logit depends only on the tile shapes and the K loop (0..H by BLOCK_K), which come from the dtype,
-never from V_local, the rank or the row count, and tiles start at segment starts: the partials of a (row, segment)
-are the same at every TP size (the TP-varying integers are not specialised on, so they cannot change the code).
-The per-row reductions run over [BLOCK_M, BLOCK_N] tiles, not the logits op kernel's lanes, so the values equal the
-logits op's on the same logits within its fp32 tolerances, not bit for bit (the PyTorch backend gives bitwise
-identity). dlogits are rounded to the input dtype before the backward GEMMs (bf16: relative 2^-8), the price of
-tensor-core GEMMs; the tests' bounds include it.
-Memory (besides dX and dW): the fp32 dX accumulator [R, H] and one dlogits chunk. The accumulator alone is R * H * 2
-bytes more than the dX it becomes: with four GEMMs' work and fp32 accumulation, one of dX or dW needs an fp32
-accumulator across the other's chunks, and dX's is the smaller while R < V_local. Holding less would take a fifth
-GEMM (dX by row blocks over the whole vocabulary, then dW by vocabulary chunks) or a half-precision accumulator.
+Bits. A column's logit depends only on the tile shapes and the K loop (0..H by BLOCK_K), never on V_local, the rank
+or the row count, and tiles start at segment starts: the partials of a (row, segment) are the same at every TP size
+(the TP-varying integers are not specialised on, so they cannot change the code). The per-row reductions run over
+[BLOCK_M, BLOCK_N] tiles, not the logits op kernel's lanes, so the values equal the logits op's on the same logits
+within its fp32 tolerances, not bit for bit (the PyTorch backend gives bitwise identity).
+Memory (besides dX and dW): the fp32 dX accumulator [R, H] and one dlogits span. With four GEMMs' work and fp32
+accumulation, one of dX or dW needs an fp32 accumulator across the other's spans, and dX's is the smaller while
+R < V_local.
 """
 
 from typing import NamedTuple, Optional
@@ -43,15 +39,15 @@ import triton.language as tl
 from ppo_ops.core import row_stats
 from ppo_ops.core.checks import argument_error
 from ppo_ops.core.contracts import GradsWanted, HeadRows, LinearSaved, ShardOptions, UpstreamGrads, holds_nothing
-from ppo_ops.core.triton_common import (FLT_MAX, cdiv, interpreting, options, round_bf16_by_bits, scaled,
-                                        empty_row_state, grouped_tile, store_rounded, store_row_partials)
+from ppo_ops.core.triton_common import (FLT_MAX, cdiv, empty_row_state, grouped_tile, interpreting, options, scaled,
+                                        store_row_partials)
 from ppo_ops.core.triton_launch import launcher as _launch  # fewer host steps per launch (core/triton_launch.py)
 from ppo_ops.logits.triton_backend import merge_partials  # the logits op's fused merge: the partials are the same
 
 # Integers that differ between ranks / TP sizes: not specialised on (divisibility by 16 would change the code).
 _TP_VARYING = ["n_valid", "v_local", "vocab_start", "col_lo", "col_hi"]
 
-DL_CHUNK_BYTES = 128 * 1024 * 1024  # bound on one backward dlogits chunk ([R, chunk] in the input dtype)
+DL_SPAN_BYTES = 128 * 1024 * 1024  # bound on one backward dlogits span ([R, span] fp32)
 _DLOGITS_GROUP_M = 8  # row blocks per launch-order group of dlogits_kernel (L2 reuse; no effect on values)
 
 
@@ -63,41 +59,27 @@ class TileConfig(NamedTuple):
     num_stages: Optional[int]
 
 
-# Per element size of the inputs. Half precision: 128x128 tiles of 64-deep K steps, two warpgroups of wgmma, three
-# pipeline stages (the classic Hopper GEMM tile that fits its fp32 accumulator plus the epilogue in registers).
-# The backward's gemm_kernel runs the same tiles (measured as fast; one table).
-_GPU_CONFIG = {
-    2: TileConfig(128, 128, 64, 8, 3),
-    4: TileConfig(64, 64, 32, 4, 3),
-}
+# Compiled: 64x64 tiles of 32-deep K steps, four warps, three pipeline stages; the backward's gemm_kernel runs the
+# same tiles (one config).
+_GPU_CONFIG = TileConfig(64, 64, 32, 4, 3)
 # Interpreter: the smallest tiles tl.dot takes (it runs every program in Python: its time grows with the tile).
 _INTERPRET_CONFIG = TileConfig(16, 32, 16, None, None)
 
 
-def tile_config(dtype):
-    """The tiles of every kernel of this module for inputs of `dtype`."""
-    if interpreting():
-        return _INTERPRET_CONFIG
-    return _GPU_CONFIG[dtype.itemsize]
+def tile_config() -> TileConfig:
+    """The tiles of every kernel of this module."""
+    return _INTERPRET_CONFIG if interpreting() else _GPU_CONFIG
 
 
 @triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """acc + a @ b with fp32 accumulation. IEEE: fp32 operands use IEEE fp32 products (not tf32). UPCAST (interpreter
-    only): bf16 operands go to fp32 first (exact) because Triton 3.9's interpreter multiplies the raw bits of bf16
-    tl.dot operands instead of their values; the products are then exact as on the tensor cores."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    elif IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
+def _dot(a, b, acc):
+    """acc + a @ b of fp32 operands: IEEE fp32 products (not tf32), fp32 accumulation."""
+    return tl.dot(a, b, acc, input_precision="ieee")
 
 
 @triton.jit
 def _logit_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_x, stride_w,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                UPCAST: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """[BLOCK_M, BLOCK_N] fp32 logits x[rows] @ w[cols]^T, K loop from 0 to H in steps of BLOCK_K (the only
     accumulation order, whoever calls it)."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -109,14 +91,14 @@ def _logit_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_x, stride_w,
         k_ok = k < H
         x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = _dot(x, tl.trans(w), acc, IEEE, UPCAST)
+        acc = _dot(x, tl.trans(w), acc)
     return acc
 
 
 @triton.jit(do_not_specialize=_TP_VARYING)
 def forward_partials_kernel(
     # data ptrs
-    x_ptr,  # [R, H] hidden rows (bf16/fp16/fp32), READ-ONLY
+    x_ptr,  # [R, H] fp32 hidden rows, READ-ONLY
     w_ptr,  # [V_local, H] weight slice, READ-ONLY
     tokens_ptr,  # [R] int64 global token ids
     out_ptr,  # [nseg, 5, R] fp32 partials, WRITTEN
@@ -128,7 +110,7 @@ def forward_partials_kernel(
     stride_x, stride_w,
     # constants
     inv_temperature,
-    WITH_ENTROPY: tl.constexpr, SCALE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr, SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     seg = tl.program_id(0)
@@ -143,8 +125,7 @@ def forward_partials_kernel(
     for n0 in range(seg_lo, seg_end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < seg_end
-        z = _logit_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K,
-                        IEEE, UPCAST)
+        z = _logit_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K)
         if SCALE:
             z = scaled(z, inv_temperature)
         z = tl.where(col_ok[None, :], z, float("-inf"))
@@ -171,19 +152,18 @@ def dlogits_kernel(
     shift_ptr, log_sum_ptr, mean_shifted_ptr,  # [R] fp32 merged row stats (mean_shifted read when HAS_GRAD_ENTROPY)
     # [R] fp32 upstream gradients, already 0 where undefined (read when HAS_GRAD_LOG_PROB / HAS_GRAD_ENTROPY)
     grad_log_prob_ptr, grad_entropy_ptr,
-    out_ptr,  # [R, >= col_hi - col_lo] dlogits in the input dtype (or fp32 logits when LOGITS_ONLY), WRITTEN
+    out_ptr,  # [R, >= col_hi - col_lo] fp32 dlogits (or logits when LOGITS_ONLY), WRITTEN
     # shapes
     num_rows, H,
-    col_lo, col_hi,  # local columns of this chunk; tiles start at col_lo
+    col_lo, col_hi,  # local columns of this span; tiles start at col_lo
     n_valid, v_local, vocab_start,
     # strides
     stride_x, stride_w, stride_out,
     # constants
     inv_temperature,
     HAS_GRAD_LOG_PROB: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr,
-    SCALE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    SCALE: tl.constexpr,
     LOGITS_ONLY: tl.constexpr,  # store the raw fp32 logit tile (tile_logits), no gradient
-    ROUND_BF16_BY_BITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Programs in launch order take GROUP_M row blocks times a run of column tiles, so the ones resident together
@@ -194,8 +174,7 @@ def dlogits_kernel(
     cols = col_lo + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < num_rows
     col_ok = cols < col_hi
-    z = _logit_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, IEEE,
-                    UPCAST)
+    z = _logit_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K)
     out = out_ptr + rows.to(tl.int64)[:, None] * stride_out + (cols - col_lo)[None, :]
     store_ok = row_ok[:, None] & col_ok[None, :]
     if LOGITS_ONLY:
@@ -218,7 +197,7 @@ def dlogits_kernel(
         if SCALE:
             grad = grad * inv_temperature
         grad = tl.where(row_ok[:, None] & (cols < n_valid)[None, :], grad, 0.0)
-        store_rounded(out, grad, store_ok, ROUND_BF16_BY_BITS)
+        tl.store(out, grad, mask=store_ok)
 
 
 @triton.jit
@@ -227,13 +206,13 @@ def gemm_kernel(
     a_ptr,  # [M, K] (any strides), READ-ONLY
     b_ptr,  # [K, N] (any strides), READ-ONLY
     c_ptr,  # [M, N] fp32, READ when ACCUMULATE (may be out_ptr)
-    out_ptr,  # [M, N] WRITTEN in its dtype: c + a @ b (or a @ b)
+    out_ptr,  # [M, N] fp32, WRITTEN: c + a @ b (or a @ b)
     # shapes
     M, N, K,
     # strides
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_om, stride_on,
     # constants
-    ACCUMULATE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, ROUND_BF16_BY_BITS: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One output tile, K loop in order from 0: deterministic, fp32 accumulation."""
@@ -254,9 +233,8 @@ def gemm_kernel(
                     other=0.0)
         b = tl.load(b_ptr + k[:, None] * stride_bk + cols64[None, :] * stride_bn, mask=k_ok[:, None] & col_ok[None, :],
                     other=0.0)
-        acc = _dot(a, b, acc, IEEE, UPCAST)
-    store_rounded(out_ptr + rows64[:, None] * stride_om + cols64[None, :] * stride_on, acc, tile_ok,
-                   ROUND_BF16_BY_BITS)
+        acc = _dot(a, b, acc)
+    tl.store(out_ptr + rows64[:, None] * stride_om + cols64[None, :] * stride_on, acc, mask=tile_ok)
 
 
 # ---- launchers (the launch layer under BACKEND, at the end) ----
@@ -272,6 +250,10 @@ def _check(hidden, weight):
         if t.dim() != 2 or t.stride(1) != 1:
             raise argument_error(ValueError, _WHERE, name,
                                  f"{name} must be 2-D with unit column stride, got {tuple(t.shape)} {t.stride()}")
+        if t.dtype != torch.float32:  # the dispatch sends half precision to the segment-GEMM backend
+            raise argument_error(ValueError, _WHERE, name,
+                                 f"this backend takes fp32 {name} (half precision runs lm_head/segment_gemms.py), "
+                                 f"got {t.dtype}")
 
 
 def forward_partials(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, shard: ShardOptions,
@@ -285,7 +267,7 @@ def forward_partials(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.T
                       device=hidden.device)
     if out.numel() == 0:
         return out
-    cfg = tile_config(hidden.dtype)
+    cfg = tile_config()
     _launch(forward_partials_kernel)((v_local // seg_len, cdiv(n_rows, cfg.block_m)),
         x_ptr=hidden, w_ptr=weight, tokens_ptr=tokens.to(torch.int64).contiguous(), out_ptr=out,
         num_rows=n_rows, H=width, seg_len=seg_len, n_valid=shard.n_valid, v_local=v_local,
@@ -293,7 +275,6 @@ def forward_partials(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.T
         stride_x=hidden.stride(0), stride_w=weight.stride(0),
         inv_temperature=float(shard.inv_temperature),
         WITH_ENTROPY=bool(with_entropy), SCALE=float(shard.inv_temperature) != 1.0,
-        IEEE=hidden.dtype == torch.float32, UPCAST=interpreting(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **options(cfg),
     )
     return out
@@ -302,7 +283,7 @@ def forward_partials(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.T
 def _launch_dlogits(hidden, weight, tokens, out, col_lo, col_hi, shard: ShardOptions, saved=None, upstream=None):
     """dlogits of the local columns [col_lo, col_hi) into `out`; without `saved` and `upstream`, the raw fp32 logits
     (LOGITS_ONLY)."""
-    cfg = tile_config(hidden.dtype)
+    cfg = tile_config()
     n_rows, width = hidden.shape
     unused = out  # stands in for the pointers the constexprs switch off
     logits_only = saved is None
@@ -318,33 +299,23 @@ def _launch_dlogits(hidden, weight, tokens, out, col_lo, col_hi, shard: ShardOpt
         stride_x=hidden.stride(0), stride_w=weight.stride(0), stride_out=out.stride(0),
         inv_temperature=float(shard.inv_temperature),
         HAS_GRAD_LOG_PROB=upstream.grad_log_prob is not None, HAS_GRAD_ENTROPY=upstream.grad_entropy is not None,
-        SCALE=float(shard.inv_temperature) != 1.0,
-        IEEE=hidden.dtype == torch.float32, UPCAST=interpreting(), LOGITS_ONLY=logits_only,
-        ROUND_BF16_BY_BITS=round_bf16_by_bits(out.dtype),
+        SCALE=float(shard.inv_temperature) != 1.0, LOGITS_ONLY=logits_only,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=_DLOGITS_GROUP_M, **options(cfg),
     )
 
 
 def _gemm(a, b, out, accumulate):
-    """out = (out if accumulate else 0) + a @ b, fp32 accumulation; a, b, out may be strided views. Half-precision
-    operands on CUDA go to cuBLAS, which runs these plain GEMMs faster than a Triton tile loop; its results are
-    deterministic for a given shape and device, and the backward's shapes do not depend on the TP size (chunks are
-    segment-relative), so dW keeps its bits at every TP size. fp32 operands and the interpreter use gemm_kernel."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
-        if accumulate:  # out is the fp32 dX accumulator: C in fp32, fp32 accumulation (addmm's out_dtype)
-            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
-        else:  # fp32 accumulation inside cuBLAS, one rounding to out's dtype
-            torch.mm(a, b, out=out)
-        return
+    """out = (out if accumulate else 0) + a @ b by gemm_kernel, fp32 throughout; a, b, out may be strided views. The
+    backward's shapes do not depend on the TP size (spans are segment-relative), so dW keeps its bits at every TP
+    size."""
     (m, k), n = a.shape, b.shape[1]
-    cfg = tile_config(a.dtype)
+    cfg = tile_config()
     _launch(gemm_kernel)((cdiv(m, cfg.block_m), cdiv(n, cfg.block_n)),
         a_ptr=a, b_ptr=b, c_ptr=out, out_ptr=out,  # c is out: read only when accumulating
         M=m, N=n, K=k,
         stride_am=a.stride(0), stride_ak=a.stride(1), stride_bk=b.stride(0), stride_bn=b.stride(1),
         stride_cm=out.stride(0), stride_cn=out.stride(1), stride_om=out.stride(0), stride_on=out.stride(1),
-        ACCUMULATE=accumulate, IEEE=a.dtype == torch.float32, UPCAST=interpreting(),
-        ROUND_BF16_BY_BITS=round_bf16_by_bits(out.dtype),
+        ACCUMULATE=accumulate,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **options(cfg),
     )
 
@@ -364,14 +335,14 @@ def tile_logits(hidden, weight, seg_len):
     return out
 
 
-def _chunk_columns(n_rows, itemsize, block_n):
-    """Columns per backward chunk: the most whole tiles whose dlogits fit DL_CHUNK_BYTES (at least one tile). Depends
-    on R and the dtype only, so chunk boundaries, segment-relative, are the same at every TP size."""
-    return max(block_n, DL_CHUNK_BYTES // max(1, n_rows * itemsize) // block_n * block_n)
+def _span_columns(n_rows, block_n):
+    """Columns per backward span: the most whole tiles whose fp32 dlogits fit DL_SPAN_BYTES (at least one tile).
+    Depends on R only, so span boundaries, segment-relative, are the same at every TP size."""
+    return max(block_n, DL_SPAN_BYTES // max(1, n_rows * 4) // block_n * block_n)
 
 
 def backward(head: HeadRows, saved: LinearSaved, upstream: UpstreamGrads, wanted: GradsWanted) -> tuple:
-    """(dX fp32 [R, H] this rank's contribution, dW [V_local, H] in weight's dtype) (the contract's backward)."""
+    """(dX fp32 [R, H] this rank's contribution, dW [V_local, H] fp32) (the contract's backward)."""
     hidden, weight, tokens, shard = head.hidden, head.weight, head.tokens, head.shard
     need_dx, need_dw = wanted.dx, wanted.dw
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
@@ -387,13 +358,12 @@ def backward(head: HeadRows, saved: LinearSaved, upstream: UpstreamGrads, wanted
         None if t is None else t.to(torch.float32).contiguous()
         for t in (saved.shift, saved.log_sum, saved.mean_shifted, upstream.grad_log_prob, upstream.grad_entropy))
     saved, upstream = LinearSaved(shift, log_sum, mean_shifted), UpstreamGrads(grad_log_prob, grad_entropy)
-    cfg = tile_config(hidden.dtype)
-    chunk = _chunk_columns(n_rows, hidden.element_size(), cfg.block_n)
-    dl = torch.empty((n_rows, chunk), dtype=hidden.dtype, device=hidden.device)
+    span = _span_columns(n_rows, tile_config().block_n)
+    dl = torch.empty((n_rows, span), dtype=torch.float32, device=hidden.device)
     for seg_lo in range(0, v_local, seg_len):
         seg_valid_end = min(seg_lo + seg_len, shard.n_valid)
-        for lo in range(seg_lo, seg_valid_end, chunk):
-            hi = min(lo + chunk, seg_valid_end)
+        for lo in range(seg_lo, seg_valid_end, span):
+            hi = min(lo + span, seg_valid_end)
             _launch_dlogits(hidden, weight, tokens, dl, lo, hi, shard, saved, upstream)
             part = dl[:, : hi - lo]
             if need_dx:

@@ -42,19 +42,16 @@ is refused (SGLang's scoring has none).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ppo_ops.core import agreement, shell
-from ppo_ops.core.checks import SGLANG_BLOCK
 from ppo_ops.core.contracts import RowInputs, RowStats
+from ppo_ops.logits.sglang_order_geometry import BLOCK, CHAIN, THREADS, WARPS
 
-BLOCK = SGLANG_BLOCK  # columns per block of SGLang's kernel (core/checks.py refuses shards narrower than one)
-THREADS = 128  # 4 warps of 32
-WARPS = 4
-CHAIN = BLOCK // THREADS  # values each thread adds in sequence
 SUM, ENT = 0, 1  # the two chains: Σ e and Σ e (z - M)
 
 
@@ -324,9 +321,13 @@ _TORCH = Kernels(row_max=torch_row_max, block_sums=_torch_block_sums, tail_chain
                  combine=torch_combine)
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_kernels() -> Kernels:
+    """The Triton steps (sglang_order_kernels.py), imported on first use: triton may be absent."""
+    from ppo_ops.logits import sglang_order_kernels as k
+    return Kernels(row_max=torch_row_max, block_sums=k.block_sums, tail_chains=k.tail_chains, combine=k.combine)
+
+
 def kernels_for(backend_name: str) -> Kernels:
-    """The steps' implementation of a backend ("torch" or "triton")."""
-    if backend_name == "triton":
-        from ppo_ops.logits import sglang_order_kernels
-        return sglang_order_kernels.KERNELS
-    return _TORCH
+    """The steps' implementation of a backend ("torch" or "triton"; the row max is torch's for both)."""
+    return _triton_kernels() if backend_name == "triton" else _TORCH

@@ -1,4 +1,5 @@
-"""Triton kernels of the logits op in SGLang's reduction order (sglang_order.py states the order and the protocol).
+"""Triton kernels of the logits op in SGLang's reduction order (sglang_order.py states the order and the protocol,
+and assembles these launchers into its `Kernels`; the block geometry is sglang_order_geometry.py's).
 
 `block_sums_kernel`: one program per row, over the blocks the shard touches, like SGLang's kernel; for each block
 the 128 per-thread chains are built from 8 / W loads of a [128, W] tile (row t: thread t's W contiguous columns of
@@ -15,11 +16,11 @@ import triton
 import triton.language as tl
 
 from ppo_ops.core.triton_common import cdiv, scaled
-from ppo_ops.logits import sglang_order as order
+from ppo_ops.logits.sglang_order_geometry import BLOCK, CHAIN, THREADS
 
-_THREADS = tl.constexpr(order.THREADS)
-_BLOCK = tl.constexpr(order.BLOCK)
-_CHAIN = tl.constexpr(order.CHAIN)
+_THREADS = tl.constexpr(THREADS)
+_BLOCK = tl.constexpr(BLOCK)
+_CHAIN = tl.constexpr(CHAIN)
 _COMBINE_ROWS = 128
 
 
@@ -155,7 +156,7 @@ def _mask_bytes(row_mask, like):
 def _launch(logits, shift, shard, start, n_valid, width, inv_temperature, head, row_mask, tail_only):
     rows = logits.shape[0]
     sums = torch.zeros((rows, 2, max(shard.finished, 0)), dtype=torch.float32, device=logits.device)
-    tail = torch.zeros((rows, 2, order.THREADS), dtype=torch.float32, device=logits.device) \
+    tail = torch.zeros((rows, 2, THREADS), dtype=torch.float32, device=logits.device) \
         if shard.tail_continues else sums
     if rows == 0 or shard.count == 0:
         return sums, (tail if shard.tail_continues else None)
@@ -189,6 +190,3 @@ def combine(sums, shift, target_z, row_mask):
             out_ptr=out, n_rows=rows, n_blocks=n_blocks, HAS_ROW_MASK=has_mask, ROWS=_COMBINE_ROWS)
     return out[0], out[1], out[2], out[3], out[4] > 0
 
-
-KERNELS = order.Kernels(row_max=order.torch_row_max, block_sums=block_sums, tail_chains=tail_chains,
-                         combine=combine)

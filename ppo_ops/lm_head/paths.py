@@ -1,0 +1,273 @@
+"""Which path a call of the fused LM head takes, and the row counts that size it: `head_path` decides, the dispatch
+(core/shell.select_backend through `backend_key`, the segment-GEMM backend, the token loss's blocks) follows what it
+returns, and `path_of_call` answers the question for a call's own arguments.
+
+The paths (docs/lm_head.md has the table with memory and GEMM counts):
+
+    torch_tiles        linear_log_probs_and_entropy, backend "torch" (or "auto" on CPU): lm_head/torch_backend.py,
+                       fixed fp32 tiles through torch.matmul and the logits op's PyTorch code.
+    fp32_tiles         the general op, backend "triton" (or "auto" on CUDA), fp32 inputs: lm_head/triton_backend.py,
+                       Triton GEMM tiles with the statistics fused in.
+    chunk_gemms        the general op, triton, bf16 / fp16 operands the one-GEMM kernels do not take (rows not 16-byte
+                       aligned): library GEMMs into one fp32 chunk per block and segment, the logits op's Triton passes.
+    one_gemm           the general op, triton, bf16 / fp16, aligned: the forward one GEMM with the statistics in its
+                       epilogue (gemm_partials.py), the backward the same GEMM with the gradient in its epilogue
+                       (gemm_dlogits.py); nothing held (no gradient wanted, or a working_memory of no row).
+    one_gemm_held      one_gemm with a gradient: the forward also holds the first `held_rows` rows' logits as fp16
+                       probabilities, whose dlogits the backward forms without a second GEMM (prob_dlogits.py).
+    loss_one_block     linear_token_loss, triton, bf16 / fp16, aligned, every row one block within the allowance: dW
+                       finished in its forward, one GEMM per segment (K = T).
+    loss_blocks        the same where one block does not fit: blocks of `block_rows` rows beside an fp32 dW
+                       accumulator.
+    loss_chunk_blocks  linear_token_loss otherwise (backend torch, fp32, unaligned rows): blocks of fp32 chunks and the
+                       logits op's passes (Triton or PyTorch, as the kind says).
+
+Glossary (one word each; every row count of the head is one of these):
+    segment  the fixed vocabulary segments of core/layout.py (V_global / 8 columns, whichever rank holds them); every
+             GEMM's vocabulary side and every partial is per segment.
+    tile     a GEMM kernel's [BLOCK_M, BLOCK_N] output tile; its BLOCK_M is the kernel's row tile.
+    block    rows whose logits are formed together and whose statistics are merged together: a chunk GEMM's rows
+             (`BlockShape.block_rows`), a token-loss block (the rows the caller's loss sees at once).
+    chunk    one block's fp32 logits over one segment, written by a library GEMM and read by the logits op's passes.
+    group    rows whose dlogits one dX GEMM and one dW GEMM read per segment (dW's K): `BlockShape.group_rows`.
+    held     the general op's first `held_rows` rows, whose probabilities its forward keeps for the backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Optional
+
+import torch
+
+from ppo_ops.core import layout
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+class Path(enum.Enum):
+    TORCH_TILES = "torch_tiles"
+    FP32_TILES = "fp32_tiles"
+    CHUNK_GEMMS = "chunk_gemms"
+    ONE_GEMM = "one_gemm"
+    ONE_GEMM_HELD = "one_gemm_held"
+    LOSS_ONE_BLOCK = "loss_one_block"
+    LOSS_BLOCKS = "loss_blocks"
+    LOSS_CHUNK_BLOCKS = "loss_chunk_blocks"
+
+
+ONE_GEMM_PATHS = (Path.ONE_GEMM, Path.ONE_GEMM_HELD)  # the general op's one-GEMM forward and fused recompute
+PROB_PATHS = (Path.LOSS_ONE_BLOCK, Path.LOSS_BLOCKS)  # the token loss's one-GEMM blocks (fp16 probabilities)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadPath:
+    """The path of one call and the row counts that size it (0: not a size of this path)."""
+
+    path: Path
+    backend: tuple  # its key in core/registry.py: ("lm_head" | "lm_head_segments", "torch" | "triton")
+    block_rows: int = 0  # rows per block (chunk_gemms, one_gemm*: the backward's step; loss_*: the loss's block)
+    group_rows: int = 0  # rows per dX / dW group (dW's K) where groups are not the blocks themselves
+    held_rows: int = 0  # one_gemm_held: the call's first rows whose fp16 probabilities the forward holds
+    buffer_rows: int = 0  # loss_one_block / loss_blocks: rows of the probabilities' buffer (block rows up to a tile)
+
+    @property
+    def name(self) -> str:
+        return self.path.value
+
+
+# ---- blocks and groups of the chunk path and the general op's backward ----
+
+@dataclasses.dataclass(frozen=True)
+class BlockShape:
+    """Block and group rows of the segment-GEMM backend. Part of the bit-exactness contract: every call on a device
+    uses the same ones (a GEMM's shape fixes its summation order)."""
+
+    block_rows: int  # general op: rows per chunk GEMM (forward and the backward's recompute)
+    group_rows: int  # general op backward: dlogits rows per dX / dW GEMM, a multiple of block_rows
+    loss_block_rows: int  # token loss, chunk blocks: rows per block, whose logits over all local segments are held
+    loss_group_rows: int  # token loss, chunk blocks: dlogits rows per dW GEMM (its K), a multiple of loss_block_rows
+
+
+# CUDA: a chunk GEMM of 1024 rows fills the chip at Qwen3's shapes while its fp32 chunk stays small; the general op's
+# groups of 8192 rows read and write the fp32 dW accumulator once per 8192 rows of GEMM work; the token loss's chunk
+# blocks trade their logits' memory (loss_block_rows x V_local fp32) against the dW accumulator's traffic (once per
+# loss_group_rows). The sizes measured behind these choices: docs/performance.md, "The fused LM head".
+CUDA_SHAPE = BlockShape(block_rows=1024, group_rows=8192, loss_block_rows=1024, loss_group_rows=1024)
+# Elsewhere (the CPU suite, Triton's interpreter): small, so tiny test shapes cross block and group boundaries.
+HOST_SHAPE = BlockShape(block_rows=16, group_rows=32, loss_block_rows=8, loss_group_rows=16)
+
+
+def block_shape(device: torch.device) -> BlockShape:
+    return CUDA_SHAPE if device.type == "cuda" else HOST_SHAPE
+
+
+# ---- held rows: the general op's one_gemm_held ----
+
+# The general op's one-GEMM forward, in a call that a backward follows, also keeps the first rows' logits as fp16
+# probabilities within their tiles, at most the call's working_memory bytes at the global vocabulary (default
+# HELD_BYTES; a multiple of PROB_ROWS_STEP rows): their backward forms each group's dlogits of those rows in a
+# memory-bound pass instead of a second GEMM over them. The default keeps them well under the fp32 [T, V] logits of
+# the logits path: 1 GiB is 3328 rows at Qwen3's vocabulary (151936); a caller who can spare more saves more of the
+# second GEMM (docs/performance.md, "The fused LM head", runs H1-H4).
+HELD_BYTES = 2**30
+HOST_HELD_ROWS = 16  # the interpreter's default: the tests' row counts cross it (one block of HOST_SHAPE)
+PROB_ROWS_STEP = 256  # held rows and loss block rows come in steps of the probabilities' pass (prob_dlogits.PASS_ROWS)
+HOST_PROB_ROWS_STEP = 16  # the interpreter's step (its forward's row tile), so the tests' small allowances hold rows
+
+
+def held_rows(n_rows: int, seg_len: int, device: torch.device, working_memory: Optional[int] = None) -> int:
+    """How many of a call's first rows the general op's forward keeps as probabilities for its backward: 2 bytes
+    a logit at the global vocabulary within working_memory (None: HELD_BYTES, or HOST_HELD_ROWS rows off CUDA), in
+    steps of PROB_ROWS_STEP, at most the call's rows. A function of the row count, the segment length and the
+    allowance only (the global vocabulary), so the same on every rank and TP size."""
+    on_cuda = device.type == "cuda"
+    if working_memory is None and not on_cuda:
+        cap = HOST_HELD_ROWS
+    else:
+        step = PROB_ROWS_STEP if on_cuda else HOST_PROB_ROWS_STEP
+        allowance = HELD_BYTES if working_memory is None else working_memory
+        cap = allowance // (seg_len * layout.NUM_FIXED_SEGMENTS * 2) // step * step
+    return max(0, min(n_rows, cap))
+
+
+# ---- the token loss's one-GEMM blocks: loss_one_block and loss_blocks ----
+
+# The one-GEMM blocks hold 2 bytes per logit (fp16 probabilities, then dlogits in place), within TOKEN_LOSS_BYTES
+# (the working memory the token loss allows itself beside dX and dW):
+# - one block (every row at once) where its probabilities, its fp32 dX rows and dW fit: dW_s = dl_s^T X is then one
+#   GEMM per segment (K = T) written straight in the input dtype, no fp32 accumulator, and, where the block has at
+#   least 2 H rows, into the probabilities' own storage (bytes of segments whose dlogits were read; only the first
+#   segment's dW goes through a temporary): T = 8192 at H = 4096 and Qwen3's vocabulary;
+# - otherwise blocks of the most rows, a multiple of PROB_ROWS_STEP in [LOSS_BLOCK_ROWS_MIN, LOSS_BLOCK_ROWS_MAX],
+#   that fit beside the [V_local, H] fp32 dW accumulator: 2816 rows at H = 4096, 8192 at H = 1024 (Qwen3's
+#   vocabulary). dW's K is these rows, and each block's dW GEMMs read and write the whole accumulator, so the fewer
+#   blocks the better.
+# Both count the global vocabulary (a function of H, the segment length and the row count, the same on every rank and
+# TP size: dW's GEMM shapes, hence its bits, are). The block rows swept, with their peaks: docs/performance.md.
+TOKEN_LOSS_BYTES = 25 * 2**27  # 3.125 GiB
+LOSS_BLOCK_ROWS_MIN, LOSS_BLOCK_ROWS_MAX = 1024, 8192
+HOST_LOSS_BLOCK_ROWS = 16  # the interpreter: tiny test shapes cross blocks (a multiple of its GEMM tile's 16 rows)
+HOST_TOKEN_LOSS_BYTES = 48 * 1024  # the interpreter: at the tests' shapes (V = 256, H = 48) one block up to ~32 rows
+
+
+def loss_allowance(device: torch.device, working_memory: Optional[int] = None) -> int:
+    """The bytes the token loss's blocks may hold: the caller's working_memory, else the device's default."""
+    if working_memory is not None:
+        return working_memory
+    return TOKEN_LOSS_BYTES if device.type == "cuda" else HOST_TOKEN_LOSS_BYTES
+
+
+def loss_block_rows(width: int, seg_len: int, device: torch.device, working_memory: Optional[int] = None) -> int:
+    """Rows per block of loss_blocks (beside the fp32 dW accumulator): a function of H, the segment length and the
+    allowance only; LOSS_BLOCK_ROWS_MIN where the allowance holds fewer (the least the blocked layout takes). The
+    vocabulary counted is the global one (layout.NUM_FIXED_SEGMENTS segments), an upper bound of V_local."""
+    if device.type != "cuda":
+        return HOST_LOSS_BLOCK_ROWS
+    vocab = seg_len * layout.NUM_FIXED_SEGMENTS
+    fit = (loss_allowance(device, working_memory) - vocab * width * 4) // (vocab * 2)
+    return max(LOSS_BLOCK_ROWS_MIN, min(LOSS_BLOCK_ROWS_MAX, fit // PROB_ROWS_STEP * PROB_ROWS_STEP))
+
+
+def dw_in_probs(buffer_rows: int, width: int) -> bool:
+    """Whether one block's dW fits into its probabilities' storage: segment s's dW (seg_len x H) then lies over the
+    dlogits of segments below s only, for every s >= 1 (buffer_rows >= 2 H; the first goes through a temporary)."""
+    return buffer_rows >= 2 * width
+
+
+def one_block_bytes(n_rows: int, buffer_rows: int, width: int, seg_len: int) -> int:
+    """What one token-loss block of n_rows rows (buffer_rows: rounded up to the forward's row tile) holds at the
+    global vocabulary: its probabilities, its fp32 dX rows, and dW (a temporary of one segment where dw_in_probs)."""
+    vocab = seg_len * layout.NUM_FIXED_SEGMENTS
+    dw = seg_len * width * 2 if dw_in_probs(buffer_rows, width) else vocab * width * 2
+    return buffer_rows * vocab * 2 + n_rows * width * 4 + dw
+
+
+def one_loss_block(n_rows: int, buffer_rows: int, width: int, seg_len: int, device: torch.device,
+                   working_memory: Optional[int] = None) -> bool:
+    """Whether the token loss takes every row as one block (loss_one_block: dW finished in its forward)."""
+    return one_block_bytes(n_rows, buffer_rows, width, seg_len) <= loss_allowance(device, working_memory)
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def one_gemm_row_tile() -> int:
+    """The one-GEMM forward's row tile (BLOCK_M), which the probabilities' buffer rows are a multiple of. Imports the
+    Triton module: only asked on the paths that run it."""
+    from ppo_ops.lm_head import gemm_partials
+    return gemm_partials.config().block_m
+
+
+# ---- the decision ----
+
+def backend_key(kind: str, dtype: torch.dtype, token_loss: bool) -> tuple:
+    """The backend a call's path runs on, as its core/registry.py key: the segment-GEMM backend for every token loss
+    and for half precision under triton; the fp32-tile backends otherwise. What core/shell.select_backend loads."""
+    if token_loss or (kind == "triton" and dtype in HALF):
+        return ("lm_head_segments", kind)
+    return ("lm_head", kind)
+
+
+def head_path(*, kind: str, dtype: torch.dtype, device: torch.device, token_loss: bool, aligned: bool,
+              needs_grad: bool, n_rows: int, width: int, seg_len: int,
+              working_memory: Optional[int] = None) -> HeadPath:
+    """The path of a call: kind "torch" | "triton" (core/shell.backend_kind resolves backend="auto"); dtype and device
+    of the hidden states; token_loss: linear_token_loss; aligned: the kept rows and the weight are what the one-GEMM
+    kernels take (gemm_partials.applies: rows contiguous and 16-byte aligned); needs_grad: a backward follows;
+    n_rows: the kept rows; width: H; seg_len: the segment length (core/layout.py); working_memory: the call's."""
+    backend = backend_key(kind, dtype, token_loss)
+    one_gemm = kind == "triton" and dtype in HALF and aligned
+    shape = block_shape(device)
+    if token_loss:
+        if not one_gemm:
+            return HeadPath(Path.LOSS_CHUNK_BLOCKS, backend, block_rows=shape.loss_block_rows,
+                            group_rows=shape.loss_group_rows)
+        buffer_rows = round_up(n_rows, one_gemm_row_tile())
+        if one_loss_block(n_rows, buffer_rows, width, seg_len, device, working_memory):
+            return HeadPath(Path.LOSS_ONE_BLOCK, backend, block_rows=n_rows, buffer_rows=buffer_rows)
+        rows = loss_block_rows(width, seg_len, device, working_memory)
+        return HeadPath(Path.LOSS_BLOCKS, backend, block_rows=rows, buffer_rows=min(rows, buffer_rows))
+    if backend[0] == "lm_head":
+        return HeadPath(Path.TORCH_TILES if kind == "torch" else Path.FP32_TILES, backend)
+    sizes = dict(block_rows=shape.block_rows, group_rows=shape.group_rows)
+    if not one_gemm:
+        return HeadPath(Path.CHUNK_GEMMS, backend, **sizes)
+    held = held_rows(n_rows, seg_len, device, working_memory) if needs_grad else 0
+    if held:
+        return HeadPath(Path.ONE_GEMM_HELD, backend, held_rows=held, **sizes)
+    return HeadPath(Path.ONE_GEMM, backend, **sizes)
+
+
+def one_gemm_applies(kind: str, hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """head_path's `aligned` for these operands: the one-GEMM kernels' own test (gemm_partials.applies), asked only
+    under triton with half precision (where triton is importable)."""
+    if kind != "triton" or hidden.dtype not in HALF:
+        return False
+    from ppo_ops.lm_head import gemm_partials
+    return gemm_partials.applies(hidden, weight)
+
+
+def path_of_call(hidden: torch.Tensor, weight: torch.Tensor, *, token_loss: bool = False, backend: str = "auto",
+                 row_mask: Optional[torch.Tensor] = None, tp_group=None, vocab_size: Optional[int] = None,
+                 working_memory: Optional[int] = None, needs_grad: Optional[bool] = None) -> HeadPath:
+    """The path that linear_log_probs_and_entropy (token_loss=False) or linear_token_loss (True) takes for these
+    arguments (the same names and defaults as theirs), decided by head_path as the call decides it. needs_grad
+    None: as the call infers it (grad mode on and hidden or weight requiring grad). Reads the row mask's kept-row
+    count on the host."""
+    from ppo_ops.core import checks, shell
+
+    fn_name = "linear_token_loss" if token_loss else "linear_log_probs_and_entropy"
+    kind = shell.backend_kind(fn_name, backend, hidden, "hidden")
+    _group, world_size, _rank = checks.check_tp_group(fn_name, tp_group)
+    seg_len = layout.make_layout(_group, world_size, _rank, weight.shape[0], vocab_size).seg_len
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    kept = flat if row_mask is None else flat.index_select(0, torch.nonzero(row_mask.reshape(-1)).squeeze(1))
+    kept = kept.contiguous()  # as the call compacts its kept rows (lm_head/function.py)
+    if needs_grad is None:
+        needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return head_path(kind=kind, dtype=hidden.dtype, device=hidden.device, token_loss=token_loss,
+                     aligned=one_gemm_applies(kind, kept, weight), needs_grad=needs_grad, n_rows=kept.shape[0],
+                     width=kept.shape[1], seg_len=seg_len, working_memory=working_memory)
