@@ -206,7 +206,7 @@ def linear_log_probs_and_entropy(
         own vocabulary's part, for a caller whose layer already reduces dX (Megatron's
         copy_to_tensor_model_parallel_region, or its sequence-parallel gather); True there would sum it twice.
       working_memory: bytes the forward may hold for the backward as the first rows' fp16 probabilities (2 V bytes a
-        row, V global; None: segment_gemms.HOLD_BYTES; 0: none): the more rows held, the less of the backward's
+        row, V global; None: paths.HELD_BYTES; 0: none): the more rows held, the less of the backward's
         second GEMM. The same on every rank; the log-probs do not depend on it, dX and dW by those rows' rounding.
 
     Not taken: keep_mask (use keep), inplace_grad, chunk_size (the backends' fixed GEMM chunks replace it).
@@ -268,7 +268,7 @@ def linear_token_loss(
     False rows are never passed to it; at TP > 1 every rank calls it with the same global values.
 
     Arguments as in linear_log_probs_and_entropy (with `keep`, token_loss sees renormalised log-probs), except:
-      working_memory: the bytes the row blocks may hold (None: token_loss_blocks.TOKEN_LOSS_BYTES). Where every row
+      working_memory: the bytes the row blocks may hold (None: paths.TOKEN_LOSS_BYTES). Where every row
         fits, one block, and dW is finished in the forward; else blocks of (working_memory - 4 V H) / (2 V) rows
         (a multiple of 256, 1024 to 8192) beside an fp32 dW accumulator. Fewer blocks run faster. The same on
         every rank.
