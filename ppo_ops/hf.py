@@ -47,9 +47,12 @@ import torch
 from torch import nn
 
 import ppo_ops
-from ppo_ops.core.checks import FLOAT_DTYPES, argument_error
+from ppo_ops.core.checks import FLOAT_DTYPES, argument_error, check_token_loss_rows
 
 _FN = "hf.token_log_probs"
+# What a token loss's constants must be here: one per position, the last one included (it scores nothing).
+_HF_LOSS_ROWS = (": position i holds the constants of the token input_ids[b, i + 1], so build them [B, S] (not "
+                 "[B, S - 1]), the last position padded and left out by the loss_mask")
 
 # Config settings that change a causal LM's logits (or the hidden states its head sees) beyond lm_head(h), each with
 # the values that leave them unchanged. Read from the model's config and its text config (multimodal models), and
@@ -144,6 +147,10 @@ def token_log_probs(
     attention_mask = _check_rows("attention_mask", attention_mask, input_ids, allow_int=True)
     row_mask = _check_rows("row_mask", row_mask, input_ids, allow_int=False)
     _check_positions(position_ids, input_ids)
+    if token_loss is not None:
+        check_token_loss_rows(_FN, token_loss, tuple(input_ids.shape), "input_ids' [B, S] positions", _HF_LOSS_ROWS)
+    if validate is True:  # before the model's embedding, whose own error would name no argument
+        _check_id_range(input_ids, _vocabulary(causal_lm, head, config_vocab), type(causal_lm).__name__)
 
     targets, counted = _targets(input_ids, attention_mask, position_ids, row_mask)
     opts = dict(entropy=entropy, temperature=temperature, row_mask=counted, validate=validate,
@@ -364,6 +371,28 @@ def _check_ids(input_ids, device):
     if device is not None and input_ids.device != device:
         raise argument_error(ValueError, _FN, "input_ids",
                              f"input_ids must be on the model's device {device}, got {input_ids.device}")
+
+
+def _vocabulary(model, head, config_vocab) -> int:
+    """The ids the model takes and its head scores: the least of its config's vocab_size, its output embedding's
+    rows and its input embedding's (an id past any of them fails there)."""
+    sizes = [head.weight.shape[0]] + ([config_vocab] if config_vocab is not None else [])
+    get_input = getattr(model, "get_input_embeddings", None)
+    embedding = get_input() if callable(get_input) else None
+    if isinstance(getattr(embedding, "num_embeddings", None), int):
+        sizes.append(embedding.num_embeddings)
+    return min(sizes)
+
+
+def _check_id_range(input_ids, vocab, model_name):
+    """Every id in [0, vocab): one host read of input_ids' bounds (validate=True), before the model runs."""
+    if input_ids.numel() == 0:
+        return
+    lo, hi = (int(v) for v in torch.stack(torch.aminmax(input_ids)).tolist())
+    if lo < 0 or hi >= vocab:
+        raise argument_error(ValueError, _FN, "input_ids",
+                             f"input_ids must be token ids in [0, {vocab}) ({model_name}'s vocabulary), got values in "
+                             f"[{lo}, {hi}]")
 
 
 def _check_rows(name, mask, input_ids, allow_int):

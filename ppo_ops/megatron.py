@@ -51,6 +51,7 @@ Helpers for a trainer's batches (host-side lengths, Python ints or tensors):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from typing import Any, Callable, Optional, Sequence, Union
@@ -59,9 +60,13 @@ import torch
 import torch.distributed as dist
 
 from ppo_ops import api
+from ppo_ops.core import agreement, checks
 from ppo_ops.core.checks import argument_error
 
 Lengths = Union[Sequence[int], torch.Tensor]
+# What a token loss's constants must be here (the end of its row-count error).
+_LOSS_ROWS = (": one constant per label, in the labels' [B, S] layout ([1, T] for a packed stream), and under context "
+              "parallelism this rank's rows only (gather them with zigzag_packed_index)")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -136,6 +141,9 @@ def output_processor(*, hidden_states: torch.Tensor, labels: torch.Tensor, conte
     _check_unsupported(fn, output_layer, config)
 
     group = _tp_group(context, output_layer)
+    if context.token_loss is not None and isinstance(labels, torch.Tensor):  # before the sequence-parallel gather
+        agreement.check_collectively(fn, group, context.validate, hidden_states, checks.check_token_loss_rows, fn,
+                                     context.token_loss, tuple(labels.shape), "labels' [B, S] =", _LOSS_ROWS)
     sequence_parallel = group is not None and dist.get_world_size(group) > 1 and _sequence_parallel(output_layer,
                                                                                                     config)
     if sequence_parallel:
@@ -173,6 +181,49 @@ def gpt_log_probs(model, input_ids, position_ids, attention_mask, labels, loss_m
     """
     fn = "megatron.gpt_log_probs"
     gpt = _unwrap(model)
+    if (isinstance(context, Context) and context.token_loss is not None and isinstance(labels, torch.Tensor)
+            and getattr(gpt, "post_process", True)):
+        group = _tp_group(context, getattr(gpt, "output_layer", None))
+        if group is None or dist.get_world_size(group) == 1:  # at TP > 1 the processor checks it on every rank at once
+            checks.check_token_loss_rows(fn, context.token_loss, tuple(labels.shape), "labels' [B, S] =", _LOSS_ROWS)
+    device = _model_device(gpt)
+    if device is not None and device.type != "cuda":
+        _check_cpu_rng_tracker(fn, gpt)
+        if attention_mask is None and packed_seq_params is None and isinstance(input_ids, torch.Tensor):
+            attention_mask = _causal_mask(input_ids.shape[-1], device)
+    with _current_device_is(device):
+        return _gpt_log_probs(fn, gpt, model, input_ids, position_ids, attention_mask, labels, loss_mask, context,
+                              packed_seq_params, decoder_input, extra_block_kwargs, padding_mask)
+
+
+def processor_kwargs(context: Context, model=None) -> dict:
+    """`dict(output_processor=output_processor, output_processor_context=context)` for GPTModel.forward, after
+    checking that the model's forward (or, without a model, the installed megatron-core's GPTModel.forward) takes
+    the hook: megatron-core 0.16 and 0.17 have none, and their own error would be an unexpected keyword argument.
+
+        loss, out = model(tokens, position_ids, None, labels=labels, loss_mask=loss_mask, **pm.processor_kwargs(ctx))
+    """
+    fn = "megatron.processor_kwargs"
+    if not isinstance(context, Context):
+        raise argument_error(TypeError, fn, "context", f"context must be a ppo_ops.megatron.Context, got "
+                                                       f"{type(context).__name__}")
+    if model is not None:
+        forward = _unwrap(model).forward
+    else:
+        from megatron.core.models.gpt.gpt_model import GPTModel
+
+        forward = GPTModel.forward
+    if "output_processor" not in inspect.signature(forward).parameters:
+        raise argument_error(
+            RuntimeError, fn, "output_processor",
+            f"GPTModel.forward of megatron-core {_megatron_version()} takes no output_processor (the hook came in "
+            "0.18): call ppo_ops.megatron.gpt_log_probs(model, input_ids, position_ids, attention_mask, labels, "
+            "loss_mask, context), which runs the model with the fused head on 0.16 and later")
+    return dict(output_processor=output_processor, output_processor_context=context)
+
+
+def _gpt_log_probs(fn, gpt, model, input_ids, position_ids, attention_mask, labels, loss_mask, context,
+                   packed_seq_params, decoder_input, extra_block_kwargs, padding_mask):
     if "output_processor" in inspect.signature(gpt.forward).parameters:
         extra = {} if padding_mask is None else {"padding_mask": padding_mask}
         out = model(input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,
@@ -180,11 +231,9 @@ def gpt_log_probs(model, input_ids, position_ids, attention_mask, labels, loss_m
                     output_processor=output_processor, output_processor_context=context, **extra)
         return _as_outputs(out, gpt, context)
     if "padding_mask" not in inspect.signature(gpt._preprocess).parameters:
-        import megatron.core
-
         raise argument_error(
             RuntimeError, fn, "model",
-            f"megatron-core {getattr(megatron.core, '__version__', '?')} is not supported: gpt_log_probs needs 0.16 "
+            f"megatron-core {_megatron_version()} is not supported: gpt_log_probs needs 0.16 "
             "or 0.17 (GPTModel._preprocess with padding_mask) or >= 0.18 (the output_processor hook)")
     if getattr(gpt, "mtp_process", False):
         raise argument_error(NotImplementedError, fn, "model",
@@ -206,6 +255,67 @@ def gpt_log_probs(model, input_ids, position_ids, attention_mask, labels, loss_m
         hidden_states=hidden_states, output_layer=gpt.output_layer, output_weight=output_weight, labels=labels,
         loss_mask=loss_mask, input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
         decoder_input=decoder_input, packed_seq_params=packed_seq_params, context=context, config=gpt.config)
+
+
+# ---- megatron-core on a CPU ----
+
+def _megatron_version() -> str:
+    try:
+        import megatron.core
+    except ImportError:
+        return "(not importable)"
+    return getattr(megatron.core, "__version__", "?")
+
+
+def _model_device(gpt) -> Optional[torch.device]:
+    parameters = getattr(gpt, "parameters", None)
+    first = next(parameters(), None) if callable(parameters) else None
+    return None if first is None else first.device
+
+
+@contextlib.contextmanager
+def _current_device_is(device):
+    """On a torch without CUDA, torch.cuda.current_device() answers `device` while the model runs: megatron-core
+    0.16 to 0.19 allocate its rotary frequencies (and its sequence-parallel buffers) on the current CUDA device,
+    which raises "Torch not compiled with CUDA enabled" there. Elsewhere, nothing."""
+    if device is None or device.type == "cuda" or torch.cuda.is_available():
+        yield
+        return
+    own = torch.cuda.current_device
+    torch.cuda.current_device = lambda: device.type
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = own
+
+
+def _causal_mask(seq: int, device) -> torch.Tensor:
+    """[1, 1, S, S] bool, True above the diagonal (masked out): the mask megatron-core's attention makes itself when
+    given none, on "cuda" (megatron.core.transformer.utils.get_default_causal_mask), made here on the model's
+    device."""
+    return torch.ones(seq, seq, dtype=torch.bool, device=device).triu(1)[None, None]
+
+
+def _check_cpu_rng_tracker(fn, gpt):
+    """A megatron-core model's attention forks the model-parallel RNG state on every call (dropout 0 included); the
+    training tracker keeps CUDA generator states, which a CPU run cannot add or fork."""
+    try:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+        from megatron.core.transformer.module import MegatronModule
+    except ImportError:
+        return
+    if not isinstance(gpt, MegatronModule):
+        return
+    try:
+        with get_cuda_rng_tracker().fork():
+            pass
+    except Exception as err:
+        raise argument_error(
+            RuntimeError, fn, "model",
+            f"the model is on the CPU, where megatron-core's RNG tracker cannot fork its CUDA generator states "
+            f"({err}): after initialize_model_parallel, call megatron.core.tensor_parallel.random."
+            "initialize_rng_tracker(inference_rng_tracker=True, force_reset=True) (its fork does nothing; dropout "
+            "then draws from torch's CPU generator)") from err
 
 
 # ---- sequence parallelism ----
