@@ -95,7 +95,7 @@ def output_processor(*, hidden_states: torch.Tensor, labels: torch.Tensor, conte
 
     Returns LogProbsEntropy([B, S] fp32 each), or (loss, LogProbsEntropy) with context.token_loss (loss 0-d fp32, the
     values detached). Errors name the argument; at TP > 1 with validate the token loss's row count and the head's own
-    checks raise on every rank together, before any collective.
+    checks raise on every rank together, before the head's first collective.
     """
     del unused
     fn = "megatron.output_processor"
@@ -112,9 +112,6 @@ def output_processor(*, hidden_states: torch.Tensor, labels: torch.Tensor, conte
     _check_unsupported(fn, output_layer, config)
 
     group = _tp_group(context, output_layer)
-    if context.token_loss is not None and isinstance(labels, torch.Tensor):  # before the sequence-parallel gather
-        agreement.check_collectively(fn, group, context.validate, hidden_states, checks.check_token_loss_rows, fn,
-                                     context.token_loss, tuple(labels.shape), "labels' [B, S] =", _LOSS_ROWS)
     sequence_parallel = group is not None and dist.get_world_size(group) > 1 and _sequence_parallel(output_layer,
                                                                                                     config)
     if sequence_parallel:
@@ -122,6 +119,11 @@ def output_processor(*, hidden_states: torch.Tensor, labels: torch.Tensor, conte
         reduce_dx = False  # the gather's backward reduce-scatters dX over the group
     else:
         reduce_dx = not getattr(output_layer, "disable_grad_reduce", False)  # the layer's allreduce_dgrad
+    if context.token_loss is not None and isinstance(labels, torch.Tensor):
+        # After the sequence-parallel gather, which every rank makes alike: the other ranks meet this check's header
+        # exchange, if it fails here, in the head's own.
+        agreement.check_collectively(fn, group, context.validate, hidden_states, checks.check_token_loss_rows, fn,
+                                     context.token_loss, tuple(labels.shape), "labels' [B, S] =", _LOSS_ROWS)
     _check_layout(fn, hidden_states, labels, sequence_parallel)
 
     options = dict(tp_group=group, entropy=context.entropy, temperature=_temperature(context.temperature, config),

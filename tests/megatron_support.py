@@ -20,6 +20,7 @@ log_probs_and_entropy on them, then the same token loss (TokenLoss.total) or the
 import dataclasses
 import inspect
 import os
+import types
 
 import torch
 import torch.distributed as dist
@@ -416,3 +417,25 @@ def run_gather_vs_megatron(device):
         (y * upstream).sum().backward()
         out[name] = _cpu({"gathered": y, "grad": x.grad})
     return out
+
+
+def run_short_token_loss(rank, world_size, out_dir, sequence_parallel):
+    """output_processor at TP = world_size over the world group, only rank 1's token loss one constant short per
+    row: every rank's error, saved (type, argument named, message), or None where none was raised."""
+    gen = torch.Generator().manual_seed(SEED + 17)
+    b, s = DENSE_SHAPE
+    s_local = s // world_size if sequence_parallel else s
+    hidden = torch.randn(s, b, HIDDEN, generator=gen)[rank * s_local:(rank + 1) * s_local]
+    weight = (torch.randn(V_PAD, HIDDEN, generator=gen) * WEIGHT_STD)[rank * V_PAD // world_size:
+                                                                       (rank + 1) * V_PAD // world_size]
+    labels = torch.randint(0, VOCAB, DENSE_SHAPE, generator=gen)
+    shape = (b, s - 1) if rank == 1 else (b, s)
+    token_loss = ppo_ops.policy_loss(torch.zeros(shape), torch.ones(shape))
+    layer = types.SimpleNamespace(weight=weight, bias=None, sequence_parallel=sequence_parallel)
+    context = pm.Context(entropy="grad", vocab_size=VOCAB, token_loss=token_loss, tp_group=dist.group.WORLD)
+    try:
+        pm.output_processor(**hook_kwargs(hidden, layer, None, labels, None, context, None))
+        record = None
+    except Exception as err:  # saved for the test process to check
+        record = (type(err).__name__, getattr(err, "ppo_ops_argument", None), str(err))
+    torch.save(record, results_path(out_dir, world_size, rank))

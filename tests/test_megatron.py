@@ -29,7 +29,7 @@ import ppo_ops.megatron as pm
 from tests import megatron_support as ms
 from tests.linear_support import SAFETY, U32, UNIT_ROUNDOFF, assert_within, bounds
 from tests.reference import assert_entropy_close, assert_log_probs_close, reference_log_probs_and_entropy
-from tests.ranks import DEVICE, run_ranks
+from tests.ranks import DEVICE, run_gloo, run_ranks
 
 # --- tolerances ---
 # The processor and Megatron's path each lie within the float64 bound (checked for both); their difference lies within
@@ -812,3 +812,17 @@ def test_gpt_log_probs_on_a_cpu_as_documented(tmp_path):
     assert kind == "RuntimeError" and argument == "model" and "inference_rng_tracker=True" in message
     assert torch.equal(record["no_mask"], record["causal"])
     assert record["current_device_restored"]
+
+
+@pytest.mark.device("cpu")  # gloo ranks on CPU tensors; the error's path is device-independent
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["nosp", "sp"])
+def test_processor_token_loss_error_is_collective_at_tp2(sequence_parallel, tmp_path):
+    """At TP = 2 with only rank 1's token loss short, both ranks raise the same ValueError naming token_loss and
+    rank 1 (rank 0 from the head's header exchange, which meets rank 1's), with or without sequence parallelism."""
+    run_gloo(2, ms.run_short_token_loss, str(tmp_path), sequence_parallel, timeout_s=30, deadline_s=240)
+    for rank in range(2):
+        record = torch.load(ms.results_path(str(tmp_path), 2, rank), weights_only=False)
+        assert record is not None, f"rank {rank} raised nothing"
+        kind, argument, message = record
+        assert kind == "ValueError" and argument == "token_loss", f"rank {rank}: {record}"
+        assert "rank 1" in message, f"rank {rank}: {message}"
