@@ -326,8 +326,9 @@ def _check_ids(input_ids, device):
 
 def _vocabulary(model, head, config_vocab) -> int:
     """The ids the model takes and its head scores: the least of its config's vocab_size, its output embedding's
-    rows and its input embedding's (an id past any of them fails there)."""
-    sizes = [head.weight.shape[0]] + ([config_vocab] if config_vocab is not None else [])
+    rows and its input embedding's (an id past any of them fails there). Read from the modules' sizes, not their
+    weights, which a wrapper may hold flattened or sharded outside the forward (FSDP)."""
+    sizes = [head.out_features] + ([config_vocab] if config_vocab is not None else [])
     get_input = getattr(model, "get_input_embeddings", None)
     embedding = get_input() if callable(get_input) else None
     if isinstance(getattr(embedding, "num_embeddings", None), int):
