@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ppo_ops.compiled import linear_op, logits_op, token_loss_op
-from ppo_ops.core import shell
+from ppo_ops.core import agreement, checks, shell
 from ppo_ops.lm_head.function import LinearLogProbEntropyFunction
 from ppo_ops.lm_head.loss_function import LinearTokenLossFunction
 from ppo_ops.logits import replay
@@ -292,6 +292,9 @@ def linear_token_loss(
 
 def _token_loss_eager(hidden, weight, tokens, token_loss, *, tp_group, entropy, keep, temperature, row_mask,
                       vocab_size, reduce_dx, backend, validate, working_memory) -> tuple:
+    if isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:  # else the shell's checks name hidden
+        agreement.check_collectively("linear_token_loss", tp_group, validate, hidden, checks.check_token_loss_rows,
+                                     "linear_token_loss", token_loss, tuple(hidden.shape[:-1]), "hidden.shape[:-1] =")
     call = shell.prepare_lm_head(
         "linear_token_loss", hidden, weight, tokens, tp_group=tp_group, entropy=entropy, temperature=temperature,
         row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend, validate=validate,

@@ -1,41 +1,20 @@
-"""Next-token log-probs (and entropies, or a per-token RL loss) of a Hugging Face transformers causal LM, through
-ppo_ops' fused LM head: the model's [B, S, V] logits are never formed.
+"""Next-token log-probs (and entropies, or a per-token RL loss) of a Hugging Face transformers causal LM through
+ppo_ops' fused LM head, without the model's [B, S, V] logits:
 
     from ppo_ops.hf import token_log_probs
     out = token_log_probs(model, input_ids, attention_mask=attention_mask, entropy="grad")
     out.log_probs[b, i]  # log p(input_ids[b, i + 1] | input_ids[b, :i + 1]), fp32
 
-The model's own forward runs once (`model(...)`, so whatever wraps it runs too: FSDP's parameter gathering, hooks),
-with its output embedding's forward replaced for that one call by the fused head: where the causal LM would compute
-lm_head(hidden_states), the head takes those hidden states and the output embedding's weight (an nn.Linear without
-bias, [V, H]) as they are at that moment, and its results travel back as the model's `logits` output. That is what the
-causal LM's own forward does for Qwen3, Qwen2, Llama, Mistral, Gemma 2 with final_logit_softcapping=None and most
-decoder-only models, so the results are the log-softmax of the model's own logits, computed by
-`ppo_ops.linear_log_probs_and_entropy` (or `linear_token_loss`) in the model's dtype (fp32, bf16 or fp16; fp32 logit
-accumulation). One difference: where the output embedding has more rows than the config's vocab_size (a padded
-vocabulary), the extra columns get no probability mass (ppo_ops' vocab_size).
+The model's own forward runs once (so FSDP / FSDP2 / DDP wrappers and accelerate's hooks run as for its logits), its
+output embedding's forward replaced for that call by the head, which takes the hidden states and the weight as they
+are there (gathered, where a wrapper shards it). A head sharded by tensor parallelism (a DTensor weight) is refused.
+Under a caller's torch.compile the base model and the head run directly (no wrapper runs: compile such a step over an
+unwrapped model).
 
-Why inside the model's call and not on `model.base_model`'s output: a trainer's model is often sharded (FSDP2's
-fully_shard, FSDP: both tested; a DistributedDataParallel wrapper is looked through for the checks and called for
-the forward). Its parameters are whole only while the module that owns them runs (the root's gathering runs in
-model.forward, an output embedding sharded alone gathers in its own call), and its backward gathers them again from
-hooks on the module's outputs. Running the head in the output embedding's own call, on the weight as
-it is there, and returning what carries the gradient through the model's outputs, keeps both. Under accelerate's hook
-protocol (add_hook_to_module: the instance's forward runs `_hf_hook` around `_old_forward`) the head takes the place of
-`_old_forward`, inside the hook; any other forward set on the instance is refused. The weight must be whole there: a
-head sharded by tensor parallelism (a DTensor weight) is refused. `torch.compile(model)` runs this way, the swap made
-before the compiled forward runs. A call traced inside a caller's compiled function (torch.compile(step) where step
-calls token_log_probs) cannot swap and restore a module's forward, so there the base model runs and the head reads
-the output embedding's weight as the module holds it: no wrapper's gathering runs, so compile such a step only over an
-unwrapped model.
-
-Models that change the logits after the head, or the hidden states before it, cannot be served this way and are
-refused with an error naming the model class: a non-neutral value of one of the config settings in
-LOGIT_TRANSFORMS (logit soft-capping as Gemma 2/3's, Cohere's logit_scale, Granite's and MiniCPM3's logits_scaling,
-...) or a `final_logits_bias`; a model without a base model or output embedding, an output embedding that is not an
-nn.Linear, or one with a bias. At run time, a model whose forward does not call its output embedding exactly once on
-every position, or returns something other than what the head returned as its logits (a scale, a cap, a cast), is
-refused too, after its forward ran.
+Refused with an error naming the model class: a logit transform (a non-neutral setting of LOGIT_TRANSFORMS, or a
+`final_logits_bias`), no base model or output embedding, an output embedding that is not a bias-free nn.Linear; and,
+after its forward ran, a model that does not call its output embedding exactly once on every position or changes what
+it returned before returning it as its logits.
 """
 
 from __future__ import annotations
@@ -47,9 +26,12 @@ import torch
 from torch import nn
 
 import ppo_ops
-from ppo_ops.core.checks import FLOAT_DTYPES, argument_error
+from ppo_ops.core.checks import FLOAT_DTYPES, argument_error, check_token_loss_rows
 
 _FN = "hf.token_log_probs"
+# What a token loss's constants must be here: one per position, the last one included (it scores nothing).
+_HF_LOSS_ROWS = (": position i holds the constants of the token input_ids[b, i + 1], so build them [B, S] (not "
+                 "[B, S - 1]), the last position padded and left out by the loss_mask")
 
 # Config settings that change a causal LM's logits (or the hidden states its head sees) beyond lm_head(h), each with
 # the values that leave them unchanged. Read from the model's config and its text config (multimodal models), and
@@ -80,62 +62,34 @@ def token_log_probs(
     validate: bool = True,
     working_memory: Optional[int] = None,
 ):
-    """Log-prob of each next token (and the entropy of each position's distribution) under a transformers causal LM.
+    """log_softmax(model(input_ids, ...).logits / temperature)[b, i, input_ids[b, i + 1]] (and each position's
+    entropy) as [B, S] fp32, 0 where position i does not count, without the [B, S, V] logits.
 
-    Runs the model's own forward once on (input_ids, attention_mask, position_ids) without a cache, its output
-    embedding's forward replaced for that call by the fused LM head (`ppo_ops.linear_log_probs_and_entropy`, or
-    `ppo_ops.linear_token_loss` when `token_loss` is given) on the hidden states the model hands it and the output
-    embedding's weight as it is then (gathered, under FSDP: module docstring). Gradients reach every parameter of
-    the model as through its own logits; with tied embeddings (the output embedding's weight is the input
-    embedding's Parameter) autograd accumulates the head's and the embedding's contributions into that one
-    Parameter's .grad. Not reentrant for one model: the output embedding's forward is swapped during the call.
-
-    Position i of the results is about the token after it: log_probs[b, i] = log p(input_ids[b, i + 1]) under the
-    model's distribution at position i, with logits / temperature. Position i counts where
-      - attention_mask (if given) is non-zero at both i and i + 1 (padding, left or right, counts nowhere),
-      - position_ids (if given) continue there: position_ids[b, i + 1] == position_ids[b, i] + 1. Where they do not,
-        a packed row starts its next sequence at i + 1, whose first token is not a continuation of position i
-        (transformers' own rule for finding packed sequences),
-      - row_mask (if given) is True at i,
-    and never at the last position (it has no next token). Elsewhere log-prob and entropy are 0 with zero gradient,
-    and the position costs no head compute (ppo_ops' row_mask).
+    Position i counts where attention_mask (if given) is non-zero at i and i + 1, position_ids (if given) continue
+    (position_ids[b, i + 1] == position_ids[b, i] + 1: a packed row's next sequence starts at i + 1) and row_mask
+    (if given) is True; never at the last position. A position that does not count gets 0, a zero gradient and no
+    head compute. Gradients reach every parameter as through the model's logits (a tied embedding: one accumulated
+    .grad). Not reentrant for one model (its output embedding's forward is swapped during the call).
 
     Args:
-      model: a transformers causal LM (e.g. Qwen3ForCausalLM) in any float dtype ppo_ops takes (fp32, bf16, fp16).
-        Its output embedding must be an nn.Linear without bias that its forward calls once on the hidden states of
-        every position and returns as its logits; models that transform the logits are refused (module docstring).
-        It may be wrapped in DistributedDataParallel (its forward runs, so the gradients are all-reduced) or
-        sharded by FSDP2's fully_shard or FSDP (or another wrapper that makes the weight whole while the model's
-        forward runs). Dropout and train/eval mode are the model's own.
-      input_ids: [B, S] integer token ids on the model's device, S >= 1.
-      attention_mask: [B, S] (bool or integer, non-zero: a real token) or None (no padding). Passed to the model.
-      position_ids: [B, S] or [1, S] integer, or None (0..S-1). Passed to the model. Packed batches (several
-        sequences in one row, positions restarting at each) must come without an attention_mask: transformers
-        builds the per-sequence causal mask from position_ids only when attention_mask is None.
-      temperature: both outputs use logits / temperature (ppo_ops' rule: the gradient carries 1 / temperature).
-      entropy: "none", "value" (no gradient) or "grad", as in ppo_ops.linear_log_probs_and_entropy.
+      model: a transformers causal LM (fp32, bf16 or fp16), possibly under DDP, FSDP or FSDP2 (module docstring).
+      input_ids: [B, S] integer ids on the model's device, S >= 1, each in [0, the model's vocabulary).
+      attention_mask: [B, S] bool or integer (non-zero: a real token), or None. Passed to the model.
+      position_ids: [B, S] or [1, S] integer, or None. Passed to the model; packed rows come without attention_mask.
+      temperature, entropy, working_memory: as ppo_ops.linear_log_probs_and_entropy's (linear_token_loss's with a
+        token_loss).
       row_mask: [B, S] bool or None: False positions do not count (e.g. the prompt).
-      keep: a sparse top-p / top-k keep set passed to the head unchanged (only when not None), as ppo_ops' `keep`
-        argument takes it; its rows are the flattened [B * S] positions (row b * S + i is position i of sequence
-        b, predicting input_ids[b, i + 1]).
-      token_loss: None, or a row-separable per-token loss `token_loss(log_probs, entropy, rows) -> [R] fp32`, e.g.
-        ppo_ops.policy_loss(...) built over [B, S] per-token constants aligned with the results (position i: the
-        token input_ids[b, i + 1]); `rows` index the flattened [B * S] positions. Positions that do not count are
-        never passed to it: give the TokenLoss a loss_mask that does not count them either (its normalisation).
-      working_memory: the bytes the head may hold beyond its outputs (ppo_ops.linear_token_loss's with token_loss,
-        else ppo_ops.linear_log_probs_and_entropy's; None: its default).
-      validate: ppo_ops' value checks (token range, NaN logits): one host sync per call. On CUDA the head's row mask
-        costs one more (the kept-row count), either way.
+      keep: ppo_ops' sparse keep set over the flattened [B * S] positions (row b * S + i predicts input_ids[b, i + 1]).
+      token_loss: None, or a row-separable loss (e.g. ppo_ops.policy_loss) over [B, S] constants, position i holding
+        those of the token input_ids[b, i + 1] (the last position padded, left out by its loss_mask).
+      validate: ppo_ops' value checks, plus input_ids' range read before the model runs (one host sync more).
 
-    Returns:
-      token_loss None: LogProbsEntropy(log_probs [B, S] fp32, entropy [B, S] fp32 or None with entropy="none").
-      token_loss given: (loss, LogProbsEntropy): the 0-d fp32 sum of the counted positions' terms (loss.backward()
-        reaches every parameter), and the detached log-probs and entropies, as ppo_ops.linear_token_loss returns.
+    Returns LogProbsEntropy(log_probs, entropy) ([B, S] fp32; entropy None with entropy="none"), or, with token_loss,
+    (loss, LogProbsEntropy): the 0-d fp32 sum of the counted positions' terms and the detached values.
 
-    Errors: a model it cannot serve raises TypeError (not a causal LM with a base model and an nn.Linear output
-    embedding) or ValueError (a bias, or a logit transform), naming the model class; bad arguments raise TypeError or
-    ValueError naming the argument, before the model runs. What only the model's forward shows (a head not called
-    once on every position, logits changed after it, a DTensor weight) raises ValueError or TypeError from it.
+    Errors name the argument (a model it cannot serve: the model class): TypeError for a wrong type or dtype,
+    ValueError for a wrong shape, value or token-loss row count, raised before the model runs, except what only its
+    forward shows (its head not called once on every position, its logits changed after it, a DTensor weight).
     """
     causal_lm = _inside_ddp(model)
     head, config_vocab = _head(causal_lm)
@@ -144,6 +98,10 @@ def token_log_probs(
     attention_mask = _check_rows("attention_mask", attention_mask, input_ids, allow_int=True)
     row_mask = _check_rows("row_mask", row_mask, input_ids, allow_int=False)
     _check_positions(position_ids, input_ids)
+    if token_loss is not None:
+        check_token_loss_rows(_FN, token_loss, tuple(input_ids.shape), "input_ids' [B, S] positions", _HF_LOSS_ROWS)
+    if validate is True:  # before the model's embedding, whose own error would name no argument
+        _check_id_range(input_ids, _vocabulary(causal_lm, head, config_vocab), type(causal_lm).__name__)
 
     targets, counted = _targets(input_ids, attention_mask, position_ids, row_mask)
     opts = dict(entropy=entropy, temperature=temperature, row_mask=counted, validate=validate,
@@ -364,6 +322,29 @@ def _check_ids(input_ids, device):
     if device is not None and input_ids.device != device:
         raise argument_error(ValueError, _FN, "input_ids",
                              f"input_ids must be on the model's device {device}, got {input_ids.device}")
+
+
+def _vocabulary(model, head, config_vocab) -> int:
+    """The ids the model takes and its head scores: the least of its config's vocab_size, its output embedding's
+    rows and its input embedding's (an id past any of them fails there). Read from the modules' sizes, not their
+    weights, which a wrapper may hold flattened or sharded outside the forward (FSDP)."""
+    sizes = [head.out_features] + ([config_vocab] if config_vocab is not None else [])
+    get_input = getattr(model, "get_input_embeddings", None)
+    embedding = get_input() if callable(get_input) else None
+    if isinstance(getattr(embedding, "num_embeddings", None), int):
+        sizes.append(embedding.num_embeddings)
+    return min(sizes)
+
+
+def _check_id_range(input_ids, vocab, model_name):
+    """Every id in [0, vocab): one host read of input_ids' bounds (validate=True), before the model runs."""
+    if input_ids.numel() == 0:
+        return
+    lo, hi = (int(v) for v in torch.stack(torch.aminmax(input_ids)).tolist())
+    if lo < 0 or hi >= vocab:
+        raise argument_error(ValueError, _FN, "input_ids",
+                             f"input_ids must be token ids in [0, {vocab}) ({model_name}'s vocabulary), got values in "
+                             f"[{lo}, {hi}]")
 
 
 def _check_rows(name, mask, input_ids, allow_int):

@@ -1,56 +1,32 @@
 """Megatron-core integration: the fused LM head (ppo_ops.linear_log_probs_and_entropy / linear_token_loss) in place of
-GPTModel's output layer, so a Megatron trainer gets per-token log-probs, entropies or an RL loss without [T, V] logits.
+GPTModel's output layer: per-token log-probs, entropies or an RL loss without [T, V] logits.
 
     import ppo_ops.megatron as pm
     ctx = pm.Context(entropy="grad", temperature=0.7, vocab_size=151936, token_loss=ppo)  # ppo: ppo_ops.policy_loss
-    loss, out = model(tokens, position_ids, None, labels=labels, loss_mask=loss_mask,   # megatron-core >= 0.18
-                      output_processor=pm.output_processor, output_processor_context=ctx)
-    loss, out = pm.gpt_log_probs(model, tokens, position_ids, None, labels, loss_mask, ctx)  # any supported version
+    loss, out = pm.gpt_log_probs(model, tokens, position_ids, None, labels, loss_mask, ctx)  # megatron-core >= 0.16
+    loss, out = model(tokens, position_ids, None, labels=labels, loss_mask=loss_mask,       # >= 0.18 (the hook)
+                      **pm.processor_kwargs(ctx, model))
 
-Two ways in, one computation (`output_processor`):
-  - megatron-core >= 0.18: GPTModel.forward takes `output_processor` and `output_processor_context`; its
-    _postprocess calls the processor (with the keywords of 0.18.0 and 0.19.0) on the final hidden states, after the
-    final norm and any MTP step, instead of running the output layer, on the last pipeline stage only. (HybridModel,
-    which 0.19 recommends over GPTModel, has no such hook.)
-  - megatron-core 0.16 and 0.17 (no hook): `gpt_log_probs` runs the model's own embedding (`_preprocess`) and decoder
-    exactly as their GPTModel.forward does, then calls `output_processor` itself on the last stage; earlier stages
-    get the decoder's hidden states back, as from model(...). On >= 0.18 `gpt_log_probs` simply calls
-    model(..., output_processor=...). Versions before 0.16 (another `_preprocess` layout) are refused by name.
-  tests/test_megatron.py runs on the installed megatron-core (0.16.1 in the venv and on the GPU runners); it has also
-  passed on 0.17.1, 0.18.0 and 0.19.0.
+One computation, `output_processor`, reached two ways: megatron-core >= 0.18 calls it from GPTModel's
+`output_processor` hook on the last pipeline stage; on 0.16 and 0.17 (no hook) `gpt_log_probs` runs the model's own
+embedding and decoder and calls it (on >= 0.18 it calls the hook). `processor_kwargs` refuses a megatron-core without
+the hook, naming gpt_log_probs. Versions before 0.16 are refused by name. tests/test_megatron.py runs on the installed
+megatron-core (0.16.1 in the venv and on the GPU runners).
 
-What the processor does with what the hook hands it (hidden_states [S, B, H], labels [B, S], loss_mask [B, S]):
-  - weight: `output_weight` (the shared embedding weight when embeddings are tied; its gradient reaches the
-    embedding through autograd) or else `output_layer.weight`: this rank's vocabulary shard [V_local, H].
-  - TP group: Context.tp_group, else `output_layer.tp_group`, else parallel_state's tensor-parallel group, else one
-    rank (no Megatron parallel state at all).
-  - sequence parallel (`output_layer.sequence_parallel`, else config.sequence_parallel; off at TP = 1, as Megatron
-    turns it off): the hidden states arrive as [S/tp, B, H]; they are all-gathered along S over the TP group (ranks
-    in order, as Megatron scatters them) and the backward reduce-scatters dX, as Megatron's column-parallel layer
-    does; the head then runs with reduce_dx=False. Without it, dX is all-reduced by the head (reduce_dx=True, in
-    fp32), as the layer's `allreduce_dgrad` does, unless the layer has `disable_grad_reduce` (then no reduction).
-  - rows: hidden_states.transpose(0, 1), [B, S, H] in the labels' layout; a view, and the head reads it without a
-    copy when B == 1 (packed sequences); B > 1 costs one copy of the hidden states into row order. Outputs are [B, S]
-    fp32. loss_mask == 0 rows are the op's row_mask False rows: log-prob 0, entropy 0, no loss term, zero gradient,
-    no GEMM work, labels not checked (loss_mask's values are not weights: fold weights into the token loss).
-  - context parallel: each CP rank calls the processor with its own rows (its hidden states, labels and loss_mask
-    after the CP split); the processor issues no CP collective. Build targets before the split
-    (`zigzag_packed_targets`): a chunk's last position predicts a token another rank holds.
-  - MuP (megatron-core's `use_mup`): the logits' scale `mup_output_mult` is folded into the temperature.
-  Refused by name: an output layer with a bias (GPTModel's has none) and `defer_embedding_wgrad_compute` (Megatron
-  computes that weight gradient later from buffers only its output layer fills).
+Megatron's layouts (each tested against its own output layer's logits path): tensor parallel (the output layer's
+vocabulary shard and group), sequence parallel (hidden states all-gathered, dX reduce-scattered, as its
+column-parallel layer does), tied embeddings (the gradient reaches the embedding), context parallel (each CP rank
+scores its own rows; no CP collective), packed sequences, pipeline parallel (only the last stage scores), MuP (its
+logit multiplier folded into the temperature). Refused by name: an output layer with a bias,
+defer_embedding_wgrad_compute.
 
-Helpers for a trainer's batches (host-side lengths, Python ints or tensors):
-  packed_targets: next-token targets and the response-row mask of packed samples;
-  zigzag_split: Megatron's load-balanced context-parallel split of a dense [.., S, ..] tensor;
-  zigzag_packed_index / zigzag_packed_targets: the same split of packed samples, per sample, as TransformerEngine's
-    THD context parallelism takes them;
-  packed_keep / zigzag_packed_keep: the sparse keep set of packed samples (or a CP rank's rows) from per-sample
-    top-p nuclei as slime records them at rollout, in place of a dense [T, V] mask.
+Helpers for a trainer's batches (host-side lengths, Python ints or tensors): packed_targets, zigzag_split,
+zigzag_packed_index, zigzag_packed_targets, packed_keep, zigzag_packed_keep.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from typing import Any, Callable, Optional, Sequence, Union
@@ -59,9 +35,13 @@ import torch
 import torch.distributed as dist
 
 from ppo_ops import api
+from ppo_ops.core import agreement, checks
 from ppo_ops.core.checks import argument_error
 
 Lengths = Union[Sequence[int], torch.Tensor]
+# What a token loss's constants must be here (the end of its row-count error).
+_LOSS_ROWS = (": one constant per label, in the labels' [B, S] layout ([1, T] for a packed stream), and under context "
+              "parallelism this rank's rows only (gather them with zigzag_packed_index)")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -76,8 +56,8 @@ class Context:
     keep: the sparse top-p / top-k keep set, passed as `keep=` to the head unchanged; its rows are the flattened
       [B * S] label-layout positions (row b * S + s), as the head's rows are (packed_keep builds it for packed
       samples).
-    token_loss: a row-separable per-token loss as for ppo_ops.linear_token_loss (e.g. ppo_ops.policy_loss(...), its
-      constants in the labels' [B, S] layout); the processor then returns (loss, LogProbsEntropy). None: log-probs.
+    token_loss: a row-separable per-token loss as for ppo_ops.linear_token_loss (e.g. ppo_ops.policy_loss(...), one
+      constant per label, in the labels' [B, S] layout: checked); the processor then returns (loss, LogProbsEntropy).
     working_memory: the bytes the head may hold beyond its outputs (the working_memory of linear_token_loss with a
       token_loss: its row blocks; else of linear_log_probs_and_entropy: the rows whose probabilities its forward
       keeps for the backward); None: the head's default; the same on every rank.
@@ -100,26 +80,22 @@ class Context:
 def output_processor(*, hidden_states: torch.Tensor, labels: torch.Tensor, context: Context, output_layer=None,
                      output_weight: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None,
                      config=None, **unused):
-    """GPTModel's output processor (megatron-core >= 0.18, or `gpt_log_probs`): log-probs of `labels` (and
-    entropies, or a token loss) from the final hidden states, through ppo_ops' fused head; see the module docstring.
+    """linear_log_probs_and_entropy(hidden_states.transpose(0, 1), weight, labels, row_mask=loss_mask != 0, ...),
+    or linear_token_loss(..., context.token_loss, ...): GPTModel's output processor, in Megatron's layouts.
 
-    Takes the hook's keyword arguments; those not named here (input_ids, position_ids, attention_mask, decoder_input,
-    inference_context, packed_seq_params, runtime_gather_output, compute_language_model_loss, scale_logits) are
-    accepted and not used: no logits are formed, so there is nothing to gather, scale or hand Megatron's loss (MuP's
-    logit scale is read from config and folded into the temperature).
+    Args (the hook's keywords; the others it passes are accepted and unused: no logits are formed):
+      hidden_states: [S, B, H] ([S / tp, B, H] under sequence parallelism: all-gathered over the TP group, the
+        backward reduce-scattering dX), the output layer's input.
+      labels: [B, S] integer next-token targets (global ids).
+      context: a Context (the options; its token loss's constants one per label).
+      output_layer: the ColumnParallelLinear output layer: its weight, TP group, sequence parallelism, dX reduction.
+      output_weight: the shared embedding weight when embeddings are tied (it then gets the gradient), else None.
+      loss_mask: [B, S]; 0 rows get 0, a zero gradient and no GEMM work (its values are not weights).
+      config: the model's TransformerConfig (sequence_parallel, MuP's logit multiplier, deferred weight gradients).
 
-    Args:
-      hidden_states: [S, B, H] ([S / tp, B, H] under sequence parallelism), the output layer's input.
-      labels: [B, S] integer next-token targets (global ids), as Megatron's loss path takes them.
-      context: a Context.
-      output_layer: the model's output layer (ColumnParallelLinear): its weight, TP group, sequence parallelism.
-      output_weight: the shared embedding weight when input and output embeddings are tied, else None.
-      loss_mask: [B, S]; rows where it is 0 are skipped (None: every row counts).
-      config: the model's TransformerConfig (sequence_parallel, MuP, deferred weight gradients).
-
-    Returns LogProbsEntropy(log_probs [B, S] fp32, entropy [B, S] fp32 or None), or (loss, LogProbsEntropy) when
-    context.token_loss is set (loss: 0-d fp32, the sum of the token loss over the kept rows; log-probs and entropies
-    detached then).
+    Returns LogProbsEntropy([B, S] fp32 each), or (loss, LogProbsEntropy) with context.token_loss (loss 0-d fp32, the
+    values detached). Errors name the argument; at TP > 1 with validate the token loss's row count and the head's own
+    checks raise on every rank together, before the head's first collective.
     """
     del unused
     fn = "megatron.output_processor"
@@ -143,6 +119,11 @@ def output_processor(*, hidden_states: torch.Tensor, labels: torch.Tensor, conte
         reduce_dx = False  # the gather's backward reduce-scatters dX over the group
     else:
         reduce_dx = not getattr(output_layer, "disable_grad_reduce", False)  # the layer's allreduce_dgrad
+    if context.token_loss is not None and isinstance(labels, torch.Tensor):
+        # After the sequence-parallel gather, which every rank makes alike: the other ranks meet this check's header
+        # exchange, if it fails here, in the head's own.
+        agreement.check_collectively(fn, group, context.validate, hidden_states, checks.check_token_loss_rows, fn,
+                                     context.token_loss, tuple(labels.shape), "labels' [B, S] =", _LOSS_ROWS)
     _check_layout(fn, hidden_states, labels, sequence_parallel)
 
     options = dict(tp_group=group, entropy=context.entropy, temperature=_temperature(context.temperature, config),
@@ -158,21 +139,65 @@ def output_processor(*, hidden_states: torch.Tensor, labels: torch.Tensor, conte
 
 def gpt_log_probs(model, input_ids, position_ids, attention_mask, labels, loss_mask, context: Context, *,
                   packed_seq_params=None, decoder_input=None, extra_block_kwargs=None, padding_mask=None):
-    """GPTModel.forward with `output_processor` on any supported megatron-core: >= 0.18 through the model's hook
-    (model(..., output_processor=output_processor, output_processor_context=context)); 0.16 and 0.17 by running the
-    model's own `_preprocess` and decoder as their forward does and calling `output_processor` on the result.
+    """model(input_ids, position_ids, attention_mask, labels=labels, loss_mask=loss_mask,
+    output_processor=output_processor, output_processor_context=context) on every megatron-core from 0.16.
 
-    `model` is a GPTModel or a wrapper of one reached through `.module` (DDP, Float16Module): the hook path calls
-    the wrapper; the path without the hook runs the GPTModel's modules directly (a wrapper's input casts do not
-    apply: input_ids are integers, and decoder_input, on a later pipeline stage, arrives in the model's dtype).
-    Multi-token prediction on the path without the hook is refused (its _postprocess needs the output layer).
+    >= 0.18: that call (the hook). 0.16 and 0.17: the model's own _preprocess and decoder, as their forward runs them,
+    then output_processor. `model`: a GPTModel or a wrapper reaching it through `.module` (DDP, Float16Module; the
+    path without the hook runs the GPTModel's modules, not the wrapper's casts). Multi-token prediction needs the hook.
+    On a CPU (a CPU-only torch) it makes what megatron-core would make on "cuda": the causal attention mask (when
+    attention_mask and packed_seq_params are None) and torch.cuda.current_device() answering "cpu" for the call; it
+    needs megatron-core's inference RNG tracker there (its error says so). At one TP rank a token loss whose
+    constants are not one per label raises before the model runs; at TP > 1 the processor raises it on every rank.
 
-    Returns what output_processor returns on the last pipeline stage (LogProbsEntropy [B, S], or (loss,
-    LogProbsEntropy) with a token loss); on an earlier stage the decoder's hidden states for the next stage, as
+    Returns output_processor's result on the last pipeline stage; on an earlier stage the decoder's hidden states, as
     model(...) returns them.
     """
     fn = "megatron.gpt_log_probs"
     gpt = _unwrap(model)
+    if (isinstance(context, Context) and context.token_loss is not None and isinstance(labels, torch.Tensor)
+            and getattr(gpt, "post_process", True)):
+        group = _tp_group(context, getattr(gpt, "output_layer", None))
+        if group is None or dist.get_world_size(group) == 1:  # at TP > 1 the processor checks it on every rank at once
+            checks.check_token_loss_rows(fn, context.token_loss, tuple(labels.shape), "labels' [B, S] =", _LOSS_ROWS)
+    device = _model_device(gpt)
+    if device is not None and device.type != "cuda":
+        _check_cpu_rng_tracker(fn, gpt)
+        if attention_mask is None and packed_seq_params is None and isinstance(input_ids, torch.Tensor):
+            attention_mask = _causal_mask(input_ids.shape[-1], device)
+    with _current_device_is(device):
+        return _gpt_log_probs(fn, gpt, model, input_ids, position_ids, attention_mask, labels, loss_mask, context,
+                              packed_seq_params, decoder_input, extra_block_kwargs, padding_mask)
+
+
+def processor_kwargs(context: Context, model=None) -> dict:
+    """`dict(output_processor=output_processor, output_processor_context=context)` for GPTModel.forward, after
+    checking that the model's forward (or, without a model, the installed megatron-core's GPTModel.forward) takes
+    the hook: megatron-core 0.16 and 0.17 have none, and their own error would be an unexpected keyword argument.
+
+        loss, out = model(tokens, position_ids, None, labels=labels, loss_mask=loss_mask, **pm.processor_kwargs(ctx))
+    """
+    fn = "megatron.processor_kwargs"
+    if not isinstance(context, Context):
+        raise argument_error(TypeError, fn, "context", f"context must be a ppo_ops.megatron.Context, got "
+                                                       f"{type(context).__name__}")
+    if model is not None:
+        forward = _unwrap(model).forward
+    else:
+        from megatron.core.models.gpt.gpt_model import GPTModel
+
+        forward = GPTModel.forward
+    if "output_processor" not in inspect.signature(forward).parameters:
+        raise argument_error(
+            RuntimeError, fn, "output_processor",
+            f"GPTModel.forward of megatron-core {_megatron_version()} takes no output_processor (the hook came in "
+            "0.18): call ppo_ops.megatron.gpt_log_probs(model, input_ids, position_ids, attention_mask, labels, "
+            "loss_mask, context), which runs the model with the fused head on 0.16 and later")
+    return dict(output_processor=output_processor, output_processor_context=context)
+
+
+def _gpt_log_probs(fn, gpt, model, input_ids, position_ids, attention_mask, labels, loss_mask, context,
+                   packed_seq_params, decoder_input, extra_block_kwargs, padding_mask):
     if "output_processor" in inspect.signature(gpt.forward).parameters:
         extra = {} if padding_mask is None else {"padding_mask": padding_mask}
         out = model(input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,
@@ -180,11 +205,9 @@ def gpt_log_probs(model, input_ids, position_ids, attention_mask, labels, loss_m
                     output_processor=output_processor, output_processor_context=context, **extra)
         return _as_outputs(out, gpt, context)
     if "padding_mask" not in inspect.signature(gpt._preprocess).parameters:
-        import megatron.core
-
         raise argument_error(
             RuntimeError, fn, "model",
-            f"megatron-core {getattr(megatron.core, '__version__', '?')} is not supported: gpt_log_probs needs 0.16 "
+            f"megatron-core {_megatron_version()} is not supported: gpt_log_probs needs 0.16 "
             "or 0.17 (GPTModel._preprocess with padding_mask) or >= 0.18 (the output_processor hook)")
     if getattr(gpt, "mtp_process", False):
         raise argument_error(NotImplementedError, fn, "model",
@@ -206,6 +229,67 @@ def gpt_log_probs(model, input_ids, position_ids, attention_mask, labels, loss_m
         hidden_states=hidden_states, output_layer=gpt.output_layer, output_weight=output_weight, labels=labels,
         loss_mask=loss_mask, input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
         decoder_input=decoder_input, packed_seq_params=packed_seq_params, context=context, config=gpt.config)
+
+
+# ---- megatron-core on a CPU ----
+
+def _megatron_version() -> str:
+    try:
+        import megatron.core
+    except ImportError:
+        return "(not importable)"
+    return getattr(megatron.core, "__version__", "?")
+
+
+def _model_device(gpt) -> Optional[torch.device]:
+    parameters = getattr(gpt, "parameters", None)
+    first = next(parameters(), None) if callable(parameters) else None
+    return None if first is None else first.device
+
+
+@contextlib.contextmanager
+def _current_device_is(device):
+    """On a torch without CUDA, torch.cuda.current_device() answers `device` while the model runs: megatron-core
+    0.16 to 0.19 allocate its rotary frequencies (and its sequence-parallel buffers) on the current CUDA device,
+    which raises "Torch not compiled with CUDA enabled" there. Elsewhere, nothing."""
+    if device is None or device.type == "cuda" or torch.cuda.is_available():
+        yield
+        return
+    own = torch.cuda.current_device
+    torch.cuda.current_device = lambda: device.type
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = own
+
+
+def _causal_mask(seq: int, device) -> torch.Tensor:
+    """[1, 1, S, S] bool, True above the diagonal (masked out): the mask megatron-core's attention makes itself when
+    given none, on "cuda" (megatron.core.transformer.utils.get_default_causal_mask), made here on the model's
+    device."""
+    return torch.ones(seq, seq, dtype=torch.bool, device=device).triu(1)[None, None]
+
+
+def _check_cpu_rng_tracker(fn, gpt):
+    """A megatron-core model's attention forks the model-parallel RNG state on every call (dropout 0 included); the
+    training tracker keeps CUDA generator states, which a CPU run cannot add or fork."""
+    try:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+        from megatron.core.transformer.module import MegatronModule
+    except ImportError:
+        return
+    if not isinstance(gpt, MegatronModule):
+        return
+    try:
+        with get_cuda_rng_tracker().fork():
+            pass
+    except Exception as err:
+        raise argument_error(
+            RuntimeError, fn, "model",
+            f"the model is on the CPU, where megatron-core's RNG tracker cannot fork its CUDA generator states "
+            f"({err}): after initialize_model_parallel, call megatron.core.tensor_parallel.random."
+            "initialize_rng_tracker(inference_rng_tracker=True, force_reset=True) (its fork does nothing; dropout "
+            "then draws from torch's CPU generator)") from err
 
 
 # ---- sequence parallelism ----

@@ -200,7 +200,12 @@ def policy_loss(
     normalization: str = "token_mean",
     seq_ids: Optional[torch.Tensor] = None,
 ) -> TokenLoss:
-    """PPO's clipped surrogate (with DAPO's clip-higher, dual clip, entropy bonus and KL penalty) over T tokens.
+    """TokenLoss of Σ_t w_t (pg_t + kl_coef k_t - entropy_coef H_t), pg_t = max(-A_t r_t, -A_t clip(r_t,
+    1 - clip_low, 1 + clip_high)), r_t = exp(lp_t - old_t), k_t the KL estimator, w_t from `normalization` over
+    `loss_mask` (module docstring): PPO's clipped surrogate with DAPO's clip-higher, dual clip, entropy bonus and KL.
+
+    Its constants are one per scored token: the ops that take it (linear_token_loss, ppo_ops.hf, ppo_ops.megatron)
+    raise a ValueError naming token_loss when their rows number or are shaped otherwise.
 
     Args:
       old_log_probs: [...] floating, the sampling policy's log-prob of each token; its shape (T elements) is the
@@ -231,7 +236,7 @@ def policy_loss(
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale_by_std: bool = True,
                     eps: float = 1e-6) -> torch.Tensor:
-    """GRPO's group-normalised advantages, [n_seq] fp32 from rewards [n_seq] (floating).
+    """(r_s - mean_g) / (std_g + eps) for each sequence s of group g: GRPO's advantages, [n_seq] fp32.
 
     Sequences [g * group_size, (g + 1) * group_size) form group g (the rollouts of one prompt, consecutive):
         A_s = (r_s - mean_g) / (std_g + eps)     std_g: the unbiased sample std of the group (torch.std, as TRL, verl)
@@ -261,7 +266,7 @@ def grpo_loss(
     loss_mask: Optional[torch.Tensor] = None,
     normalization: str = "seq_mean",
 ) -> TokenLoss:
-    """GRPO: policy_loss with A_t = grpo_advantages(rewards, group_size, ...)[seq_ids[t]].
+    """policy_loss(old_log_probs, grpo_advantages(rewards, group_size, ...)[seq_ids], ...): GRPO.
 
     Defaults are the GRPO paper's (DeepSeekMath): clip 0.2, k3 KL to the reference with kl_coef 0.04 (so
     ref_log_probs is required unless kl_coef=0.0), and "seq_mean" (each sequence's token mean, averaged over

@@ -4,11 +4,13 @@ run through ppo_ops.megatron and through Megatron's own output-layer path, the r
 megatron-core's attention cannot run on CPU as shipped, so most cases drive the processor with megatron-core's own
 VocabParallelEmbedding and ColumnParallelLinear output layer (built and run on CPU over gloo with
 use_cpu_initialization=True) and hidden states from a small per-position decoder; the GPTModel cases (local layer
-spec) run on CPU too with three test-only settings, each needed by megatron-core 0.16.1 on a CPU-only torch:
-torch.cuda.current_device() answers "cpu" (megatron-core allocates its sequence-parallel and rotary buffers there), the
-RNG tracker is megatron-core's inference one (dropout is 0, so its fork has nothing to do; the training tracker forks
-CUDA RNG states), and the causal attention mask is passed explicitly (the default one is made on "cuda"). On a GPU
-none of these apply except the tracker, and the ranks compute on their own GPU over NCCL (tests/ranks.py).
+spec) run on CPU too. On a CPU-only torch megatron-core 0.16.1 needs three things: torch.cuda.current_device() must
+answer "cpu" (megatron-core allocates its sequence-parallel and rotary buffers there), the RNG tracker must be its
+inference one (dropout is 0, so its fork has nothing to do; the training tracker forks CUDA RNG states), and the causal
+attention mask must be given (the default one is made on "cuda"). gpt_log_probs makes the first and the third itself
+on a CPU and names the second in its error (run_gpt_cpu_as_a_user checks that); Megatron's own path, the yardstick,
+gets all three from init_megatron and the batches. On a GPU none of these apply except the tracker, and the ranks
+compute on their own GPU over NCCL (tests/ranks.py).
 
 Megatron's own path, the yardstick: its output layer forms the [S, B, V_local] logits (all-gathering sequence-parallel
 hidden states itself, reduce-scattering or all-reducing dX in its backward), then ppo_ops' logits op
@@ -18,6 +20,7 @@ log_probs_and_entropy on them, then the same token loss (TokenLoss.total) or the
 import dataclasses
 import inspect
 import os
+import types
 
 import torch
 import torch.distributed as dist
@@ -332,6 +335,34 @@ def run_gpt_case(case: GptCase, device, dtype=torch.float32):
     return record
 
 
+def run_gpt_cpu_as_a_user(rank, world_size, out_dir):
+    """gpt_log_probs on a CPU as a user runs it: torch.cuda.current_device left as torch has it and no attention mask
+    (gpt_log_probs makes both right on the CPU), first with megatron-core's training RNG tracker (which cannot fork
+    on a CPU: ppo_ops' error naming the fix, before any work), then with the inference one; the values against the
+    call with the explicit causal mask."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size, create_gloo_process_groups=False)
+    initialize_rng_tracker(force_reset=True)  # the training tracker, no states added (a CPU cannot add one)
+    own_current_device = torch.cuda.current_device
+    model = _gpt(world_size, False, torch.device("cpu"))
+    ids, position_ids, causal, labels, mask, _ = gpt_batch(torch.device("cpu"))
+    context = pm.Context(entropy="grad", temperature=TEMPERATURE, vocab_size=VOCAB)
+    record = {}
+    try:
+        pm.gpt_log_probs(model, ids, position_ids, None, labels, mask, context)
+        record["tracker_error"] = None
+    except Exception as err:  # saved for the test process to check
+        record["tracker_error"] = (type(err).__name__, getattr(err, "ppo_ops_argument", None), str(err))
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    with torch.no_grad():
+        record["no_mask"] = pm.gpt_log_probs(model, ids, position_ids, None, labels, mask, context).log_probs
+        record["causal"] = pm.gpt_log_probs(model, ids, position_ids, causal, labels, mask, context).log_probs
+    record["current_device_restored"] = torch.cuda.current_device is own_current_device
+    torch.save(record, results_path(out_dir, world_size, rank))
+
+
 def run_gpt_bf16(rank, world_size, out_dir):
     """A bf16 GPTModel (tied, as Qwen3-0.6B) at TP = 1 on a GPU: the compiled kernels' path (cuBLAS GEMMs and the
     logits op's Triton passes) against the model's bf16 logits."""
@@ -386,3 +417,25 @@ def run_gather_vs_megatron(device):
         (y * upstream).sum().backward()
         out[name] = _cpu({"gathered": y, "grad": x.grad})
     return out
+
+
+def run_short_token_loss(rank, world_size, out_dir, sequence_parallel):
+    """output_processor at TP = world_size over the world group, only rank 1's token loss one constant short per
+    row: every rank's error, saved (type, argument named, message), or None where none was raised."""
+    gen = torch.Generator().manual_seed(SEED + 17)
+    b, s = DENSE_SHAPE
+    s_local = s // world_size if sequence_parallel else s
+    hidden = torch.randn(s, b, HIDDEN, generator=gen)[rank * s_local:(rank + 1) * s_local]
+    weight = (torch.randn(V_PAD, HIDDEN, generator=gen) * WEIGHT_STD)[rank * V_PAD // world_size:
+                                                                       (rank + 1) * V_PAD // world_size]
+    labels = torch.randint(0, VOCAB, DENSE_SHAPE, generator=gen)
+    shape = (b, s - 1) if rank == 1 else (b, s)
+    token_loss = ppo_ops.policy_loss(torch.zeros(shape), torch.ones(shape))
+    layer = types.SimpleNamespace(weight=weight, bias=None, sequence_parallel=sequence_parallel)
+    context = pm.Context(entropy="grad", vocab_size=VOCAB, token_loss=token_loss, tp_group=dist.group.WORLD)
+    try:
+        pm.output_processor(**hook_kwargs(hidden, layer, None, labels, None, context, None))
+        record = None
+    except Exception as err:  # saved for the test process to check
+        record = (type(err).__name__, getattr(err, "ppo_ops_argument", None), str(err))
+    torch.save(record, results_path(out_dir, world_size, rank))

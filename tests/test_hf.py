@@ -791,3 +791,35 @@ def test_bad_arguments(kwargs, error, says):
     with pytest.raises(error, match="^ppo_ops.hf.token_log_probs: ") as caught:
         token_log_probs(model, args.pop("input_ids"), **args)
     assert says in str(caught.value)
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (2, 6), (5, 2)], ids=["b_s_minus_1", "too_many", "transposed"])
+def test_token_loss_constants_must_be_one_per_position(shape):
+    """A token loss over [B, S - 1] constants (the natural shifted shape), more than [B, S], or [S, B]: one error
+    naming token_loss and the [B, S] positions, before the model runs (no raw IndexError from the constants, no loss
+    normalised over tokens that are never scored)."""
+    model = _qwen3()
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    ppo = ppo_ops.policy_loss(torch.zeros(shape), torch.ones(shape))
+    calls = []
+    model.model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    with pytest.raises(ValueError, match="^ppo_ops.hf.token_log_probs: ") as caught:
+        token_log_probs(model, ids, entropy="grad", token_loss=ppo)
+    assert caught.value.ppo_ops_argument == "token_loss"
+    message = str(caught.value)
+    assert f"token_loss was built over constants of shape {shape}" in message and "(2, 5)" in message
+    assert "[B, S]" in message and not calls, "raised before the model ran"
+
+
+@pytest.mark.parametrize("bad, says", [(301, "got values in [0, 301]"), (-1, "got values in [-1, 0]")],
+                         ids=["past_vocab", "negative"])
+def test_input_ids_outside_the_vocabulary(bad, says):
+    """An id past the vocabulary (or negative): one error naming input_ids, the values found and the model's
+    vocabulary size, before the embedding's raw IndexError."""
+    model = _qwen3(301)
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    ids[1, 3] = bad
+    with pytest.raises(ValueError, match="^ppo_ops.hf.token_log_probs: ") as caught:
+        token_log_probs(model, ids)
+    assert caught.value.ppo_ops_argument == "input_ids"
+    assert "input_ids must be token ids in [0, 301)" in str(caught.value) and says in str(caught.value)

@@ -29,7 +29,7 @@ import ppo_ops.megatron as pm
 from tests import megatron_support as ms
 from tests.linear_support import SAFETY, U32, UNIT_ROUNDOFF, assert_within, bounds
 from tests.reference import assert_entropy_close, assert_log_probs_close, reference_log_probs_and_entropy
-from tests.ranks import DEVICE, run_ranks
+from tests.ranks import DEVICE, run_gloo, run_ranks
 
 # --- tolerances ---
 # The processor and Megatron's path each lie within the float64 bound (checked for both); their difference lies within
@@ -751,3 +751,78 @@ def test_packed_keep_errors_name_the_argument(ids, offsets, argument, says):
 def test_helper_errors_name_the_argument(call, argument):
     with pytest.raises(ValueError, match=argument):
         call()
+
+
+# --- a user's first mistakes ---
+
+def test_processor_kwargs_without_the_hook_points_to_gpt_log_probs():
+    """The venv's megatron-core (0.16.1) has no output_processor hook: processor_kwargs raises naming
+    output_processor and gpt_log_probs, rather than megatron-core's own unexpected-keyword TypeError from model(...);
+    a model whose forward takes the hook gets the keywords."""
+    context = pm.Context(entropy="grad")
+    with pytest.raises(RuntimeError, match="^ppo_ops.megatron.processor_kwargs: ") as caught:
+        pm.processor_kwargs(context)
+    assert caught.value.ppo_ops_argument == "output_processor"
+    assert "takes no output_processor" in str(caught.value) and "gpt_log_probs" in str(caught.value)
+    with pytest.raises(RuntimeError, match="gpt_log_probs"):
+        pm.processor_kwargs(context, _TupleWrapper(_PreHookGPT(with_padding_mask=True)))
+    kwargs = pm.processor_kwargs(context, _TupleWrapper(_HookedGPT(torch.zeros(4, 2))))
+    assert kwargs == dict(output_processor=pm.output_processor, output_processor_context=context)
+    with pytest.raises(TypeError, match="context must be a ppo_ops.megatron.Context"):
+        pm.processor_kwargs("not a Context")
+
+
+def _short_loss(labels):
+    """A PPO loss over [B, S - 1] constants: one fewer per row than the labels it must score."""
+    shape = (labels.shape[0], labels.shape[1] - 1)
+    return ppo_ops.policy_loss(torch.zeros(shape), torch.ones(shape))
+
+
+def test_processor_token_loss_counted_against_the_labels():
+    """A Context whose token loss covers other rows than the labels: one ValueError naming token_loss and the labels'
+    [B, S] shape, before the head runs."""
+    hidden, weight, labels, mask = _inputs()
+    context = pm.Context(entropy="grad", vocab_size=ms.VOCAB, token_loss=_short_loss(labels))
+    with pytest.raises(ValueError, match="^ppo_ops.megatron.output_processor: ") as caught:
+        pm.output_processor(**ms.hook_kwargs(hidden, _Layer(weight), None, labels, mask, context, None))
+    assert caught.value.ppo_ops_argument == "token_loss"
+    assert f"labels' [B, S] = {tuple(labels.shape)}" in str(caught.value)
+
+
+def test_gpt_log_probs_token_loss_counted_before_the_model_runs():
+    """At one rank gpt_log_probs checks the token loss against the labels before the embedding and decoder run (the
+    model here fails the test if they do)."""
+    _, _, labels, mask = _inputs()
+    context = pm.Context(entropy="grad", token_loss=_short_loss(labels))
+    with pytest.raises(ValueError, match="^ppo_ops.megatron.gpt_log_probs: ") as caught:
+        pm.gpt_log_probs(_PreHookGPT(with_padding_mask=True), None, None, None, labels, mask, context)
+    assert caught.value.ppo_ops_argument == "token_loss"
+
+
+@pytest.mark.device("cpu")  # a CPU-only torch is what this is about
+def test_gpt_log_probs_on_a_cpu_as_documented(tmp_path):
+    """On a CPU, with torch.cuda.current_device as torch has it and no attention mask: megatron-core's training RNG
+    tracker gets ppo_ops' error naming model and the fix (initialize_rng_tracker(inference_rng_tracker=True)); with
+    the inference tracker the call runs, equal to the call with the explicit causal mask, and
+    torch.cuda.current_device is torch's own again afterwards."""
+    run_ranks(1, ms.run_gpt_cpu_as_a_user, str(tmp_path))
+    record = torch.load(ms.results_path(str(tmp_path), 1, 0), weights_only=False)
+    assert record["tracker_error"] is not None, "the training tracker's fork on a CPU raised nothing"
+    kind, argument, message = record["tracker_error"]
+    assert kind == "RuntimeError" and argument == "model" and "inference_rng_tracker=True" in message
+    assert torch.equal(record["no_mask"], record["causal"])
+    assert record["current_device_restored"]
+
+
+@pytest.mark.device("cpu")  # gloo ranks on CPU tensors; the error's path is device-independent
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["nosp", "sp"])
+def test_processor_token_loss_error_is_collective_at_tp2(sequence_parallel, tmp_path):
+    """At TP = 2 with only rank 1's token loss short, both ranks raise the same ValueError naming token_loss and
+    rank 1 (rank 0 from the head's header exchange, which meets rank 1's), with or without sequence parallelism."""
+    run_gloo(2, ms.run_short_token_loss, str(tmp_path), sequence_parallel, timeout_s=30, deadline_s=240)
+    for rank in range(2):
+        record = torch.load(ms.results_path(str(tmp_path), 2, rank), weights_only=False)
+        assert record is not None, f"rank {rank} raised nothing"
+        kind, argument, message = record
+        assert kind == "ValueError" and argument == "token_loss", f"rank {rank}: {record}"
+        assert "rank 1" in message, f"rank {rank}: {message}"

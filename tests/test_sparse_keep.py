@@ -607,10 +607,10 @@ def test_logits_entries_kernel_matches_the_sorted_entries(steps):
     row_mask = (torch.arange(n_rows) % 7 != 5).to(DEVICE)
     tokens = tokens.to(DEVICE)
     keep = sparse_keep.SparseKeep(ids, off)
-    want = sparse_keep.entries(keep, tokens, rows=None, row_mask=row_mask, vocab_size=vocab, v_global=v_global,
-                               vocab_start=80, n_valid=80, kernels=False)
-    row, gid, ok, local, col, z = sparse_keep_kernels.logits_entries(
-        ids, off, tokens, row_mask, logits, 0.5, vocab, v_global, 80, 80, chunk=chunk, pairwise_max=pairwise_max)
+    shard = sparse_keep.KeepShard(vocab_size=vocab, v_global=v_global, vocab_start=80, n_valid=80)
+    want = sparse_keep.entries(keep, tokens, rows=None, row_mask=row_mask, shard=shard, kernels=False)
+    row, gid, ok, local, col, z = sparse_keep_kernels.logits_entries(keep, tokens, row_mask, logits, 0.5, shard,
+                                                                     chunk=chunk, pairwise_max=pairwise_max)
     assert torch.equal(ok, want.ok) and torch.equal(local, want.local)
     assert want.ok.sum() < ids.numel() // 2  # most listings are repeats
     assert torch.equal(row[want.ok], want.row[want.ok]) and torch.equal(col[local], want.col[local])

@@ -748,3 +748,67 @@ def test_bad_input_raises_naming_the_argument(case_id):
         build(batch)()
     assert type(info.value) is exc_type, f"{case_id}: {type(info.value).__name__}: {info.value}"
     assert name in str(info.value), f"{case_id}: message does not name {name!r}: {info.value}"
+
+
+# --- a token loss counted against the rows it scores ---
+
+HEAD_ROWS, HEAD_HIDDEN, HEAD_VOCAB = (3, 6), 8, 20  # a [3, 6] batch through a small LM head
+
+
+def _head_call(constants_shape, tp_group=None, v_local=HEAD_VOCAB):
+    """linear_token_loss on [3, 6] rows with a policy loss built over constants of `constants_shape`."""
+    gen = torch.Generator().manual_seed(21)
+    hidden = torch.randn(*HEAD_ROWS, HEAD_HIDDEN, generator=gen)
+    weight = torch.randn(v_local, HEAD_HIDDEN, generator=gen)
+    tokens = torch.randint(0, v_local, HEAD_ROWS, generator=gen)
+    loss = ppo_ops.policy_loss(torch.zeros(constants_shape), torch.ones(constants_shape))
+    return ppo_ops.linear_token_loss(hidden, weight, tokens, loss, tp_group=tp_group)
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (3, 7), (6, 3), (17,)], ids=["fewer", "more", "transposed", "flat_fewer"])
+def test_constants_counted_against_the_rows_scored(shape):
+    """Fewer constants than rows (indexed past their end), more (normalised over tokens never scored) or the rows'
+    shape transposed: one ValueError naming token_loss, the constants' shape and the rows'."""
+    with pytest.raises(ValueError, match="^ppo_ops.linear_token_loss: ") as caught:
+        _head_call(shape)
+    assert caught.value.ppo_ops_argument == "token_loss"
+    assert f"constants of shape {shape}" in str(caught.value) and "(3, 6)" in str(caught.value)
+
+
+@pytest.mark.parametrize("shape", [(3, 6), (18,)], ids=["rows_shape", "flat"])
+def test_constants_one_per_row_are_accepted(shape):
+    loss, out = _head_call(shape)
+    assert loss.shape == () and out.log_probs.shape == HEAD_ROWS
+
+
+def _constants_before_collectives_worker(rank, world_size):
+    from tests.test_core_errors import CollectiveIssued, _COLLECTIVES, _tripwire
+
+    originals = {name: getattr(torch.distributed, name) for name in _COLLECTIVES if hasattr(torch.distributed, name)}
+    headers = []
+    try:
+        for name, original in originals.items():
+            setattr(torch.distributed, name, _tripwire(name, original, headers))
+        # only rank 1's constants are short: rank 0 learns of it in its header exchange
+        shape = (3, 5) if rank == 1 else HEAD_ROWS
+        try:
+            _head_call(shape, tp_group=torch.distributed.group.WORLD)
+        except CollectiveIssued as err:
+            raise AssertionError(f"rank {rank}: a collective before the error: {err}") from err
+        except ValueError as err:
+            assert err.ppo_ops_argument == "token_loss", f"rank {rank}: {err}"
+            assert "rank 1" in str(err) and "token_loss" in str(err), f"rank {rank}: {err}"
+        else:
+            raise AssertionError(f"rank {rank}: no error")
+        assert len(headers) == 1, f"rank {rank}: {len(headers)} header exchanges, expected exactly 1"
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.distributed, name, fn)
+
+
+def test_constants_error_is_collective_at_tp2():
+    """At TP = 2 with one rank's constants short, both ranks raise the same error naming token_loss and rank 1,
+    after the one header exchange and before any other collective."""
+    from tests.ranks import run_gloo
+
+    run_gloo(2, _constants_before_collectives_worker, timeout_s=30, deadline_s=240)

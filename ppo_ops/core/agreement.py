@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from ppo_ops.core import sparse_keep
-from ppo_ops.core.checks import ENTROPY_MODES, FLOAT_DTYPES, REDUCTION_ORDERS, argument_error, error_prefix
+from ppo_ops.core.checks import (ENTROPY_MODES, FLOAT_DTYPES, REDUCTION_ORDERS, argument_error, check_tp_group,
+                                 error_prefix)
 from ppo_ops.core.row_stats import MAX, SUMEXP  # the partials' channels (the bad-logits flag reads them)
 
 
@@ -377,3 +378,14 @@ def raise_collectively(fn_name: str, exc: BaseException, group, world_size: int,
     table = exchange_headers(header, group, world_size)
     raise_if_any(fn_name, table, False, local_error=exc)
     raise exc  # not reached: the table holds this rank's error
+
+
+def check_collectively(fn_name: str, tp_group, validate, like, check: Callable[..., None], *args) -> None:
+    """Runs `check(*args)`, a local check the call shell does not make (a token loss's row count), before the shell
+    prepares the call; its error raises as the shell's own do: here at one rank or with validate=False, else on every
+    rank together through the header exchange the other ranks reach in their call. `like` as in raise_collectively."""
+    try:
+        check(*args)
+    except Exception as exc:
+        group, world_size, _ = check_tp_group(fn_name, tp_group)
+        raise_collectively(fn_name, exc, group, world_size, validate, like)

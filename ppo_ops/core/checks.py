@@ -241,6 +241,26 @@ def check_row_tensors(fn_name: str, source: str, device, lead: tuple, tokens, ma
             fail(ValueError, name, f"{name} must be on {device} like {source}, got {mask.device}")
 
 
+def check_token_loss_rows(fn_name: str, token_loss, lead: tuple, source: str, hint: str = "") -> None:
+    """A token loss that says how many tokens its constants cover (`shape`, as a ppo_ops.token_losses.TokenLoss
+    does) must cover the call's rows one to one: as many constants as rows (`lead`, the leading shape of `source`),
+    and, where the constants have as many dims as the rows, the rows' shape. More constants would be normalised over
+    tokens the call never scores; fewer would be indexed past their end. Other callables are not checked. `source`
+    says where `lead` comes from ("hidden.shape[:-1] ="); `hint` ends the message (what the caller's layout expects).
+    """
+    shape = getattr(token_loss, "shape", None)
+    if not isinstance(shape, torch.Size):
+        return
+    n_rows = math.prod(lead)
+    if shape.numel() == n_rows and (len(shape) != len(lead) or tuple(shape) == tuple(lead)):
+        return
+    raise argument_error(
+        ValueError, fn_name, "token_loss",
+        f"token_loss was built over constants of shape {tuple(shape)} ({shape.numel()} tokens), but the call scores "
+        f"{n_rows} rows ({source} {tuple(lead)}): build it over one constant per scored row, in the rows' layout"
+        f"{hint}")
+
+
 def check_vocab(fn_name: str, vocab_size: Optional[int], v_global: int) -> None:
     if vocab_size is not None and vocab_size > v_global:
         raise argument_error(

@@ -60,12 +60,13 @@ multiply-adds forward and 4 * len(ids) * H backward.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
 from ppo_ops.core.checks import argument_error
+from ppo_ops.core.fold import fold_sum
 
 NEG_INF = float("-inf")
 # Bits of the fixed-point row sums (see `fixed_bits`), at most: terms e^(z - M) <= 1 are rounded to 2^-44.
@@ -87,6 +88,32 @@ class SparseKeep:
 
     ids: torch.Tensor  # [nnz] global token ids
     offsets: torch.Tensor  # [rows + 1]
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepShard:
+    """The vocabulary a call's entries are formed against: the true size, the global (padded) size and this rank's
+    shard, global ids vocab_start .. vocab_start + n_valid - 1."""
+
+    vocab_size: int
+    v_global: int
+    vocab_start: int
+    n_valid: int
+
+    @classmethod
+    def of(cls, plan) -> "KeepShard":
+        """The shard of a call's Plan (core/shell.py)."""
+        return cls(plan.layout.vocab_size, plan.layout.v_global, plan.shard.vocab_start, plan.shard.n_valid)
+
+
+class FullStats(NamedTuple):
+    """The full-vocabulary statistics the logits op's kept entries' gradient reads besides the keep set's: the
+    upstream entropy gradient, the shift, log-sum and mean shifted logit per row (entropy unused: g_ent None)."""
+
+    g_ent: Optional[torch.Tensor]
+    shift: torch.Tensor
+    log_sum: torch.Tensor
+    mean: Optional[torch.Tensor]
 
 
 # ---- local checks (no value read) ----
@@ -227,15 +254,15 @@ class Entries:
 
 
 def entries(keep: SparseKeep, tokens: torch.Tensor, *, rows: Optional[torch.Tensor], row_mask: Optional[torch.Tensor],
-            vocab_size: int, v_global: int, vocab_start: int, n_valid: int, kernels: bool) -> Entries:
+            shard: KeepShard, kernels: bool) -> Entries:
     """The entries of `keep` over R = len(tokens) rows: `rows` maps them to the call's rows where the LM head
     compacted them (R kept rows of a row mask; None: the rows are the call's); `row_mask` (call rows) drops rows
-    otherwise. This rank's shard is [vocab_start, vocab_start + n_valid). Device-side, no sync; malformed offsets
-    give unspecified entries, never an access out of bounds (validation reports them)."""
+    otherwise. Device-side, no sync; malformed offsets give unspecified entries, never an access out of bounds
+    (validation reports them)."""
+    vocab_size, v_global, vocab_start, n_valid = shard.vocab_size, shard.v_global, shard.vocab_start, shard.n_valid
     if kernels:
         from ppo_ops.core import sparse_keep_kernels
-        row, gid, ok, local, col, order = sparse_keep_kernels.entries(
-            keep.ids, keep.offsets, tokens, rows, row_mask, vocab_size, v_global, vocab_start, n_valid)
+        row, gid, ok, local, col, order = sparse_keep_kernels.entries(keep, tokens, rows, row_mask, shard)
         return Entries(keep.ids.numel(), tokens.numel(), row, gid, ok, local, col, order, keep.offsets, rows,
                        row_mask, vocab_start, n_valid)
     device = tokens.device
@@ -345,8 +372,7 @@ def keep_state(ent: Entries, z: torch.Tensor, vocab_size: int, inv_temperature: 
     bits = fixed_bits(vocab_size)
     if kernels:
         from ppo_ops.core import sparse_keep_kernels
-        m, log_s, defined, keep_row, log_prob, out = sparse_keep_kernels.log_probs(
-            z, ent.ok, ent.offsets, ent.rows, ent.row_mask, dense_log_prob, ent.n_ids, bits)
+        m, log_s, defined, keep_row, log_prob, out = sparse_keep_kernels.log_probs(z, ent, dense_log_prob, bits)
         return KeepState(ent, z, m, log_s, defined, keep_row, log_prob, inv_temperature, kernels), out
     n_rows = ent.n_rows
     zk = torch.where(ent.ok, z, NEG_INF)
@@ -407,17 +433,16 @@ def logits_forward(keep: SparseKeep, logits: torch.Tensor, tokens: torch.Tensor,
     log-probs. `logits` [T, V_local], `tokens` [T], `dense_log_prob` [T] are the call's, `plan` its Plan. Returns
     (KeepState, the call's log-probs with the keep rows' replaced)."""
     layout, shard = plan.layout, plan.shard
+    vocab = KeepShard.of(plan)
     kernels = use_kernels(logits, plan.backend.name)
     if kernels:  # one launch per row: entries, first listings and kept logits, no sort (no order needed here)
         from ppo_ops.core import sparse_keep_kernels
-        row, gid, ok, local, col, z = sparse_keep_kernels.logits_entries(
-            keep.ids, keep.offsets, tokens, row_mask, logits, shard.inv_temperature, layout.vocab_size,
-            layout.v_global, shard.vocab_start, shard.n_valid)
+        row, gid, ok, local, col, z = sparse_keep_kernels.logits_entries(keep, tokens, row_mask, logits,
+                                                                         shard.inv_temperature, vocab)
         ent = Entries(keep.ids.numel(), tokens.numel(), row, gid, ok, local, col, None, keep.offsets, None, row_mask,
                       shard.vocab_start, shard.n_valid)
     else:
-        ent = entries(keep, tokens, rows=None, row_mask=row_mask, vocab_size=layout.vocab_size,
-                      v_global=layout.v_global, vocab_start=shard.vocab_start, n_valid=shard.n_valid, kernels=False)
+        ent = entries(keep, tokens, rows=None, row_mask=row_mask, shard=vocab, kernels=False)
         z = torch.zeros(ent.row.numel(), dtype=torch.float32, device=logits.device)
         if z.numel() and logits.shape[0] and logits.shape[1]:
             z = torch.where(ent.local, logits[ent.row, ent.col].to(torch.float32) * shard.inv_temperature, 0.0)
@@ -437,7 +462,8 @@ def logits_backward(state: KeepState, grad_log_prob: Optional[torch.Tensor], gra
     ent = state.ent
     if state.kernels:
         from ppo_ops.core import sparse_keep_kernels
-        sparse_keep_kernels.write_logits_grad(out, state, grad_log_prob, grad_entropy, shift, log_sum, mean_shifted)
+        sparse_keep_kernels.write_logits_grad(out, state, grad_log_prob,
+                                              FullStats(grad_entropy, shift, log_sum, mean_shifted))
         return
     value = coefficients(state, grad_log_prob)
     if grad_entropy is not None and mean_shifted is not None:
@@ -461,16 +487,14 @@ def lm_head_forward(keep: SparseKeep, hidden: torch.Tensor, weight: torch.Tensor
     call it after the header exchange (the call's validation), since the all-reduce's size is len(ids) + R."""
     layout, shard = plan.layout, plan.shard
     kernels = use_kernels(hidden, plan.backend.name)
-    ent = entries(keep, tokens, rows=rows, row_mask=None, vocab_size=layout.vocab_size, v_global=layout.v_global,
-                  vocab_start=shard.vocab_start, n_valid=shard.n_valid, kernels=kernels)
+    ent = entries(keep, tokens, rows=rows, row_mask=None, shard=KeepShard.of(plan), kernels=kernels)
     z = torch.zeros(ent.row.numel(), dtype=torch.float32, device=hidden.device)
     if z.numel() and hidden.shape[0]:
         if kernels:
             from ppo_ops.core import sparse_keep_kernels
-            sparse_keep_kernels.keep_dots(hidden, weight, ent.order, ent.row, ent.col, ent.local,
-                                          shard.inv_temperature, z)
+            sparse_keep_kernels.keep_dots(hidden, weight, ent, shard.inv_temperature, z)
         else:
-            _torch_dots(hidden, weight, ent.row, ent.col, ent.local, shard.inv_temperature, z)
+            _torch_dots(hidden, weight, ent, shard.inv_temperature, z)
     z = _exchange(z, layout.group)
     return keep_state(ent, z, layout.vocab_size, shard.inv_temperature, kernels, dense_log_prob)
 
@@ -487,7 +511,7 @@ def add_dx(state: KeepState, grad_log_prob: torch.Tensor, dx: torch.Tensor, weig
     ent = state.ent
     if state.kernels:
         from ppo_ops.core import sparse_keep_kernels
-        sparse_keep_kernels.keep_dx(dx, weight, coef, ent.col, ent.local, ent.offsets, ent.rows, ent.n_ids, r0, r1)
+        sparse_keep_kernels.keep_dx(dx, weight, coef, ent, r0, r1)
         return
     use = ent.local & (ent.row >= r0) & (ent.row < r1)
     # Row by row in entry order: the ids part is in CSR order and the targets follow it.
@@ -504,10 +528,9 @@ def add_dw(state: KeepState, grad_log_prob: torch.Tensor, dw: torch.Tensor, hidd
     ent = state.ent
     if state.kernels:
         from ppo_ops.core import sparse_keep_kernels
-        sparse_keep_kernels.keep_dw(dw, hidden, coef, ent.order, ent.row, ent.gid, ent.col, ent.local,
-                                    ent.vocab_start, ent.n_valid)
+        sparse_keep_kernels.keep_dw(dw, hidden, coef, ent)
         return
-    _torch_dw(dw, hidden, coef, ent.order, ent.row, ent.col, ent.local)
+    _torch_dw(dw, hidden, coef, ent)
 
 
 def add_to_dlogits(state: KeepState, coef: torch.Tensor, dl: torch.Tensor, r0: int, c0: int) -> None:
@@ -535,23 +558,13 @@ def add_to_dlogits(state: KeepState, coef: torch.Tensor, dl: torch.Tensor, r0: i
 
 # ---- torch fallbacks of the LM head's sparse work (fixed orders; CPU: sequential index_add_) ----
 
-def _fold_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sums the last dim in a fixed pairwise order of element-wise adds (consumes x): a row's bits never depend on
-    its position or on the other rows."""
-    width = x.shape[-1]
-    while width > 1:
-        half = width // 2
-        x[..., :half] += x[..., width - half:width]
-        width -= half
-    return x[..., 0]
-
-
-def _torch_dots(hidden, weight, row, col, local, inv_temperature, z) -> None:
+def _torch_dots(hidden, weight, ent: Entries, inv_temperature, z) -> None:
     """z[e] = inv_t * (hidden[row_e] . weight[col_e]) in fp32 for local entries, in chunks of TORCH_CHUNK entries."""
+    row, col, local = ent.row, ent.col, ent.local
     for a in range(0, z.numel(), TORCH_CHUNK):
         b = min(z.numel(), a + TORCH_CHUNK)
         prod = hidden[row[a:b]].to(torch.float32) * weight[col[a:b]].to(torch.float32)
-        dots = _fold_sum(prod) * inv_temperature
+        dots = fold_sum(prod) * inv_temperature
         z[a:b] = torch.where(local[a:b], dots, 0.0)
 
 
@@ -569,8 +582,9 @@ def _ordered_add_rows(dst, dst_rows, src, src_rows, coef, use) -> None:
             dst.index_add_(0, dst_rows[sel], part.to(dst.dtype))
 
 
-def _torch_dw(dw, hidden, coef, order, row, col, local) -> None:
+def _torch_dw(dw, hidden, coef, ent: Entries) -> None:
     """The dW term in (id, row) order: per id an fp32 sum from 0 in that order, then dW[id] = round(dW[id] + sum)."""
+    order, row, col, local = ent.order, ent.row, ent.col, ent.local
     sel = order[local[order]]  # local entries in (id, row) order (a host sync on CUDA without triton)
     if sel.numel() == 0:
         return

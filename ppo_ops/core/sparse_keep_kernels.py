@@ -19,10 +19,13 @@ No atomic adds into any value: the only atomics are the long rows' bitmap ORs an
 / sums, whose results do not depend on their order.
 """
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
+from ppo_ops.core.sparse_keep import Entries, FullStats, KeepShard, KeepState, SparseKeep
 from ppo_ops.core.triton_common import cdiv, interpreting, round_bf16_by_bits, scaled, store_rounded
 # The keep set's many small launches, with little host work each (triton_launch.py).
 from ppo_ops.core.triton_launch import launcher as _launch
@@ -152,8 +155,10 @@ def _dedup_kernel(skey_ptr, order_ptr, valid_ptr, gid_ptr, ok_out, local_out, co
     tl.store(col_out + e, tl.minimum(tl.maximum(col, 0), tl.maximum(n_valid - 1, 0)), mask=m)
 
 
-def entries(keep_ids, offsets, tokens, rows, row_mask, vocab_size, v_global, vocab_start, n_valid):
+def entries(keep: SparseKeep, tokens, rows, row_mask, shard: KeepShard):
     """The kernel path of sparse_keep.entries: (row, gid, ok, local, col, order) of the E = len(ids) + R entries."""
+    keep_ids, offsets = keep.ids, keep.offsets
+    vocab_size, v_global, vocab_start, n_valid = shard.vocab_size, shard.v_global, shard.vocab_start, shard.n_valid
     device = tokens.device
     n_ids, n_all, n_rows = keep_ids.numel(), offsets.numel() - 1, tokens.numel()
     n = n_ids + n_rows
@@ -344,13 +349,15 @@ def _scan_long_rows(ids_ptr, off_ptr, tok_ptr, row_mask_ptr, logits_ptr, row_out
                 tl.debug_barrier()
 
 
-def logits_entries(keep_ids, offsets, tokens, row_mask, logits, inv_temperature, vocab_size, v_global, vocab_start,
-                   n_valid, chunk=None, pairwise_max=None, warps=None):
+def logits_entries(keep: SparseKeep, tokens, row_mask, logits, inv_temperature, shard: KeepShard, *, chunk=None,
+                   pairwise_max=None, warps=None):
     """The logits op's entries and kept logits (before the exchange) in one launch: (row, gid, ok, local, col, z) of
     the E = len(ids) + T entries as `entries` gives them, z the kept logits times inv_t where this rank holds the
     entry (else 0), without the sort (no `order`).
     `chunk`, `pairwise_max` and `warps` default to the tuning constants above (tests take small ones to reach the
     long-row path)."""
+    keep_ids, offsets = keep.ids, keep.offsets
+    vocab_size, v_global, vocab_start, n_valid = shard.vocab_size, shard.v_global, shard.vocab_start, shard.n_valid
     chunk = chunk or _ROW_CHUNK
     pairwise_max = pairwise_max or _PAIRWISE_MAX
     opts = {} if interpreting() else {"num_warps": warps or _ROW_WARPS}
@@ -426,9 +433,10 @@ def _fixed_term(z, m, scale):
     return (e * scale).to(tl.int64)
 
 
-def log_probs(z, ok, offsets, rows, row_mask, dense_log_prob, n_ids, fixed_bits):
+def log_probs(z, ent: Entries, dense_log_prob, fixed_bits):
     """(shift, log_sum, defined, keep_row, keep log_prob, the rows' log-prob) per row (the kernel path of
-    sparse_keep.keep_log_probs and replace_log_probs)."""
+    sparse_keep.keep_state), from the entries' kept logits `z`."""
+    ok, offsets, rows, row_mask, n_ids = ent.ok, ent.offsets, ent.rows, ent.row_mask, ent.n_ids
     n_rows = dense_log_prob.numel()
     stats = torch.empty((4, n_rows), dtype=torch.float32, device=z.device)
     flags = torch.empty((2, n_rows), dtype=torch.uint8, device=z.device)
@@ -470,7 +478,8 @@ def _keep_grad_kernel(out_ptr, z_ptr, row_ptr, col_ptr, local_ptr, keep_shift_pt
         store_rounded(out_ptr + r * stride_r + c * stride_c, value, use, ROUND_BF16_BY_BITS)
 
 
-def _grad_launch(out, state, g_lp, r0, r1, mode, g_ent=None, shift=None, log_sum=None, mean=None):
+def _grad_launch(out, state: KeepState, g_lp, r0, r1, mode, full: Optional[FullStats] = None):
+    g_ent, shift, log_sum, mean = full if full is not None else (None, None, None, None)
     ent = state.ent
     n = ent.row.numel()
     dummy = state.z
@@ -490,10 +499,10 @@ def coefficients(state, g_lp, r0, r1):
     return out
 
 
-def write_logits_grad(out, state, g_lp, g_ent, shift, log_sum, mean) -> None:
+def write_logits_grad(out, state: KeepState, g_lp, full: FullStats) -> None:
     """The logits op's kept entries of its gradient `out`, written once (sparse_keep.logits_backward)."""
-    with_entropy = g_ent is not None and mean is not None
-    _grad_launch(out, state, g_lp, 0, state.ent.n_rows, 1 if with_entropy else 2, g_ent, shift, log_sum, mean)
+    with_entropy = full.g_ent is not None and full.mean is not None
+    _grad_launch(out, state, g_lp, 0, state.ent.n_rows, 1 if with_entropy else 2, full)
 
 
 @triton.jit
@@ -516,8 +525,9 @@ def _keep_dots_kernel(h_ptr, w_ptr, order_ptr, row_ptr, col_ptr, local_ptr, z_pt
     tl.store(z_ptr + e, tl.where(local, z, 0.0), mask=in_range)
 
 
-def keep_dots(hidden, weight, order, row, col, local, inv_temperature, z) -> None:
+def keep_dots(hidden, weight, ent: Entries, inv_temperature, z) -> None:
     """z[e] = inv_t * (hidden[row_e] . weight[col_e]) in fp32 for local entries, 0 for the others (z [E] fp32)."""
+    order, row, col, local = ent.order, ent.row, ent.col, ent.local
     n = z.numel()
     hidden, weight = hidden.contiguous(), weight.contiguous()
     width = hidden.shape[1]
@@ -558,9 +568,10 @@ def _keep_dx_kernel(dx_ptr, w_ptr, coef_ptr, col_ptr, local_ptr, off_ptr, rows_p
     tl.store(ptr, tl.load(ptr, mask=hm, other=0.0) + acc, mask=hm)
 
 
-def keep_dx(dx, weight, coef, col, local, offsets, rows, n_ids, r0, r1) -> None:
+def keep_dx(dx, weight, coef, ent: Entries, r0, r1) -> None:
     """dx[r - r0] += Σ_e coef_e weight[col_e] over row r's local entries (CSR order, then its target), rows r0..r1
-    (`rows`: their call rows where compacted, else None)."""
+    (ent.rows: their call rows where compacted, else None)."""
+    col, local, offsets, rows, n_ids = ent.col, ent.local, ent.offsets, ent.rows, ent.n_ids
     weight = weight.contiguous()
     assert dx.dtype == torch.float32 and dx.stride(1) == 1
     width = weight.shape[1]
@@ -632,9 +643,12 @@ def _keep_dw_kernel(dw_ptr, h_ptr, coef_ptr, order_ptr, row_ptr, col_ptr, gid_pt
     store_rounded(ptr, tl.load(ptr, mask=m, other=0.0).to(tl.float32) + total, m, ROUND_BF16_BY_BITS)
 
 
-def keep_dw(dw, hidden, coef, order, row, gid, col, local, vocab_start, n_valid) -> None:
-    """dw[v] = round(dw[v] + Σ coef_e hidden[row_e]) for each id v this rank holds (`col` its local row), the sum in
-    fp32 over v's entries in (id, row) order (`order`), in fixed tiles of that order: the same at every TP size."""
+def keep_dw(dw, hidden, coef, ent: Entries) -> None:
+    """dw[v] = round(dw[v] + Σ coef_e hidden[row_e]) for each id v this rank holds (ent.col its local row), the sum
+    in fp32 over v's entries in (id, row) order (ent.order), in fixed tiles of that order: the same at every TP
+    size."""
+    order, row, gid, col, local = ent.order, ent.row, ent.gid, ent.col, ent.local
+    vocab_start, n_valid = ent.vocab_start, ent.n_valid
     hidden = hidden.contiguous()
     assert dw.stride(1) == 1
     n = order.numel()

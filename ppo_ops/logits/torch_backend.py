@@ -12,11 +12,10 @@ index list of the kept rows (`nonzero`, a host sync on CUDA: acceptable for the 
 only, gathered into its chunks, so a dropped row costs neither compute nor working memory; dropped rows get the
 neutral partials and zero gradient rows.
 
-Bitwise invariance. Every reduction over the vocabulary is either a max (exact, order-free) or `_fold_sum`, a fixed
-pairwise fold made of element-wise adds on views. Element-wise ops give the same bits at every position, so a row's
-result never depends on how many rows share its chunk, which rank holds its segment, or the thread count. (A plain
-`tensor.sum` picks its reduction order from the tensor's shape: on CPU a single-row reduction is split across threads,
-on CUDA the block shape follows the number of rows; results would change with chunk_size.)
+Bitwise invariance. Every reduction over the vocabulary is either a max (exact, order-free) or `fold_sum`
+(core/fold.py: a fixed pairwise fold of element-wise adds on views, shared with core/sparse_keep.py), so a row's
+result never depends on how many rows share its chunk, which rank holds its segment, or the thread count; a plain
+`tensor.sum` would change with chunk_size.
 
 Forward, per chunk (z = fp32 logits * inv_temperature, padding columns set to -inf), for each segment:
     m = max z;  d = z - m (in place);  e = exp(d);  w = fold(e * d) (0 where e == 0: no 0 * inf);
@@ -33,6 +32,7 @@ from typing import Optional
 import torch
 
 from ppo_ops.core import row_stats
+from ppo_ops.core.fold import fold_sum
 from ppo_ops.core.contracts import BackwardStats, RowInputs, ShardOptions, UpstreamGrads
 from ppo_ops.core.layout import target_columns
 from ppo_ops.core.row_stats import ENT_SUM, KEPT_SUMEXP, MAX, NUM_PARTIALS, SUMEXP, TARGET_Z, empty_partials
@@ -41,16 +41,6 @@ from ppo_ops.core.row_stats import ENT_SUM, KEPT_SUMEXP, MAX, NUM_PARTIALS, SUME
 AUTO_CHUNK_BYTES = 64 * 1024 * 1024
 
 NEG_INF = float("-inf")
-
-
-def _fold_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sums the last dim with a fixed pairwise order; consumes x. Returns x[..., 0] (a view)."""
-    width = x.shape[-1]
-    while width > 1:
-        half = width // 2
-        x[..., :half] += x[..., width - half : width]
-        width -= half
-    return x[..., 0]
 
 
 def _chunks(n_rows: int, v_local: int, chunk_rows: Optional[int]):
@@ -141,12 +131,12 @@ def _partials_of_rows(inputs: RowInputs, rows, target_col, shard: ShardOptions, 
         e = torch.exp(zs)
         if with_entropy:
             ent_terms = zs.mul_(e).nan_to_num_(nan=0.0, posinf=float("inf"), neginf=NEG_INF)  # -inf * 0 -> 0
-            out[:, ENT_SUM, start:end] = _fold_sum(ent_terms).T
+            out[:, ENT_SUM, start:end] = fold_sum(ent_terms).T
         if keep_mask is not None:
             zs.copy_(e)
             _restrict_to_kept(z, keep_mask, rows, start, end, tcol)
-            out[:, KEPT_SUMEXP, start:end] = _fold_sum(zs).T
-        out[:, SUMEXP, start:end] = _fold_sum(e).T
+            out[:, KEPT_SUMEXP, start:end] = fold_sum(zs).T
+        out[:, SUMEXP, start:end] = fold_sum(e).T
         if keep_mask is None:
             out[:, KEPT_SUMEXP, start:end] = out[:, SUMEXP, start:end]
         out[:, MAX, start:end] = m.T
