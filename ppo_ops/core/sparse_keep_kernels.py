@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ppo_ops.core.sparse_keep import Entries, FullStats, KeepShard, KeepState, SparseKeep
+from ppo_ops.core.sparse_keep_types import Entries, FullStats, KeepShard, KeepState, SparseKeep
 from ppo_ops.core.triton_common import cdiv, interpreting, round_bf16_by_bits, scaled, store_rounded
 # The keep set's many small launches, with little host work each (triton_launch.py).
 from ppo_ops.core.triton_launch import launcher as _launch
