@@ -41,8 +41,9 @@ op and kind, loaded when selected, and the LM head's router), core/layout.py (vo
 core/row_stats.py (merge math), core/fold.py (the fixed-order sum behind the torch code's bitwise guarantees),
 core/scale.py and core/scale_kernel.py (scaling the gradients a token loss formed in its forward),
 core/sparse_keep.py, core/sparse_keep_kernels.py and core/sparse_keep_types.py (the sparse keep set's checks, row
-state and gradient term for both ops; its kernels; the types both share), core/triton_common.py (what the Triton kernels of both ops share), core/triton_launch.py (both ops'
-launches through Triton's own compiled kernel with less host work).
+state and gradient term for both ops; its kernels; the types both share), core/triton_common.py (what the Triton
+kernels of both ops share), core/triton_launch.py (both ops' launches through Triton's own compiled kernel with less
+host work).
 Under torch.compile the public functions call the ops' custom operators instead (compiled/: common.py what they
 share, logits_op.py, linear_op.py, token_loss_op.py), which run the same forward and backward bodies as the
 autograd Functions.

@@ -33,7 +33,7 @@ The fused LM head (a layout named `...-fused`, layouts.FUSED): the rank never fo
 takes h_part, W_t, the targets and the same `ppo_loss` (its rows mapped to the batch's), forms the loss's gradient in
 its forward, and loss.backward() hands dX and dW over (dX all-reduced over the TP group by the op). There is no
 logits gradient to report. The fused head has no keep mask and forms the logits in fp32, never rounding them to the
-model's dtype (README: linear_log_probs_and_entropy), so a fused layout is compared with its own baseline, not tp1:
+model's dtype (docs/api.md: linear_log_probs_and_entropy), so a fused layout is compared with its own baseline, not tp1:
 `tp1-unfused` (layouts.UNFUSED), the logits op on h @ W^T formed in fp32 from leaves in fp32, without the keep mask,
 at TP = 1. run_jobs adds it to every job with a fused layout; LayoutResult.baseline points to it. Fused layouts run
 under the `hf` numerics only (the fused head has no SGLang order).

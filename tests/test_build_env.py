@@ -96,7 +96,7 @@ def test_installed_packages_are_exactly_the_lock():
     wrong = {name: (installed.get(name), version) for name, version in pins.items() if installed.get(name) != version}
     assert not wrong, f"installed vs locked: {wrong}; run tools/bootstrap.sh"
     unlocked = sorted(set(installed) - set(pins))
-    assert not unlocked, f"installed but not in {LOCK_FILE}: {unlocked}; re-freeze the lock (README, Environment)"
+    assert not unlocked, f"installed but not in {LOCK_FILE}: {unlocked}; re-freeze the lock (docs/contributing.md)"
 
 
 def test_imported_torch_is_the_locked_one():

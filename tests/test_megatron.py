@@ -680,9 +680,9 @@ def test_packed_keep_scores_as_the_dense_mask_slime_builds():
 
 
 def test_packed_batch_with_nuclei_through_the_processor():
-    """The README's Megatron example on one packed stream: packed_targets' labels and rows, packed_keep's keep set
-    and a PPO loss through the processor equal linear_token_loss called directly with the same rows and keep set,
-    and the nuclei renormalise the response rows' log-probs."""
+    """docs/integrations.md's Megatron example on one packed stream: packed_targets' labels and rows, packed_keep's
+    keep set and a PPO loss through the processor equal linear_token_loss called directly with the same rows and
+    keep set, and the nuclei renormalise the response rows' log-probs."""
     total, response = [s[0] for s in KEEP_SAMPLES], [s[1] for s in KEEP_SAMPLES]
     ids, offsets = _nuclei(KEEP_SAMPLES, ms.VOCAB, 77)
     gen = torch.Generator().manual_seed(78)

@@ -71,7 +71,7 @@ def _gpu_python_impl(rctx):
     if not python:
         fail(("--config=gpu needs the GPU runner's CUDA Python: set %s=/path/to/python3 (bazel test --config=gpu " +
               "--repo_env=%s=... //..., or export it). It must hold the versions in requirements_gpu.lock " +
-              "(README.md, GPU runners).") % (_GPU_VAR, _GPU_VAR))
+              "(docs/contributing.md, GPU runners).") % (_GPU_VAR, _GPU_VAR))
     lock = str(rctx.path(Label("//:requirements_gpu.lock")))  # by label: a new lock probes again
     _probe_or_fail(rctx, python, "gpu", _GPU_VAR, [lock],
                    "a CUDA Python with the versions of requirements_gpu.lock")
@@ -98,7 +98,7 @@ def _sglang_python_impl(rctx):
     python = rctx.os.environ.get(_SGLANG_VAR, "")
     if not python:
         fail(("--config=sglang needs the interpreter that runs SGLang servers: set %s=/path/to/python3 " +
-              "(--repo_env=%s=..., or export it). README.md, GPU runners.") % (_SGLANG_VAR, _SGLANG_VAR))
+              "(--repo_env=%s=..., or export it). docs/contributing.md, GPU runners.") % (_SGLANG_VAR, _SGLANG_VAR))
     _probe_or_fail(rctx, python, "sglang", _SGLANG_VAR, [], "an interpreter with SGLang, sglang-kernel and CUDA torch")
     rctx.file(_SGLANG_PATH_FILE, python + "\n")  # as given: a wrapper that sets PYTHONPATH is not sys.executable
 
