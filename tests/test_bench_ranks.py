@@ -47,7 +47,7 @@ def test_smoke_over_two_gloo_ranks(tmp_path):
             assert row["check"] == "ok"
             assert int(row["bytes"]) == 3 * 8 * 128 * 2 + (2 * 8 * 128 if row["keep_mask"] == "on" else 0)
     fused = next(r for r in rows if r["provider"] == "fused")
-    assert fused["baseline"] == "provider=gemms; tp=1,V=128"
+    assert fused["baseline"] == "provider=gemms; provider=unfused; tp=1,V=128"
 
 
 def _rep_count_worker(rank, world_size):

@@ -96,7 +96,7 @@ def test_measured_rows_carry_consistent_numbers(smoke):
         assert (r["steady_ms"] != "") == (r["family"] == "lm_head")  # only the LM head is timed back to back
     fused = next(r for r in rows if r["provider"] == "fused")
     assert float(fused["err_logprob"]) < 0.05 and float(fused["err_dx_rel"]) < 0.05  # bf16 against float64
-    assert fused["baseline"] == "provider=gemms"
+    assert fused["baseline"] == "provider=gemms; provider=unfused"
 
 
 def test_report_sets_rows_against_their_baselines(smoke):
@@ -227,3 +227,29 @@ def test_cli_refuses_bad_flags_with_one_line_and_exit_2(tmp_path, args, message)
     line = processes.only_line(out.stderr)
     assert line.startswith("bench: error: ") and message in line
     assert not (tmp_path / "results.csv").exists()
+
+
+def test_plot_draws_the_logits_familys_headline_vocabulary(tmp_path):
+    image = pytest.importorskip("matplotlib.image")
+
+    rows = [dict(report.HEADLINE, provider=p, T=str(T), V_local="151936", validate="on", inplace_grad="off",
+                 status="ok", p20_ms=str(t * 0.9), p50_ms=str(t), p80_ms=str(t * 1.1), peak_extra_mib=str(T / 4),
+                 gpu="GPU", dtype=dt, entropy=e)
+            for p, scale in (("triton", 1.0), ("naive", 20.0)) for T in (4096, 8192) for dt in ("bf16", "fp32")
+            for e in ("grad", "none") for t in (scale * T / 4096,)]
+    csv = str(tmp_path / "r.csv")
+    report.append_csv(csv, rows)
+    report.render(csv, str(tmp_path / "r.md"), str(tmp_path / "r.png"))
+    height, width = image.imread(str(tmp_path / "r.png")).shape[:2]
+    assert width > 1000 and height > 500
+    md = (tmp_path / "r.md").read_text()
+    assert md.count("| triton | T=8192 V=151936 bf16 entropy grad TP=1 | 2.000 |") == 2  # headline and family tables
+
+
+def test_the_pieces_probe_runs_and_refuses_a_machine_without_cuda(tmp_path):
+    probe = REPO_ROOT / "tools" / "probes" / "lm_head_pieces.py"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, str(probe), f"--out_dir={tmp_path}"], cwd=str(REPO_ROOT), env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert processes.only_line(out.stderr) == "lm_head_pieces: error: the pieces are CUDA kernels: run on a GPU"

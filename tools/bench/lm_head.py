@@ -87,9 +87,13 @@ def bytes_moved(c: Case) -> None:
 
 
 def baselines(c: Case) -> tuple[list[dict], Optional[dict]]:
+    """The GEMMs of the same shape (one GEMM for the forward-only rows), the logits path (unfused), a keep set's row
+    the same call without one, a TP > 1 row the same call on the rank's local shape at TP = 1."""
     if c.provider in ("gemms", "gemm1"):
         return [], None
     out = [dict(provider="gemm1" if c.provider in ONE_GEMM else "gemms")]
+    if c.provider not in ONE_GEMM + ("unfused",):
+        out.append(dict(provider="unfused"))
     if c.provider.endswith("_keep"):
         out.append(dict(provider=c.provider.removesuffix("_keep")))
     if c.tp > 1:

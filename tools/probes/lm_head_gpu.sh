@@ -1,5 +1,5 @@
 #!/bin/bash
-# Probe: one GPU session of the fused LM head in one call (docs/performance.md, "The fused LM head"): both ops against
+# Probe: the fused LM head's GPU checks in one call (docs/performance.md, "The fused LM head"): both ops against
 # float64 at a small shape (sanity), the bench's lm_head_own suite with its float64 columns (bench), the chunk path's
 # pieces alone (pieces: tools/probes/lm_head_pieces.py), the whole step's lm_head_step suite (whole), then the GPU
 # tests of both LM-head test files through their Bazel GPU targets (tests). The GPU tests' interpreter is
