@@ -411,7 +411,8 @@ def build_small_call(c: Case, inp: Inputs) -> Closure:
         return call(logits)
 
     closure = _closure(c, inp, marked)
-    closure.forward = None if mode != c.provider else closure.forward  # the floor's values are not log-probs
+    if c.provider.startswith("floor_"):
+        closure.forward = None  # the floor's values are not log-probs
     if mode != "eager":
         before = counters["stats"]["unique_graphs"]
         for _ in range(COMPILE_WARMUP_CALLS):
