@@ -1,34 +1,18 @@
-"""Timing, peak memory, copy bandwidth and the byte count of each case.
+"""Timing, host time, peak memory, back-to-back throughput, the device warm-up and the copy bandwidth.
 
-Timing: after `warmup` untimed calls (Triton compiles on the first), each repetition is bracketed by CUDA events
-(host `perf_counter` on CPU, where the numbers only exercise the plumbing). The repetition count fills about
-`target_ms` of device time, clamped to [min_reps, max_reps]; we report the 20th, 50th and 80th percentiles. Work that
-must happen before each repetition but is not part of the op (refilling logits an in-place backward destroyed) runs
-in `prepare`, outside the events. Inputs are gigabytes, far over the 50 MB L2, so one input set is timed repeatedly
-with no cache flush or rotation.
-
-Host time: each repetition's step is also bracketed by `perf_counter` on the host (inside the events): the wall time
-of the Python call until it returns, before any synchronisation, i.e. what launching its work costs the host. Its
-p50 is `Timing.host_p50_ms`. A call with no host sync whose host time is near (or above) its device time is host
-bound: the GPU waits on the launches. Where the GPU is the bottleneck the host time can include waits on a full
-launch queue or a host sync of the op's own (validate=True), so it says something only next to the device time.
-
-Peak extra memory: `torch.cuda.max_memory_allocated` during one step, after `reset_peak_memory_stats`, minus
-`memory_allocated` just before it, with the inputs alive. Everything the step allocates and still holds at its peak
-(outputs, the gradient buffer, saved activations, temporaries) counts. Not measured on CPU.
-
-Thermal state: on a GPU held at its power limit the clock falls as the chip warms, so the first cases of a run
-would meet a faster GPU than the last (an H200 at 700 W: 1980 MHz idle, 1440 MHz under cuBLAS's GEMMs at 63 C, with
-step times rising over the first tens of seconds of load). Before the first case, `warm_up_device` runs bf16 GEMMs
-until their time per window is steady, so the baselines and the cases that are set against them are timed in the
-same, sustained state, as in a training run; its trace is printed with the run.
-
-Copy bandwidth: device-to-device `copy_` of a large buffer, bytes read plus bytes written, timed the same way in the
-same run, so each case's GB/s is set against what this device moves at best.
-
-Bytes of a case (per rank, the floor of the op): the forward reads the kept rows of the logits once; the backward reads
-them again and writes the whole gradient (rows dropped by the row mask get zeros, still written). A keep mask (1 byte
-per element) is read in both passes. O(T) vectors (tokens, row statistics, per-token outputs) are not counted.
+- Time: after `warmup` untimed calls (the first compiles), each repetition of `step(prepare())` is bracketed by CUDA
+  events (perf_counter on CPU, where numbers only exercise the plumbing); `prepare` is untimed. The repetition count
+  fills about `target_ms`, clamped to [min_reps, max_reps]; p20/p50/p80 are reported. Inputs are far over the L2, so
+  one input set is timed repeatedly with no cache flush.
+- Host time: each call is also bracketed by perf_counter on the host, until it returns, before any synchronisation:
+  what launching its work costs. A call without a host sync whose host time reaches its device time is host bound.
+- Peak extra memory: max_memory_allocated during one step over memory_allocated just before it, inputs alive.
+- Back to back (`steady_ms`): wall-clock ms per step over about --steady_s of steps with one synchronisation at the
+  end: a training loop's throughput, with the host's share and the op's own host reads in it.
+- Warm-up: on a GPU at its power limit the clock falls as the chip warms (an H200: 1980 MHz idle, 1440 MHz under
+  sustained GEMMs), so before the first case bf16 GEMMs run until their time per window is steady.
+- Copy bandwidth: a device-to-device copy_, bytes read plus written, in the same run; each case's GB/s is set
+  against it.
 """
 
 from __future__ import annotations
@@ -53,25 +37,6 @@ class Timing:
     p80_ms: float
     reps: int
     host_p50_ms: Optional[float] = None  # p50 host wall time of the call (module docstring); None where not timed
-
-
-@dataclasses.dataclass(frozen=True)
-class CaseBytes:
-    fwd: int
-    bwd: int
-
-    @property
-    def total(self) -> int:
-        return self.fwd + self.bwd
-
-
-def case_bytes(T: int, v_local: int, dtype: str, kept_rows: int, keep_mask: bool) -> CaseBytes:
-    """Bytes one rank must move for forward + backward of one case (see module docstring)."""
-    db = DTYPE_BYTES[dtype]
-    mask = kept_rows * v_local if keep_mask else 0  # bool keep mask, read by each pass
-    fwd = kept_rows * v_local * db + mask
-    bwd = kept_rows * v_local * db + T * v_local * db + mask
-    return CaseBytes(fwd=fwd, bwd=bwd)
 
 
 def gbps(nbytes: int, ms: float) -> float:

@@ -1,13 +1,15 @@
-"""Bench outputs: one long-format CSV (appended case by case), a Markdown summary and a PNG plot rendered from it.
+"""The record (one long-format CSV, every family's rows) and its report (Markdown, and a PNG where asked).
 
-The CSV is the record: one row per case and run, with the environment (GPU, versions, date) on every row, so results
-of several runs (TP=1 on one GPU, TP=2 over two) can be appended to one file and rendered together. When a case
-appears more than once, the Markdown and the plot use its latest row.
+The CSV is the record: one row per measured case, appended as it is measured, with the run's environment on every
+row (GPU, versions, commit, the run's timestamp, which names the run) and the case's round (bench --rounds). Each
+row also names the rows it is set against (`baseline`: case fields that differ, e.g. `provider=gemms`, several
+separated by "; "; `floor`: the body-only step under a whole-step row), so the report needs nothing but the CSV.
 
-The Markdown has the environment, the performance targets checked against the measurements (met / missed by how much /
-not measured; those that set one way against another over the rounds of one run, paired.py), the headline shape, the
-small calls (the small_call suite: device and host time per call), and every case. The plot shows p50 time (p20-p80
-bars) and peak extra memory against T for each provider, TP=1, no masks.
+The report gives numbers, no verdicts: per family the latest row of every case, and for each row with a baseline
+the ratios to it: p50 time, back-to-back time, peak extra memory (and the extra over the floor against the
+baseline's extra over it), and the p50 difference in ms. A row and its baseline measured in one run are paired
+round by round (the latest run that measured both) and each figure is the median over the rounds with its range;
+otherwise the latest row of each is used (marked "separate runs").
 """
 
 from __future__ import annotations
@@ -15,65 +17,35 @@ from __future__ import annotations
 import csv
 import math
 import os
-from typing import Iterable, Optional, Sequence
+import statistics
+from typing import Callable, Iterable, Optional
 
-from tools.bench import paired
-
-COLUMNS = (
-    "provider", "T", "V", "V_local", "dtype", "entropy", "keep_mask", "row_frac", "kept_rows", "tp", "validate",
-    "inplace_grad", "status", "check", "reps", "p20_ms", "p50_ms", "p80_ms", "host_ms", "bytes_fwd", "bytes_bwd",
-    "gbps", "copy_gbps", "frac_copy_bw", "peak_extra_mib", "grad_mib", "device", "gpu", "torch", "triton", "ppo_ops",
-    "liger_kernel", "megatron_core", "torch_compile", "date", "round",
-)
-# Fields that identify a case (a later row with the same key replaces an earlier one in the rendered outputs).
-CASE_KEY = ("provider", "T", "V", "dtype", "entropy", "keep_mask", "row_frac", "tp", "validate", "inplace_grad")
-
-HEADLINE = dict(T="8192", V="151936", dtype="bf16", tp="1", keep_mask="off", row_frac="1.0")
-TIME_TARGET_FRAC = 0.8  # target: at least 80% of the measured copy bandwidth
-MEM_SLACK_MIB = 64.0  # target: peak extra <= gradient buffer + 64 MiB (64 MiB with inplace_grad)
-# Small-call targets (the small_call suite: T = 1024, V = 151936, bf16, entropy with gradient, validate off), ms per
-# forward + backward: eager, and under torch.compile(mode="reduce-overhead").
-SMALL_CALL_TARGETS_MS = {"eager": 0.5, "reduce_overhead": 0.35}
-TP2_SLOWDOWN = 1.15  # target: TP=2 rank time at most 15% above TP=1 on logits of the same local size
-# The keep_set suite's cases (the sparse keep set is the provider's: its row has no keep mask)
-KEEP_SHAPE = dict(T="8192", V="151936", dtype="bf16", tp="1", entropy="grad", keep_mask="off", row_frac="1.0",
-                  inplace_grad="off")
+CASE_COLUMNS = ("family", "provider", "T", "V", "V_local", "H", "dtype", "entropy", "keep_mask", "row_frac", "tp",
+                "validate", "inplace_grad")
+COLUMNS = CASE_COLUMNS + (
+    "label", "status", "check", "err_logprob", "err_entropy", "err_dx_rel", "reps", "p20_ms", "p50_ms", "p80_ms",
+    "host_ms", "steady_ms", "peak_extra_mib", "bytes", "gbps", "copy_gbps", "frac_copy_bw", "baseline", "floor",
+    "gpu", "torch", "triton", "packages", "commit", "timestamp", "round")
+CASE_KEY = tuple(c for c in CASE_COLUMNS if c != "V_local")  # a later row of the same key is the same case again
+HEADLINE = dict(family="logits", T="8192", V="151936", dtype="bf16", tp="1", entropy="grad", keep_mask="off",
+                row_frac="1.0")
 
 
-def fmt_bool(value: Optional[bool]) -> str:
-    return "n/a" if value is None else ("on" if value else "off")
+# --- the CSV ---
 
 
-def append_csv(path: str, rows: Iterable[dict], columns: Sequence[str] = COLUMNS) -> None:
-    """Appends rows (dicts keyed by `columns`); writes the header when the file is new. A record written before
-    columns were added (its header a subset of `columns`) is rewritten first with the new header, its rows' new cells
-    empty, so that a record keeps growing across bench versions. Refuses a foreign header."""
-    rows = list(rows)
+def append_csv(path: str, rows: Iterable[dict], columns=COLUMNS) -> None:
+    """Appends rows (missing cells empty); writes the header when the file is new; refuses a foreign header."""
     new = not os.path.exists(path) or os.path.getsize(path) == 0
-    if not new and csv_columns(path) != tuple(columns) and set(csv_columns(path)) < set(columns):
-        write_csv(path, read_csv(path), columns)
-    if not new and csv_columns(path) != tuple(columns):
-        raise ValueError(f"{path}: existing CSV has columns {list(csv_columns(path))}, expected {list(columns)}; "
-                         "use a new --csv")
+    if not new:
+        with open(path, newline="") as f:
+            header = tuple(next(csv.reader(f), None) or ())
+        if header != tuple(columns):
+            raise ValueError(f"{path}: its columns {list(header)} are not the bench's; use a new --csv")
     with open(path, "a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         if new:
             writer.writeheader()
-        for row in rows:
-            writer.writerow({k: _cell(row.get(k)) for k in columns})
-
-
-def csv_columns(path: str) -> tuple:
-    """The header of an existing CSV."""
-    with open(path, newline="") as f:
-        return tuple(next(csv.reader(f), None) or ())
-
-
-def write_csv(path: str, rows: Iterable[dict], columns: Sequence[str]) -> None:
-    """Writes the whole file: the header, then each row's `columns` (missing ones empty)."""
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
         for row in rows:
             writer.writerow({k: _cell(row.get(k)) for k in columns})
 
@@ -87,33 +59,130 @@ def _cell(value) -> str:
 
 
 def read_csv(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
 
 
+def format_fields(fields: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in fields.items())
+
+
+def parse_fields(text: str) -> dict:
+    return dict(part.split("=", 1) for part in text.split(",") if part)
+
+
+def number(row: dict, key: str) -> Optional[float]:
+    """A cell as a float; None where empty or not a number."""
+    try:
+        value = float(row.get(key) or "")
+    except ValueError:
+        return None
+    return None if math.isnan(value) else value
+
+
+def key_of(row: dict) -> tuple:
+    return tuple(row.get(k, "") for k in CASE_KEY)
+
+
 def latest_per_case(rows: list[dict]) -> list[dict]:
     """The last row of each case, in order of first appearance."""
-    order, latest = [], {}
+    latest: dict = {}
     for row in rows:
-        key = tuple(row[k] for k in CASE_KEY)
-        if key not in latest:
-            order.append(key)
-        latest[key] = row
-    return [latest[k] for k in order]
+        latest[key_of(row)] = row  # an existing key keeps its place
+    return list(latest.values())
 
 
-_num = paired.number  # a CSV cell as a float; None where empty or NaN
+# --- pairing over rounds ---
 
 
-def _find(rows: list[dict], **fields) -> Optional[dict]:
+def rounds(rows: list[dict], *cases: tuple) -> list[tuple]:
+    """Per round of the latest run (timestamp) that measured every one of `cases` (CASE_KEY tuples) with status ok:
+    a tuple of one row per case, in round order; [] where no run measured them all."""
+    runs: dict = {}  # timestamp -> round -> [row per case]
     for row in rows:
-        if paired.matches(row, fields) and row.get("status") == "ok":
-            return row
-    return None
+        if row.get("status") != "ok":
+            continue
+        for i, case in enumerate(cases):
+            if key_of(row) == case:
+                per_round = runs.setdefault(row.get("timestamp", ""), {})
+                per_round.setdefault(row.get("round") or "1", [None] * len(cases))[i] = row
+    for run in reversed(list(runs)):
+        full = [tuple(found) for _, found in sorted(runs[run].items(), key=lambda kv: int(kv[0])) if None not in found]
+        if full:
+            return full
+    return []
 
 
-def case_label(row: dict) -> str:
-    """The provider and the options that set a row apart from its default (the tables' and the plot's name)."""
+def median_of(pairs: list[tuple], value: Callable[..., Optional[float]]) -> Optional[float]:
+    """The median over rounds of value(*rows), rounds where it is None left out."""
+    values = [v for v in (value(*rows) for rows in pairs) if v is not None]
+    return statistics.median(values) if values else None
+
+
+def spread(pairs: list[tuple], value: Callable[..., Optional[float]], spec: str) -> str:
+    """'median' of value(*rows) formatted with spec, then ' [min, max]' over rounds where there are several."""
+    values = [v for v in (value(*rows) for rows in pairs) if v is not None]
+    if not values:
+        return ""
+    text = format(statistics.median(values), spec)
+    return text + (f" [{min(values):{spec}}, {max(values):{spec}}]" if len(values) > 1 else "")
+
+
+def _ratio(key: str) -> Callable:
+    def of(mine, base, *_):
+        a, b = number(mine, key), number(base, key)
+        return None if a is None or not b else a / b
+    return of
+
+
+def _difference(mine, base, *_):
+    a, b = number(mine, "p50_ms"), number(base, "p50_ms")
+    return None if a is None or b is None else a - b
+
+
+def _over_floor(mine, base, floor):
+    """The row's peak over the floor's, against the baseline's peak over the floor's."""
+    m, b, f = (number(r, "peak_extra_mib") for r in (mine, base, floor))
+    return None if None in (m, b, f) or b == f else (m - f) / (b - f)
+
+
+def comparisons(all_rows: list[dict]) -> list[list[str]]:
+    """One table row per (measured case, baseline it names): the paired figures of the module docstring."""
+    out = []
+    for row in latest_per_case(all_rows):
+        if row.get("status") != "ok" or not row.get("baseline"):
+            continue
+        floor = parse_fields(row.get("floor", ""))
+        for text in row["baseline"].split("; "):
+            base_key = key_of(dict(row, **parse_fields(text)))
+            cases = [key_of(row), base_key] + ([key_of(dict(row, **floor))] if floor else [])
+            found, note = rounds(all_rows, *cases), ""
+            if not found:  # measured in separate runs (TP = 2 against TP = 1): the latest row of each
+                latest = {key_of(r): r for r in all_rows if r.get("status") == "ok"}
+                if not all(c in latest for c in cases):
+                    continue
+                found, note = [tuple(latest[c] for c in cases)], " (separate runs)"
+            out.append([
+                _label(row), _shape(row), text + note, str(len(found)),
+                spread(found, lambda m, *_: number(m, "p50_ms"), ".3f"),
+                spread(found, lambda _m, b, *_: number(b, "p50_ms"), ".3f"),
+                spread(found, _ratio("p50_ms"), ".3f"), spread(found, _difference, "+.3f"),
+                spread(found, _ratio("steady_ms"), ".3f"), spread(found, _ratio("peak_extra_mib"), ".3f"),
+                spread(found, _over_floor, ".3f") if floor else ""])
+    return out
+
+
+COMPARISON_HEADER = ["case", "shape", "against", "rounds", "p50 ms", "its p50 ms", "time ratio", "p50 difference ms",
+                     "back-to-back ratio", "peak ratio", "extra over the floor, ratio"]
+
+
+# --- the Markdown ---
+
+
+def _label(row: dict) -> str:
+    """The provider and the options that set the row apart from its default."""
     label = row["provider"]
     if row.get("inplace_grad") == "on":
         label += " inplace"
@@ -122,283 +191,133 @@ def case_label(row: dict) -> str:
     return label
 
 
-def target_rows(all_rows: list[dict]) -> list[tuple[str, str, str]]:
-    """(target, measured, verdict) for each performance target: the headline's from the latest row of each case (the
-    time and TP=2 targets get a second row for validate=False, no host sync, when that was measured); the small
-    calls', the sparse keep set's and the Megatron step's from the rounds of the latest run that measured what each
-    compares (paired.py)."""
-    rows = latest_per_case(all_rows)
-    out = []
-    head = dict(HEADLINE, entropy="grad")
-    tri = _find(rows, provider="triton", validate="on", inplace_grad="off", **head)
-    if tri:
-        out.append(_time_target(tri, "time"))
-        peak, grad = _num(tri, "peak_extra_mib"), _num(tri, "grad_mib")
-        if peak is not None:
-            out.append((
-                f"memory: peak extra <= gradient ({grad:.0f} MiB) + {MEM_SLACK_MIB:.0f} MiB",
-                f"{peak:.1f} MiB",
-                _verdict(peak <= grad + MEM_SLACK_MIB, f"missed by {peak - grad - MEM_SLACK_MIB:.1f} MiB", tri),
-            ))
-    else:
-        out.append(("time and memory of the headline (triton)", "not measured", "n/a"))
-    fast = _find(rows, provider="triton", validate="off", inplace_grad="off", **head)
-    if fast:
-        out.append(_time_target(fast, "time with validate=False"))
-    inplace = _find(rows, provider="triton", validate="on", inplace_grad="on", **head)
-    peak = _num(inplace, "peak_extra_mib") if inplace else None
-    out.append((
-        f"memory with inplace_grad: peak extra <= {MEM_SLACK_MIB:.0f} MiB",
-        f"{peak:.1f} MiB" if peak is not None else "not measured",
-        "n/a" if peak is None else _verdict(peak <= MEM_SLACK_MIB, f"missed by {peak - MEM_SLACK_MIB:.1f} MiB",
-                                            inplace),
-    ))
-    for dtype in ("bf16", "fp32"):
-        lp = dict(HEADLINE, entropy="none", dtype=dtype)
-        mine = _find(rows, provider="triton", validate="on", inplace_grad="off", **lp)
-        liger = _find(rows, provider="liger", **lp)
-        if mine and liger:
-            a, b = _num(mine, "p50_ms"), _num(liger, "p50_ms")
-            out.append((f"log-prob only, {dtype}: faster than Liger-Kernel CE", f"{a:.3f} ms vs {b:.3f} ms",
-                        _verdict(a < b, f"missed: {a / b - 1:.1%} slower", mine, liger)))
-        elif dtype == "bf16":
-            out.append((f"log-prob only, {dtype}: faster than Liger-Kernel CE", "not measured (liger absent?)", "n/a"))
-    tp2 = _tp2_target(rows, head, "on", "TP=2")
-    out.append(tp2 or ("TP=2 vs TP=1 on the same local shape", "not measured", "n/a"))
-    tp2_fast = _tp2_target(rows, head, "off", "TP=2 with validate=False")
-    if tp2_fast:
-        out.append(tp2_fast)
-    return (out + _small_call_targets(all_rows)
-            + paired.keep_targets(all_rows, [(dict(provider="triton_keep_sparse", validate=v, **KEEP_SHAPE),
-                                              dict(provider="triton", validate=v, **KEEP_SHAPE),
-                                              f"logits op, validate {v}") for v in ("on", "off")],
-                                  paired.KEEP_LOGITS_SLOWDOWN)
-            + paired.megatron_step_targets(all_rows))
-
-
-def _small_call_targets(rows: list[dict]) -> list[tuple[str, str, str]]:
-    """The small-call targets where the small_call suite measured them, over the rounds of the latest run: T = 1024
-    under each mode's bound (the median of the rounds' p50), and T = 8192 eager no slower than the same call without
-    the replay of repeated calls (the median over rounds of eager's p50 less that call's p80)."""
-    shape = dict(V="151936", dtype="bf16", tp="1", entropy="grad", validate="off")
-    out = []
-    for provider, goal in SMALL_CALL_TARGETS_MS.items():
-        found = paired.rounds(rows, dict(provider=provider, T="1024", **shape))
-        if found:
-            p50 = paired.median_of(found, lambda r: _num(r, "p50_ms"))
-            host = paired.median_of(found, lambda r: _num(r, "host_ms"))
-            out.append((f"small call, {provider}, T=1024: <= {goal} ms a forward + backward",
-                        f"{p50:.3f} ms (host {host:.3f} ms){paired.spread(found, lambda r: _num(r, 'p50_ms'), '.3f')}",
-                        _verdict(p50 <= goal, f"missed by {p50 - goal:.3f} ms", *(r for r, in found))))
-    found = paired.rounds(rows, dict(provider="eager", T="8192", **shape),
-                          dict(provider="eager_own_path", T="8192", **shape))
-    if found:
-        a = paired.median_of(found, lambda e, o: _num(e, "p50_ms"))
-        b = paired.median_of(found, lambda e, o: _num(o, "p50_ms"))
-        over = paired.median_of(found, lambda e, o: _num(e, "p50_ms") - _num(o, "p80_ms"))
-        out.append(("small call, eager, T=8192: no slower than without the replay",
-                    f"{a:.3f} ms vs {b:.3f} ms (eager's p50 less the other's p80: {over:+.3f} ms"
-                    f"{paired.spread(found, lambda e, o: _num(e, 'p50_ms') - _num(o, 'p80_ms'), '+.3f')})",
-                    _verdict(over <= 0, f"missed: {a - b:+.3f} ms", *(r for pair in found for r in pair))))
-    return out
-
-
-def _time_target(row: dict, name: str) -> tuple[str, str, str]:
-    frac = _num(row, "frac_copy_bw")
-    goal_ms = _num(row, "p50_ms") * frac / TIME_TARGET_FRAC if frac else None
-    return (
-        f"{name}: >= {TIME_TARGET_FRAC:.0%} of copy BW (T=8192 bf16 TP=1, log-prob + entropy grad)",
-        f"{_fmt(row, 'p50_ms', '.3f')} ms, {_fmt(row, 'gbps', 'g')} GB/s = {frac:.1%} of the copy's "
-        f"{_fmt(row, 'copy_gbps', 'g')} GB/s" if frac else "n/a",
-        _verdict(frac is not None and frac >= TIME_TARGET_FRAC,
-                 f"missed: needs <= {goal_ms:.3g} ms" if goal_ms else "not measured", row),
-    )
-
-
-def _tp2_target(rows: list[dict], head: dict, validate: str, name: str) -> Optional[tuple[str, str, str]]:
-    """TP=2's slowest rank against TP=1 on the same local shape, both with the given validate; None if unmeasured."""
-    tp2 = _find(rows, provider="triton", validate=validate, inplace_grad="off", **dict(head, tp="2"))
-    ref = _find(rows, provider="triton", validate=validate, inplace_grad="off",
-                **dict(head, V=str(int(HEADLINE["V"]) // 2)))
-    if not (tp2 and ref):
-        return None
-    a, b = _num(tp2, "p50_ms"), _num(ref, "p50_ms")
-    return (f"{name}: slowest rank <= {TP2_SLOWDOWN:.2f} x TP=1 on the same local shape [8192, 75968]",
-            f"{a:.3f} ms vs {b:.3f} ms ({a / b:.3f} x)",
-            _verdict(a <= TP2_SLOWDOWN * b, f"missed by {a / b - TP2_SLOWDOWN:.3f} x", tp2, ref))
-
-
-def _verdict(met: bool, missed: str, *rows: dict) -> str:
-    """"met", or how it was missed; a measurement whose forward failed the bench's check proves nothing."""
-    if any(r.get("check", "").startswith("fail") for r in rows):
-        return "invalid: the forward failed the check against the float64 reference"
-    return "met" if met else missed
-
-
-def _md_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
+def _shape(row: dict) -> str:
+    parts = [f"T={row['T']}", f"V={row['V']}"] + ([f"H={row['H']}"] if row.get("H") else [])
+    parts += [row["dtype"], f"entropy {row['entropy']}"]
+    if row.get("keep_mask") == "on":
+        parts.append("keep mask")
+    if row.get("row_frac") not in ("", "1.0", None):
+        parts.append(f"rows {float(row['row_frac']):.0%}")
+    return " ".join(parts + [f"TP={row['tp']}"])
 
 
 def _fmt(row: dict, key: str, spec: str) -> str:
-    """A CSV number formatted with `spec` ("g": 3 significant digits below 100, none after the point above)."""
-    value = _num(row, key)
-    if value is None:
-        return ""
-    if spec == "g":
-        spec = ".0f" if abs(value) >= 100 else ".3g"
-    return format(value, spec)
+    value = number(row, key)
+    return "" if value is None else format(value, spec)
 
 
-def _case_cells(row: dict) -> list[str]:
-    spread = f"{_fmt(row, 'p20_ms', '.3f')}–{_fmt(row, 'p80_ms', '.3f')}" if row.get("p20_ms") else ""
-    status = row["status"] if row.get("check") in ("", "ok", None) else f"{row['status']}, check {row['check']}"
-    rows = "all" if row["row_frac"] == "1.0" else f"{float(row['row_frac']):.0%}"
-    return [
-        case_label(row), row["T"], row["V"], row["dtype"], row["entropy"], row["keep_mask"], rows, row["tp"],
-        _fmt(row, "p50_ms", ".3f"), spread, _fmt(row, "host_ms", ".3f"), _fmt(row, "gbps", "g"),
-        _fmt(row, "frac_copy_bw", ".0%"), _fmt(row, "peak_extra_mib", ".1f"), status,
-    ]
+CASE_TABLE = (  # (header, cell); a column empty in every row of a family is left out of its table
+    ("case", _label), ("shape", _shape),
+    ("p50 ms", lambda r: _fmt(r, "p50_ms", ".3f")),
+    ("p20–p80 ms", lambda r: f"{_fmt(r, 'p20_ms', '.3f')}–{_fmt(r, 'p80_ms', '.3f')}" if r.get("p20_ms") else ""),
+    ("host ms", lambda r: _fmt(r, "host_ms", ".3f")),
+    ("back to back ms", lambda r: _fmt(r, "steady_ms", ".3f")),
+    ("GB/s", lambda r: _fmt(r, "gbps", ".0f")),
+    ("of copy BW", lambda r: _fmt(r, "frac_copy_bw", ".1%")),
+    ("peak extra MiB", lambda r: _fmt(r, "peak_extra_mib", ".1f")),
+    ("|Δ log-prob| vs float64", lambda r: _fmt(r, "err_logprob", ".2e")),
+    ("|Δ entropy| vs float64", lambda r: _fmt(r, "err_entropy", ".2e")),
+    ("dX rel. vs float64", lambda r: _fmt(r, "err_dx_rel", ".2e")),
+    ("status", lambda r: r["status"] if r.get("check") in ("", "ok", None) else f"{r['status']}, {r['check']}"),
+)
 
 
-_CASE_HEADER = ["provider", "T", "V", "dtype", "entropy", "keep", "rows", "TP", "p50 ms", "p20–p80 ms", "host ms",
-                "GB/s", "of copy BW", "peak extra MiB", "status"]
+def md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def _small_cells(row: dict) -> list[str]:
-    p50, host = _num(row, "p50_ms"), _num(row, "host_ms")
-    ratio = f"{host / p50:.2f}" if p50 and host is not None else ""
-    return [row["provider"], row["T"], row["V"], row["dtype"], row["entropy"], row["validate"], row["tp"],
-            _fmt(row, "p50_ms", ".3f"), _fmt(row, "host_ms", ".3f"), ratio, _fmt(row, "frac_copy_bw", ".0%"),
-            row["status"] if row.get("check") in ("", "ok", None) else f"{row['status']}, check {row['check']}"]
+def _case_table(rows: list[dict]) -> str:
+    cells = [[cell(r) for _, cell in CASE_TABLE] for r in rows]
+    keep = [i for i in range(len(CASE_TABLE)) if any(c[i] for c in cells)]
+    return md_table([CASE_TABLE[i][0] for i in keep], [[c[i] for i in keep] for c in cells])
 
 
 def render_markdown(all_rows: list[dict]) -> str:
-    from tools.bench.cases import SMALL_CALL_PROVIDERS
-
     rows = latest_per_case(all_rows)
-    envs = sorted({(r["gpu"], r["device"], r["torch"], r["triton"], r["ppo_ops"], r["liger_kernel"],
-                    r["megatron_core"], r["torch_compile"]) for r in rows})
-    copies = sorted({(r["gpu"], r["tp"], r["copy_gbps"]) for r in rows if r.get("copy_gbps")})
-    dates = sorted({r["date"] for r in rows if r.get("date")})
-    parts = ["# ppo_ops bench results", ""]
-    for gpu, device, torch_v, triton_v, ppo_v, liger_v, mcore_v, compiled in envs:
-        parts.append(f"- {gpu} ({device}); torch {torch_v}, triton {triton_v}, ppo_ops {ppo_v}, "
-                     f"liger-kernel {liger_v or 'absent'}, megatron-core {mcore_v or 'absent'} "
-                     f"(its jit_fuser's torch.compile {compiled})")
-    for _gpu, tp, copy in copies:
-        copy_text = _fmt({"c": copy}, "c", "g")
-        parts.append(f"- measured device copy bandwidth (read + write) in the TP={tp} run: {copy_text} GB/s per GPU")
-    if dates:
-        parts.append(f"- date: {dates[0]}" + (f" to {dates[-1]}" if len(dates) > 1 else ""))
-    parts += ["- time: forward + backward, p50 of CUDA-event timings (p20–p80); host ms: p50 of the host's wall "
-              "time in the call before any synchronisation (host bound where it reaches the device time); bytes = "
-              "forward reads the kept rows, backward reads them again and writes the whole gradient (+ keep mask read "
-              "in each pass); TP=2 rows show the slowest rank", ""]
-    parts += ["## Targets", "", _md_table(["target", "measured", "verdict"],
-                                                 [list(t) for t in target_rows(all_rows)]), ""]
+    parts = ["# ppo_ops bench", ""]
+    for env in sorted({(r["gpu"], r["torch"], r["triton"], r["packages"], r["commit"]) for r in rows}):
+        parts.append("- {}; torch {}, triton {}; {}; commit {}".format(*(v or "?" for v in env)))
+    for stamp, copy, label in sorted({(r["timestamp"], r["copy_gbps"], r["label"]) for r in rows if r["copy_gbps"]}):
+        parts.append(f"- run {stamp}{f' ({label})' if label else ''}: device copy {float(copy):.0f} GB/s "
+                     "(read + write)")
+    parts += ["- time: forward + backward, p50 of CUDA-event timings (p20–p80); host ms: the host's wall time in the "
+              "call before any synchronisation; back to back: wall-clock ms per step over a run of steps with one "
+              "synchronisation; TP > 1 rows: the slowest rank; a row whose case ran again shows its latest run", ""]
     head = [r for r in rows if all(r.get(k) == v for k, v in HEADLINE.items())]
     if head:
-        parts += ["## Headline shape: T=8192, V=151936, bf16, TP=1, no masks", "",
-                  _md_table(_CASE_HEADER, [_case_cells(r) for r in head]), ""]
-    small = [r for r in rows if r["provider"] in SMALL_CALL_PROVIDERS]
-    if small:
-        parts += ["## Small calls: eager, torch.compile and reduce-overhead (CUDA graphs)", "",
-                  "Host / device near 1: the call is host bound (its CUDA events then span the GPU's wait on the "
-                  "launches); well below 1: the device is the bottleneck. floor_*: an autograd op doing one kernel "
-                  "each way in the same mode, the host time torch itself takes per call on this host. A run of "
-                  "several rounds shows each case's last round here; the targets take the medians over rounds.", "",
-                  _md_table(["provider", "T", "V", "dtype", "entropy", "validate", "TP", "p50 ms", "host ms",
-                             "host / device", "of copy BW", "status"], [_small_cells(r) for r in small]), ""]
-    parts += ["## All cases", "", _md_table(_CASE_HEADER, [_case_cells(r) for r in rows]), ""]
+        parts += ["## Headline: T=8192, V=151936, bf16, log-prob + entropy with gradient, TP=1, no masks", "",
+                  _case_table(head), ""]
+    table = comparisons(all_rows)
+    if table:
+        parts += ["## Against the baselines", "",
+                  "Each ratio is the row's figure over its baseline's (median over the rounds of one run, [range]); "
+                  "the difference is the row's p50 less the baseline's.", "", md_table(COMPARISON_HEADER, table), ""]
+    for family in dict.fromkeys(r["family"] for r in rows):
+        parts += [f"## {family}", "", _case_table([r for r in rows if r["family"] == family]), ""]
     return "\n".join(parts)
 
 
-def _plot_vocab(rows: list[dict]) -> Optional[str]:
-    """V of the plot: the headline V when measured, else the V with the most measured TP=1 rows."""
-    vs = [r["V"] for r in rows]
-    if not vs:
-        return None
-    return HEADLINE["V"] if HEADLINE["V"] in vs else max(sorted(set(vs)), key=vs.count)
-
-
-PLOT_PANELS = tuple((dt, ent) for ent in ("grad", "none") for dt in ("bf16", "fp32"))
-# One colour per line label in every panel (matplotlib's tab10 order).
-_PLOT_LABELS = ("triton", "triton inplace", "torch", "torch inplace", "legacy", "naive", "liger")
-
-
-def plot_series(all_rows: list[dict]) -> tuple[Optional[str], dict]:
-    """What the plot shows: (V, {(dtype, entropy): {label: [(T, p20, p50, p80, peak MiB or None)] sorted by T}}).
-
-    TP=1, no keep mask (nor a keep set: the keep_set rows), no row mask, validate on, measured rows only."""
-    from tools.bench.cases import KEEP_SET_PROVIDERS
-
-    rows = [r for r in latest_per_case(all_rows)
-            if r["status"] == "ok" and r["tp"] == "1" and r["keep_mask"] == "off" and r["row_frac"] == "1.0"
-            and r.get("validate") != "off" and r["provider"] not in KEEP_SET_PROVIDERS]
-    vocab = _plot_vocab(rows)
-    series = {}
-    for dtype, entropy in PLOT_PANELS:
-        sel = [r for r in rows if r["V"] == vocab and r["dtype"] == dtype and r["entropy"] == entropy]
-        panel = {}
-        for row in sorted(sel, key=lambda r: int(r["T"])):
-            panel.setdefault(case_label(row), []).append((
-                int(row["T"]), _num(row, "p20_ms"), _num(row, "p50_ms"), _num(row, "p80_ms"),
-                _num(row, "peak_extra_mib"),
-            ))
-        series[(dtype, entropy)] = panel
-    return vocab, series
-
-
 def render_plot(all_rows: list[dict], path: str) -> None:
-    """p50 time (p20-p80 bars) and peak extra memory vs T, per provider; TP=1, no masks (see plot_series)."""
+    """The logits family's p50 (p20–p80 bars) and peak extra memory against T, per provider; TP=1, no masks, bf16 and
+    fp32, with and without the entropy's gradient."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    vocab, series = plot_series(all_rows)
-    colours = plt.get_cmap("tab10").colors
-
-    def colour(label):
-        return colours[_PLOT_LABELS.index(label) % len(colours)] if label in _PLOT_LABELS else None
-
-    fig, axes = plt.subplots(2, len(PLOT_PANELS), figsize=(4.2 * len(PLOT_PANELS), 7.5), squeeze=False)
-    for col, (dtype, entropy) in enumerate(PLOT_PANELS):
+    rows = [r for r in latest_per_case(all_rows) if r["family"] == "logits" and r["status"] == "ok" and r["tp"] == "1"
+            and r["keep_mask"] == "off" and r["row_frac"] == "1.0" and r.get("validate") != "off"
+            and r["V"] == HEADLINE["V"]]
+    panels = [(dt, ent) for ent in ("grad", "none") for dt in ("bf16", "fp32")]
+    fig, axes = plt.subplots(2, len(panels), figsize=(4.2 * len(panels), 7.5), squeeze=False)
+    for col, (dtype, entropy) in enumerate(panels):
         time_ax, mem_ax = axes[0][col], axes[1][col]
-        for label, pts in sorted(series[(dtype, entropy)].items()):
-            ts = [p[0] for p in pts]
-            p50 = [p[2] for p in pts]
-            spread = [[p[2] - p[1] for p in pts], [p[3] - p[2] for p in pts]]
-            time_ax.errorbar(ts, p50, yerr=spread, marker="o", capsize=3, label=label, color=colour(label))
-            mem = [(p[0], p[4] / 1024) for p in pts if p[4] is not None]
+        series: dict = {}
+        for r in sorted(rows, key=lambda r: int(r["T"])):
+            if r["dtype"] == dtype and r["entropy"] == entropy:
+                series.setdefault(_label(r), []).append(r)
+        for label, pts in sorted(series.items()):
+            ts, p50 = [int(r["T"]) for r in pts], [number(r, "p50_ms") for r in pts]
+            bars = [[m - number(r, "p20_ms") for m, r in zip(p50, pts)],
+                    [number(r, "p80_ms") - m for m, r in zip(p50, pts)]]
+            time_ax.errorbar(ts, p50, yerr=bars, marker="o", capsize=3, label=label)
+            mem = [(int(r["T"]), number(r, "peak_extra_mib")) for r in pts if r.get("peak_extra_mib")]
             if mem:
-                mem_ax.plot([m[0] for m in mem], [m[1] for m in mem], marker="o", label=label, color=colour(label))
-        what = "log-prob + entropy grad" if entropy == "grad" else "log-prob only"
-        time_ax.set_title(f"{dtype}, {what}")
+                mem_ax.plot([t for t, _ in mem], [m / 1024 for _, m in mem], marker="o", label=label)
+        time_ax.set_title(f"{dtype}, {'log-prob + entropy grad' if entropy == 'grad' else 'log-prob only'}")
         time_ax.set_ylabel("forward + backward, ms (p50, p20–p80)")
         mem_ax.set_ylabel("peak extra memory, GiB")
-        ticks = sorted({p[0] for pts in series[(dtype, entropy)].values() for p in pts})
         for ax in (time_ax, mem_ax):
-            ax.set_xlabel(f"T (tokens); V={vocab}, TP=1")
+            ax.set_xlabel(f"T (tokens); V={HEADLINE['V']}, TP=1")
             ax.set_xscale("log", base=2)
-            if ticks:
-                ax.set_xticks(ticks, [str(t) for t in ticks])
             ax.grid(True, alpha=0.3)
             if ax.has_data():
                 ax.legend(fontsize=7)
-        if time_ax.has_data():
-            time_ax.set_yscale("log")
-    gpus = sorted({r["gpu"] for r in all_rows if r.get("gpu")})
-    fig.suptitle(f"ppo_ops bench: {', '.join(gpus) or 'no measurements'}")
+    fig.suptitle(f"ppo_ops bench: {', '.join(sorted({r['gpu'] for r in rows})) or 'no measurements'}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def render(csv_path: str, md_path: str, png_path: str) -> None:
-    rows = read_csv(csv_path) if os.path.exists(csv_path) else []
+def render(csv_path: str, md_path: str, png_path: str = "") -> None:
+    rows = read_csv(csv_path)
     with open(md_path, "w") as f:
         f.write(render_markdown(rows))
-    render_plot(rows, png_path)
+    if png_path:
+        render_plot(rows, png_path)
+
+
+def describe(row: dict) -> str:
+    """The progress line of a row."""
+    head = f"{row['family']:7s} {_label(row):24s} {_shape(row)}"
+    if row["status"] != "ok":
+        return f"{head}: {row['status']}"
+    parts = [f"p50 {row['p50_ms']:.3f} ms [{row['p20_ms']:.3f}, {row['p80_ms']:.3f}]", f"host {row['host_ms']:.3f}"]
+    if row.get("steady_ms") is not None:
+        parts.append(f"back to back {row['steady_ms']:.3f}")
+    if row.get("frac_copy_bw") is not None:
+        parts.append(f"{row['gbps']:.0f} GB/s ({row['frac_copy_bw']:.0%} of copy)")
+    if row.get("peak_extra_mib") is not None:
+        parts.append(f"peak extra {row['peak_extra_mib']:.1f} MiB")
+    return f"{head}: {', '.join(parts)}, check {row.get('check') or 'off'}"

@@ -1,6 +1,6 @@
-"""The parts of ppo_ops below its public API that the LM-head bench measures: the segment-GEMM backend's chunk-path
-pieces (its GEMMs, its passes, its chunk shape). Every other bench module uses the public `ppo_ops` API only, so a
-change of ppo_ops' internal layout is followed here alone.
+"""The parts of ppo_ops below its public API that tools/probes/lm_head_pieces.py times: the segment-GEMM backend's
+chunk-path pieces (its GEMMs, its passes, its chunk shape). The bench itself uses the public `ppo_ops` API only, so a
+change of ppo_ops' internal layout is followed here alone. Not a program: imported by the pieces probe.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""The fused LM head's segment-GEMM backend (its chunk path), piece by piece (--suite=lm_head_pieces; CUDA only).
+"""Probe: the fused LM head's segment-GEMM backend (its chunk path) timed piece by piece, on one CUDA GPU.
+
+    python3 tools/probes/lm_head_pieces.py --out_dir=/tmp/pieces [--tokens=8192,32768] [--label=R1]
 
 At (T, H, V) = (T, 4096, 151936), bf16, TP = 1, T = 8192 unless --tokens names others: one cuBLAS GEMM of the whole
 logits; the chunk GEMMs, the partials pass and the forward-only op at several row-block sizes; the gradient pass; the
@@ -12,11 +14,26 @@ from __future__ import annotations
 
 import functools
 import os
+import pathlib
+import sys
 
 import torch
 
+if __package__ in (None, ""):
+    sys.path.insert(0, str(pathlib.Path(os.path.abspath(__file__)).parents[2]))  # the repository root
+
+from absl import app, flags
+
+from ppo_ops.runtime import cli
 from tools.bench import lm_head, measure, report
-from tools.bench.cases import LM_HEAD_HIDDEN, QWEN3_VOCAB, HeadCase
+from tools.bench.common import QWEN3_VOCAB
+
+LM_HEAD_HIDDEN = lm_head.HIDDEN
+GIB = float(1 << 30)
+_OUT_DIR = flags.DEFINE_string("out_dir", None, "Directory of pieces.csv (appended to).", required=True)
+_TOKENS = flags.DEFINE_list("tokens", ["8192"], "T values.")
+_SEED = flags.DEFINE_integer("seed", 1234, "Seed of the random inputs.")
+_LABEL = flags.DEFINE_string("label", "", "A name for this run, written on each of its rows.")
 
 FIELDS = ("label", "T", "piece", "ms", "what")
 FILE_NAME = "pieces.csv"
@@ -47,12 +64,11 @@ class _Pieces:
     """One T's pieces: the inputs, the segment views and the rows measured so far."""
 
     def __init__(self, T: int, seed: int, label: str):
-        from tools.bench import internals
+        from tools.probes import internals
 
         self.internals = internals
         self.T, self.label, self.rows = T, label, []
-        self.inp = lm_head.HeadInputs(HeadCase("gemms", T, LM_HEAD_HIDDEN, QWEN3_VOCAB), torch.device("cuda"), seed,
-                                      None, 0)
+        self.inp = lm_head.make_inputs(lm_head.case("gemms", T), torch.device("cuda"), seed=seed)
         self.seg_len = QWEN3_VOCAB // SEGMENTS
         self.passes = internals.triton_passes()
         self.shard = internals.shard(QWEN3_VOCAB, self.seg_len)
@@ -177,7 +193,7 @@ def _token_loss_shapes(p: _Pieces) -> None:
             ms = event_ms(step, reps=TOKEN_LOSS_REPS)
             peak = measure.peak_extra_bytes(lambda _: step(), lambda: None, p.inp.hidden.device)
             p.record(f"token_loss_rows{loss_rows}_dwrows{loss_dw_rows}", ms,
-                     f"linear_token_loss fwd+bwd, PPO closure, validate off; peak extra {peak / lm_head.GIB:.3f} GiB")
+                     f"linear_token_loss fwd+bwd, PPO closure, validate off; peak extra {peak / GIB:.3f} GiB")
 
 
 def _two_streams(p: _Pieces, rows: int, chunks, part, side) -> None:
@@ -235,3 +251,20 @@ def run(out_dir: str, tokens: list[int], *, seed: int, label: str) -> int:
         torch.cuda.empty_cache()
     print(f"wrote {path}")
     return 0
+
+
+def main(argv):
+    del argv
+    try:
+        tokens = [int(t) for t in _TOKENS.value]
+    except ValueError as error:
+        raise app.UsageError(f"--tokens: expected integers, got {_TOKENS.value}") from error
+    if not torch.cuda.is_available():
+        raise app.UsageError("the pieces are CUDA kernels: run on a GPU")
+    out_dir = cli.caller_path(_OUT_DIR.value)
+    os.makedirs(out_dir, exist_ok=True)
+    return run(out_dir, tokens, seed=_SEED.value, label=_LABEL.value)
+
+
+if __name__ == "__main__":
+    cli.run(main, program="lm_head_pieces")

@@ -1,12 +1,12 @@
 #!/bin/bash
-# One GPU session of the fused LM head, in one call (docs/performance.md, "The fused LM head"): a sanity check of both
-# ops against float64 at a small shape, the LM-head bench (lm_head_own) with its float64 columns, the chunked path's
-# pieces alone, the whole step (lm_head_step), then the GPU tests of both LM-head test files through their Bazel GPU
-# targets (GPU tests run only there: the runner's interpreter probed against requirements_gpu.lock, a GPU target fails
-# when a case inside skips). The interpreter is PPO_OPS_GPU_PYTHON, by default the python3 on PATH.
-#   tools/bench/lm_head_gpu.sh OUT_DIR LABEL [SKIP]   (SKIP: words among sanity bench pieces whole tests)
-# Everything it prints goes to OUT_DIR/run.log; CSVs and tables to OUT_DIR/b. Limits are per step, so one that
-# hangs or runs long leaves time to the rest.
+# Probe: the fused LM head's GPU checks in one call (docs/performance.md, "The fused LM head"): both ops against
+# float64 at a small shape (sanity), the bench's lm_head_own suite with its float64 columns (bench), the chunk path's
+# pieces alone (pieces: tools/probes/lm_head_pieces.py), the whole step's lm_head_step suite (whole), then the GPU
+# tests of both LM-head test files through their Bazel GPU targets (tests). The GPU tests' interpreter is
+# PPO_OPS_GPU_PYTHON, by default the python3 on PATH.
+#   tools/probes/lm_head_gpu.sh OUT_DIR LABEL [SKIP]   (SKIP: words among sanity bench pieces whole tests)
+# Everything it prints goes to OUT_DIR/run.log; the bench's record (results.csv, results.md) and pieces.csv to
+# OUT_DIR/b. Limits are per step, so one that hangs or runs long leaves time to the rest.
 set -u
 OUT=$1
 LABEL=$2
@@ -43,16 +43,14 @@ PY
 fi
 if step bench; then
 timeout 300 python3 tools/bench/bench.py --suite=lm_head_own --label="$LABEL" --out_dir="$OUT/b" --min_reps=5 \
-  --max_reps=20 2>&1 | tee -a "$LOG"
+  --max_reps=20 --png= 2>&1 | tee -a "$LOG"
 fi
 if step pieces; then
-timeout 150 python3 tools/bench/bench.py --suite=lm_head_pieces --label="$LABEL" --out_dir="$OUT/b" 2>&1 | tee -a "$LOG"
+timeout 150 python3 tools/probes/lm_head_pieces.py --label="$LABEL" --out_dir="$OUT/b" 2>&1 | tee -a "$LOG"
 fi
 if step whole; then
-timeout 200 python3 tools/bench/bench.py --suite=lm_head_step --providers=qwen3_step_ckpt,qwen3_step_head,qwen3_step_loss \
-  --out_dir="$OUT/b" --csv=whole_step.csv --md=whole_step.md --png=whole_step.png --min_reps=3 --max_reps=5 \
-  --check_rows=0 2>&1 | tee -a "$LOG"
-  rm -f "$OUT/b/whole_step.png"
+timeout 200 python3 tools/bench/bench.py --suite=lm_head_step --label="$LABEL" --out_dir="$OUT/b" --png= \
+  --min_reps=3 --max_reps=5 2>&1 | tee -a "$LOG"
 fi
 if step tests; then
 GPU_PYTHON=${PPO_OPS_GPU_PYTHON:-$(command -v python3)}
