@@ -825,42 +825,6 @@ def test_one_gemm_kernels_move_tiles_with_tma(compile_report, kernel):
     assert compile_report["kernels"][f"{kernel} bf16"]["tma"], f"{kernel}: no cp.async.bulk.tensor in the sm_90 PTX"
 
 
-# --- the bench's LM-head suite, on the CPU (plumbing only) ---
-
-BENCH_DECIMAL = 5e-4  # the record stores times and ratios with 3 decimals: half a unit of the last one
-
-
-@pytest.mark.device("cpu")
-def test_bench_lm_head_smoke(tmp_path):
-    from tools.bench import lm_head, lm_head_report, runner
-    from tools.bench.cases import suite_cases
-
-    paths = runner.OutputPaths(csv=str(tmp_path / "lm_head.csv"), md=str(tmp_path / "lm_head.md"), png="")
-    runner.run(runner.BenchConfig(cases=suite_cases(["lm_head_smoke"], tp=1), tp=1, device="cpu", paths=paths,
-                                  warmup=1, min_reps=1, max_reps=1, target_ms=0.0, seed=5, family="lm_head",
-                                  steady_s=1e-3))
-    rows = lm_head_report.read_rows(str(tmp_path / "lm_head.csv"))
-    assert len(rows) == len(lm_head.PROVIDERS), rows
-    ok = [r for r in rows if r["status"] == "ok"]
-    from tools.bench import keep_set
-    from tools.bench.cases import LM_HEAD_KEEP_PROVIDERS
-    no_keep = len(LM_HEAD_KEEP_PROVIDERS) if keep_set.missing() else 0  # skipped without a sparse keep set
-    assert len(ok) == len(lm_head.PROVIDERS) - len(lm_head.PEERS) - no_keep  # peers: skipped off CUDA
-    # every measured row timed back to back too, and set against its baseline's back-to-back time
-    assert all(float(r["steady_ms"]) > 0 for r in ok)
-    for r in ok:
-        if r["provider"] not in lm_head.BASELINES:
-            base = next(b for b in ok if b["provider"] == ("gemm1" if r["baseline"] == "1 GEMM" else "gemms"))
-            # the times as stored are each within BENCH_DECIMAL of those the ratio was formed from, so that ratio lies
-            # between the extreme quotients (exactly: a first-order bound falls short for a baseline of a few
-            # hundredths of a ms), and is stored within BENCH_DECIMAL of itself
-            ms, base_ms, d = float(r["steady_ms"]), float(base["steady_ms"]), BENCH_DECIMAL
-            low = (ms - d) / (base_ms + d)
-            high = (ms + d) / (base_ms - d) if base_ms > d else float("inf")
-            assert low - d <= float(r["steady_vs"]) <= high + d, (r["provider"], ms, base_ms, r["steady_vs"])
-    assert (tmp_path / "lm_head.md").exists()
-
-
 def _recording_rows(gemm, accumulates: bool, width: int, seg_len: int, rows: list):
     """`gemm` that first appends its row count to `rows` when it is a backward GEMM (not a forward chunk GEMM,
     whose K is H): dl @ W_s's M, or dl^T @ X's K."""

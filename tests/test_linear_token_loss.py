@@ -795,19 +795,16 @@ WHOLE_STEP_REL_TOL = 1e-4
 @pytest.mark.device("cpu")
 def test_whole_step_head_variants_train_alike():
     pytest.importorskip("transformers", reason="the whole-step provider builds its model with transformers")
-    from tools.bench import whole_step
-    from tools.bench.cases import suite_cases
-    from tools.bench.inputs import make_inputs
+    from tools.bench import step
 
     grads = {}
-    for case in suite_cases(["lm_head_step_smoke"]):
-        closure = whole_step.build(case, make_inputs(case, torch.device("cpu"), seed=0))
+    for provider in ("qwen3_step_ckpt", "qwen3_step_head", "qwen3_step_loss"):
+        case = step.case(provider, 8, 256, "fp32")
+        closure = step.build_hf(case, step.make_inputs(case, torch.device("cpu"), seed=0))
         closure.prepare()
         loss = closure.step(None)
         assert torch.isfinite(loss)
-        model = next(c.cell_contents for c in closure.prepare.__closure__
-                     if hasattr(c.cell_contents, "named_parameters"))
-        grads[case.provider] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        grads[provider] = {n: p.grad.clone() for n, p in closure.model.named_parameters()}
     base = grads["qwen3_step_ckpt"]
     for provider in ("qwen3_step_head", "qwen3_step_loss"):
         for name, g in grads[provider].items():

@@ -65,9 +65,8 @@ MCORE_QWEN3_0_6B = dict(num_layers=28, hidden_size=1024, num_attention_heads=16,
 ROTARY_BASE = 1_000_000
 
 # The spare way's allowance: at H = 1024, V = 151936 the fp32 dW accumulator takes 0.58 GiB of it and each block row
-# 2 V bytes, so 1.75 GiB gives 4096-row blocks (prob_block_rows); the step's peak is then 0.86 to 0.90 GiB over the
-# flash body's at T = 8192, within a quarter of the logits path's extra (0.915 GiB; 2 GiB went over, 1.5 GiB's
-# three blocks took 0.59: docs/performance.md)
+# 2 V bytes, so 1.75 GiB gives 4096-row blocks (ppo_ops.lm_head.paths.loss_block_rows), which keeps the step's peak
+# over the flash body's within a quarter of the logits path's extra at T = 8192 (docs/performance.md)
 SPARE_WORKING_MEMORY = 7 * 2**28
 # The general head's: bytes of fp16 probabilities (2 V a row) held across the loss, per T, chosen so the step's peak
 # stays within a quarter of the logits path's extra over the flash body (0.915 GiB at T = 8192, 4.03 at 32768); part

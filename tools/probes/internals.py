@@ -9,21 +9,21 @@ import contextlib
 import dataclasses
 
 from ppo_ops.core.contracts import BackwardStats, ShardOptions, UpstreamGrads
-from ppo_ops.lm_head import segment_gemms
+from ppo_ops.lm_head import gemms, paths, segment_gemms
 
-# The chunk path's row-block shape (rows, dw_rows, loss_rows, loss_dw_rows).
-DEFAULT_CHUNK_SHAPE = segment_gemms.CUDA_SHAPE
+# The chunk path's row shape (block_rows, group_rows, loss_block_rows, loss_group_rows: docs/lm_head.md's glossary).
+DEFAULT_CHUNK_SHAPE = paths.CUDA_SHAPE
 
 
 @contextlib.contextmanager
 def chunk_shape(**fields):
     """The chunk path's row-block shape with `fields` replaced while the block runs."""
-    before = segment_gemms.CUDA_SHAPE
-    segment_gemms.CUDA_SHAPE = dataclasses.replace(before, **fields)
+    before = paths.CUDA_SHAPE
+    paths.CUDA_SHAPE = dataclasses.replace(before, **fields)
     try:
         yield
     finally:
-        segment_gemms.CUDA_SHAPE = before
+        paths.CUDA_SHAPE = before
 
 
 def triton_passes():
@@ -42,6 +42,6 @@ def shard(vocab: int, seg_len: int) -> ShardOptions:
 
 
 # The chunk path's GEMMs: out = a @ b in fp32; acc += a @ b in fp32; out = a @ b rounded to out's dtype.
-mm_fp32 = segment_gemms.mm_fp32
-addmm_fp32 = segment_gemms.addmm_fp32
-mm_rounded = segment_gemms.mm_rounded
+mm_fp32 = gemms.mm_fp32
+addmm_fp32 = gemms.addmm_fp32
+mm_rounded = gemms.mm_rounded

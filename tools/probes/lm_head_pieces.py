@@ -42,7 +42,7 @@ TOKEN_LOSS_REPS = 3  # a whole fwd + bwd at T = 8192 is ~60 ms: fewer calls
 SEGMENTS = 8  # the vocabulary's fixed segments at TP = 1
 CHUNK_ROWS = (512, 1024, 2048)
 DW_K = (1024, 2048, 4096, 8192)
-TOKEN_LOSS_SHAPES = ((1024, 1024), (512, 2048), (1024, 2048), (512, 1024))  # (loss_rows, loss_dw_rows)
+TOKEN_LOSS_SHAPES = ((1024, 1024), (512, 2048), (1024, 2048), (512, 1024))  # (loss_block_rows, loss_group_rows)
 
 
 def event_ms(fn, reps: int = PIECE_REPS, warmup: int = 1) -> float:
@@ -120,7 +120,7 @@ def _row_blocks(p: _Pieces) -> None:
         p.internals.mm_fp32(p.x_rows(0, rows), p.w_segment(0).T, chunk)
         p.record(f"partials_pass_rows{rows}", event_ms(functools.partial(_partials_on_one_chunk, p, rows, chunk, part)),
                  f"{blocks * SEGMENTS} partials launches on one chunk (L2-warm: the same chunk each time)")
-        with p.internals.chunk_shape(rows=rows):
+        with p.internals.chunk_shape(block_rows=rows):
             p.record(f"forward_nograd_rows{rows}", event_ms(functools.partial(_forward_nograd, p)),
                      "the op under no_grad, validate off")
         del chunk, part
@@ -152,7 +152,7 @@ def _dw_accumulated(p: _Pieces, n: int, k: int, dl, acc) -> None:
 def _backward_pieces(p: _Pieces) -> None:
     """The gradient pass, the dX GEMMs and the dW GEMMs at several K."""
     device = p.inp.hidden.device
-    rows, dw_rows = p.default.rows, p.default.dw_rows
+    rows, dw_rows = p.default.block_rows, p.default.group_rows
     chunk = p.chunk(rows)
     p.internals.mm_fp32(p.x_rows(0, rows), p.w_segment(0).T, chunk)
     dl = torch.empty((dw_rows, p.seg_len), dtype=torch.bfloat16, device=device)
@@ -189,7 +189,7 @@ def _token_loss_shapes(p: _Pieces) -> None:
     closure = p.inp.ppo_loss()
     step = functools.partial(_token_loss_step, p, closure)
     for loss_rows, loss_dw_rows in TOKEN_LOSS_SHAPES:
-        with p.internals.chunk_shape(loss_rows=loss_rows, loss_dw_rows=loss_dw_rows):
+        with p.internals.chunk_shape(loss_block_rows=loss_rows, loss_group_rows=loss_dw_rows):
             ms = event_ms(step, reps=TOKEN_LOSS_REPS)
             peak = measure.peak_extra_bytes(lambda _: step(), lambda: None, p.inp.hidden.device)
             p.record(f"token_loss_rows{loss_rows}_dwrows{loss_dw_rows}", ms,
@@ -220,7 +220,7 @@ def _two_streams(p: _Pieces, rows: int, chunks, part, side) -> None:
 def _not_adopted(p: _Pieces) -> None:
     """Measured, not adopted: the partials pass on a second stream overlapping the next chunk's GEMM; the chunk GEMMs
     with bf16 output."""
-    rows = p.default.rows
+    rows = p.default.block_rows
     chunks = [p.chunk(rows) for _ in range(2)]
     part = torch.empty((p.T // rows, SEGMENTS, 5, rows), dtype=torch.float32, device=p.inp.hidden.device)
     p.record("forward_two_streams", event_ms(functools.partial(_two_streams, p, rows, chunks, part,
