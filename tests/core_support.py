@@ -14,6 +14,8 @@ from typing import NamedTuple, Optional
 import pytest
 import torch
 
+from ppo_ops.core import agreement
+
 from tests.ranks import DEVICE  # noqa: E402  cuda when a GPU is visible, else cpu
 BACKENDS = ("torch", "triton")
 
@@ -144,3 +146,29 @@ def compile_check_report(module: str, cache_dir, timeout_s: float) -> dict:
                           timeout=timeout_s)
     assert done.returncode == 0, f"compile check failed:\n{done.stderr[-4000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ---- a tripwire on torch.distributed: which collectives a failing call issues (tests/test_core_errors.py,
+# tests/test_token_losses.py) ----
+
+COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "all_reduce",
+                "all_to_all", "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather", "reduce",
+                "reduce_scatter", "reduce_scatter_tensor", "scatter", "send", "recv", "isend", "irecv")
+HEADER_NUMEL = len(agreement.HEADER)
+
+
+class CollectiveIssued(Exception):
+    """Raised by the tripwire standing in for every torch.distributed collective but the header exchange."""
+
+
+def tripwire(name, original, headers):
+    """Lets through the fixed-size header all-gather (an int64 vector of HEADER_FIELDS, counted in `headers`), the one
+    collective allowed before an error; anything else fires."""
+    def fire(*args, **kwargs):
+        inputs = [a for a in args if isinstance(a, torch.Tensor)]
+        if (name in ("all_gather_into_tensor", "all_gather_single") and len(inputs) == 2
+                and inputs[1].dtype == torch.int64 and inputs[1].numel() == HEADER_NUMEL):
+            headers.append(name)
+            return original(*args, **kwargs)
+        raise CollectiveIssued(f"torch.distributed.{name} was called")
+    return fire

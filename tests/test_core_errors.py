@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 import ppo_ops
-from ppo_ops.core import agreement
-from tests.core_support import DEVICE, backend_params, make_logits, make_tokens, run_gloo, triton_skip_reason
+from tests.core_support import (COLLECTIVES, DEVICE, CollectiveIssued, backend_params, make_logits, make_tokens,
+                                run_gloo, triton_skip_reason, tripwire)
 
 N_ROWS, V_LOCAL = 4, 16
 
@@ -198,36 +198,15 @@ def test_inplace_grad_views_as_the_readme_says(backend):
 
 # --- before any collective that could mismatch (gloo, 2 ranks) ---
 
-_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "all_reduce",
-                "all_to_all", "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather", "reduce",
-                "reduce_scatter", "reduce_scatter_tensor", "scatter", "send", "recv", "isend", "irecv")
-_HEADER_NUMEL = len(agreement.HEADER)
-
-
-class CollectiveIssued(Exception):
-    """Raised by the tripwire standing in for every torch.distributed collective but the header exchange."""
-
-
-def _tripwire(name, original, headers):
-    """Lets through the fixed-size header all-gather (an int64 vector of HEADER_FIELDS, counted in `headers`), the one
-    collective allowed before an error; anything else fires."""
-    def fire(*args, **kwargs):
-        inputs = [a for a in args if isinstance(a, torch.Tensor)]
-        if (name in ("all_gather_into_tensor", "all_gather_single") and len(inputs) == 2
-                and inputs[1].dtype == torch.int64 and inputs[1].numel() == _HEADER_NUMEL):
-            headers.append(name)
-            return original(*args, **kwargs)
-        raise CollectiveIssued(f"torch.distributed.{name} was called")
-    return fire
 
 
 def _errors_before_collectives_worker(rank, world_size, backends):
     v_global = V_LOCAL * world_size
-    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
     headers, failures = [], []
     try:
         for name, original in originals.items():
-            setattr(dist, name, _tripwire(name, original, headers))
+            setattr(dist, name, tripwire(name, original, headers))
         # Sanity: a valid call at TP=2 does issue a collective after the header, so the tripwire can catch one.
         logits, tokens = _valid_call(v_global, "cpu")
         try:

@@ -782,13 +782,13 @@ def test_constants_one_per_row_are_accepted(shape):
 
 
 def _constants_before_collectives_worker(rank, world_size):
-    from tests.test_core_errors import CollectiveIssued, _COLLECTIVES, _tripwire
+    from tests.core_support import COLLECTIVES, CollectiveIssued, tripwire
 
-    originals = {name: getattr(torch.distributed, name) for name in _COLLECTIVES if hasattr(torch.distributed, name)}
+    originals = {name: getattr(torch.distributed, name) for name in COLLECTIVES if hasattr(torch.distributed, name)}
     headers = []
     try:
         for name, original in originals.items():
-            setattr(torch.distributed, name, _tripwire(name, original, headers))
+            setattr(torch.distributed, name, tripwire(name, original, headers))
         # only rank 1's constants are short: rank 0 learns of it in its header exchange
         shape = (3, 5) if rank == 1 else HEAD_ROWS
         try:
