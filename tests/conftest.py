@@ -12,7 +12,7 @@
 - File names with a '.' (test_qwen3_0.6B_parallel_check.py, a name users know) are imported by path.
 - Seeds: every test starts from torch/numpy/random seeded with $PPO_OPS_TEST_SEED (default 0).
 - Sharding: a test declared with shard_count runs its share of the collected tests ($TEST_SHARD_INDEX of
-  $TEST_TOTAL_SHARDS, set by Bazel).
+  $TEST_TOTAL_SHARDS, set by Bazel); the cases that share a fixture wider than one test run in one shard.
 """
 
 import importlib.util
@@ -142,13 +142,46 @@ def pytest_terminal_summary(terminalreporter):
             f"{dropped} case(s) deselected: this target declares {declared} GPU(s); {where}")
 
 
+def _shared_fixtures(item) -> tuple:
+    """The names of the fixtures wider than one test that `item` uses (module, class, package or session scope):
+    the cases that share one such fixture share its cost, so they go to the same shard."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return ()
+    return tuple(sorted(name for name, defs in info.name2fixturedefs.items()
+                        if defs and defs[-1].scope != "function" and _ours(defs[-1].func)))
+
+
+def _ours(func) -> bool:
+    """A fixture written in this repository (not pytest's own, such as tmp_path_factory, or a plugin's)."""
+    path = getattr(getattr(func, "__code__", None), "co_filename", "")
+    return os.path.abspath(path).startswith(str(REPO_ROOT) + os.sep)
+
+
 def _keep_this_shard(config, items):
+    """This shard's cases ($TEST_SHARD_INDEX of $TEST_TOTAL_SHARDS). Cases that share a wider fixture (a module-scoped
+    result computed once at every TP size, say) stay together, since each shard holding one of them would compute
+    it again; the groups, then the other cases one by one, go in collection order to the shard with the fewest cases
+    so far. Every shard computes the same assignment from the same collection."""
     total = int(os.environ.get("TEST_TOTAL_SHARDS", "1"))
     if total <= 1:
         return
     index = int(os.environ["TEST_SHARD_INDEX"])
-    kept = [item for i, item in enumerate(items) if i % total == index]
-    dropped = [item for i, item in enumerate(items) if i % total != index]
+    shared_by = [_shared_fixtures(item) for item in items]
+    everywhere = set.intersection(*(set(f) for f in shared_by)) if shared_by else set()  # no help in choosing
+    groups: dict = {}
+    for position, names in enumerate(shared_by):
+        shared = tuple(n for n in names if n not in everywhere)
+        groups.setdefault(shared if shared else ("", position), []).append(position)
+    load = [0] * total
+    mine = set()
+    for members in sorted(groups.values(), key=lambda m: (-len(m), m[0])):
+        shard = min(range(total), key=lambda s: (load[s], s))
+        load[shard] += len(members)
+        if shard == index:
+            mine.update(members)
+    kept = [item for i, item in enumerate(items) if i in mine]
+    dropped = [item for i, item in enumerate(items) if i not in mine]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
     items[:] = kept
