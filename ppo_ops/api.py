@@ -184,6 +184,7 @@ def linear_log_probs_and_entropy(
     backend: str = "auto",
     validate: bool = True,
     working_memory: Optional[int] = None,
+    reduction_order: str = "fused",
 ) -> LogProbsEntropy:
     """Log-probability of each target token and entropy of each row, from hidden states and a vocab-parallel
     LM-head weight, without ever holding the [T, V] logits.
@@ -208,6 +209,9 @@ def linear_log_probs_and_entropy(
       working_memory: bytes the forward may hold for the backward as the first rows' fp16 probabilities (2 V bytes a
         row, V global; None: paths.HELD_BYTES; 0: none): the more rows held, the less of the backward's
         second GEMM. The same on every rank; the log-probs do not depend on it, dX and dW by those rows' rounding.
+      reduction_order: "fused"; or "sglang": log-probs bit for bit SGLang's true on-policy LM head (its batch-invariant
+        matmul's bf16 logits, divided by T as its sampler divides, then its log_softmax order) at any TP size; CUDA
+        with Triton on sm_90, no keep, working_memory unused (docs/api.md#sglang-reduction-order).
 
     Not taken: keep_mask (use keep), inplace_grad, chunk_size (the backends' fixed GEMM chunks replace it).
     Returns LogProbsEntropy(log_probs, entropy), float32, shaped like tokens; dW is this rank's [V_local, H] slice.
@@ -220,16 +224,17 @@ def linear_log_probs_and_entropy(
                    vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend, validate=validate,
                    working_memory=working_memory)
     if not torch.compiler.is_compiling():
-        return _linear_eager(hidden, weight, tokens, **options)
+        return _linear_eager(hidden, weight, tokens, reduction_order=reduction_order, **options)
+    _refuse_compiled_order("linear_log_probs_and_entropy", reduction_order)
     return LogProbsEntropy(*linear_op.linear_log_probs_and_entropy(hidden, weight, tokens, **options))
 
 
 def _linear_eager(hidden, weight, tokens, *, tp_group, entropy, keep, temperature, row_mask, vocab_size, reduce_dx,
-                  backend, validate, working_memory) -> LogProbsEntropy:
+                  backend, validate, working_memory, reduction_order="fused") -> LogProbsEntropy:
     call = shell.prepare_lm_head(
         "linear_log_probs_and_entropy", hidden, weight, tokens, tp_group=tp_group, entropy=entropy,
         temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend,
-        validate=validate, keep=keep, working_memory=working_memory)
+        validate=validate, keep=keep, working_memory=working_memory, reduction_order=reduction_order)
     with shell.on_device(call):
         out = LinearLogProbEntropyFunction.apply(call.rows, weight, call.tokens, call.row_mask, call.plan, call.keep)
     return _outputs(out, call)
@@ -252,6 +257,7 @@ def linear_token_loss(
     backend: str = "auto",
     validate: bool = True,
     working_memory: Optional[int] = None,
+    reduction_order: str = "fused",
 ) -> tuple:
     """A per-token RL loss on the LM head's log-probs (and entropies), its gradient formed inside the forward.
 
@@ -272,6 +278,7 @@ def linear_token_loss(
         fits, one block, and dW is finished in the forward; else blocks of (working_memory - 4 V H) / (2 V) rows
         (a multiple of 256, 1024 to 8192) beside an fp32 dW accumulator. Fewer blocks run faster. The same on
         every rank.
+      reduction_order: as in linear_log_probs_and_entropy ("sglang": token_loss sees SGLang's log-probs).
 
     Returns (loss, LogProbsEntropy(log_probs, entropy)): loss is 0-d fp32, the sum of values over the kept rows;
     its backward (once) scales the gradients formed in the forward by the upstream scalar (an upstream 1 costs
@@ -285,26 +292,38 @@ def linear_token_loss(
                    vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend, validate=validate,
                    working_memory=working_memory)
     if not torch.compiler.is_compiling():
-        return _token_loss_eager(hidden, weight, tokens, token_loss, **options)
+        return _token_loss_eager(hidden, weight, tokens, token_loss, reduction_order=reduction_order, **options)
+    _refuse_compiled_order("linear_token_loss", reduction_order)
     loss, log_prob, ent = token_loss_op.linear_token_loss(hidden, weight, tokens, token_loss, **options)
     return loss, LogProbsEntropy(log_prob, ent)
 
 
 def _token_loss_eager(hidden, weight, tokens, token_loss, *, tp_group, entropy, keep, temperature, row_mask,
-                      vocab_size, reduce_dx, backend, validate, working_memory) -> tuple:
+                      vocab_size, reduce_dx, backend, validate, working_memory, reduction_order="fused") -> tuple:
     if isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:  # else the shell's checks name hidden
         agreement.check_collectively("linear_token_loss", tp_group, validate, hidden, checks.check_token_loss_rows,
                                      "linear_token_loss", token_loss, tuple(hidden.shape[:-1]), "hidden.shape[:-1] =")
     call = shell.prepare_lm_head(
         "linear_token_loss", hidden, weight, tokens, tp_group=tp_group, entropy=entropy, temperature=temperature,
         row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend, validate=validate,
-        token_loss=token_loss, fused_loss=True, keep=keep, working_memory=working_memory)
+        token_loss=token_loss, fused_loss=True, keep=keep, working_memory=working_memory,
+        reduction_order=reduction_order)
     keep_arg = () if call.keep is None else (call.keep,)  # the Function's last argument, given only with keep
     with shell.on_device(call):
         loss, log_prob, ent = LinearTokenLossFunction.apply(call.rows, weight, call.tokens, call.row_mask, call.plan,
                                                             token_loss, *keep_arg)
     return loss, _outputs((log_prob, ent) if entropy != "none" else log_prob, call)
 
+
+
+def _refuse_compiled_order(fn_name: str, reduction_order) -> None:
+    """The LM head's custom operators (ppo_ops/compiled/) take the fused order only."""
+    if reduction_order != "fused":
+        raise checks.argument_error(
+            ValueError, fn_name, "reduction_order",
+            f"reduction_order={reduction_order!r} is not available inside torch.compile (the LM head's custom operator "
+            "takes the fused order only): call the op outside the compiled region, or under "
+            "torch.compiler.disable")
 
 
 def _outputs(out, call: shell.Call) -> LogProbsEntropy:

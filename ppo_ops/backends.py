@@ -40,10 +40,19 @@ def _segments(passes):
     return load
 
 
+def _sglang(kind):
+    def load():
+        from ppo_ops.lm_head import sglang_head
+        return sglang_head.backend(kind)
+    return load
+
+
 registry.register("logits", "torch", _logits_torch)
 registry.register("logits", "triton", _logits_triton)
 registry.register("lm_head", "torch", _lm_head_torch)
 registry.register("lm_head", "triton", _lm_head_triton)
 registry.register("lm_head_segments", "torch", _segments("torch"))
 registry.register("lm_head_segments", "triton", _segments("triton"))
+registry.register("lm_head_sglang", "torch", _sglang("torch"))
+registry.register("lm_head_sglang", "triton", _sglang("triton"))
 registry.register_router("lm_head", _lm_head_router)

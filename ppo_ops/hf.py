@@ -61,6 +61,7 @@ def token_log_probs(
     token_loss: Optional[Callable] = None,
     validate: bool = True,
     working_memory: Optional[int] = None,
+    reduction_order: str = "fused",
 ):
     """log_softmax(model(input_ids, ...).logits / temperature)[b, i, input_ids[b, i + 1]] (and each position's
     entropy) as [B, S] fp32, 0 where position i does not count, without the [B, S, V] logits.
@@ -83,6 +84,8 @@ def token_log_probs(
       token_loss: None, or a row-separable loss (e.g. ppo_ops.policy_loss) over [B, S] constants, position i holding
         those of the token input_ids[b, i + 1] (the last position padded, left out by its loss_mask).
       validate: ppo_ops' value checks, plus input_ids' range read before the model runs (one host sync more).
+      reduction_order: the head's ("sglang": log-probs bit for bit SGLang's true on-policy LM head on the hidden
+        states the model hands its output embedding; docs/api.md#sglang-reduction-order).
 
     Returns LogProbsEntropy(log_probs, entropy) ([B, S] fp32; entropy None with entropy="none"), or, with token_loss,
     (loss, LogProbsEntropy): the 0-d fp32 sum of the counted positions' terms and the detached values.
@@ -105,7 +108,7 @@ def token_log_probs(
 
     targets, counted = _targets(input_ids, attention_mask, position_ids, row_mask)
     opts = dict(entropy=entropy, temperature=temperature, row_mask=counted, validate=validate,
-                **({"keep": keep} if keep is not None else {}))
+                reduction_order=reduction_order, **({"keep": keep} if keep is not None else {}))
     fused = _FusedHead(type(causal_lm).__name__, head, config_vocab, targets, token_loss, working_memory, opts)
     if torch.compiler.is_compiling():
         # Traced into a caller's compiled function: dynamo cannot trace putting the output embedding's forward back

@@ -64,6 +64,7 @@ class Context:
     validate: the head's value checks and collective failure (one host sync per call; False: none).
     tp_group: the tensor-parallel group, when not the output layer's or parallel_state's.
     backend: the head's backend ("auto": Triton on CUDA tensors, PyTorch elsewhere).
+    reduction_order: the head's ("sglang": log-probs bit for bit SGLang's true on-policy LM head; docs/api.md).
     """
 
     entropy: str = "none"
@@ -75,6 +76,7 @@ class Context:
     tp_group: Optional[Any] = None
     backend: str = "auto"
     working_memory: Optional[int] = None
+    reduction_order: str = "fused"
 
 
 def output_processor(*, hidden_states: torch.Tensor, labels: torch.Tensor, context: Context, output_layer=None,
@@ -129,7 +131,8 @@ def output_processor(*, hidden_states: torch.Tensor, labels: torch.Tensor, conte
     options = dict(tp_group=group, entropy=context.entropy, temperature=_temperature(context.temperature, config),
                    row_mask=None if loss_mask is None else loss_mask != 0, vocab_size=context.vocab_size,
                    reduce_dx=reduce_dx, backend=context.backend, validate=context.validate,
-                   working_memory=context.working_memory, keep=context.keep)
+                   working_memory=context.working_memory, keep=context.keep,
+                   reduction_order=context.reduction_order)
     head = api.linear_log_probs_and_entropy if context.token_loss is None else api.linear_token_loss
     hidden = hidden_states.transpose(0, 1)  # [B, S, H]: the labels' layout
     if context.token_loss is None:

@@ -242,8 +242,8 @@ def test_select_backend_returns_the_backend_modules_objects(op, backend, dtype, 
 
 
 def test_every_backend_is_registered():
-    assert set(registry.registered()) == {(op, kind) for op in ("logits", "lm_head", "lm_head_segments")
-                                          for kind in ("torch", "triton")}
+    ops = ("logits", "lm_head", "lm_head_segments", "lm_head_sglang")
+    assert set(registry.registered()) == {(op, kind) for op in ops for kind in ("torch", "triton")}
 
 
 def test_an_unregistered_backend_is_a_clear_error(monkeypatch):
@@ -279,7 +279,7 @@ def test_import_registers_every_backend_and_loads_no_triton_module():
         print(sorted(m for m in sys.modules if m == "triton" or m.startswith(("triton.", "ppo_ops.logits.triton",
                                                                              "ppo_ops.lm_head.triton"))))
     """)
-    assert out.split("\n")[:2] == ["6", "[]"], out
+    assert out.split("\n")[:2] == ["8", "[]"], out
 
 
 def test_import_and_torch_backend_work_without_triton():

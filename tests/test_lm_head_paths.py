@@ -101,12 +101,12 @@ def test_select_backend_follows_backend_key(monkeypatch):
     assert shell.select_backend("linear_token_loss", "torch", rows, "lm_head", True) is segment_gemms.backend("torch")
     asked = []
 
-    def forced(kind, dtype, token_loss):
-        asked.append((kind, dtype, token_loss))
+    def forced(kind, dtype, token_loss, reduction_order):
+        asked.append((kind, dtype, token_loss, reduction_order))
         return ("lm_head", "torch")
     monkeypatch.setattr(paths, "backend_key", forced)
     assert shell.select_backend("linear_token_loss", "torch", rows, "lm_head", True) is torch_backend.BACKEND
-    assert asked == [("torch", torch.bfloat16, True)]
+    assert asked == [("torch", torch.bfloat16, True, "fused")]
 
 
 # ---- named is run ----

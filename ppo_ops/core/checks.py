@@ -81,13 +81,45 @@ def check_reduction_order(fn_name: str, reduction_order, keep_mask) -> None:
                              "over the full vocabulary)")
 
 
-def check_sglang_shard(fn_name: str, layout) -> None:
+def check_sglang_shard(fn_name: str, layout, argument: str = "logits") -> None:
     """reduction_order="sglang" on this vocabulary layout: a block may span at most two ranks."""
     if layout.world_size > 1 and layout.v_local < SGLANG_BLOCK:
         raise argument_error(
-            ValueError, fn_name, "logits",
+            ValueError, fn_name, argument,
             f"reduction_order='sglang' needs at least {SGLANG_BLOCK} vocabulary columns per tensor-parallel rank (a "
             f"{SGLANG_BLOCK}-column block may span at most two ranks), got V_local={layout.v_local}")
+
+
+# The GPU generation the LM head's SGLang-order logits were checked on against SGLang's own matmul (compute
+# capability major): another generation's MMA may add a tile's products otherwise.
+SGLANG_HEAD_CAPABILITY = 9
+
+
+def check_lm_head_order(fn_name: str, reduction_order, keep, kind: str, device: torch.device) -> None:
+    """The LM head's reduction_order: "fused", or "sglang" where its logits can be SGLang's (lm_head/sglang_head.py):
+    no keep set; on CUDA the Triton backend on an sm_90 GPU. Elsewhere the error names reduction_order."""
+    check_reduction_order(fn_name, reduction_order, None)
+    if reduction_order != "sglang":
+        return
+    if keep is not None:
+        raise argument_error(ValueError, fn_name, "keep",
+                             "keep must be None with reduction_order='sglang' (SGLang's log_softmax normalises over "
+                             "the full vocabulary)")
+    if device.type != "cuda":
+        return
+    if kind != "triton":
+        raise argument_error(
+            ValueError, fn_name, "reduction_order",
+            "reduction_order='sglang' on CUDA needs backend='triton' (or 'auto'): SGLang's logits come from its "
+            "batch-invariant Triton matmul, whose K order the torch backend's cuBLAS GEMM does not reproduce")
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != SGLANG_HEAD_CAPABILITY:
+        raise argument_error(
+            ValueError, fn_name, "reduction_order",
+            f"reduction_order='sglang' reproduces SGLang's batch-invariant matmul on sm_{SGLANG_HEAD_CAPABILITY}0 "
+            f"(Hopper) GPUs, where it was checked; this GPU is sm_{major}{minor}, whose matrix instructions may add "
+            "a tile's products in another order. Use the logits op: log_probs_and_entropy(logits, ..., "
+            "reduction_order='sglang') on the logits your engine's matmul formed")
 
 
 @functools.lru_cache(maxsize=64)

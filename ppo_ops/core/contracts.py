@@ -219,6 +219,8 @@ class LossHooks(Protocol):
 
     def merge(self, partials: torch.Tensor) -> RowStats: ...  # [local segments, 5, n] -> the block's global stats
 
+    def headers(self) -> None: ...  # the header exchange, once, for a backend that merges its own stats
+
     def block_grads(self, stats: RowStats, r0: int, r1: int) -> BlockGrads: ...  # -> upstream gradients
 
     def keep_dlogits(self, dl: torch.Tensor, r0: int, c0: int) -> None: ...  # a sparse keep set's term, into dl

@@ -5,10 +5,12 @@ registers them on `import ppo_ops`). Keys the shell looks up (core/shell.py, sel
   ("logits", "torch" | "triton")            the logits op's backends
   ("lm_head", "torch" | "triton")           the general LM head's fp32-tile backends
   ("lm_head_segments", "torch" | "triton")  the segment-GEMM backend (token loss; half precision under triton)
+  ("lm_head_sglang", "torch" | "triton")    the LM head in SGLang's order (reduction_order="sglang")
 
 An op whose backend depends on more than its kind registers a router too: a loader of the function that maps the
-call's (kind, dtype, token loss) to one of those keys. The LM head's is lm_head/paths.py's `backend_key`, the first
-step of the function that names the head's paths, so the shell and the paths cannot disagree.
+call's (kind, dtype, token loss, reduction order) to one of those keys. The LM head's is lm_head/paths.py's
+`backend_key`, the first step of the function that names the head's paths, so the shell and the paths cannot
+disagree.
 """
 
 from __future__ import annotations
@@ -51,10 +53,11 @@ def register_router(op: str, loader: Callable[[], Callable[..., Tuple[str, str]]
     _ROUTERS[op] = loader
 
 
-def route(op: str, kind: str, dtype, token_loss: bool):
-    """The backend of `op` for a call of this kind, dtype and token loss, through its registered router."""
+def route(op: str, kind: str, dtype, token_loss: bool, reduction_order: str = "fused"):
+    """The backend of `op` for a call of this kind, dtype, token loss and reduction order, through its registered
+    router."""
     loader = _ROUTERS.get(op)
     if loader is None:
         raise RuntimeError(f"ppo_ops: no router registered for op {op!r}; routers are registered by "
                            f"ppo_ops/backends.py, which `import ppo_ops` runs")
-    return load(*loader()(kind, dtype, token_loss))
+    return load(*loader()(kind, dtype, token_loss, reduction_order))

@@ -54,7 +54,7 @@ class Plan:
     inplace_grad: bool = False  # logits op
     reduce_dx: bool = True  # LM head
     needs_grad: bool = True  # LM head: grad mode on and hidden or weight requires grad, else the forward keeps nothing
-    reduction_order: str = "fused"  # logits op: "fused" or "sglang" (logits/sglang_order.py)
+    reduction_order: str = "fused"  # "fused" or "sglang" (logits/sglang_order.py; the LM head's lm_head/sglang_head.py)
     working_memory: Optional[int] = None  # LM head: bytes it may hold beyond its outputs (None: the default)
 
 
@@ -135,7 +135,8 @@ def _build_plan(fn_name, group, world_size, rank, rows, v_local, options, *, op,
     checks.check_vocab(fn_name, vocab_size, layout.v_global)
     shard = ShardOptions(inv_temperature=inv_temperature, n_valid=layout.n_valid, seg_len=layout.seg_len,
                          vocab_start=layout.vocab_start, chunk_rows=None if chunk_size in (None, -1) else chunk_size)
-    return Plan(fn_name=fn_name, layout=layout, backend=select_backend(fn_name, backend, rows, op, fused_loss),
+    order = fields.get("reduction_order", "fused") if op == "lm_head" else "fused"
+    return Plan(fn_name=fn_name, layout=layout, backend=select_backend(fn_name, backend, rows, op, fused_loss, order),
                 shard=shard, temperature=temperature, entropy_mode=entropy, validate=validate,
                 naming=agreement.LOGITS_NAMING if op == "logits" else agreement.LM_HEAD_NAMING, dtype=rows.dtype,
                 **fields)
@@ -169,7 +170,7 @@ def prepare_logits(fn_name, logits, tokens, *, tp_group, entropy, keep_mask, tem
 
 def prepare_lm_head(fn_name, hidden, weight, tokens, *, tp_group, entropy, temperature, row_mask, vocab_size,
                     reduce_dx, backend, validate, token_loss=None, fused_loss=False, keep=None,
-                    needs_grad: Optional[bool] = None, working_memory=None) -> Call:
+                    needs_grad: Optional[bool] = None, working_memory=None, reduction_order="fused") -> Call:
     """The LM head's call (fused_loss: linear_token_loss, whose `token_loss` must be callable; `working_memory`
     for both ops): every local check, the layout, the backend, the flattened [T, H] hidden states. needs_grad:
     whether a backward follows (None: grad mode and the inputs' requires_grad say; the custom operators, which run
@@ -187,11 +188,15 @@ def prepare_lm_head(fn_name, hidden, weight, tokens, *, tp_group, entropy, tempe
                                         f"reduce_dx must be a bool, got {type(reduce_dx).__name__}")
         memory = checks.check_working_memory(fn_name, working_memory)
         checks.check_lm_head_tensors(fn_name, hidden, weight, tokens, row_mask)
+        checks.check_lm_head_order(fn_name, reduction_order, keep,
+                                   backend_kind(fn_name, backend, hidden, "hidden"), hidden.device)
         lead, width = tuple(hidden.shape[:-1]), hidden.shape[-1]
         plan = _plan(fn_name, group, world_size, rank, hidden, weight.shape[0], options, op="lm_head",
                      fused_loss=fused_loss, entropy=entropy, backend=backend, validate=validate, reduce_dx=reduce_dx,
                      needs_grad=(torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad))
-                     if needs_grad is None else needs_grad, working_memory=memory)
+                     if needs_grad is None else needs_grad, working_memory=memory, reduction_order=reduction_order)
+        if reduction_order == "sglang":
+            checks.check_sglang_shard(fn_name, plan.layout, "weight")
         n_rows = math.prod(lead)
         sparse = sparse_keep.check(fn_name, keep, n_rows, hidden.device)
         return Call(shaped(hidden, (n_rows, width)), shaped(tokens, (n_rows,)), None,
@@ -264,13 +269,14 @@ def backend_kind(fn_name: str, backend: str, tensor: torch.Tensor, name: str) ->
     return "triton"
 
 
-def select_backend(fn_name: str, backend: str, rows: torch.Tensor, op: str, fused_loss: bool = False):
+def select_backend(fn_name: str, backend: str, rows: torch.Tensor, op: str, fused_loss: bool = False,
+                   reduction_order: str = "fused"):
     """The backend of `op` ("logits" or "lm_head") of the kind backend_kind picks (see the module docstring), loaded
     from core/registry.py, so a Triton module is imported only when selected. The LM head's goes through its router
     (lm_head/paths.py, backend_key: the first step of head_path, which names the path a call takes)."""
     kind = backend_kind(fn_name, backend, rows, "logits" if op == "logits" else "hidden")
     if op == "lm_head":
-        return registry.route(op, kind, rows.dtype, fused_loss)
+        return registry.route(op, kind, rows.dtype, fused_loss, reduction_order)
     return registry.load(op, kind)
 
 

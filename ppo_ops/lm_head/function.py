@@ -96,6 +96,12 @@ def forward_values(hidden, weight, tokens, row_mask, plan: Plan, keep, *, hold: 
     h = kept(hidden, rows).contiguous()
     t = kept(tokens, rows)
     with_entropy = plan.entropy_mode != "none"
+    if plan.reduction_order == "sglang":  # its own blocks and the logits op's SGLang order (lm_head/sglang_head.py)
+        stats = plan.backend.row_stats(plan, h, weight, t, tokens, row_mask)
+        if plan.validate and layout.group is None:
+            shell.check_single_rank(plan, stats.bad_input, tokens, row_mask)
+        return (scatter_rows(stats.log_prob, rows, n_rows), scatter_rows(stats.entropy, rows, n_rows),
+                KeptRows(h, t, rows, n_rows), stats, None, None)
     if hold:
         partials, held = plan.backend.forward_for_backward(h, weight, t, plan.shard, with_entropy, plan.working_memory)
     else:
@@ -135,8 +141,11 @@ def input_grads(plan: Plan, kept_rows: KeptRows, weight, saved: LinearSaved, fla
             coef = sparse_keep.coefficients(keep_state, g_keep)
             term = functools.partial(sparse_keep.add_to_dlogits, keep_state, coef)
             g_keep = None
-    dx, dw = plan.backend.backward(HeadRows(h, weight, t, plan.shard), saved, UpstreamGrads(g_lp, g_ent, term),
-                                   wanted)
+    head = HeadRows(h, weight, t, plan.shard)
+    if plan.reduction_order == "sglang":  # its backward reads the call's plan (the temperature's division)
+        dx, dw = plan.backend.backward(head, saved, UpstreamGrads(g_lp, g_ent), wanted, plan=plan)
+    else:
+        dx, dw = plan.backend.backward(head, saved, UpstreamGrads(g_lp, g_ent, term), wanted)
     if g_keep is not None:  # backends that form no dlogits blocks: the keep term's dX and dW passes
         if dx is not None:  # before the dX all-reduce: no collective of its own
             sparse_keep.add_dx(keep_state, g_keep, dx, weight)

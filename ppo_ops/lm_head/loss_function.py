@@ -127,8 +127,11 @@ def forward_values(hidden, weight, tokens, row_mask, plan: Plan, token_loss, kee
     head = HeadRows(kept(hidden, rows).contiguous(), weight, kept(tokens, rows), plan.shard)
     loop = BlockLoop(plan, token_loss, hidden, tokens, row_mask, rows, n_kept=head.hidden.shape[0],
                      need_dx=need_dx, need_grad=need_dx or need_dw, keep=keep, head=head)
-    dw = plan.backend.loss_forward(head, loop.with_entropy, loop, GradsWanted(dx=need_dx, dw=need_dw),
-                                   plan.working_memory)
+    wanted = GradsWanted(dx=need_dx, dw=need_dw)
+    if plan.reduction_order == "sglang":  # its blocks read the call's plan (lm_head/sglang_head.py)
+        dw = plan.backend.loss_forward(head, loop.with_entropy, loop, wanted, plan=plan)
+    else:
+        dw = plan.backend.loss_forward(head, loop.with_entropy, loop, wanted, plan.working_memory)
     loop.finish()
     lp_out = scatter_rows(loop.log_prob, rows, n_rows)
     # entropy="none": an empty placeholder (the wrapper returns None), so every output is a tensor.
@@ -172,6 +175,14 @@ class BlockLoop:
         self.keep_coef: Optional[torch.Tensor] = None  # the current block's keep term per entry, or None
 
     # ---- the backend's hooks ----
+
+    def headers(self) -> None:
+        """The call's header exchange (TP > 1 with validate), once, before a backend's first collective: for a
+        backend that merges its blocks' statistics itself (SGLang's order) rather than through `merge`."""
+        if not self.headers_done:
+            shell.check_across_ranks(self.plan, self.tokens, self.row_mask,
+                                     torch.zeros((), dtype=torch.bool, device=self.loss.device), keep=self.keep)
+            self.headers_done = True
 
     def merge(self, partials: torch.Tensor) -> RowStats:
         """[local segments, 5, n] partials -> the block's global RowStats (the header exchange before the first)."""

@@ -21,6 +21,9 @@ The paths (docs/lm_head.md has the table with memory and GEMM counts):
                        accumulator.
     loss_chunk_blocks  linear_token_loss otherwise (backend torch, fp32, unaligned rows): blocks of fp32 chunks and the
                        logits op's passes (Triton or PyTorch, as the kind says).
+    sglang_blocks      either op with reduction_order="sglang": lm_head/sglang_head.py, SGLang's bf16 logits in row
+                       blocks of `block_rows` and the logits op's SGLang order; the backward (the token loss's too)
+                       segment by segment over every row.
 
 Glossary (one word each; every row count of the head is one of these):
     segment  the fixed vocabulary segments of core/layout.py (V_global / 8 columns, whichever rank holds them); every
@@ -55,6 +58,7 @@ class Path(enum.Enum):
     LOSS_ONE_BLOCK = "loss_one_block"
     LOSS_BLOCKS = "loss_blocks"
     LOSS_CHUNK_BLOCKS = "loss_chunk_blocks"
+    SGLANG_BLOCKS = "sglang_blocks"
 
 
 ONE_GEMM_PATHS = (Path.ONE_GEMM, Path.ONE_GEMM_HELD)  # the general op's one-GEMM forward and fused recompute
@@ -201,11 +205,26 @@ def one_gemm_row_tile() -> int:
     return gemm_partials.config().block_m
 
 
+# ---- SGLang's order: sglang_blocks ----
+
+# Rows per forward block of lm_head/sglang_head.py: its bf16 logits (block rows x V_local, 311 MB at V = 151936) bound
+# the forward's memory, and 1024 rows fill the chip at Qwen3's shapes. Small elsewhere, so tests cross blocks.
+SGLANG_BLOCK_ROWS = 1024
+HOST_SGLANG_BLOCK_ROWS = 16
+
+
+def sglang_block_rows(device: torch.device) -> int:
+    return SGLANG_BLOCK_ROWS if device.type == "cuda" else HOST_SGLANG_BLOCK_ROWS
+
+
 # ---- the decision ----
 
-def backend_key(kind: str, dtype: torch.dtype, token_loss: bool) -> tuple:
-    """The backend a call's path runs on, as its core/registry.py key: the segment-GEMM backend for every token loss
-    and for half precision under triton; the fp32-tile backends otherwise. What core/shell.select_backend loads."""
+def backend_key(kind: str, dtype: torch.dtype, token_loss: bool, reduction_order: str = "fused") -> tuple:
+    """The backend a call's path runs on, as its core/registry.py key: SGLang's order for reduction_order="sglang";
+    the segment-GEMM backend for every other token loss and for half precision under triton; the fp32-tile backends
+    otherwise. What core/shell.select_backend loads."""
+    if reduction_order == "sglang":
+        return ("lm_head_sglang", kind)
     if token_loss or (kind == "triton" and dtype in HALF):
         return ("lm_head_segments", kind)
     return ("lm_head", kind)
@@ -213,12 +232,15 @@ def backend_key(kind: str, dtype: torch.dtype, token_loss: bool) -> tuple:
 
 def head_path(*, kind: str, dtype: torch.dtype, device: torch.device, token_loss: bool, aligned: bool,
               needs_grad: bool, n_rows: int, width: int, seg_len: int,
-              working_memory: Optional[int] = None) -> HeadPath:
+              working_memory: Optional[int] = None, reduction_order: str = "fused") -> HeadPath:
     """The path of a call: kind "torch" | "triton" (core/shell.backend_kind resolves backend="auto"); dtype and device
     of the hidden states; token_loss: linear_token_loss; aligned: the kept rows and the weight are what the one-GEMM
     kernels take (gemm_partials.applies: rows contiguous and 16-byte aligned); needs_grad: a backward follows;
-    n_rows: the kept rows; width: H; seg_len: the segment length (core/layout.py); working_memory: the call's."""
-    backend = backend_key(kind, dtype, token_loss)
+    n_rows: the kept rows; width: H; seg_len: the segment length (core/layout.py); working_memory: the call's;
+    reduction_order: the call's ("sglang": SGLang's blocks, whatever the rest)."""
+    backend = backend_key(kind, dtype, token_loss, reduction_order)
+    if reduction_order == "sglang":
+        return HeadPath(Path.SGLANG_BLOCKS, backend, block_rows=sglang_block_rows(device))
     one_gemm = kind == "triton" and dtype in HALF and aligned
     shape = block_shape(device)
     if token_loss:
@@ -252,7 +274,8 @@ def one_gemm_applies(kind: str, hidden: torch.Tensor, weight: torch.Tensor) -> b
 
 def path_of_call(hidden: torch.Tensor, weight: torch.Tensor, *, token_loss: bool = False, backend: str = "auto",
                  row_mask: Optional[torch.Tensor] = None, tp_group=None, vocab_size: Optional[int] = None,
-                 working_memory: Optional[int] = None, needs_grad: Optional[bool] = None) -> HeadPath:
+                 working_memory: Optional[int] = None, needs_grad: Optional[bool] = None,
+                 reduction_order: str = "fused") -> HeadPath:
     """The path that linear_log_probs_and_entropy (token_loss=False) or linear_token_loss (True) takes for these
     arguments (the same names and defaults as theirs), decided by head_path as the call decides it. needs_grad
     None: as the call infers it (grad mode on and hidden or weight requiring grad). Reads the row mask's kept-row
@@ -270,4 +293,5 @@ def path_of_call(hidden: torch.Tensor, weight: torch.Tensor, *, token_loss: bool
         needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return head_path(kind=kind, dtype=hidden.dtype, device=hidden.device, token_loss=token_loss,
                      aligned=one_gemm_applies(kind, kept, weight), needs_grad=needs_grad, n_rows=kept.shape[0],
-                     width=kept.shape[1], seg_len=seg_len, working_memory=working_memory)
+                     width=kept.shape[1], seg_len=seg_len, working_memory=working_memory,
+                     reduction_order=reduction_order)
