@@ -99,10 +99,17 @@ class SglangHeadBackend:
             r1 = min(rows, r0 + step)
             h16 = _bf16(hidden[r0:r1])
             z = buffer[:r1 - r0]
-            for c0 in range(0, v_local, seg_len):
-                sglang_matmul.bf16_logits(h16, w16[c0:c0 + seg_len], z[:, c0:c0 + seg_len], _temperature(plan),
-                                          self.kind)
+            for c0, c1 in self._column_spans(v_local, seg_len):
+                sglang_matmul.bf16_logits(h16, w16[c0:c1], z[:, c0:c1], _temperature(plan), self.kind)
             yield r0, r1, z
+
+    def _column_spans(self, v_local, seg_len):
+        """The forward's GEMM rectangles along the vocabulary: the Triton kernel's bits do not depend on them (one
+        launch over every column); the torch backend's GEMM is called on one segment at a time, the shape the
+        backward calls it on."""
+        if self.kind == "triton":
+            return [(0, v_local)]
+        return [(c0, c0 + seg_len) for c0 in range(0, v_local, seg_len)]
 
     def block_stats(self, plan, z, tokens) -> RowStats:
         """The logits op's SGLang order on one block's divided bf16 logits; bad_input also flags non-finite
@@ -138,8 +145,10 @@ class SglangHeadBackend:
         step = sglang_block_rows(device)
         for c0 in range(0, v_local, plan.shard.seg_len):
             c1 = c0 + plan.shard.seg_len
-            for r0 in range(0, rows, step):  # the forward's rectangles: the same logits, bit for bit
-                r1 = min(rows, r0 + step)
+            # The forward's logits again, bit for bit: every row at once for the Triton kernel (whose bits do not
+            # depend on the rectangle), the forward's row blocks for the torch backend (the same GEMM shapes).
+            for r0 in range(0, rows, rows if self.kind == "triton" else step):
+                r1 = min(rows, r0 + (rows if self.kind == "triton" else step))
                 sglang_matmul.bf16_logits(h16[r0:r1], w16[c0:c1], dl[r0:r1], _temperature(plan), self.kind)
             mine = dl[:rows]
             lplan.backend.backward_grad(RowInputs(mine, tokens, None, None), lplan.shard.segment(c0), stats,

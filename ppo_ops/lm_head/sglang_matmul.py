@@ -32,7 +32,7 @@ import torch
 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_WARPS, NUM_STAGES = 128, 128, 64, 8, 8, 3
 # Under the interpreter smaller output tiles (an element's bits do not depend on them) keep CPU tests fast; the K
 # tile stays SGLang's.
-HOST_BLOCK_M, HOST_BLOCK_N = 32, 32
+HOST_BLOCK_M, HOST_BLOCK_N = 64, 128
 
 
 def bf16_logits(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, temperature: Optional[float],

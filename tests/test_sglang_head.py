@@ -1,0 +1,279 @@
+"""The fused LM head with reduction_order="sglang" (ppo_ops/lm_head/sglang_head.py, sglang_matmul.py).
+
+- The logits: the Triton kernel's K loop (tiles of 64 in order, fp32, one bf16 rounding) against a torch reference
+  of that loop, and the property the head rests on: any rectangle of the logits has the bits of the whole.
+- The order's logic: log-probs and entropies bit for bit the logits op's reduction_order="sglang" on the head's own
+  bf16 logits (both backends, temperature 1 and 0.7, bf16 and a tied fp32 weight), as the logits op is pinned to its
+  scalar statement; values and every gradient against float64 of those logits.
+- linear_token_loss gives the general op's log-probs and, for the same upstream gradients, its dX and dW, bit for bit.
+- TP = 2 and 4 (gloo): log-probs, entropies and dW shards bit for bit TP = 1's; dX within fp32 summation.
+- Row masks, the named path, the Megatron processor and ppo_ops.hf passing the option, and the refusals.
+- Against SGLang's own matmul and log_softmax on a GPU: tests/test_sglang_head_vs_sglang.py (--config=sglang).
+"""
+
+import pytest
+import torch
+
+import ppo_ops
+import ppo_ops.hf
+import ppo_ops.megatron as pm
+from ppo_ops.lm_head import paths, sglang_matmul
+from tests.core_support import backend_params
+from tests.ranks import DEVICE, results_by_tp, run_gloo, world_size_param
+from tests.reference import ENTROPY_TOL, LOG_PROB_TOL
+
+V = 2048  # two of SGLang's 1024-column blocks
+PADDED_VOCAB = 2000  # the last block ends in padding
+V_TP = 6144  # TP = 4: shards of 1536 columns, two of the three boundaries inside SGLang's blocks
+PADDED_VOCAB_TP = 6000  # the last rank's shard ends in padding
+H = 160  # three K tiles of 64, the last one partial
+ROWS = 37  # three of the host's 16-row blocks, the last one partial
+TP_SIZES = (1, 2, 4)
+# The gradients are formed from bf16 dlogits (rounded, 2^-9 relative) by fp32-accumulated GEMMs and returned in bf16
+# (one more rounding); against float64 their norm-relative error stays under one bf16 ulp (measured 2e-3).
+BF16_GRAD_REL = 2.0**-7
+# Elements of the Triton kernel that may round to the neighbouring bf16 value of a torch reference adding the same
+# K tiles: inside a tile the two sum 64 fp32 products in different orders.
+K_ORDER_ULPS = 1
+
+
+def _inputs(seed=0, weight_dtype=torch.bfloat16, rows=ROWS, vocab=V, width=H):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn((rows, width), generator=gen) * 1.5).to(weight_dtype)
+    weight = (torch.randn((vocab, width), generator=gen) * width ** -0.5 * 3).to(weight_dtype)
+    tokens = torch.randint(0, min(vocab, PADDED_VOCAB), (rows,), generator=gen)
+    return hidden.to(DEVICE), weight.to(DEVICE), tokens.to(DEVICE)
+
+
+def _logits(hidden, weight, temperature, kind):
+    out = torch.empty((hidden.shape[0], weight.shape[0]), dtype=torch.bfloat16, device=hidden.device)
+    return sglang_matmul.bf16_logits(hidden.to(torch.bfloat16), weight.to(torch.bfloat16), out,
+                                     None if temperature == 1.0 else temperature, kind)
+
+
+# ---- the logits ----
+
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+def test_kernel_adds_k_tiles_in_order_and_any_rectangle_has_the_bits_of_the_whole(backend):
+    hidden, weight, _ = _inputs(seed=1, rows=70, vocab=300)  # 2 x 3 of the interpreter's tiles
+    whole = _logits(hidden, weight, 1.0, backend)
+    acc = torch.zeros((70, 300), dtype=torch.float32, device=hidden.device)
+    for k0 in range(0, H, sglang_matmul.BLOCK_K):
+        acc = acc + hidden[:, k0:k0 + 64].float() @ weight[:, k0:k0 + 64].float().t()
+    ref = acc.to(torch.bfloat16)
+    ulp = (ref.float().abs() * 2.0**-7).clamp_min(torch.finfo(torch.float32).tiny)
+    assert ((whole.float() - ref.float()).abs() <= K_ORDER_ULPS * ulp).all()
+    part = torch.empty((70, 300), dtype=torch.bfloat16, device=hidden.device)
+    sglang_matmul.bf16_logits(hidden[3:69], weight[17:290], part[3:69, 17:290], None, backend)
+    if backend == "triton":  # the kernel's bits depend on the K loop only
+        assert torch.equal(part[3:69, 17:290], whole[3:69, 17:290])
+
+
+def test_temperature_divides_as_sglangs_sampler():
+    hidden, weight, _ = _inputs(seed=2, rows=8, vocab=64)
+    plain = _logits(hidden, weight, 1.0, "torch")
+    divisor = torch.full((8, 1), 0.7, dtype=torch.float32)
+    assert torch.equal(_logits(hidden, weight, 0.7, "torch"), plain.bfloat16().div(divisor).bfloat16())
+
+
+# ---- the order's logic, and float64 ----
+
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32_tied"])
+def test_log_probs_are_the_logits_ops_on_the_heads_logits(backend, temperature, weight_dtype):
+    hidden, weight, tokens = _inputs(seed=3, weight_dtype=weight_dtype)
+    out = ppo_ops.linear_log_probs_and_entropy(hidden, weight, tokens, entropy="value", temperature=temperature,
+                                               vocab_size=PADDED_VOCAB, backend=backend, reduction_order="sglang")
+    want = ppo_ops.log_probs_and_entropy(_logits(hidden, weight, temperature, backend), tokens, entropy="value",
+                                         vocab_size=PADDED_VOCAB, backend=backend, reduction_order="sglang")
+    assert torch.equal(out.log_probs, want.log_probs)
+    assert torch.equal(out.entropy, want.entropy)
+
+
+def _float64_reference(hidden, weight, tokens, temperature, g_lp, g_ent, vocab_size, backend):
+    """Log-probs, entropies, dX and dW in float64 from the head's own bf16 logits (the logits SGLang forms)."""
+    z = _logits(hidden, weight, temperature, backend).double().cpu()[:, :vocab_size].requires_grad_(True)
+    log_p = torch.log_softmax(z, dim=-1)
+    lp = log_p.gather(1, tokens.cpu()[:, None]).squeeze(1)
+    ent = -(log_p.exp() * log_p).sum(-1)
+    (dz,) = torch.autograd.grad([lp, ent], z, [g_lp.double().cpu(), g_ent.double().cpu()])
+    dlogits = torch.zeros((z.shape[0], weight.shape[0]), dtype=torch.float64)
+    dlogits[:, :vocab_size] = dz / temperature
+    h16 = hidden.to(torch.bfloat16).double().cpu()
+    w16 = weight.to(torch.bfloat16).double().cpu()
+    return lp.detach(), ent.detach(), dlogits @ w16, dlogits.t() @ h16
+
+
+def _rel(got, ref):
+    return float((got.double().cpu() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+def test_values_and_gradients_match_float64(backend):
+    hidden, weight, tokens = _inputs(seed=4)
+    gen = torch.Generator().manual_seed(5)
+    g_lp, g_ent = torch.rand(ROWS, generator=gen).to(DEVICE), torch.rand(ROWS, generator=gen).to(DEVICE)
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    out = ppo_ops.linear_log_probs_and_entropy(h, w, tokens, entropy="grad", temperature=0.7,
+                                               vocab_size=PADDED_VOCAB, backend=backend, reduction_order="sglang")
+    dx, dw = torch.autograd.grad([out.log_probs, out.entropy], [h, w], [g_lp, g_ent])
+    lp, ent, ref_dx, ref_dw = _float64_reference(hidden, weight, tokens, 0.7, g_lp, g_ent, PADDED_VOCAB, backend)
+    assert ((out.log_probs.double().cpu() - lp).abs() <= LOG_PROB_TOL * lp.abs().clamp_min(1)).all()
+    assert ((out.entropy.double().cpu() - ent).abs() <= ENTROPY_TOL).all()
+    assert _rel(dx, ref_dx) <= BF16_GRAD_REL
+    assert _rel(dw, ref_dw) <= BF16_GRAD_REL
+    assert dw[PADDED_VOCAB:].eq(0).all()  # padding columns: no gradient
+
+
+@pytest.mark.parametrize("backend", backend_params(DEVICE))
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32_tied"])
+def test_token_loss_equals_the_general_op_bit_for_bit(backend, weight_dtype):
+    hidden, weight, tokens = _inputs(seed=6, weight_dtype=weight_dtype)
+    advantages = torch.randn(ROWS, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+
+    def loss(lp, ent, rows):
+        return -advantages[rows] * lp - 0.25 * ent
+
+    opts = dict(entropy="grad", temperature=0.7, backend=backend, reduction_order="sglang")
+    h1, w1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    total, fused = ppo_ops.linear_token_loss(h1, w1, tokens, loss, **opts)
+    total.backward()
+    h2, w2 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    general = ppo_ops.linear_log_probs_and_entropy(h2, w2, tokens, **opts)
+    loss(general.log_probs, general.entropy, torch.arange(ROWS, device=DEVICE)).sum().backward()
+    assert torch.equal(fused.log_probs, general.log_probs) and torch.equal(fused.entropy, general.entropy)
+    assert torch.equal(h1.grad, h2.grad)
+    assert torch.equal(w1.grad, w2.grad)
+
+
+def test_row_mask_drops_rows_and_keeps_the_others_bits():
+    hidden, weight, tokens = _inputs(seed=8)
+    row_mask = torch.rand(ROWS, generator=torch.Generator().manual_seed(9)) > 0.4
+    h = hidden.clone().requires_grad_(True)
+    out = ppo_ops.linear_log_probs_and_entropy(h, weight, tokens, entropy="grad", row_mask=row_mask,
+                                               backend="torch", reduction_order="sglang")
+    (out.log_probs.sum() + out.entropy.sum()).backward()
+    alone = ppo_ops.linear_log_probs_and_entropy(hidden[row_mask], weight, tokens[row_mask], entropy="value",
+                                                 backend="torch", reduction_order="sglang")
+    assert torch.equal(out.log_probs[row_mask], alone.log_probs)
+    assert torch.equal(out.entropy[row_mask], alone.entropy)
+    assert out.log_probs[~row_mask].eq(0).all() and h.grad[~row_mask].eq(0).all()
+
+
+# ---- TP ----
+
+def _tp_run(rank, world_size, tp_group, device):
+    hidden, weight, tokens = _inputs(seed=10, vocab=V_TP)
+    v_local = V_TP // world_size
+    out = {}
+    for backend in ("torch", "triton"):
+        if backend == "triton" and not _triton_runs(device):
+            continue
+        h = hidden.to(device).requires_grad_(True)
+        w = weight[rank * v_local:(rank + 1) * v_local].to(device).requires_grad_(True)
+        res = ppo_ops.linear_log_probs_and_entropy(h, w, tokens.to(device), tp_group=tp_group, entropy="grad",
+                                                   temperature=0.7, vocab_size=PADDED_VOCAB_TP, backend=backend,
+                                                   reduction_order="sglang")
+        g = torch.linspace(0.5, 1.5, ROWS, device=device)
+        dx, dw = torch.autograd.grad([res.log_probs, res.entropy], [h, w], [g, g.flip(0)])
+        out[backend] = (res.log_probs.detach().cpu(), res.entropy.detach().cpu(), dx.cpu(), dw.cpu())
+    return out
+
+
+def _triton_runs(device) -> bool:
+    from tests.core_support import triton_skip_reason
+    return triton_skip_reason(device) is None
+
+
+@pytest.fixture(scope="module", name="tp_results")
+def tp_results_fixture(tmp_path_factory):
+    return results_by_tp(str(tmp_path_factory.mktemp("sglang_head")), _tp_run)
+
+
+@pytest.mark.parametrize("tp", [world_size_param(tp) for tp in TP_SIZES[1:]])
+def test_bitwise_identical_across_tp_sizes(tp_results, tp):
+    base = tp_results(1)[0]
+    for rank, per_rank in enumerate(tp_results(tp)):
+        for backend, (lp, ent, dx, _) in per_rank.items():
+            assert torch.equal(lp, base[backend][0]), f"{backend} TP={tp} rank {rank}: log_probs differ from TP=1"
+            assert torch.equal(ent, base[backend][1]), f"{backend} TP={tp} rank {rank}: entropy differs from TP=1"
+            # dX sums the ranks' fp32 parts in another order, then rounds to bf16 once
+            assert _rel(dx, base[backend][2].double()) <= BF16_GRAD_REL
+    for backend in base:
+        shards = torch.cat([per_rank[backend][3] for per_rank in tp_results(tp)], dim=0)
+        assert torch.equal(shards, base[backend][3]), f"{backend} TP={tp}: dW shards differ from TP=1"
+
+
+# ---- the path, the integrations, the refusals ----
+
+def test_the_path_is_named():
+    hidden, weight, _ = _inputs()
+    for token_loss in (False, True):
+        path = paths.path_of_call(hidden, weight, token_loss=token_loss, reduction_order="sglang")
+        assert path.name == "sglang_blocks" and path.backend[0] == "lm_head_sglang"
+
+
+def test_megatron_context_passes_the_order():
+    hidden, weight, tokens = _inputs(seed=11, rows=12)
+    labels = tokens.view(2, 6)
+    context = pm.Context(entropy="value", reduction_order="sglang")
+    out = pm.output_processor(hidden_states=hidden.view(2, 6, H).transpose(0, 1), labels=labels, context=context,
+                              output_weight=weight)
+    want = ppo_ops.linear_log_probs_and_entropy(hidden.view(2, 6, H), weight, labels, entropy="value",
+                                                reduction_order="sglang")
+    assert torch.equal(out.log_probs, want.log_probs) and torch.equal(out.entropy, want.entropy)
+
+
+def test_hf_passes_the_order():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3Config(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      tie_word_embeddings=True, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+    ids = torch.randint(0, 2048, (2, 9), generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        got = ppo_ops.hf.token_log_probs(model, ids, reduction_order="sglang").log_probs
+        hidden = model.model(input_ids=ids).last_hidden_state
+        z = _logits(hidden.reshape(-1, 64), model.lm_head.weight, 1.0, "torch").view(2, 9, 2048)
+        want = ppo_ops.log_probs_and_entropy(z[:, :-1], ids[:, 1:], reduction_order="sglang").log_probs
+    assert torch.equal(got[:, :-1], want) and got[:, -1].eq(0).all()
+
+
+def test_keep_is_refused():
+    hidden, weight, tokens = _inputs()
+    keep = (torch.tensor([1, 2]), torch.tensor([0] + [2] * ROWS))
+    with pytest.raises(ValueError, match="keep must be None with reduction_order='sglang'"):
+        ppo_ops.linear_log_probs_and_entropy(hidden, weight, tokens, keep=keep, reduction_order="sglang")
+
+
+def test_unknown_order_is_refused():
+    hidden, weight, tokens = _inputs()
+    with pytest.raises(ValueError, match="reduction_order must be one of"):
+        ppo_ops.linear_token_loss(hidden, weight, tokens, lambda lp, ent, rows: -lp, reduction_order="sglng")
+
+
+def test_refused_inside_torch_compile(monkeypatch):
+    hidden, weight, tokens = _inputs()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(ValueError, match="not available inside torch.compile"):
+        ppo_ops.linear_log_probs_and_entropy(hidden, weight, tokens, reduction_order="sglang")
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the CUDA refusal needs a GPU")
+def test_cuda_with_the_torch_backend_is_refused():
+    hidden, weight, tokens = _inputs()
+    with pytest.raises(ValueError, match="needs backend='triton'"):
+        ppo_ops.linear_log_probs_and_entropy(hidden, weight, tokens, backend="torch", reduction_order="sglang")
+
+
+def _small_shard_rank(rank, world_size):
+    hidden, weight, tokens = _inputs(vocab=1024)
+    with pytest.raises(ValueError, match="at least 1024 vocabulary columns per tensor-parallel rank"):
+        ppo_ops.linear_log_probs_and_entropy(hidden.cpu(), weight[rank * 512:(rank + 1) * 512].cpu(), tokens.cpu(),
+                                             tp_group=torch.distributed.group.WORLD, reduction_order="sglang")
+
+
+def test_shards_under_one_block_are_refused_on_every_rank():
+    run_gloo(2, _small_shard_rank)
