@@ -7,6 +7,9 @@ Suites:
   lm_head_small Qwen3-0.6B's head (H = 1024), T in (8192, 32768), TP = 1: the GEMMs, the logits path, the fused head
                 with and without a gradient, the token loss (and with working_memory=0)
   lm_head_keep  fused and token_loss with and without a 64-id sparse keep set per row, T = 8192
+  lm_head_exact SGLang's order: H in (1024, 4096), T in (8192, 32768), TP = 1: the GEMMs, the fused head and token
+                loss beside their reduction_order="sglang" forms and the sglang-order logits path (with and without
+                the token loss)
 
 Providers (forward + backward with upstream gradients for the log-prob and, where the provider has one, the entropy):
   gemms     the three cuBLAS GEMMs alone: logits = X W^T, dX = G W, dW = G^T X (G a stored [T, V_local] gradient)
@@ -17,6 +20,11 @@ Providers (forward + backward with upstream gradients for the log-prob and, wher
   token_loss / token_loss_novalidate / token_loss_lean  ppo_ops.linear_token_loss with token_losses.policy_loss
             (DAPO's clip range, entropy bonus, k3 KL, token mean), validate on / off / working_memory=0
   fused_keep / token_loss_keep  fused / token_loss with a 64-id nucleus per row as the sparse keep set
+  exact / exact_token_loss  fused / token_loss with reduction_order="sglang": bit for bit SGLang's on-policy head
+  sglang_logits / sglang_logits_loss  the sglang-order logits path: bf16 logits from SGLang's batch-invariant matmul
+            (ppo_ops' reproduction of it, lm_head/sglang_matmul.py: its bits and its config), then
+            log_probs_and_entropy(reduction_order="sglang") (with the token_loss rows' loss through autograd), cuBLAS
+            GEMMs back: what a trainer exact with SGLang runs without the fused head
   liger     Liger-Kernel's fused linear cross entropy (log-prob only, reduction "mean"; TP=1)
   liger_flsce / liger_flsce_nograd  Liger's fused linear scaled CE (NLL and entropy, both gradients; its CuTe DSL
             kernel on sm_90; TP=1) / its forward under no_grad
@@ -48,11 +56,16 @@ HIDDEN, SMALL_HIDDEN = 4096, 1024  # the head of the lm_head suites; Qwen3-0.6B'
 TOKENS = (8192, 32768)
 PROVIDERS_ORDER = ("gemms", "gemm1", "unfused", "fused", "fused_novalidate", "fused_nograd", "token_loss",
                    "token_loss_novalidate", "token_loss_lean", "liger", "liger_flsce", "liger_flsce_nograd", "cce",
-                   "cce_exact", "verl", "fused_keep", "token_loss_keep")
+                   "cce_exact", "verl", "fused_keep", "token_loss_keep", "exact", "exact_token_loss",
+                   "sglang_logits", "sglang_logits_loss")
 PEERS = ("liger", "liger_flsce", "liger_flsce_nograd", "cce", "cce_exact", "verl")  # other projects' kernels
 ONE_GEMM = ("fused_nograd", "liger_flsce_nograd")  # forward only: set against one GEMM
 CHECK_ROWS = 64  # rows compared with float64: a [64, V] float64 block is 78 MB
 PPO = dict(clip_low=0.2, clip_high=0.28, entropy_coef=0.01, kl_coef=0.01)  # the token_loss rows' loss (DAPO's clip)
+
+
+# Each exact row's own baselines: the sglang-order logits path of the same loss, and the non-exact fused head.
+EXACT_BASELINES = {"exact": ("sglang_logits", "fused"), "exact_token_loss": ("sglang_logits_loss", "token_loss")}
 
 
 def case(provider: str, T: int, H: int = HIDDEN, V: int = QWEN3_VOCAB, tp: int = 1) -> Case:
@@ -71,6 +84,9 @@ SUITES = dict(
     lm_head_small=lambda: [case(p, T, H=SMALL_HIDDEN) for T in TOKENS
                            for p in ("gemms", "unfused", "fused", "fused_nograd", "token_loss", "token_loss_lean")],
     lm_head_keep=lambda: [case(p, 8192) for p in ("fused", "fused_keep", "token_loss", "token_loss_keep")],
+    lm_head_exact=lambda: [case(p, T, H=H) for H in (SMALL_HIDDEN, HIDDEN) for T in TOKENS
+                           for p in ("gemms", "fused", "exact", "sglang_logits", "token_loss", "exact_token_loss",
+                                     "sglang_logits_loss")],
 )
 
 
@@ -78,7 +94,7 @@ def SMOKE() -> list[Case]:
     """Tiny (T = 16, H = 64, V = 256): the GEMMs, each of ppo_ops' paths once, a peer (skipped off CUDA); the TP = 2
     cases run under --tp=2."""
     return ([case(p, 16, H=64, V=256) for p in ("gemms", "gemm1", "unfused", "fused", "fused_nograd", "token_loss",
-                                                  "liger_flsce")]
+                                                  "exact", "sglang_logits", "liger_flsce")]
             + [case(p, 16, H=64, V=256, tp=2) for p in ("gemms", "fused")])
 
 
@@ -96,6 +112,8 @@ def baselines(c: Case) -> tuple[list[dict], Optional[dict]]:
         out.append(dict(provider="unfused"))
     if c.provider.endswith("_keep"):
         out.append(dict(provider=c.provider.removesuffix("_keep")))
+    if c.provider in EXACT_BASELINES:  # the exact head beside the logits path it replaces and the fused head
+        out += [dict(provider=p) for p in EXACT_BASELINES[c.provider]]
     if c.tp > 1:
         out.append(dict(tp=1, V=c.V // c.tp))
     return out, None
@@ -190,14 +208,19 @@ def build_gemms(c: Case, inp: HeadInputs) -> Closure:
 
 
 def build_ppo_ops(c: Case, inp: HeadInputs) -> Closure:
-    """unfused, fused, fused_novalidate, fused_nograd, token_loss (_novalidate, _lean), fused_keep, token_loss_keep."""
+    """unfused, fused, fused_novalidate, fused_nograd, token_loss (_novalidate, _lean), fused_keep, token_loss_keep,
+    exact, exact_token_loss, sglang_logits, sglang_logits_loss."""
     import ppo_ops
 
     options = dict(tp_group=inp.group, entropy="grad", backend=inp.backend, validate=not c.provider.endswith(
         "_novalidate"))
+    if c.provider.startswith(("exact", "sglang_logits")):
+        options["reduction_order"] = "sglang"
+    if c.provider.startswith("sglang_logits"):
+        return _sglang_logits_path(c, inp, options)
     if c.provider.endswith("_keep"):
         options["keep"] = nucleus(inp.tokens, c.V, seed=17)
-    loss_closure = inp.ppo_loss() if c.provider.startswith("token_loss") else None
+    loss_closure = inp.ppo_loss() if c.provider.startswith(("token_loss", "exact_token_loss")) else None
     if c.provider == "token_loss_lean":
         options["working_memory"] = 0
     if c.provider == "fused_nograd":
@@ -236,6 +259,37 @@ def build_ppo_ops(c: Case, inp: HeadInputs) -> Closure:
         return step(x, w, [x, w])
 
     return _closure(timed, None if c.provider.endswith("_keep") else values)
+
+
+def _sglang_logits_path(c: Case, inp: HeadInputs, options: dict) -> Closure:
+    """SGLang's matmul to bf16 [T, V] logits, the logits op in SGLang's order, the gradient's GEMMs by cuBLAS."""
+    import ppo_ops
+    from ppo_ops.lm_head import sglang_matmul
+
+    loss_closure = inp.ppo_loss() if c.provider == "sglang_logits_loss" else None
+
+    def forward(x, w):
+        z = torch.empty((c.T, c.v_local), dtype=torch.bfloat16, device=x.device)
+        sglang_matmul.bf16_logits(x.detach(), w.detach(), z, None, inp.backend)
+        z.requires_grad_(True)
+        return z, ppo_ops.log_probs_and_entropy(z, inp.tokens, **options)
+
+    def step(x, w, wrt):
+        z, out = forward(x, w)
+        if loss_closure is not None:
+            loss = loss_closure(out.log_probs, out.entropy, torch.arange(c.T, device=x.device)).sum()
+            (g,) = torch.autograd.grad(loss, z)
+        else:
+            (g,) = torch.autograd.grad([out.log_probs, out.entropy], z, [inp.g_lp, inp.g_ent])
+        del z
+        return (g @ w.detach(), g.T @ x.detach()), out
+
+    def values():
+        x, w = inp.leaves()
+        (dx, _), out = step(x, w, None)
+        return Values(out.log_probs.detach(), out.entropy.detach(), dx, loss_closure)
+
+    return _closure(lambda: step(*inp.leaves(), None), values)
 
 
 def build_liger(c: Case, inp: HeadInputs) -> Closure:
