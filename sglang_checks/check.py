@@ -222,12 +222,7 @@ def _check_numerics(s: Settings) -> None:
             if value != needed:
                 raise CheckError(f"--trainer_numerics={s.trainer_numerics}: mirrors SGLang's on-policy forward with "
                                  f"its triton kernels in bf16; expected {flag}={needed}, got {flag}={value}")
-        fused = [layout.name for layout in layouts_lib.parse_layouts(
-            s.trainer_layouts, flag="--trainer_layouts", allowed_dims=("tp", "cp", "dp"), fused=True) if layout.fused]
-        if fused:
-            raise CheckError(f"--trainer_layouts: {', '.join(fused)} score with ppo_ops' fused LM head, which forms "
-                             f"fp32 logits and has no SGLang order; --trainer_numerics={s.trainer_numerics} scores "
-                             f"SGLang's bf16 logits: leave the -fused layouts out")
+
     if s.sglang_dump_tensors and s.engine != "sglang":
         raise CheckError(f"--sglang_dump_tensors: dumps an SGLang server's tensors; expected --engine=sglang, got "
                          f"--engine={s.engine}")

@@ -10,7 +10,7 @@
     /path/to/sglang/python -m sglang_checks.qwen3_parallel_check --engine=sglang \\
         --sglang_python=/path/to/sglang/python --model=qwen3-0.6b-random --dtype=bfloat16 --device=cuda \\
         --sglang_rl_on_policy_target=fsdp --sglang_attention_backend=triton --sglang_sampling_backend=pytorch \\
-        --trainer_numerics=sglang_on_policy --trainer_layouts=tp1,tp2 --expect_bitwise --sglang_dump_tensors
+        --trainer_numerics=sglang_on_policy --trainer_layouts=tp1,tp2,tp1-fused --expect_bitwise --sglang_dump_tensors
 
 Exit code: 0 when every comparison is within its tolerance, 1 when one is not, 2 on bad input (flags, paths, rollout
 files, prompts: one line on stderr saying what was expected, before any model is built or loaded), 3 when a trainer

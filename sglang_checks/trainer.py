@@ -35,8 +35,10 @@ its forward, and loss.backward() hands dX and dW over (dX all-reduced over the T
 logits gradient to report. The fused head has no keep mask and forms the logits in fp32, never rounding them to the
 model's dtype (docs/api.md: linear_log_probs_and_entropy), so a fused layout is compared with its own baseline, not tp1:
 `tp1-unfused` (layouts.UNFUSED), the logits op on h @ W^T formed in fp32 from leaves in fp32, without the keep mask,
-at TP = 1. run_jobs adds it to every job with a fused layout; LayoutResult.baseline points to it. Fused layouts run
-under the `hf` numerics only (the fused head has no SGLang order).
+at TP = 1. run_jobs adds it to every job with a fused layout; LayoutResult.baseline points to it. Under
+`sglang_on_policy` the fused head runs with reduction_order="sglang": it forms SGLang's bf16 logits itself and scores
+them in SGLang's order, so a fused layout is compared with tp1 (bit for bit under --expect_bitwise) and no unfused
+baseline runs.
 
 Trainer numerics (--trainer_numerics): `hf` is the above, in the model's dtype. `sglang_on_policy` mirrors SGLang's
 --rl-on-policy-target path (on_policy.py): h is the fp32 output of its final norm, W the bf16 head, and each rank
@@ -177,11 +179,6 @@ def run_jobs(jobs: List[Job], *, backend: str, threads: int = 1, timeout_s: floa
              progress=None) -> List[List[LayoutResult]]:
     """Runs every job's layouts, job after job, on one spawned group of ranks (one start-up for all). A job with a
     fused layout also runs UNFUSED_BASELINE, given to its fused layouts' results as `baseline` (not listed itself)."""
-    for job in jobs:
-        fused = [layout.name for layout in job.layouts if layout.fused]
-        if fused and job.inputs.numerics != HF:
-            raise ValueError(f"fused-head layouts {fused} score in the {HF} numerics only (ppo_ops' fused LM head has "
-                             f"no SGLang order), got {job.inputs.numerics}")
     jobs = [_with_unfused_baseline(job) for job in jobs]
     if progress is not None:
         shown = progress
@@ -215,9 +212,10 @@ def run_jobs(jobs: List[Job], *, backend: str, threads: int = 1, timeout_s: floa
 
 
 def _with_unfused_baseline(job: Job) -> Job:
-    """The job with UNFUSED_BASELINE before its first fused layout (the job as is without one)."""
+    """The job with UNFUSED_BASELINE before its first fused layout (the job as is without one, or under
+    SGLANG_ON_POLICY, where the fused head forms SGLang's bf16 logits and is compared with tp1 itself)."""
     first = next((i for i, layout in enumerate(job.layouts) if layout.fused), None)
-    if first is None:
+    if first is None or job.inputs.numerics != HF:
         return job
     return dataclasses.replace(job, layouts=job.layouts[:first] + [UNFUSED_BASELINE] + job.layouts[first:])
 
@@ -232,7 +230,7 @@ def _job_results(job: Job, by_name: Dict[str, Dict[int, dict]]) -> List[LayoutRe
         if layout.head == layouts_lib.UNFUSED or layout.name not in done:
             continue
         result = done[layout.name]
-        if layout.fused:
+        if layout.fused and job.inputs.numerics == HF:
             if UNFUSED_BASELINE.name not in done:
                 continue
             result.baseline = done[UNFUSED_BASELINE.name]
@@ -487,6 +485,11 @@ class _Head:
     entropy: str  # "grad" | "value"
     keep: Optional[torch.Tensor]  # [b, s, V_t]: LOGITS only (the others have none)
 
+    @property
+    def fused_order(self) -> str:
+        """The fused head's reduction order: SGLang's under SGLANG_ON_POLICY (its bf16 logits, its log_softmax)."""
+        return "sglang" if self.numerics == SGLANG_ON_POLICY else "fused"
+
     def _logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.kind == layouts_lib.UNFUSED:  # fp32, never rounded: the fused head's specification
             return torch.matmul(hidden.float(), weight.float().t())
@@ -504,7 +507,8 @@ class _Head:
 
         if self.kind == layouts_lib.FUSED:
             return ppo_ops.linear_log_probs_and_entropy(hidden, weight, self.targets, tp_group=self.tp_group,
-                                                        temperature=self.temperature, row_mask=self.row_mask).log_probs
+                                                        temperature=self.temperature, row_mask=self.row_mask,
+                                                        reduction_order=self.fused_order).log_probs
         return self._scores(self._logits(hidden, weight)).log_probs
 
     def loss(self, hidden: torch.Tensor, weight: torch.Tensor, ppo_loss, index: torch.Tensor):
@@ -516,7 +520,8 @@ class _Head:
         if self.kind == layouts_lib.FUSED:
             loss, scores = ppo_ops.linear_token_loss(
                 hidden, weight, self.targets, lambda lp, ent, rows: ppo_loss(lp, ent, index[rows]),
-                tp_group=self.tp_group, entropy=self.entropy, temperature=self.temperature, row_mask=self.row_mask)
+                tp_group=self.tp_group, entropy=self.entropy, temperature=self.temperature, row_mask=self.row_mask,
+                reduction_order=self.fused_order)
             return loss, scores, None
         logits = self._logits(hidden, weight)
         logits.retain_grad()

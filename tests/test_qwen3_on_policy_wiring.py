@@ -18,7 +18,7 @@ from sglang_checks.layouts import Layout
 
 pytestmark = pytest.mark.device("cpu")
 
-# An on-policy run names its trainer layouts: the default list has a fused-head one, which this numerics refuses.
+# An on-policy run's trainer layouts (its -fused ones score with the head in SGLang's order).
 ON_POLICY = dict(trainer_numerics=trainer.SGLANG_ON_POLICY, engine="sglang", dtype="bfloat16",
                  trainer_layouts="tp1,tp2")
 
@@ -41,8 +41,6 @@ def _settings(tmp_path, *, sglang=None, **overrides):
     (dict(ON_POLICY, dtype="float32"), {}, "expected --dtype=bfloat16, got --dtype=float32"),
     (dict(ON_POLICY, device="cpu"), {}, "runs SGLang's CUDA kernels; expected --device=cuda"),
     (dict(sglang_dump_tensors=True), {}, "--sglang_dump_tensors: .*expected --engine=sglang, got --engine=hf"),
-    (dict(ON_POLICY, trainer_layouts="tp1,tp2-fused"), {},
-     r"--trainer_layouts: tp2-fused score with ppo_ops' fused LM head, .*--trainer_numerics=sglang_on_policy"),
 ])
 def test_bad_on_policy_combinations_are_refused_before_anything_runs(overrides, sglang, message, tmp_path):
     with pytest.raises(CheckError, match=message):

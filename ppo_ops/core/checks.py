@@ -223,8 +223,9 @@ def check_tensors(
                       (("keep_mask", keep_mask, tuple(logits.shape)), ("row_mask", row_mask, lead)))
 
 
-def check_lm_head_tensors(fn_name: str, hidden, weight, tokens, row_mask) -> None:
-    """The LM head's tensors: hidden [..., H], weight [V_local, H] of its dtype and device, and the per-row ones."""
+def check_lm_head_tensors(fn_name: str, hidden, weight, tokens, row_mask, same_dtype: bool = True) -> None:
+    """The LM head's tensors: hidden [..., H], weight [V_local, H] of its dtype (same_dtype; else any of the float
+    dtypes hidden may have: SGLang's order casts both to bf16) and device, and the per-row ones."""
     def fail(exc_type, name, detail):
         raise argument_error(exc_type, fn_name, name, detail)
 
@@ -234,8 +235,10 @@ def check_lm_head_tensors(fn_name: str, hidden, weight, tokens, row_mask) -> Non
              f"hidden must have shape [..., H] with at least 2 dims and H >= 1, got {tuple(hidden.shape)}")
     if not isinstance(weight, torch.Tensor):
         fail(TypeError, "weight", f"weight must be a torch.Tensor, got {type(weight).__name__}")
-    if weight.dtype != hidden.dtype:
+    if same_dtype and weight.dtype != hidden.dtype:
         fail(TypeError, "weight", f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
+    if not same_dtype:
+        _check_float_input(fn_name, "weight", weight)
     if weight.dim() != 2 or weight.shape[0] < 1 or weight.shape[1] != hidden.shape[-1]:
         fail(ValueError, "weight", f"weight must have shape [V_local, H] = [>= 1, {hidden.shape[-1]}] "
                                    f"(H = hidden.shape[-1]), got {tuple(weight.shape)}")

@@ -187,7 +187,8 @@ def prepare_lm_head(fn_name, hidden, weight, tokens, *, tp_group, entropy, tempe
             raise checks.argument_error(TypeError, fn_name, "reduce_dx",
                                         f"reduce_dx must be a bool, got {type(reduce_dx).__name__}")
         memory = checks.check_working_memory(fn_name, working_memory)
-        checks.check_lm_head_tensors(fn_name, hidden, weight, tokens, row_mask)
+        checks.check_lm_head_tensors(fn_name, hidden, weight, tokens, row_mask,
+                                     same_dtype=reduction_order != "sglang")
         checks.check_lm_head_order(fn_name, reduction_order, keep,
                                    backend_kind(fn_name, backend, hidden, "hidden"), hidden.device)
         lead, width = tuple(hidden.shape[:-1]), hidden.shape[-1]
