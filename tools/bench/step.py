@@ -24,6 +24,10 @@ mean). The Megatron ways (mcore_<way>[_flash]):
   loss           the same with Context(token_loss=...): linear_token_loss; loss_lean: with working_memory=0;
                  loss_spare: with SPARE_WORKING_MEMORY (4096-row blocks at this head)
   head_spare     the fused head holding rows' probabilities within head_spare_memory(T)
+  logits_sglang  the sglang-order logits path: an output processor forms bf16 [T, V] logits with SGLang's
+                 batch-invariant matmul (ppo_ops' reproduction, lm_head/sglang_matmul.py; cuBLAS GEMMs back), then
+                 log_probs_and_entropy(reduction_order="sglang"): a trainer exact with SGLang without the fused head
+  exact          Context(token_loss=..., reduction_order="sglang"): the token loss bit for bit on SGLang's log-probs
   logits_dense_keep / logits_sparse_keep / head_keep / loss_keep  with a 64-id nucleus per row (the target among
                  them): the dense [T, V] keep_mask built in the step, or the sparse keep set
 
@@ -49,7 +53,7 @@ NAME = "step"
 TIMES_STEADY = False  # a step is hundreds of ms: the per-step events are the measure
 HF_PROVIDERS = ("qwen3_step", "qwen3_step_ckpt", "qwen3_step_head", "qwen3_step_loss")
 MCORE_WAYS = ("body", "logits", "head", "loss", "logits_dense_keep", "logits_sparse_keep", "head_keep", "loss_keep",
-              "loss_lean", "loss_spare", "head_spare")
+              "loss_lean", "loss_spare", "head_spare", "logits_sglang", "exact")
 MCORE_PROVIDERS = tuple(f"mcore_{w}" for w in MCORE_WAYS)
 MCORE_FLASH_PROVIDERS = tuple(f"{p}_flash" for p in MCORE_PROVIDERS)
 MODEL_SEED = 1234  # the random weights: the same model in every run
@@ -116,6 +120,9 @@ def baselines(c: Case) -> tuple[list[dict], Optional[dict]]:
     if keep:
         plain = "logits" if way.startswith("logits") else way
         return [dict(provider=f"mcore_{plain}{suffix}")], None
+    if way == "exact":  # against the logits path it replaces (SGLang's order), then Megatron's own
+        return ([dict(provider=f"mcore_logits_sglang{suffix}"), dict(provider=f"mcore_logits{suffix}")],
+                dict(provider=f"mcore_body{suffix}", validate="on"))
     return [dict(provider=f"mcore_logits{suffix}")], dict(provider=f"mcore_body{suffix}", validate="on")
 
 
@@ -273,6 +280,36 @@ def build_model(attention: str = "local"):
     return _MODEL[attention]
 
 
+class _SglangLogits(torch.autograd.Function):
+    """bf16 logits [T, V] from SGLang's batch-invariant matmul (its bits), the gradients by cuBLAS."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight):
+        from ppo_ops.lm_head import sglang_matmul
+
+        ctx.save_for_backward(hidden, weight)
+        out = torch.empty((hidden.shape[0], weight.shape[0]), dtype=torch.bfloat16, device=hidden.device)
+        return sglang_matmul.bf16_logits(hidden.bfloat16(), weight.bfloat16(), out, None, "triton")
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight = ctx.saved_tensors
+        return (grad @ weight.to(grad.dtype)).to(hidden.dtype), (grad.t() @ hidden.to(grad.dtype)).to(weight.dtype)
+
+
+def _sglang_logits_processor(*, hidden_states, labels, loss_mask, context, output_layer=None, output_weight=None,
+                             **unused):
+    """The sglang-order logits path as an output processor: [S, B, H] hidden -> bf16 logits -> the logits op."""
+    import ppo_ops
+
+    weight = output_weight if output_weight is not None else output_layer.weight
+    hidden = hidden_states.transpose(0, 1).reshape(-1, hidden_states.shape[-1])
+    logits = _SglangLogits.apply(hidden, weight)
+    return ppo_ops.log_probs_and_entropy(logits, labels.reshape(-1), entropy="grad",
+                                         row_mask=loss_mask.reshape(-1) != 0, validate=context,
+                                         reduction_order="sglang")
+
+
 def _body_only(*, hidden_states, **unused):
     """The trivial output processor: a scalar of the hidden states alone (the body's gradient, no head)."""
     return hidden_states.float().square().mean()
@@ -306,9 +343,9 @@ def build_mcore(case: Case, inp: StepInputs) -> Closure:
                                             validate=validate, **keep_args)
         return ppo.total(out.log_probs, out.entropy)
 
-    def processor(token_loss, working_memory=None):
+    def processor(token_loss, working_memory=None, reduction_order="fused"):
         context = pm.Context(entropy="grad", token_loss=token_loss, keep=keep, validate=validate,
-                             working_memory=working_memory)
+                             working_memory=working_memory, reduction_order=reduction_order)
         return model(tokens, position_ids, None, labels=labels, loss_mask=loss_mask,
                      output_processor=pm.output_processor, output_processor_context=context)
 
@@ -323,6 +360,13 @@ def build_mcore(case: Case, inp: StepInputs) -> Closure:
             return logits_path({"keep": keep})
         if kind == "logits":
             return logits_path({})
+        if kind == "logits_sglang":
+            out = model(tokens, position_ids, None, labels=labels, loss_mask=loss_mask,
+                        output_processor=_sglang_logits_processor, output_processor_context=validate)
+            return ppo.total(out.log_probs.view(tokens.shape), out.entropy.view(tokens.shape))
+        if kind == "exact":
+            loss, _ = processor(ppo, reduction_order="sglang")
+            return loss
         if kind in ("head", "head_spare"):
             out = processor(None, head_spare_memory(case.T) if kind == "head_spare" else None)
             return ppo.total(out.log_probs, out.entropy)
