@@ -125,6 +125,7 @@ def main(quick: bool) -> dict:
             for temperature in TEMPERATURES:
                 key = f"{name}/T={rows}/temp={temperature}"
                 out[key] = case_report(name, width, w_dtype, h_dtype, rows, temperature, seed=rows + 17)
+                print(key, json.dumps(out[key]), file=sys.stderr, flush=True)  # progress, for a run cut short
                 torch.cuda.empty_cache()
     return out
 
