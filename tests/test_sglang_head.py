@@ -178,6 +178,15 @@ def _tp_run(rank, world_size, tp_group, device):
         g = torch.linspace(0.5, 1.5, ROWS, device=device)
         dx, dw = torch.autograd.grad([res.log_probs, res.entropy], [h, w], [g, g.flip(0)])
         out[backend] = (res.log_probs.detach().cpu(), res.entropy.detach().cpu(), dx.cpu(), dw.cpu())
+    # The token loss (its header exchange and end read are its own): torch backend only, to keep the CPU run short.
+    h = hidden.to(device).requires_grad_(True)
+    w = weight[rank * v_local:(rank + 1) * v_local].to(device).requires_grad_(True)
+    g = torch.linspace(0.5, 1.5, ROWS, device=device)
+    loss, res = ppo_ops.linear_token_loss(h, w, tokens.to(device), lambda lp, ent, rows: g[rows] * lp + 0.5 * ent,
+                                          tp_group=tp_group, entropy="grad", temperature=0.7,
+                                          vocab_size=PADDED_VOCAB_TP, backend="torch", reduction_order="sglang")
+    dx, dw = torch.autograd.grad(loss, [h, w])
+    out["token_loss"] = (res.log_probs.cpu(), res.entropy.cpu(), dx.cpu(), dw.cpu())
     return out
 
 
