@@ -324,6 +324,16 @@ def test_token_loss_compiles_fullgraph_bitwise(case, backend):
     _assert_bitwise(eager, compiled)
 
 
+def test_token_loss_compiled_refuses_a_loss_over_other_rows():
+    """A TokenLoss built over more constants than the rows it scores: the eager op's ValueError naming token_loss,
+    raised while the call is traced (shapes alone decide it)."""
+    hidden, weight, t, _opts = _head_call(LINEAR_CASES["none"])
+    loss_fn = _policy_loss(torch.cat([t, t[:1]]), "none")
+    fn = _compiled(lambda h, w, t: ppo_ops.linear_token_loss(h, w, t, loss_fn)[0])
+    with pytest.raises(ValueError, match="token_loss was built over constants of shape"):
+        fn(hidden, weight, t)
+
+
 def test_token_loss_compiled_no_grad_is_the_eager_forward():
     hidden, weight, t, opts = _head_call(LINEAR_CASES["grad"])
     loss_fn = _policy_loss(t, "grad")

@@ -46,6 +46,8 @@ def _forward(hidden: Tensor, weight: Tensor, tokens: Tensor, row_mask: Optional[
                            ref_log_probs=ref_log_probs, shape=loss_weight.shape, clip_low=clip_low,
                            clip_high=clip_high, dual_clip=dual_clip, entropy_coef=entropy_coef, kl_coef=kl_coef,
                            kl_type=kl_type, normalization=normalization)
+    # Shapes only, so every rank raises it alike (the eager op's check, run where the operator runs)
+    checks.check_token_loss_rows(FN, token_loss, tuple(hidden.shape[:-1]), "hidden.shape[:-1] =")
     call = shell.prepare_lm_head(
         FN, hidden, weight, tokens, tp_group=common.resolve_group(group_name), entropy=entropy,
         temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend,
