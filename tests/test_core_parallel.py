@@ -12,17 +12,19 @@ CASES is a compact matrix: each case turns several options on at once (dtypes, k
 temperatures, row masks, padding that covers a whole rank, -inf logits, leading dimensions, chunk sizes, entropy
 modes, inplace_grad, empty input, every row masked; tp_group=None inside a job is tested in
 test_core_reliability.py); the slime-compatible API has its own check.
-All cases run in one spawn per world size and backend; a rank collects its failures and reports them together at
-the end. Row counts stay small: the Triton interpreter runs one program per (row, segment), and 4 ranks share the
-CI's 2 cores.
+All cases of both backends run in one spawn per world size; a rank collects its failures and each (world size,
+backend) test reports its own. Row counts stay small: the Triton interpreter runs one program per (row, segment), and
+4 ranks share the CI's 2 cores.
 """
+
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import ppo_ops
-from tests.core_support import CaseFailures, backend_params, run_op
+from tests.core_support import CaseFailures, backend_params, run_op, triton_skip_reason
 from tests.ranks import DEVICE, rank_device, run_ranks, world_size_param
 from tests.reference import shard_vocab
 from tests.sharded_case import ShardedCase, check_rank, global_inputs, has_fixed_segments, tp1_result
@@ -65,17 +67,44 @@ def _check_calculate_api(rank, world_size):
     assert torch.equal(g_slime, new.grad)
 
 
-def _parallel_worker(rank, world_size, backend, tp1_results):
-    failures = CaseFailures(rank)
-    for case in CASES:
-        failures.run(case.name, check_rank, case, rank, world_size, backend, tp1_results.get(case.name))
-    if backend == ("triton" if DEVICE.type == "cuda" else "torch"):  # the slime API's "auto" backend on this device
-        failures.run("calculate_api", _check_calculate_api, rank, world_size)
-    failures.raise_if_any()
+def _parallel_worker(rank, world_size, tp1_by_backend, out_dir):
+    """Every case of each backend on this rank; its failures by backend, saved as rank{rank}.pt."""
+    failures = {}
+    for backend, tp1_results in tp1_by_backend.items():
+        found = CaseFailures(rank)
+        for case in CASES:
+            found.run(case.name, check_rank, case, rank, world_size, backend, tp1_results.get(case.name))
+        if backend == ("triton" if DEVICE.type == "cuda" else "torch"):  # the slime API's "auto" backend here
+            found.run("calculate_api", _check_calculate_api, rank, world_size)
+        failures[backend] = [f"{backend}: {item}" for item in found.items]
+    torch.save(failures, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _runnable_backends():
+    return ["torch"] + (["triton"] if triton_skip_reason(DEVICE) is None else [])
+
+
+@pytest.fixture(scope="module")
+def rank_failures(tmp_path_factory):
+    """world_size -> [per rank {backend: failures}]: one spawn per world size runs both backends' cases (a spawn's
+    imports cost about as much as a backend's cases), the first time a test asks for that world size."""
+    cache = {}
+
+    def failures(world_size):
+        if world_size not in cache:
+            out_dir = tmp_path_factory.mktemp(f"tp{world_size}")
+            tp1 = {backend: {case.name: tp1_result(case, world_size, backend) for case in CASES
+                             if has_fixed_segments(case, world_size)}
+                   for backend in _runnable_backends()}
+            run_ranks(world_size, _parallel_worker, tp1, str(out_dir))
+            cache[world_size] = [torch.load(os.path.join(out_dir, f"rank{rank}.pt")) for rank in range(world_size)]
+        return cache[world_size]
+
+    return failures
 
 
 @pytest.mark.parametrize("backend", backend_params(DEVICE))
 @pytest.mark.parametrize("world_size", [world_size_param(2), world_size_param(4)])
-def test_vocab_parallel_matches_reference(world_size, backend):
-    tp1 = {case.name: tp1_result(case, world_size, backend) for case in CASES if has_fixed_segments(case, world_size)}
-    run_ranks(world_size, _parallel_worker, backend, tp1)
+def test_vocab_parallel_matches_reference(rank_failures, world_size, backend):
+    failures = [item for per_rank in rank_failures(world_size) for item in per_rank[backend]]
+    assert not failures, "\n".join(failures)

@@ -16,6 +16,7 @@ float32 model's own logits. The bf16 run's tolerances come from the bf16 model's
 """
 
 import copy
+import os
 
 import pytest
 import torch
@@ -578,21 +579,46 @@ def _sharded_worker(rank, world_size, wrap, tied, with_loss, padded):
     _assert_grads(got, {name: g / world_size for name, g in want.items()}, BODY_FP32_GRAD_REL_TOL)
 
 
-@pytest.mark.parametrize("wrap, tied, with_loss, padded", [
-    ("fully_shard", True, False, False),
-    ("head_alone", False, False, True),
-    ("fully_shard", True, True, False),
-    ("fsdp", False, False, True),
-    ("ddp", True, True, False),
-], ids=["fully_shard_tied", "fully_shard_head_alone_padded", "fully_shard_token_loss", "fsdp_padded", "ddp_token_loss"])
-def test_sharded_model(wrap, tied, with_loss, padded):
+# id -> (wrap, tied, with_loss, padded)
+SHARDED_CASES = {
+    "fully_shard_tied": ("fully_shard", True, False, False),
+    "fully_shard_head_alone_padded": ("head_alone", False, False, True),
+    "fully_shard_token_loss": ("fully_shard", True, True, False),
+    "fsdp_padded": ("fsdp", False, False, True),
+    "ddp_token_loss": ("ddp", True, True, False),
+}
+
+
+def _every_sharded_case_worker(rank, world_size, out_dir):
+    """Each case of SHARDED_CASES in turn on this rank (one spawn of the two ranks for all of them: a spawn's imports
+    cost more than a case), its failure kept by case; saved as rank{rank}.pt."""
+    failures = {}
+    for name, case in SHARDED_CASES.items():
+        try:
+            _sharded_worker(rank, world_size, *case)
+        except Exception as exc:  # noqa: BLE001 - reported by the case's test with its type
+            failures[name] = f"rank {rank}: {type(exc).__name__}: {exc}"
+    torch.save(failures, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def sharded_failures(tmp_path_factory):
+    """[per rank {case id: failure}] of every case of SHARDED_CASES, run on one pair of gloo ranks."""
+    pytest.importorskip("torch.distributed.fsdp", reason="this torch has no torch.distributed.fsdp")
+    out_dir = tmp_path_factory.mktemp("hf_sharded")
+    run_gloo(2, _every_sharded_case_worker, str(out_dir))
+    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(2)]
+
+
+@pytest.mark.parametrize("case", list(SHARDED_CASES))
+def test_sharded_model(sharded_failures, case):
     """A trainer's sharded model: its parameters are whole only inside the model's forward (and the output
     embedding's own call, when that is sharded alone) and are gathered again for the backward; or a replicated one,
     whose wrapper's forward prepares the gradients' all-reduce. Values and every parameter's reduced gradient on 2
     gloo ranks against float64; a padded vocabulary read where the weight is whole (outside the forward a rank holds
     only its shard)."""
-    pytest.importorskip("torch.distributed.fsdp", reason="this torch has no torch.distributed.fsdp")
-    run_gloo(2, _sharded_worker, wrap, tied, with_loss, padded)
+    failures = [per_rank[case] for per_rank in sharded_failures if case in per_rank]
+    assert not failures, "\n".join(failures)
 
 
 # --- models it cannot serve ---

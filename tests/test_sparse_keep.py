@@ -152,9 +152,18 @@ def _ulp(dtype):
     return {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[dtype]
 
 
+# On CPU (the Triton kernels interpreted, seconds a case) each dtype and each temperature once; the GPU target runs the
+# other two pairs too.
+on_gpu_only = pytest.mark.device("cuda")
+
+
 @with_each_backend
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("dtype,temperature", [
+    (torch.float32, 1.0),
+    (torch.bfloat16, 0.7),
+    pytest.param(torch.float32, 0.7, marks=on_gpu_only),
+    pytest.param(torch.bfloat16, 1.0, marks=on_gpu_only),
+], ids=["fp32-1.0", "bf16-0.7", "fp32-0.7", "bf16-1.0"])
 def test_logits_op_vs_float64_and_dense_mask(backend, dtype, temperature):
     _check_logits_op(backend, dtype, temperature, vocab_size=None, rows=False, entropy="grad")
 
@@ -214,7 +223,9 @@ def head_case(lead=(N_ROWS,), dtype=torch.float32, vocab_size=None, rows=False, 
     return hidden, weight, tokens, row_mask, kept
 
 
-def run_head(hidden, weight, tokens, *, keep=None, w_lp, w_ent, device=DEVICE, tp_group=None, **opts):
+def run_head(hidden, weight, tokens, *, keep=None, w_lp, w_ent, device=DEVICE, tp_group=None, backward=True, **opts):
+    """(log_probs, entropy, dX, dW); without `backward`, dX and dW are None (the forward of a gradient-taking call:
+    the backward's interpreted kernels are most of a Triton call's time on CPU)."""
     h = hidden.detach().to(device).clone().requires_grad_(True)
     w = weight.detach().to(device).clone().requires_grad_(True)
     opts = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in opts.items()}
@@ -222,7 +233,9 @@ def run_head(hidden, weight, tokens, *, keep=None, w_lp, w_ent, device=DEVICE, t
         keep = tuple(t.to(device) for t in keep)
     out = ppo_ops.linear_log_probs_and_entropy(h, w, tokens.to(device), keep=keep, entropy="grad",
                                                tp_group=tp_group, **opts)
-    dx, dw = torch.autograd.grad([out.log_probs, out.entropy], [h, w], [w_lp.to(device), w_ent.to(device)])
+    dx = dw = None
+    if backward:
+        dx, dw = torch.autograd.grad([out.log_probs, out.entropy], [h, w], [w_lp.to(device), w_ent.to(device)])
     return out.log_probs.detach(), out.entropy.detach(), dx, dw
 
 
@@ -314,7 +327,7 @@ def test_token_loss_log_probs_are_the_general_ops(backend):
     fixed-point sums; the same full-vocabulary path on the torch backend and where both take the one-GEMM forward)."""
     hidden, weight, tokens, _, kept = head_case(dtype=torch.float32)
     w = make_weights(tuple(tokens.shape), 4)
-    head = run_head(hidden, weight, tokens, keep=csr(kept), w_lp=w, w_ent=w, backend=backend)
+    head = run_head(hidden, weight, tokens, keep=csr(kept), w_lp=w, w_ent=w, backend=backend, backward=False)
     loss = run_loss(hidden, weight, tokens, keep=csr(kept), w_lp=w, w_ent=w, backend=backend)
     keep_rows_ = torch.tensor([len(k) > 0 for k in kept], device=head[0].device)
     assert torch.equal(loss[0][keep_rows_], head[0][keep_rows_])
@@ -349,9 +362,9 @@ def test_lm_head_log_probs_are_row_count_invariant(backend):
     sums exact), nor on a row mask that moves it."""
     hidden, weight, tokens, _, kept = head_case(dtype=torch.bfloat16)
     w = make_weights(tuple(tokens.shape), 4)
-    full = run_head(hidden, weight, tokens, keep=csr(kept), w_lp=w, w_ent=w, backend=backend)[0]
+    full = run_head(hidden, weight, tokens, keep=csr(kept), w_lp=w, w_ent=w, backend=backend, backward=False)[0]
     part = run_head(hidden[20:50], weight, tokens[20:50], keep=csr(kept[20:50]), w_lp=w[20:50], w_ent=w[20:50],
-                    backend=backend)[0]
+                    backend=backend, backward=False)[0]
     assert torch.equal(part, full[20:50])
 
 
@@ -402,9 +415,31 @@ def tp_results(tmp_path_factory):
 DX_ACROSS_TP_MAX_REL = 2.0**-7
 
 
-@pytest.mark.parametrize("tp", [world_size_param(2), world_size_param(4)])
+# TP = 2 and TP = 4 each under a fixture of their own: a sharded CPU target then runs the two spawns in two shards
+# (tests/conftest.py keeps a fixture's cases together), each shard also running TP = 1 in its own process.
+@pytest.fixture(scope="module")
+def results_at_tp2(tp_results):
+    return tp_results
+
+
+@pytest.fixture(scope="module")
+def results_at_tp4(tp_results):
+    return tp_results
+
+
 @pytest.mark.parametrize("backend", backend_params())
-def test_tp_bitwise_invariant(tp_results, backend, tp):
+@pytest.mark.parametrize("tp", [world_size_param(2)])
+def test_tp_bitwise_invariant(results_at_tp2, backend, tp):
+    _assert_tp_bitwise_invariant(results_at_tp2, backend, tp)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("tp", [world_size_param(4)])
+def test_tp_bitwise_invariant_at_tp4(results_at_tp4, backend, tp):
+    _assert_tp_bitwise_invariant(results_at_tp4, backend, tp)
+
+
+def _assert_tp_bitwise_invariant(tp_results, backend, tp):
     tp1 = tp_results(1)[0]
     for rank, got in enumerate(tp_results(tp)):
         for op in ("logits", "head"):

@@ -245,18 +245,32 @@ def test_deterministic_and_row_independent(lane_width):
     assert torch.equal(part[:, :, row_mask], full[:, :, row_mask])
 
 
-@pytest.mark.parametrize("keep", [False, True])
-@pytest.mark.parametrize("block_v", [None, 4, 8])  # per 12-column segment: a partial tile only; 3 whole tiles; both
-@pytest.mark.parametrize("lane_width", LANE_WIDTHS)
-def test_row_mask_never_reads_dropped_rows(lane_width, block_v, keep):
-    # Dropped rows hold NaN logits, and NaN row statistics and upstream gradients (a real target column too): had a
-    # program read or used any of them, NaN would reach its partials or gradient row. Kept rows: the bits of an
-    # unmasked run.
+# (lane_width, block_v, keep) of the row-mask forward: every lane width at every tile size (per 12-column segment: one
+# partial tile only, 3 whole tiles, both), with and without a keep mask in turn, so each lane width and each tile size
+# also runs both ways. Each case is two interpreted launches of seconds; the backward has no lane width (its own test).
+ROW_MASK_FORWARD_CASES = [(lane, block_v, (i + j) % 2 == 0)
+                          for i, lane in enumerate(LANE_WIDTHS) for j, block_v in enumerate((None, 4, 8))]
+
+
+def _row_mask_case(keep):
+    """Logits, target columns, keep mask and upstream weights of the row-mask tests, the dropped rows' logits NaN."""
     logits, _, target_col, keep_mask, g_lp, g_ent = make_case(8, 96, keep=keep)
     row_mask = torch.tensor([True, False, False, True, True, False, True, False])
-    n_valid, seg_len, inv_t = 90, 12, float(torch.tensor(1 / 0.7, dtype=torch.float32))
     masked = logits.clone()
     masked[~row_mask] = float("nan")
+    return logits, masked, row_mask, target_col, keep_mask, g_lp, g_ent
+
+
+ROW_MASK_N_VALID, ROW_MASK_SEG_LEN = 90, 12
+ROW_MASK_INV_T = float(torch.tensor(1 / 0.7, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("lane_width,block_v,keep", ROW_MASK_FORWARD_CASES)
+def test_row_mask_forward_never_reads_dropped_rows(lane_width, block_v, keep):
+    # Dropped rows hold NaN logits (a real target column too): had a program read any of them, NaN would reach its
+    # partials. Kept rows: the bits of an unmasked run.
+    logits, masked, row_mask, target_col, keep_mask, _, _ = _row_mask_case(keep)
+    n_valid, seg_len, inv_t = ROW_MASK_N_VALID, ROW_MASK_SEG_LEN, ROW_MASK_INV_T
     opts = dict(lane_width=lane_width, block_v=block_v)
 
     unmasked = forward_partials(logits, None, target_col, keep_mask, inv_t, n_valid, seg_len, True, None, **opts)
@@ -265,6 +279,14 @@ def test_row_mask_never_reads_dropped_rows(lane_width, block_v, keep):
     neutral = empty_partials(96 // seg_len, int((~row_mask).sum()), "cpu")
     assert torch.equal(got[:, :, ~row_mask], neutral)
 
+
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("block_v", [None, 4, 8])  # per 12-column segment: a partial tile only; 3 whole tiles; both
+def test_row_mask_backward_never_reads_dropped_rows(block_v, keep):
+    # Dropped rows hold NaN logits, and NaN row statistics and upstream gradients: had a program read or used any of
+    # them, NaN would reach its gradient row. Kept rows: the bits of an unmasked run.
+    logits, masked, row_mask, target_col, keep_mask, g_lp, g_ent = _row_mask_case(keep)
+    n_valid, inv_t = ROW_MASK_N_VALID, ROW_MASK_INV_T
     stats = [s.float() for s in reference_stats(logits, None, target_col, keep_mask, inv_t, n_valid)]
     expected = torch.empty_like(logits)
     backward_grad(logits, None, target_col, keep_mask, inv_t, n_valid, *stats, g_lp, g_ent, expected, None,
@@ -278,9 +300,15 @@ def test_row_mask_never_reads_dropped_rows(lane_width, block_v, keep):
     assert torch.equal(masked, grad)  # in place: the NaN rows are overwritten with zeros, never read
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("lane_width", LANE_WIDTHS)
-@pytest.mark.parametrize("block_v", [None, 8])  # one tile per segment; four tiles per segment
+# (dtype, lane_width, block_v): every lane width at both tile sizes (one tile per segment; four tiles per segment), the
+# dtypes in turn, so each lane width and each tile size also runs in both dtypes (each case is 15 interpreted
+# forward launches, one per rank of TP = 1, 2, 4, 8).
+SHARD_CASES = [(dtype, lane, block_v) for i, lane in enumerate(LANE_WIDTHS) for j, block_v in enumerate((None, 8))
+               for dtype in [(torch.float32, torch.bfloat16)[(i + j) % 2]]]
+
+
+@pytest.mark.parametrize("dtype,lane_width,block_v", SHARD_CASES,
+                         ids=lambda v: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else None)
 def test_shards_give_the_same_bits(dtype, lane_width, block_v):
     # Backend half of TP invariance: rank r of a TP group holds columns [r*V/tp, (r+1)*V/tp) and the fixed segments
     # inside them. Its partials must equal, bit for bit, the same segments computed at TP=1, and its gradient (given
