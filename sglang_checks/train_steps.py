@@ -28,6 +28,7 @@ input until that exists.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import resource
 import sys
@@ -151,8 +152,10 @@ def sync(trainer_: Trainer, engine, probe: List[rollout_lib.Sample]) -> dict:
         engine_lp = engine.score(probe)
         trainer_lp = hf_engine.HFEngine(trainer_.model, engine.layout, trainer_.model.device).score(probe)
     probe_diff = max(abs(a - b) for e, t in zip(engine_lp, trainer_lp) for a, b in zip(e, t))
+    # one digest of every tensor's: it changes with every update, so a sync that moved nothing shows across the rows
+    state = hashlib.sha256("".join(f"{name}={theirs[name]};" for name in sorted(theirs)).encode()).hexdigest()
     return {"tensors": len(ours), "tensors_differing": len(differing), "first_differing": differing[:3],
-            "probe_max_abs_diff": float(probe_diff)}
+            "probe_max_abs_diff": float(probe_diff), "engine_state_checksum": state}
 
 
 def _peak_memory(device: torch.device) -> Tuple[int, str]:
