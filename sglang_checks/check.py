@@ -12,6 +12,10 @@ The trainer's numerics (--trainer_numerics): `hf`, transformers' forward; or `sg
 flags it mirrors), so teacher-forced scores can be held to exact equality. With --sglang_dump_tensors every server
 dumps its passes into <report_dir>/engine_dump/<layout>/, and after scoring layer_diff.py names the first tensor
 where the trainer's on-policy forward and the engine part (report.json's layer_diff).
+
+With --train_steps=N the check is followed by N GRPO steps of one trainer in this process, each step's weights synced
+into the engine and checked there, each step's rollout compared as the check's own (train_steps.py); their
+comparisons join the check's and decide the exit code with them.
 """
 
 from __future__ import annotations
