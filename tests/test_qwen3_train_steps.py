@@ -4,7 +4,8 @@ One run of `tiny` (seed 0, 8 prompts x 4 samples, 8 steps, trainer layout tp1 on
 shared by the module: the reward rises by the measured margin, the engine holds the trainer's weights after every
 sync (and they move), every step's comparison is within its tolerance, and the report holds every step. A second,
 one-step run whose sync never reaches the engine must FAIL on the sync comparisons. Bad values of the flags are
-refused before any model (CheckError in process, exit 2 from the binary). About 60-80 s on a busy 2-core machine.
+refused before any model (CheckError in process, exit 2 from the binary); a bf16 model trains on fp32 master weights.
+About 60-80 s on a busy 2-core machine.
 """
 
 import json
@@ -153,3 +154,22 @@ def test_binary_refuses_bad_values_with_exit_2(flag, message, tmp_path):
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_bf16_model_trains_on_fp32_masters_cast_back_into_it(cache_dir):
+    import torch
+
+    from sglang_checks import models
+
+    info = models.resolve_model("tiny", cache_dir=cache_dir, seed=0, log=lambda message: None)
+    model = models.load_hf_model(info, dtype=torch.bfloat16, device=torch.device("cpu"))
+    trainer_ = train_steps.Trainer(model, lr=1e-5)  # steps far below bf16's rounding step of weights ~0.02-1
+    before = [p.detach().float().clone() for p in trainer_.params]
+    assert all(m.dtype == torch.float32 for m in trainer_.masters)
+    loss = sum((p.float() ** 2).sum() for p in trainer_.params)
+    assert trainer_.step(loss, update=True) > 0
+    moved = sum(int((m.detach() != b).sum()) for m, b in zip(trainer_.masters, before))
+    shown = sum(int((p.detach().float() != b).sum()) for p, b in zip(trainer_.params, before))
+    assert moved > shown  # the masters keep updates the bf16 weights round away
+    for p, m in zip(trainer_.params, trainer_.masters):
+        assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), m.detach().to(torch.bfloat16))
