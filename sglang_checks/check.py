@@ -12,6 +12,10 @@ The trainer's numerics (--trainer_numerics): `hf`, transformers' forward; or `sg
 flags it mirrors), so teacher-forced scores can be held to exact equality. With --sglang_dump_tensors every server
 dumps its passes into <report_dir>/engine_dump/<layout>/, and after scoring layer_diff.py names the first tensor
 where the trainer's on-policy forward and the engine part (report.json's layer_diff).
+
+With --train_steps=N the check is followed by N GRPO steps of one trainer in this process, each step's weights synced
+into the engine and checked there, each step's rollout compared as the check's own (train_steps.py); their
+comparisons join the check's and decide the exit code with them.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch
 from sglang_checks import controls
 from sglang_checks import layouts as layouts_lib
 from sglang_checks import layer_diff, logprob_kinds, metrics, models, prompts, report, rollout as rollout_lib
-from sglang_checks import tolerances, trainer
+from sglang_checks import tolerances, train_steps, trainer
 from sglang_checks.engines import SamplingSettings, hf_engine, sglang_engine
 from sglang_checks.errors import CheckError
 
@@ -69,6 +73,8 @@ class Settings:
     explicit_flags: Tuple[str, ...]  # names of the flags the user set (replay conflicts, --num_prompts)
     seq_len: int
     entropy_coef: float
+    train_steps: int  # GRPO steps after the check (train_steps.py); 0: none
+    lr: float
     max_ranks: int
     trainer_timeout_s: float
     tolerances: Dict[str, Optional[float]]
@@ -111,6 +117,7 @@ def _check_values(s: Settings) -> None:
     for name, value in s.tolerances.items():
         if value is not None and not value >= 0:
             raise CheckError(f"--{name}: expected a tolerance >= 0, got {value}")
+    train_steps.check_settings(s)
 
 
 def _check_control(s: Settings, trainer_layouts, engine_layouts) -> None:
@@ -326,7 +333,7 @@ def run(s: Settings) -> int:
 def _clear_outputs(s: Settings) -> None:
     """Removes what an earlier run wrote into the report folder, so that it holds this run's files only (a replayed
     rollout.json that is this run's input stays)."""
-    names = [report.JSON_NAME, report.MD_NAME, report.PNG_NAME, report.ROLLOUT_NAME]
+    names = [report.JSON_NAME, report.MD_NAME, report.PNG_NAME, report.TRAIN_PNG_NAME, report.ROLLOUT_NAME]
     names += [n for n in os.listdir(s.report_dir) if n.startswith("sglang_") and n.endswith(".log")]
     shutil.rmtree(os.path.join(s.report_dir, ENGINE_DUMP_NAME), ignore_errors=True)
     for name in names:
@@ -367,11 +374,21 @@ def _run(s: Settings) -> int:
         rollout, scores.packed, scores.results, engine_scores, scores.view, tol, engine=s.engine,
         first_layout=plan.engine_layouts[0].name, bitwise=s.expect_bitwise,
         shifted=s.negative_control == controls.SHIFTED_LOGPROBS)
+    train_record = None
+    if s.train_steps:
+        t0 = time.monotonic()
+        _log(f"{s.train_steps} GRPO training steps, weights synced into {s.engine} {plan.engine_layouts[0].name}")
+        train_record, train_comparisons = train_steps.run(s, plan, info, _train_prompts(plan, rollout), tol,
+                                                          sample_rollout=sample_rollout, log=_log)
+        comparisons += train_comparisons
+        timings["train_steps_s"] = time.monotonic() - t0
     timings["total_s"] = time.monotonic() - start
     summary = _summary(s, plan, info=info, rollout=rollout, engine_infos=engine_infos, scores=scores, tol=tol,
                        timings=timings)
     if diffs is not None:
         summary["layer_diff"] = diffs
+    if train_record is not None:
+        summary["train_steps"] = train_record
     paths = report.write_all(s.report_dir, summary, comparisons, mismatch_hist, layout_hist)
     return _verdict(comparisons, paths, scores.error)
 
@@ -482,6 +499,16 @@ def _summary(s: Settings, plan: Plan, *, info: models.ModelInfo, rollout: rollou
         "tolerances": {name: {"value": tol[name], "reason": tolerances.reason(name, s.dtype)} for name in tol},
         "timings_s": timings,
     }
+
+
+def _train_prompts(plan: Plan, rollout: rollout_lib.Rollout) -> List[List[int]]:
+    """The prompts the training steps sample: the check's own, or a replayed rollout's (one per prompt index)."""
+    if plan.prompt_ids is not None:
+        return plan.prompt_ids
+    by_index = {}
+    for sample in rollout.samples:
+        by_index.setdefault(sample.prompt_index, sample.prompt_ids)
+    return [by_index[i] for i in sorted(by_index)]
 
 
 def trainer_losses(results: List[trainer.LayoutResult]) -> Dict[str, dict]:

@@ -61,6 +61,12 @@ _ENTROPY_COEF = flags.DEFINE_float("entropy_coef", 0.01, "Entropy bonus in the s
                                    "reported, not differentiated).")
 _MAX_RANKS = flags.DEFINE_integer("max_ranks", 8, "Most ranks a trainer layout may use (with NCCL also at most one "
                                   "per visible GPU).")
+_TRAIN_STEPS = flags.DEFINE_integer(
+    "train_steps", 0, "After the check, this many GRPO steps of one tp1 trainer in this process (AdamW on fp32 master "
+    "weights, reward.py's token reward), each followed by a weight sync into the engine (hf only), a new rollout and "
+    "the check of that step: synced weights equal the trainer's, trainer-engine mismatch and ratio within tolerance "
+    "(sglang_checks/train_steps.py). 0: no training.")
+_LR = flags.DEFINE_float("lr", 1e-3, "AdamW learning rate of --train_steps.")
 _TRAINER_TIMEOUT = flags.DEFINE_float("trainer_timeout_s", 900.0, "Time limit of all trainer layouts together.")
 _TOLERANCES = {name: flags.DEFINE_float(name, None, f"Default: the calibrated value for --dtype when installed "
                                         f"(tolerances.py), else {default.float32:g} (float32) / "
@@ -163,7 +169,8 @@ def settings(**overrides) -> check.Settings:
         max_new_tokens=_value(_MAX_NEW_TOKENS), num_prompts=_value(_NUM_PROMPTS),
         samples_per_prompt=_value(_SAMPLES_PER_PROMPT), prompts=_value(_PROMPTS), ignore_eos=_value(_IGNORE_EOS),
         rollout_data=_value(_ROLLOUT_DATA), explicit_flags=explicit, seq_len=_value(_SEQ_LEN),
-        entropy_coef=_value(_ENTROPY_COEF), max_ranks=_value(_MAX_RANKS), trainer_timeout_s=_value(_TRAINER_TIMEOUT),
+        entropy_coef=_value(_ENTROPY_COEF), train_steps=_value(_TRAIN_STEPS), lr=_value(_LR),
+        max_ranks=_value(_MAX_RANKS), trainer_timeout_s=_value(_TRAINER_TIMEOUT),
         tolerances={name: _value(holder) for name, holder in _TOLERANCES.items()},
         expect_bitwise=_value(_EXPECT_BITWISE), negative_control=_value(_NEGATIVE_CONTROL),
         trainer_numerics=_value(_TRAINER_NUMERICS), sglang_dump_tensors=_value(_SGLANG_DUMP_TENSORS),

@@ -97,6 +97,18 @@ def load_hf_model(info: ModelInfo, *, dtype: torch.dtype, device: torch.device):
     return model.to(device).eval()
 
 
+def state_checksums(model) -> Dict[str, str]:
+    """SHA-256 of every tensor of a loaded model's state dict (dtype, shape and bytes), by name: what the training
+    steps compare between the trainer and the engine after a weight sync (train_steps.py)."""
+    out = {}
+    for name, t in model.state_dict().items():
+        t = t.detach().contiguous().cpu()
+        digest = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        out[name] = digest.hexdigest()
+    return out
+
+
 def _config_hash(preset: Dict[str, Any], seed: int) -> str:
     blob = json.dumps({"preset": preset, "seed": seed}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]

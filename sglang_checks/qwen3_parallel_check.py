@@ -2,6 +2,8 @@
 
     bazel run //sglang_checks:qwen3_parallel_check            # CPU, `tiny` model, hf engine, about a minute
     bazel run //sglang_checks:qwen3_parallel_check -- --model=qwen3-0.6b-random --trainer_layouts=tp1,tp2
+    # then 8 GRPO steps, each step's weights synced into the hf engine and checked (sglang_checks/train_steps.py)
+    bazel run //sglang_checks:qwen3_parallel_check -- --train_steps=8 --samples_per_prompt=4
     bazel run //sglang_checks:qwen3_parallel_check -- --engine=sglang --engine_layouts=tp1,tp2 \\
         --model=/path/to/Qwen3-0.6B --sglang_python=/path/to/sglang-venv/bin/python --dtype=bfloat16
     # true on-policy: the trainer repeats SGLang's --rl-on-policy-target forward and must match it exactly; the tensor
@@ -17,9 +19,9 @@ files, prompts: one line on stderr saying what was expected, before any model is
 rank crashed or timed out (one line naming the layout and rank; the report holds what finished), 130 when interrupted
 (Ctrl-C: one line; servers and trainer ranks are stopped first). Relative paths are where the command was run from
 (also under bazel run). The report folder gets report.md, report.json, logprob_diff_hist.png, rollout.json (replay
-it with --rollout_data) and, with --engine=sglang, each server's log, each file written whole (a temporary file
-renamed into place); a run holds the folder's .lock for its duration, and a second run into it is refused (exit 2).
-See sglang_checks/check.py for the steps.
+it with --rollout_data), with --train_steps train_steps.png (the per-step curves) and, with --engine=sglang, each
+server's log, each file written whole (a temporary file renamed into place); a run holds the folder's .lock for its
+duration, and a second run into it is refused (exit 2). See sglang_checks/check.py for the steps.
 """
 
 from __future__ import annotations

@@ -5,7 +5,10 @@ engine, version, launch command, start-up time), negative_control, expect_bitwis
 come from), trainer_layouts, comparisons (section, subject, metric, value, tolerance, tolerance_name, passed,
 details), tolerances (each with its reason), timings_s; with --sglang_dump_tensors also layer_diff (per engine
 layout, layer_diff.py's result: the scoring passes, per tensor name the shapes, dtypes, max |diff| and differing
-elements, and the first tensor that differs), summarised in a section of report.md.
+elements, and the first tensor that differs), summarised in a section of report.md; with --train_steps also
+train_steps (train_steps.py: the optimizer's settings, the reward, and per step every number: reward, entropy, loss,
+gradient norm, ratio, mismatch, the weight sync's results, time, peak memory), a per-step table in report.md and
+train_steps.png, the per-step curves.
 The PNG has one panel of per-token (trainer - engine) log-prob differences per engine log-prob series, one of
 (layout - tp1) trainer log-prob differences, over the completion tokens, and one of every comparison's value against
 its tolerance (value / tolerance; a bar past 1 is a FAIL).
@@ -34,6 +37,7 @@ from sglang_checks.metrics import Comparison
 JSON_NAME = "report.json"
 MD_NAME = "report.md"
 PNG_NAME = "logprob_diff_hist.png"
+TRAIN_PNG_NAME = "train_steps.png"  # the per-step curves of --train_steps (train_steps.py), beside the histogram
 ROLLOUT_NAME = "rollout.json"
 # Held (flock) by the run writing the folder; the kernel releases it when that process ends, however it ends, so a
 # crash never leaves the folder locked. The empty file itself may stay: only the lock on it counts.
@@ -134,6 +138,7 @@ def write_markdown(path: str, report: dict, comparisons: List[Comparison], note:
         cells = [c.section, c.subject, c.metric, _fmt(c.value), _fmt(c.tolerance), "pass" if c.passed else "**FAIL**"]
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     lines += _layer_diff_lines(report.get("layer_diff"))
+    lines += _train_steps_lines(report.get("train_steps"))
     lines += ["", "Tolerances:", ""]
     lines += [f"- `{name}` = {_fmt(t['value'])}: {t['reason']}" for name, t in report["tolerances"].items()]
     lines += ["", f"Histogram of per-token differences: `{PNG_NAME}`. Everything else: `{JSON_NAME}`.", ""]
@@ -159,6 +164,58 @@ def _layer_diff_lines(diffs) -> List[str]:
         if mismatched:
             lines.append(f"  - dtypes differ at {len(mismatched)} tensors, first `{mismatched[0]}`")
     return lines
+
+
+def _train_steps_lines(record) -> List[str]:
+    """report.md's per-step table of --train_steps (every number is in report.json's train_steps.rows)."""
+    if not record:
+        return []
+    lines = ["", f"## GRPO training steps (weights synced into the engine after each; curves: `{TRAIN_PNG_NAME}`)",
+             "",
+             f"{record['steps']} steps of {record['optimizer']} at lr {record['lr']:g} on {record['master_weights']} "
+             f"master weights, loss {record['loss']}, reward: {record['reward']['name']} "
+             f"(TARGET_MODULUS = {record['reward']['target_modulus']}); reward {_fmt(record['reward_first'])} at step "
+             f"0, {_fmt(record['reward_last'])} at step {record['steps']} (rise {record['reward_rise']:+.4f}).",
+             "",
+             "| step | reward | entropy | loss | grad norm | ratio mean | max \\|ratio-1\\| "
+             "| mean \\|trainer-engine\\| | tensors differing | probe max \\|d\\| | time (s) | peak memory (MiB) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in record["rows"]:
+        cells = [str(r["step"]), f"{r['reward_mean']:.4f}", f"{r['entropy_mean']:.4f}", _fmt(r["loss"]),
+                 _fmt(r["grad_norm"]), f"{r['ratio_mean']:.6f}", _fmt(r["ratio_max_abs_dev"]),
+                 _fmt(r["mismatch_mean_abs"]), f"{r['sync']['tensors_differing']} of {r['sync']['tensors']}",
+                 _fmt(r["sync"]["probe_max_abs_diff"]), f"{r['step_time_s']:.2f}",
+                 f"{r['peak_memory_bytes'] / 2**20:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+# The curves of train_steps.png: (row key, title), one panel each.
+_TRAIN_CURVES = (("reward_mean", "mean reward"), ("mismatch_mean_abs", "mean |trainer - engine| log-prob"),
+                 ("ratio_max_abs_dev", "max |ratio - 1| (ratio = exp(trainer - engine))"),
+                 ("entropy_mean", "mean entropy (nats)"), ("loss", "GRPO loss"),
+                 ("grad_norm", "gradient norm (before clipping)"))
+
+
+def write_train_curves(path: str, record: dict) -> None:
+    """train_steps.png: one panel per curve of _TRAIN_CURVES over the steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in record["rows"]]
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7))
+    for ax, (key, title) in zip(axes.flat, _TRAIN_CURVES):
+        ax.plot(steps, [r[key] for r in record["rows"]], marker="o")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=90)
+    plt.close(fig)
+    write_atomic(path, buffer.getvalue())
 
 
 def write_histogram(path: str, mismatch: Dict[str, np.ndarray], layouts: Dict[str, np.ndarray],
@@ -243,6 +300,9 @@ def write_all(report_dir: str, report: dict, comparisons: List[Comparison], mism
                        note=f"(no {PNG_NAME}: matplotlib is not installed for this interpreter)")
     else:
         write_histogram(paths[PNG_NAME], mismatch, layouts, comparisons)
+        if report.get("train_steps"):
+            paths[TRAIN_PNG_NAME] = os.path.join(report_dir, TRAIN_PNG_NAME)
+            write_train_curves(paths[TRAIN_PNG_NAME], report["train_steps"])
         write_markdown(paths[MD_NAME], report, comparisons)
     write_json(paths[JSON_NAME], report)  # last: a report.json is there only when the rest of the report is
     return paths

@@ -64,6 +64,18 @@ class HFEngine:
         return {"engine": "hf", "layout": self.layout.name, "version": f"transformers {transformers.__version__}",
                 "command": "embedded (eager attention)", "startup_s": 0.0}
 
+    def load_state_dict(self, state_dict) -> None:
+        """Replaces every weight of the model in place (the training steps' sync, train_steps.py); strict, so a
+        missing or unexpected tensor name is an error, not a weight silently left behind."""
+        with torch.no_grad():
+            self.model.load_state_dict(state_dict, strict=True)
+
+    def checksums(self) -> dict:
+        """Per-tensor checksums of the weights the engine now serves, read back from its model."""
+        from sglang_checks import models
+
+        return models.state_checksums(self.model)
+
     def generate(self, prompts: List[List[int]], samples_per_prompt: int, settings: SamplingSettings) -> List[Sample]:
         from transformers import GenerationConfig
 
