@@ -62,7 +62,7 @@ def test_mcore_flash_body_attention_is_causal_grouped_attention():
 def test_mcore_provider_names_say_their_way_and_baseline():
     local = [step._way(p) for p in step.MCORE_PROVIDERS]
     assert [step._way(p) for p in step.MCORE_FLASH_PROVIDERS] == [(kind, keep, "flash") for kind, keep, _ in local]
-    assert [keep for _, keep, _ in local] == [False] * 4 + [True] * 4 + [False] * 3
+    assert [keep for _, keep, _ in local] == [False] * 4 + [True] * 4 + [False] * 5
     assert {c.provider for c in step.SUITES["megatron_step_flash"]()} == set(step.MCORE_FLASH_PROVIDERS)
 
     def named(provider, **options):
@@ -72,6 +72,8 @@ def test_mcore_provider_names_say_their_way_and_baseline():
     assert named("mcore_loss_spare_flash") == (["provider=mcore_logits_flash"],
                                                dict(provider="mcore_body_flash", validate="on"))
     assert named("mcore_head_keep") == (["provider=mcore_head"], None)
+    assert named("mcore_exact_flash") == (["provider=mcore_logits_sglang_flash", "provider=mcore_logits_flash"],
+                                          dict(provider="mcore_body_flash", validate="on"))
     assert named("mcore_logits_dense_keep_flash") == (["provider=mcore_logits_flash"], None)
     assert named("mcore_body") == ([], None) and named("mcore_logits") == ([], None)
     assert named("qwen3_step", validate=False) == (["validate=on"], None)
