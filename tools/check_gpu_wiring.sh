@@ -50,6 +50,8 @@ test_ppo_logprob_entropy_gpu2 2
 test_qwen3_0.6B_parallel_check 2
 test_qwen3_parallel_check_gpu 1
 test_qwen3_parallel_check_gpu2 2
+test_sglang_head_gpu 1
+test_sglang_head_vs_sglang 1
 test_sglang_kernels 1
 test_sglang_order_gpu 1
 test_sglang_order_gpu2 2
