@@ -81,7 +81,8 @@ class SglangHeadBackend:
         if plan.validate and plan.layout.group is not None:
             shell.check_across_ranks(plan, call_tokens, call_row_mask,
                                      torch.zeros((), dtype=torch.bool, device=hidden.device))
-        parts = [self.block_stats(plan, z, tokens[r0:r1])
+        lplan = self.logits_plan(plan)
+        parts = [self.block_stats(lplan, z, tokens[r0:r1])
                  for r0, r1, z in self.logit_blocks(plan, hidden, weight)]
         stats = _cat_stats(parts, hidden.device)
         if plan.validate and plan.layout.group is not None:
@@ -111,10 +112,10 @@ class SglangHeadBackend:
             return [(0, v_local)]
         return [(c0, c0 + seg_len) for c0 in range(0, v_local, seg_len)]
 
-    def block_stats(self, plan, z, tokens) -> RowStats:
-        """The logits op's SGLang order on one block's divided bf16 logits; bad_input also flags non-finite
-        log-probs (a NaN logit reaches the sums even where a max skipped it)."""
-        stats = sglang_order.row_stats(self.logits_plan(plan), RowInputs(z, tokens, None, None))
+    def block_stats(self, lplan, z, tokens) -> RowStats:
+        """The logits op's SGLang order (lplan: logits_plan's) on one block's divided bf16 logits; bad_input also
+        flags non-finite log-probs (a NaN logit reaches the sums even where a max skipped it)."""
+        stats = sglang_order.row_stats(lplan, RowInputs(z, tokens, None, None))
         bad = stats.bad_input | ~torch.isfinite(stats.log_prob)
         return dataclasses.replace(stats, bad_input=bad)
 
@@ -142,13 +143,13 @@ class SglangHeadBackend:
         dl = torch.zeros((n_gemm, plan.shard.seg_len), dtype=torch.bfloat16, device=device)
         dx = torch.zeros((n_gemm, width), dtype=torch.float32, device=device) if wanted.dx else None
         dw = torch.empty_like(weight) if wanted.dw else None
-        step = sglang_block_rows(device)
+        span = max(1, rows) if self.kind == "triton" else sglang_block_rows(device)
         for c0 in range(0, v_local, plan.shard.seg_len):
             c1 = c0 + plan.shard.seg_len
             # The forward's logits again, bit for bit: every row at once for the Triton kernel (whose bits do not
             # depend on the rectangle), the forward's row blocks for the torch backend (the same GEMM shapes).
-            for r0 in range(0, rows, rows if self.kind == "triton" else step):
-                r1 = min(rows, r0 + (rows if self.kind == "triton" else step))
+            for r0 in range(0, rows, span):
+                r1 = min(rows, r0 + span)
                 sglang_matmul.bf16_logits(h16[r0:r1], w16[c0:c1], dl[r0:r1], _temperature(plan), self.kind)
             mine = dl[:rows]
             lplan.backend.backward_grad(RowInputs(mine, tokens, None, None), lplan.shard.segment(c0), stats,
@@ -158,9 +159,10 @@ class SglangHeadBackend:
             if dw is not None:
                 if weight.dtype == torch.float32:
                     mm_fp32(dl.t(), h16, dw[c0:c1])
-                else:  # bf16 (fp16 weights: rounded from fp32 the same way, once)
-                    mm_rounded(dl.t(), h16, dw[c0:c1]) if weight.dtype == torch.bfloat16 else \
-                        dw[c0:c1].copy_(_mm32(dl.t(), h16))
+                elif weight.dtype == torch.bfloat16:
+                    mm_rounded(dl.t(), h16, dw[c0:c1])
+                else:  # fp16: rounded once from fp32
+                    dw[c0:c1].copy_(_mm32(dl.t(), h16))
         return (None if dx is None else dx[:rows]), dw
 
     # ---- linear_token_loss ----
@@ -171,9 +173,10 @@ class SglangHeadBackend:
         hidden, weight, tokens = head.hidden, head.weight, head.tokens
         rows = hidden.shape[0]
         hooks.headers()
+        lplan = self.logits_plan(plan)
         parts, g_lp, g_ent = [], [], []
         for r0, r1, z in self.logit_blocks(plan, hidden, weight):
-            stats = self.block_stats(plan, z, tokens[r0:r1])
+            stats = self.block_stats(lplan, z, tokens[r0:r1])
             parts.append(stats)
             grads = hooks.block_grads(stats, r0, r1)
             g_lp.append(grads.grad_log_prob)
