@@ -15,6 +15,9 @@ Prints one JSON object:
 """
 
 import json
+import os
+import pathlib
+import subprocess
 import tempfile
 
 import torch
@@ -25,6 +28,23 @@ QWEN3_VOCAB = 151936
 TEMPERATURE_CASES = {"qwen3_vocab": (QWEN3_VOCAB, 1.0), "odd_vocab_1wide": (QWEN3_VOCAB + 1, 1.0),
                      "even_vocab_2wide": (QWEN3_VOCAB + 2, 1.0), "temperature_power_of_two": (QWEN3_VOCAB, 0.5)}
 ON_POLICY_LENGTHS = [7, 12, 3]  # sequences of different lengths in one flattened batch
+
+
+def child_report(module: str, timeout_s: float) -> dict:
+    """The JSON object `python -m module` prints under SGLang's interpreter ($PPO_OPS_SGLANG_PYTHON), run from the
+    repository root without TRITON_INTERPRET; the calling test skips where the variable is not set (a plain run:
+    --config=sglang sets it, and fails the target on any skip)."""
+    import pytest
+
+    sglang_python = os.environ.get("PPO_OPS_SGLANG_PYTHON")
+    if not sglang_python:
+        pytest.skip("PPO_OPS_SGLANG_PYTHON is not set: SGLang's interpreter (--config=sglang sets it)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    repo_root = pathlib.Path(os.path.abspath(__file__)).parent.parent
+    done = subprocess.run([sglang_python, "-m", module], cwd=repo_root, env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
+    assert done.returncode == 0, f"{module} failed under SGLang's interpreter:\n{done.stderr[-4000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def steps_by_hand(logits, tokens, world_size, backend, vocab_size=None):

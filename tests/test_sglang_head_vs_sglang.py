@@ -10,30 +10,19 @@ loss's equal the general op's; TP = 2 and 4 as shards by hand (each rank's logit
 steps on them); and one weight one bf16 ulp off makes them differ (the comparison can fail).
 """
 
-import json
-import os
-import pathlib
-import subprocess
 
 import pytest
 
 from tests.sglang_head_check import HEADS, ROWS, TEMPERATURES
+from tests.sglang_kernels_check import child_report
 
-SGLANG_PYTHON = os.environ.get("PPO_OPS_SGLANG_PYTHON")
 CHECK_TIMEOUT_S = 1200  # Triton compiles of both matmuls and the order's kernels; SGLang's log_softmax at T = 32768
 CASES = [f"{head}/T={rows}/temp={temperature}" for head in HEADS for rows in ROWS for temperature in TEMPERATURES]
 
 
 @pytest.fixture(scope="module")
 def report():
-    if not SGLANG_PYTHON:  # a plain run; --config=sglang sets it (and fails the target on any skip)
-        pytest.skip("PPO_OPS_SGLANG_PYTHON is not set: SGLang's interpreter (--config=sglang sets it)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    repo_root = pathlib.Path(os.path.abspath(__file__)).parent.parent
-    done = subprocess.run([SGLANG_PYTHON, "-m", "tests.sglang_head_check"], cwd=repo_root, env=env,
-                          capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
-    assert done.returncode == 0, f"the SGLang head check failed:\n{done.stderr[-4000:]}"
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return child_report("tests.sglang_head_check", CHECK_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("case", CASES)

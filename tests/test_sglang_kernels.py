@@ -8,16 +8,11 @@ packages it was installed with), and each of its results is asserted here.
   stays within bf16 of them.
 """
 
-import json
-import os
-import pathlib
-import subprocess
 
 import pytest
 
-from tests.sglang_kernels_check import TEMPERATURE_CASES
+from tests.sglang_kernels_check import TEMPERATURE_CASES, child_report
 
-SGLANG_PYTHON = os.environ.get("PPO_OPS_SGLANG_PYTHON")
 CHECK_TIMEOUT_S = 900  # Triton compiles of SGLang's and ppo_ops' kernels, the RoPE's torch.compile
 # SGLang's kernels vs the stand-ins on `tiny`, mean |d log-prob| per sequence: other GEMM and attention kernels under
 # bf16 activations (measured 0.03 between the bf16 forward and the fp32 model); a bound against wrong wiring.
@@ -26,14 +21,7 @@ BF16_MEAN_LOGPROB_ATOL = 0.1
 
 @pytest.fixture(scope="module")
 def report():
-    if not SGLANG_PYTHON:  # a plain run; --config=sglang sets it (and fails the target on any skip)
-        pytest.skip("PPO_OPS_SGLANG_PYTHON is not set: SGLang's interpreter (--config=sglang sets it)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    repo_root = pathlib.Path(os.path.abspath(__file__)).parent.parent
-    done = subprocess.run([SGLANG_PYTHON, "-m", "tests.sglang_kernels_check"], cwd=repo_root, env=env,
-                          capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
-    assert done.returncode == 0, f"the SGLang kernel check failed:\n{done.stderr[-4000:]}"
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return child_report("tests.sglang_kernels_check", CHECK_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("case", list(TEMPERATURE_CASES) + ["shards_by_hand_2", "shards_by_hand_4"])
