@@ -20,6 +20,7 @@ import os
 import pathlib
 import random
 import sys
+import zlib
 
 
 import pytest
@@ -162,7 +163,9 @@ def _keep_this_shard(config, items):
     """This shard's cases ($TEST_SHARD_INDEX of $TEST_TOTAL_SHARDS). Cases that share a wider fixture (a module-scoped
     result computed once at every TP size, say) stay together, since each shard holding one of them would compute
     it again; the groups, then the other cases one by one, go in collection order to the shard with the fewest cases
-    so far. Every shard computes the same assignment from the same collection."""
+    so far, in an order fixed by a hash of each group's first node id rather than by position: parametrized cases
+    alternate their parameters (torch, triton, torch, ...), and a round robin in collection order would give one
+    shard every costly one. Every shard computes the same assignment from the same collection."""
     total = int(os.environ.get("TEST_TOTAL_SHARDS", "1"))
     if total <= 1:
         return
@@ -175,7 +178,7 @@ def _keep_this_shard(config, items):
         groups.setdefault(shared if shared else ("", position), []).append(position)
     load = [0] * total
     mine = set()
-    for members in sorted(groups.values(), key=lambda m: (-len(m), m[0])):
+    for members in sorted(groups.values(), key=lambda m: (-len(m), zlib.crc32(items[m[0]].nodeid.encode()), m[0])):
         shard = min(range(total), key=lambda s: (load[s], s))
         load[shard] += len(members)
         if shard == index:
