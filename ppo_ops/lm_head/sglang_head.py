@@ -1,5 +1,6 @@
 """The fused LM head in SGLang's order (reduction_order="sglang"): log-probs bit for bit those of SGLang's true
-on-policy LM head, from hidden states and the weight, without holding [T, V] logits.
+on-policy LM head, from hidden states and the weight, holding [T, V] logits only where the token loss's allowance
+takes them.
 
 What SGLang computes (0.5.17, --rl-on-policy-target, batch-invariant mode): bf16 logits from its batch-invariant
 matmul (`torch.matmul(hidden.bfloat16(), weight.T.bfloat16())`; sglang_matmul.py says how each logit's bits are
@@ -7,7 +8,7 @@ fixed), then the batch-invariant log_softmax of those logits in fp32 (logits/sgl
 reduction_order="sglang"). With a temperature T the logits are divided as its sampler divides them,
 `bf16(bf16 logit / T)` (sglang_matmul.py), and scored in the same order.
 
-The schedule (four GEMMs' work for a gradient, none of them over more than a block of logits):
+The schedule (the general op: four GEMMs' work for a gradient, none of them over more than a block of logits):
   forward   per row block of `block_rows` rows: its bf16 logits over this rank's vocabulary, one
             [block, seg_len] rectangle per fixed segment (the layout's V_global / 8 columns); the logits op's SGLang
             order on them (row max, block sums, the TP collectives of that order); the row statistics kept, O(R).
@@ -112,7 +113,8 @@ class SglangHeadBackend:
     def logit_blocks(self, plan, hidden, weight, r_start: int = 0, r_stop: Optional[int] = None, rows_buffer=None):
         """(r0, r1, bf16 logits [r1 - r0, V_local]) of each forward row block of rows r_start .. r_stop (r_start a
         multiple of the block rows, so the blocks are the general op's): into one block's buffer, reused, or, given
-        `rows_buffer` [r_stop - r_start, V_local], into its rows."""
+        `rows_buffer` [r_stop - r_start, V_local], into its rows. `weight` is cast to bf16 where it is not already
+        (a caller looping over row ranges passes the cast one)."""
         r_stop = hidden.shape[0] if r_stop is None else r_stop
         v_local = weight.shape[0]
         step = sglang_block_rows(hidden.device)
@@ -230,12 +232,12 @@ class SglangHeadBackend:
         logits = storage.view(n_seg, n_gemm, seg_len)  # logits[s]: grads()'s [n_gemm, seg_len] dlogits operand
         if n_gemm > rows:
             logits[:, rows:].zero_()
+        w16 = _bf16(weight)
         scored = _Scored(self, lplan, hooks, tokens, with_entropy)
-        for r0, r1, z in self.logit_blocks(plan, hidden, weight):
+        for r0, r1, z in self.logit_blocks(plan, hidden, w16):
             scored.add(z, r0, r1)
             logits[:, r0:r1].copy_(z.view(r1 - r0, n_seg, seg_len).transpose(0, 1))
         stats, upstream = scored.backward_inputs(plan)
-        w16 = _bf16(weight)
         h16 = gemm_operand_rows(_bf16(hidden), n_gemm)
         dx = torch.zeros((n_gemm, width), dtype=torch.float32, device=device) if wanted.dx else None
         in_logits = paths.sglang_dw_in_logits(n_gemm, width, weight.element_size())
@@ -281,7 +283,7 @@ class SglangHeadBackend:
             n, n_gemm = b1 - b0, gemm_rows(b1 - b0)
             z = logits[:n]
             scored = _Scored(self, lplan, hooks, tokens, with_entropy)
-            for r0, r1, z_rows in self.logit_blocks(plan, hidden, weight, b0, b1, rows_buffer=z):
+            for r0, r1, z_rows in self.logit_blocks(plan, hidden, w16, b0, b1, rows_buffer=z):
                 scored.add(z_rows, r0, r1)
             stats, upstream = scored.backward_inputs(plan)
             x = gemm_operand_rows(h16[b0:b1], n_gemm)
