@@ -141,9 +141,10 @@ _TOKEN_LOSS_PATHS = {
     "blocks": ("sglang_loss_blocks", 16, torch.bfloat16, "blocks"),
     "recompute_fp32_tied": ("sglang_blocks", H, torch.float32, 0),
 }
-# Every path under the torch backend; under the interpreted Triton kernels (slow on CPU) one block and the blocks.
+# Every path under the torch backend (CPU only: CUDA refuses it in SGLang's order); under the Triton kernels
+# (interpreted on CPU, slow) one block and the blocks.
 _TOKEN_LOSS_CASES = (
-    [pytest.param("torch", case, id=f"torch-{case}")
+    [pytest.param("torch", case, id=f"torch-{case}", marks=pytest.mark.device("cpu"))
      for case in ("one_block", "one_block_dw_in_logits", "blocks_fp32_tied", "recompute_fp32_tied")]
     + [pytest.param("triton", case, id=f"triton-{case}",
                     marks=pytest.mark.skipif(triton_skip_reason(DEVICE) is not None,
@@ -198,7 +199,7 @@ def test_token_loss_paths_against_the_general_op_and_float64(backend, case):
 def test_token_loss_without_a_gradient_and_with_every_row_masked():
     """No gradient wanted: the same loss and log-probs as with one. Every row masked: zero loss, zero gradients."""
     hidden, weight, tokens = _inputs(seed=13, width=16)
-    opts = dict(entropy="grad", backend="torch", reduction_order="sglang")
+    opts = dict(entropy="grad", reduction_order="sglang")
 
     def loss(lp, ent, rows):
         return -lp - 0.25 * ent
