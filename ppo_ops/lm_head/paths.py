@@ -243,7 +243,7 @@ def sglang_block_rows(device: torch.device) -> int:
 #   least memory.
 SGLANG_LOSS_BLOCK_ROWS_MAX = 8192
 HOST_SGLANG_LOSS_BLOCK_ROWS_MAX = 64  # the interpreter: four of its forward row blocks
-HOST_SGLANG_LOSS_BYTES = 2**20  # the interpreter: one block at the tests' shapes (V = 2048, H = 160, up to ~40 rows)
+HOST_SGLANG_LOSS_BYTES = 2**20  # the interpreter: one block at the tests' shapes (V = 2048, H = 160) up to 64 rows
 _GEMM_ROW_MULTIPLE = 8  # gemms.GEMM_ROW_MULTIPLE (gemms.py imports this module): the dX / dW GEMMs' row counts
 
 
