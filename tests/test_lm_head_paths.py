@@ -1,6 +1,6 @@
 """Which path a call of the fused LM head takes (ppo_ops/lm_head/paths.py), and that the path named is the path run.
 
-- `head_path`'s table: each of the eight paths from the arguments that choose it, with the row counts that size it
+- `head_path`'s table: each of the eleven paths from the arguments that choose it, with the row counts that size it
   (the host sizes the CPU suite runs: HOST_SHAPE, HOST_HELD_ROWS, HOST_LOSS_BLOCK_ROWS, HOST_TOKEN_LOSS_BYTES; and the
   CUDA sizes at Qwen3-8B's head, where they are documented figures).
 - Named is run: for a call of each path on CPU (Triton under TRITON_INTERPRET=1), `path_of_call` names a path and
@@ -90,6 +90,28 @@ def test_cuda_sizes_at_qwen3_8b_head():
     assert (chunk.block_rows, chunk.group_rows) == (1024, 1024)
 
 
+def test_sglang_paths_and_their_cuda_sizes():
+    """reduction_order="sglang": the general op's sglang_blocks whatever the rest; the token loss's one block at
+    T = 8192 (H = 1024 and 4096) within TOKEN_LOSS_BYTES, blocks of 7168 / 2048 rows at T = 32768, the recompute where
+    not even one 1024-row block fits beside the fp32 dW accumulator (the documented figures)."""
+    for overrides in (dict(kind="torch"), dict(dtype=torch.float32), dict(aligned=False), dict(needs_grad=False)):
+        general = _path(reduction_order="sglang", **overrides)
+        assert (general.path, general.backend[0]) == (Path.SGLANG_BLOCKS, "lm_head_sglang"), overrides
+    assert _path(reduction_order="sglang").block_rows == paths.HOST_SGLANG_BLOCK_ROWS
+    for width, rows in ((1024, 7168), (4096, 2048)):
+        qwen3 = dict(device=CUDA, width=width, seg_len=151936 // 8, token_loss=True, reduction_order="sglang")
+        one = _path(n_rows=8192, **qwen3)
+        assert (one.path, one.block_rows, one.buffer_rows) == (Path.SGLANG_LOSS_ONE_BLOCK, 8192, 8192)
+        blocks = _path(n_rows=32768, **qwen3)
+        assert (blocks.path, blocks.block_rows) == (Path.SGLANG_LOSS_BLOCKS, rows)
+        assert _path(n_rows=32768, working_memory=2**29, **qwen3).path is Path.SGLANG_BLOCKS
+    # dW's element size counts: at T = 6144, H = 4096 a bf16 dW lies in the logits' storage (rows >= 2 H), an fp32 one
+    # (a tied fp32 weight) does not (rows < 4 H) and, held apart, takes the call over the allowance
+    qwen3 = dict(n_rows=6144, device=CUDA, width=4096, seg_len=151936 // 8, token_loss=True, reduction_order="sglang")
+    assert _path(**qwen3).path is Path.SGLANG_LOSS_ONE_BLOCK
+    assert _path(weight_dtype=torch.float32, **qwen3).path is Path.SGLANG_LOSS_BLOCKS
+
+
 # ---- the dispatch follows the path ----
 
 def test_select_backend_follows_backend_key(monkeypatch):
@@ -115,7 +137,12 @@ def _spies(monkeypatch):
     """{routine name: [calls]} with a spy on every path's own routines, each calling through."""
     from ppo_ops.lm_head import segment_gemms, token_loss_blocks, torch_backend
 
+    from ppo_ops.lm_head import sglang_head
+
     routines = {"torch_tiles.backward": (torch_backend.TorchLinearBackend, "backward"),
+                "sglang_recompute": (sglang_head.SglangHeadBackend, "grads"),
+                "sglang_one_block": (sglang_head.SglangHeadBackend, "_one_block"),
+                "sglang_loss_blocks": (sglang_head.SglangHeadBackend, "_blocks"),
                 "chunk_forward": (segment_gemms.SegmentGemmBackend, "_chunk_forward"),
                 "loss_prob_blocks": (token_loss_blocks, "_blocks_by_probs"),
                 "loss_chunk_blocks": (token_loss_blocks, "_blocks_by_chunks")}
@@ -139,11 +166,11 @@ def _spies(monkeypatch):
     return calls
 
 
-def _inputs(dtype, width=H, seed=0):
+def _inputs(dtype, width=H, seed=0, vocab=V, rows=T):
     gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn((T, width), generator=gen).to(dtype).requires_grad_(True)
-    weight = (torch.randn((V, width), generator=gen) * 0.5).to(dtype).requires_grad_(True)
-    tokens = torch.randint(0, V, (T,), generator=gen)
+    hidden = torch.randn((rows, width), generator=gen).to(dtype).requires_grad_(True)
+    weight = (torch.randn((vocab, width), generator=gen) * 0.5).to(dtype).requires_grad_(True)
+    tokens = torch.randint(0, vocab, (rows,), generator=gen)
     return hidden, weight, tokens
 
 
@@ -178,14 +205,21 @@ _GENERAL = [
     pytest.param(Path.ONE_GEMM_HELD, dict(backend="triton", dtype=torch.bfloat16),
                  {"one_gemm_forward_probs", "one_gemm_forward", "prob_dlogits", "one_gemm_recompute"},
                  id="one_gemm_held", marks=needs_triton),
+    pytest.param(Path.SGLANG_BLOCKS, dict(backend="torch", dtype=torch.bfloat16, reduction_order="sglang"),
+                 {"sglang_recompute"}, id="sglang_blocks"),
 ]
+V_SGLANG = 1024  # SGLang's order takes shards of at least one of its 1024-column blocks
+T_SGLANG = 40  # the exact token loss's blocks cost less than one block of every row only from about 2 H rows
+# The exact token loss at T_SGLANG, H = 16, V_SGLANG: one block within the host's default allowance; an allowance of
+# exactly one HOST_SGLANG_BLOCK_ROWS-row block (less than one block of every row) takes the blocks; 0 the recompute.
+SGLANG_BLOCKS_BYTES = paths.sglang_blocks_bytes(paths.HOST_SGLANG_BLOCK_ROWS, H, V_SGLANG // 8)
 
 
 @pytest.mark.parametrize("expected, case, ran", _GENERAL)
 def test_general_op_runs_the_path_it_names(expected, case, ran, monkeypatch):
     case = dict(case)
     dtype, width, grad = case.pop("dtype"), case.pop("width", H), case.pop("grad", True)
-    hidden, weight, tokens = _inputs(dtype, width)
+    hidden, weight, tokens = _inputs(dtype, width, vocab=V_SGLANG if "reduction_order" in case else V)
     with torch.set_grad_enabled(grad):
         named = paths.path_of_call(hidden, weight, **case)
     assert named.path is expected
@@ -210,6 +244,14 @@ _LOSS = [
     pytest.param(Path.LOSS_BLOCKS, dict(backend="triton", dtype=torch.bfloat16, working_memory=0),
                  {"loss_prob_blocks", "one_gemm_forward_probs", "prob_dlogits"}, id="loss_blocks",
                  marks=needs_triton),
+    pytest.param(Path.SGLANG_LOSS_ONE_BLOCK, dict(backend="torch", dtype=torch.bfloat16, reduction_order="sglang"),
+                 {"sglang_one_block"}, id="sglang_loss_one_block"),
+    pytest.param(Path.SGLANG_LOSS_BLOCKS, dict(backend="torch", dtype=torch.bfloat16, reduction_order="sglang",
+                                               working_memory=SGLANG_BLOCKS_BYTES),
+                 {"sglang_loss_blocks"}, id="sglang_loss_blocks"),
+    pytest.param(Path.SGLANG_BLOCKS, dict(backend="torch", dtype=torch.bfloat16, reduction_order="sglang",
+                                          working_memory=0),
+                 {"sglang_recompute"}, id="sglang_loss_recompute"),
 ]
 
 
@@ -217,7 +259,8 @@ _LOSS = [
 def test_token_loss_runs_the_path_it_names(expected, case, ran, monkeypatch):
     case = dict(case)
     dtype = case.pop("dtype")
-    hidden, weight, tokens = _inputs(dtype, seed=1)
+    sglang = "reduction_order" in case
+    hidden, weight, tokens = _inputs(dtype, seed=1, vocab=V_SGLANG if sglang else V, rows=T_SGLANG if sglang else T)
     named = paths.path_of_call(hidden, weight, token_loss=True, **case)
     assert named.path is expected
     calls = _spies(monkeypatch)
@@ -231,6 +274,12 @@ def test_token_loss_runs_the_path_it_names(expected, case, ran, monkeypatch):
         assert all(b[0].shape[0] <= named.block_rows for b in blocks)
         # dW finished in the input dtype in the forward on one block; its fp32 accumulator on several
         assert dw_saved.dtype == (dtype if expected is Path.LOSS_ONE_BLOCK else torch.float32)
+    if expected in paths.SGLANG_PATHS:
+        # dW finished in the weight's dtype in the forward (one block, the recompute); its fp32 accumulator (blocks)
+        assert dw_saved.dtype == (torch.float32 if expected is Path.SGLANG_LOSS_BLOCKS else dtype)
+        if expected is Path.SGLANG_LOSS_BLOCKS:  # the blocks of the rows the path names
+            (call,) = calls["sglang_loss_blocks"]
+            assert call[3] == named.block_rows == paths.HOST_SGLANG_BLOCK_ROWS
 
 
 def test_path_of_call_counts_the_kept_rows():

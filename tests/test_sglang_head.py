@@ -5,9 +5,12 @@
 - The order's logic: log-probs and entropies bit for bit the logits op's reduction_order="sglang" on the head's own
   bf16 logits (both backends, temperature 1 and 0.7, bf16 and a tied fp32 weight), as the logits op is pinned to its
   scalar statement; values and every gradient against float64 of those logits.
-- linear_token_loss gives the general op's log-probs and, for the same upstream gradients, its dX and dW, bit for bit.
-- TP = 2 and 4 (gloo): log-probs, entropies and dW shards bit for bit TP = 1's; dX within fp32 summation.
-- Row masks, the named path, the Megatron processor and ppo_ops.hf passing the option, and the refusals.
+- linear_token_loss on each of its paths (one block, blocks, the recompute; working_memory steers them): the general
+  op's log-probs bit for bit, and its dX and dW where the path runs the same GEMMs; every gradient against float64; a
+  call without a gradient and one with every row masked.
+- TP = 2 and 4 (gloo): log-probs, entropies and dW shards bit for bit TP = 1's, the token loss on each path too; dX
+  within fp32 summation.
+- Row masks, the named paths, the Megatron processor and ppo_ops.hf passing the option, and the refusals.
 - Against SGLang's own matmul and log_softmax on a GPU: tests/test_sglang_head_vs_sglang.py (--config=sglang).
 """
 
@@ -18,7 +21,7 @@ import ppo_ops
 import ppo_ops.hf
 import ppo_ops.megatron as pm
 from ppo_ops.lm_head import paths, sglang_matmul
-from tests.core_support import backend_params
+from tests.core_support import backend_params, triton_skip_reason
 from tests.ranks import DEVICE, results_by_tp, run_gloo, world_size_param
 from tests.reference import ENTROPY_TOL, LOG_PROB_TOL
 
@@ -126,25 +129,91 @@ def test_values_and_gradients_match_float64(backend):
     assert dw[PADDED_VOCAB:].eq(0).all()  # padding columns: no gradient
 
 
-@pytest.mark.parametrize("backend", backend_params(DEVICE))
-@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32_tied"])
-def test_token_loss_equals_the_general_op_bit_for_bit(backend, weight_dtype):
-    hidden, weight, tokens = _inputs(seed=6, weight_dtype=weight_dtype)
+# The token loss's paths (paths.sglang_path) at the tests' shapes: (path, H, weight dtype, allowance). At H = 160 one
+# block of 37 rows (40 for the GEMMs) holds no dW in its logits' storage (that takes 2 H rows) and costs less than
+# 16-row blocks beside the fp32 dW accumulator, so the host's default allowance takes it; at H = 16 one block writes dW
+# into its logits' storage, and an allowance of exactly one 16-row block (paths.sglang_blocks_bytes) takes the blocks.
+# "blocks": that allowance; 0: not even one forward row block, the recompute.
+_TOKEN_LOSS_PATHS = {
+    "one_block": ("sglang_loss_one_block", H, torch.bfloat16, None),
+    "one_block_dw_in_logits": ("sglang_loss_one_block", 16, torch.bfloat16, None),
+    "blocks_fp32_tied": ("sglang_loss_blocks", 16, torch.float32, "blocks"),
+    "blocks": ("sglang_loss_blocks", 16, torch.bfloat16, "blocks"),
+    "recompute_fp32_tied": ("sglang_blocks", H, torch.float32, 0),
+}
+# Every path under the torch backend (CPU only: CUDA refuses it in SGLang's order); under the Triton kernels
+# (interpreted on CPU, slow) one block and the blocks.
+_TOKEN_LOSS_CASES = (
+    [pytest.param("torch", case, id=f"torch-{case}", marks=pytest.mark.device("cpu"))
+     for case in ("one_block", "one_block_dw_in_logits", "blocks_fp32_tied", "recompute_fp32_tied")]
+    + [pytest.param("triton", case, id=f"triton-{case}",
+                    marks=pytest.mark.skipif(triton_skip_reason(DEVICE) is not None,
+                                             reason=triton_skip_reason(DEVICE) or ""))
+       for case in ("one_block", "blocks")])
+LOSS_BLOCK_ROWS = paths.HOST_SGLANG_BLOCK_ROWS  # the blocks cases' rows per block: three blocks of ROWS
+
+
+def _allowance(memory, width, vocab=V):
+    """A case's working_memory: "blocks" is exactly one LOSS_BLOCK_ROWS-row block's bytes."""
+    return paths.sglang_blocks_bytes(LOSS_BLOCK_ROWS, width, vocab // 8) if memory == "blocks" else memory
+
+
+@pytest.mark.parametrize("backend, case", _TOKEN_LOSS_CASES)
+def test_token_loss_paths_against_the_general_op_and_float64(backend, case):
+    """Log-probs and entropies bit for bit the general op's on every path; dX and dW too where the path runs the
+    backward's GEMMs on the same operands (one block, the recompute); every gradient within bf16 of float64."""
+    path, width, weight_dtype, memory = _TOKEN_LOSS_PATHS[case]
+    hidden, weight, tokens = _inputs(seed=6, weight_dtype=weight_dtype, width=width)
     advantages = torch.randn(ROWS, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    working_memory = _allowance(memory, width)
 
     def loss(lp, ent, rows):
         return -advantages[rows] * lp - 0.25 * ent
 
-    opts = dict(entropy="grad", temperature=0.7, backend=backend, reduction_order="sglang")
+    opts = dict(entropy="grad", temperature=0.7, vocab_size=PADDED_VOCAB, backend=backend, reduction_order="sglang")
+    named = paths.path_of_call(hidden, weight, token_loss=True, backend=backend, vocab_size=PADDED_VOCAB,
+                               working_memory=working_memory, reduction_order="sglang")
+    assert named.name == path
+    if path == "sglang_loss_blocks":
+        assert named.block_rows == LOSS_BLOCK_ROWS
     h1, w1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    total, fused = ppo_ops.linear_token_loss(h1, w1, tokens, loss, **opts)
+    total, fused = ppo_ops.linear_token_loss(h1, w1, tokens, loss, working_memory=working_memory, **opts)
     total.backward()
     h2, w2 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     general = ppo_ops.linear_log_probs_and_entropy(h2, w2, tokens, **opts)
     loss(general.log_probs, general.entropy, torch.arange(ROWS, device=DEVICE)).sum().backward()
     assert torch.equal(fused.log_probs, general.log_probs) and torch.equal(fused.entropy, general.entropy)
-    assert torch.equal(h1.grad, h2.grad)
-    assert torch.equal(w1.grad, w2.grad)
+    if path != "sglang_loss_blocks":  # blocks: dW's K is a block's rows, its sum split at the blocks
+        assert torch.equal(h1.grad, h2.grad)
+        assert torch.equal(w1.grad, w2.grad)
+    g_ent = torch.full((ROWS,), -0.25, device=DEVICE)
+    lp, ent, ref_dx, ref_dw = _float64_reference(hidden, weight, tokens, 0.7, -advantages, g_ent, PADDED_VOCAB,
+                                                 backend)
+    assert ((fused.log_probs.double().cpu() - lp).abs() <= LOG_PROB_TOL * lp.abs().clamp_min(1)).all()
+    assert ((fused.entropy.double().cpu() - ent).abs() <= ENTROPY_TOL).all()
+    assert _rel(h1.grad, ref_dx) <= BF16_GRAD_REL
+    assert _rel(w1.grad, ref_dw) <= BF16_GRAD_REL
+    assert w1.grad.dtype == weight_dtype and w1.grad[PADDED_VOCAB:].eq(0).all()
+
+
+def test_token_loss_without_a_gradient_and_with_every_row_masked():
+    """No gradient wanted: the same loss and log-probs as with one. Every row masked: zero loss, zero gradients."""
+    hidden, weight, tokens = _inputs(seed=13, width=16)
+    opts = dict(entropy="grad", reduction_order="sglang")
+
+    def loss(lp, ent, rows):
+        return -lp - 0.25 * ent
+
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    total, out = ppo_ops.linear_token_loss(h, w, tokens, loss, **opts)
+    with torch.no_grad():
+        total_ng, out_ng = ppo_ops.linear_token_loss(hidden, weight, tokens, loss, **opts)
+    assert torch.equal(total_ng, total.detach()) and torch.equal(out_ng.log_probs, out.log_probs)
+    none = torch.zeros(ROWS, dtype=torch.bool, device=DEVICE)
+    total, out = ppo_ops.linear_token_loss(h, w, tokens, loss, row_mask=none, **opts)
+    dx, dw = torch.autograd.grad(total, [h, w])
+    assert float(total.detach()) == 0.0 and out.log_probs.eq(0).all()
+    assert dx.eq(0).all() and dw.eq(0).all() and dw.dtype == weight.dtype
 
 
 def test_row_mask_drops_rows_and_keeps_the_others_bits():
@@ -178,15 +247,20 @@ def _tp_run(rank, world_size, tp_group, device):
         g = torch.linspace(0.5, 1.5, ROWS, device=device)
         dx, dw = torch.autograd.grad([res.log_probs, res.entropy], [h, w], [g, g.flip(0)])
         out[backend] = (res.log_probs.detach().cpu(), res.entropy.detach().cpu(), dx.cpu(), dw.cpu())
-    # The token loss (its header exchange and end read are its own): torch backend only, to keep the CPU run short.
-    h = hidden.to(device).requires_grad_(True)
-    w = weight[rank * v_local:(rank + 1) * v_local].to(device).requires_grad_(True)
+    # The token loss on each of its paths (its header exchange and end read are its own): torch backend only and
+    # H = 16, to keep the CPU run short; the path is a function of the global vocabulary, the same at every TP size.
+    hidden, weight, tokens = _inputs(seed=10, vocab=V_TP, width=16)
     g = torch.linspace(0.5, 1.5, ROWS, device=device)
-    loss, res = ppo_ops.linear_token_loss(h, w, tokens.to(device), lambda lp, ent, rows: g[rows] * lp + 0.5 * ent,
-                                          tp_group=tp_group, entropy="grad", temperature=0.7,
-                                          vocab_size=PADDED_VOCAB_TP, backend="torch", reduction_order="sglang")
-    dx, dw = torch.autograd.grad(loss, [h, w])
-    out["token_loss"] = (res.log_probs.cpu(), res.entropy.cpu(), dx.cpu(), dw.cpu())
+    for case, memory in (("token_loss_one_block", None), ("token_loss_blocks", "blocks"), ("token_loss_recompute", 0)):
+        h = hidden.to(device).requires_grad_(True)
+        w = weight[rank * v_local:(rank + 1) * v_local].to(device).requires_grad_(True)
+        loss, res = ppo_ops.linear_token_loss(h, w, tokens.to(device),
+                                              lambda lp, ent, rows: g[rows] * lp + 0.5 * ent, tp_group=tp_group,
+                                              entropy="grad", temperature=0.7, vocab_size=PADDED_VOCAB_TP,
+                                              backend="torch", reduction_order="sglang",
+                                              working_memory=_allowance(memory, 16, V_TP))
+        dx, dw = torch.autograd.grad(loss, [h, w])
+        out[case] = (res.log_probs.cpu(), res.entropy.cpu(), dx.cpu(), dw.cpu())
     return out
 
 
@@ -216,11 +290,30 @@ def test_bitwise_identical_across_tp_sizes(tp_results, tp):
 
 # ---- the path, the integrations, the refusals ----
 
-def test_the_path_is_named():
-    hidden, weight, _ = _inputs()
-    for token_loss in (False, True):
-        path = paths.path_of_call(hidden, weight, token_loss=token_loss, reduction_order="sglang")
-        assert path.name == "sglang_blocks" and path.backend[0] == "lm_head_sglang"
+def test_the_path_is_named_and_working_memory_steers_the_token_loss():
+    """The general op: sglang_blocks whatever the allowance. The token loss (H = 16: 16-row blocks cost less than one
+    block of every row, 32-row blocks more): one block within its bytes (the host's default holds it), blocks below
+    them down to one forward row block's, the recompute below that."""
+    hidden, weight, _ = _inputs(width=16)
+
+    def named(token_loss=True, working_memory=None):
+        return paths.path_of_call(hidden, weight, token_loss=token_loss, working_memory=working_memory,
+                                  reduction_order="sglang")
+    for working_memory in (None, 0, 2**40):
+        general = named(token_loss=False, working_memory=working_memory)
+        assert (general.name, general.backend[0]) == ("sglang_blocks", "lm_head_sglang")
+    one_block = paths.sglang_one_block_bytes(ROWS, 16, V // 8, 2, hidden.device)
+    blocks = paths.sglang_blocks_bytes(LOSS_BLOCK_ROWS, 16, V // 8)
+    assert blocks < one_block < paths.sglang_blocks_bytes(2 * LOSS_BLOCK_ROWS, 16, V // 8)
+    for working_memory in (None, one_block):
+        one = named(working_memory=working_memory)
+        assert (one.name, one.block_rows, one.buffer_rows) == ("sglang_loss_one_block", ROWS, 40)
+    for working_memory in (one_block - 1, blocks):
+        many = named(working_memory=working_memory)
+        assert (many.name, many.block_rows, many.buffer_rows) == ("sglang_loss_blocks", LOSS_BLOCK_ROWS,
+                                                                  LOSS_BLOCK_ROWS)
+    for working_memory in (blocks - 1, 0):
+        assert named(working_memory=working_memory).name == "sglang_blocks"
 
 
 def test_megatron_context_passes_the_order():

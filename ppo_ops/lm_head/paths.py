@@ -22,8 +22,14 @@ The paths (docs/lm_head.md has the table with memory and GEMM counts):
     loss_chunk_blocks  linear_token_loss otherwise (backend torch, fp32, unaligned rows): blocks of fp32 chunks and the
                        logits op's passes (Triton or PyTorch, as the kind says).
     sglang_blocks      either op with reduction_order="sglang": lm_head/sglang_head.py, SGLang's bf16 logits in row
-                       blocks of `block_rows` and the logits op's SGLang order; the backward (the token loss's too)
-                       segment by segment over every row.
+                       blocks of `block_rows` and the logits op's SGLang order; the backward segment by segment over
+                       every row, each segment's logits formed again. The token loss takes it where not even one
+                       sglang_loss_blocks block fits its allowance (it then runs those phases inside its forward).
+    sglang_loss_one_block  linear_token_loss, reduction_order="sglang", every row one block within the allowance: the
+                       forward's logits held (segment-major, `buffer_rows` rows), the caller's loss, then per segment
+                       the gradient pass in place, dX and dW_s = dl_s^T X once (K = T); no logit formed twice.
+    sglang_loss_blocks the same where one block does not fit: blocks of `block_rows` rows (a multiple of the forward's
+                       row block) beside an fp32 dW accumulator.
 
 Glossary (one word each; every row count of the head is one of these):
     segment  the fixed vocabulary segments of core/layout.py (V_global / 8 columns, whichever rank holds them); every
@@ -59,10 +65,13 @@ class Path(enum.Enum):
     LOSS_BLOCKS = "loss_blocks"
     LOSS_CHUNK_BLOCKS = "loss_chunk_blocks"
     SGLANG_BLOCKS = "sglang_blocks"
+    SGLANG_LOSS_ONE_BLOCK = "sglang_loss_one_block"
+    SGLANG_LOSS_BLOCKS = "sglang_loss_blocks"
 
 
 ONE_GEMM_PATHS = (Path.ONE_GEMM, Path.ONE_GEMM_HELD)  # the general op's one-GEMM forward and fused recompute
 PROB_PATHS = (Path.LOSS_ONE_BLOCK, Path.LOSS_BLOCKS)  # the token loss's one-GEMM blocks (fp16 probabilities)
+SGLANG_PATHS = (Path.SGLANG_BLOCKS, Path.SGLANG_LOSS_ONE_BLOCK, Path.SGLANG_LOSS_BLOCKS)  # reduction_order="sglang"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +80,12 @@ class HeadPath:
 
     path: Path
     backend: tuple  # its key in core/registry.py: ("lm_head" | "lm_head_segments", "torch" | "triton")
-    block_rows: int = 0  # rows per block (chunk_gemms, one_gemm*: the backward's step; loss_*: the loss's block)
+    block_rows: int = 0  # rows per block (chunk_gemms, one_gemm*: the backward's step; loss_*, sglang_*: the loss's
+    #                      block; sglang_blocks: the forward's row block)
     group_rows: int = 0  # rows per dX / dW group (dW's K) where groups are not the blocks themselves
     held_rows: int = 0  # one_gemm_held: the call's first rows whose fp16 probabilities the forward holds
-    buffer_rows: int = 0  # loss_one_block / loss_blocks: rows of the probabilities' buffer (block rows up to a tile)
+    buffer_rows: int = 0  # loss_one_block / loss_blocks: rows of the probabilities' buffer (block rows up to a tile);
+    #                       sglang_loss_*: rows of the held logits (block rows up to a multiple of 8)
 
     @property
     def name(self) -> str:
@@ -205,7 +216,7 @@ def one_gemm_row_tile() -> int:
     return gemm_partials.config().block_m
 
 
-# ---- SGLang's order: sglang_blocks ----
+# ---- SGLang's order: sglang_blocks, sglang_loss_one_block, sglang_loss_blocks ----
 
 # Rows per forward block of lm_head/sglang_head.py: its bf16 logits (block rows x V_local, 311 MB at V = 151936) bound
 # the forward's memory, and 1024 rows fill the chip at Qwen3's shapes. Small elsewhere, so tests cross blocks.
@@ -215,6 +226,85 @@ HOST_SGLANG_BLOCK_ROWS = 16
 
 def sglang_block_rows(device: torch.device) -> int:
     return SGLANG_BLOCK_ROWS if device.type == "cuda" else HOST_SGLANG_BLOCK_ROWS
+
+
+# The exact token loss holds its blocks' bf16 logits (2 bytes a logit) within the same allowance as the other token
+# losses (TOKEN_LOSS_BYTES, or the call's working_memory), counted at the global vocabulary, so that the path and its
+# block rows (dW's K, hence dW's bits) are the same on every rank and TP size:
+# - one block (every row at once) where its logits (segment-major, rows rounded up to a multiple of 8), the forward's
+#   row-major block it scores (one SGLANG_BLOCK_ROWS block), its fp32 dX rows and dW fit. dW_s = dl_s^T X is one GEMM
+#   per segment (K = T), written in the weight's dtype, into the logits' own storage where the rows hold it (segment
+#   s's dW then lies over the dlogits of segments below s; the first goes through a temporary): T = 8192 at H = 4096
+#   and Qwen3's vocabulary (2.9 GiB);
+# - otherwise blocks of the most rows, a multiple of the forward's row block up to SGLANG_LOSS_BLOCK_ROWS_MAX, whose
+#   row-major logits, one segment's dlogits and fp32 dX rows fit beside the fp32 [V_local, H] dW accumulator: 2048
+#   rows at H = 4096, 7168 at H = 1024 (Qwen3's vocabulary);
+# - where not even one forward row block fits beside the accumulator, sglang_blocks: every logit formed twice, the
+#   least memory.
+SGLANG_LOSS_BLOCK_ROWS_MAX = 8192
+HOST_SGLANG_LOSS_BLOCK_ROWS_MAX = 64  # the interpreter: four of its forward row blocks
+HOST_SGLANG_LOSS_BYTES = 2**20  # the interpreter: one block at the tests' shapes (V = 2048, H = 160) up to 64 rows
+_GEMM_ROW_MULTIPLE = 8  # gemms.GEMM_ROW_MULTIPLE (gemms.py imports this module): the dX / dW GEMMs' row counts
+
+
+def sglang_loss_allowance(device: torch.device, working_memory: Optional[int] = None) -> int:
+    """The bytes the exact token loss's blocks may hold: the caller's working_memory, else the device's default."""
+    if working_memory is not None:
+        return working_memory
+    return TOKEN_LOSS_BYTES if device.type == "cuda" else HOST_SGLANG_LOSS_BYTES
+
+
+def sglang_dw_in_logits(buffer_rows: int, width: int, dw_bytes: int) -> bool:
+    """Whether one block's dW (dw_bytes an element) fits into its segment-major logits' storage with segment s's dW
+    over the dlogits of segments below s only, for every s >= 1: buffer_rows * 2 >= width * dw_bytes."""
+    return buffer_rows * 2 >= width * dw_bytes
+
+
+def sglang_one_block_bytes(n_rows: int, width: int, seg_len: int, dw_bytes: int, device: torch.device) -> int:
+    """What sglang_loss_one_block holds at the global vocabulary: every row's bf16 logits, the forward's row block
+    it scores them in, the fp32 dX rows, and dW (one segment's temporary where sglang_dw_in_logits)."""
+    vocab = seg_len * layout.NUM_FIXED_SEGMENTS
+    rows = round_up(n_rows, _GEMM_ROW_MULTIPLE)
+    scored = min(n_rows, sglang_block_rows(device)) * vocab * 2
+    dw = seg_len if sglang_dw_in_logits(rows, width, dw_bytes) else vocab
+    return rows * vocab * 2 + scored + rows * width * 4 + dw * width * dw_bytes
+
+
+def sglang_blocks_bytes(block_rows: int, width: int, seg_len: int) -> int:
+    """What sglang_loss_blocks holds at the global vocabulary with blocks of block_rows rows: one block's row-major
+    bf16 logits, one segment's dlogits of it, its fp32 dX rows, the fp32 dW accumulator."""
+    vocab = seg_len * layout.NUM_FIXED_SEGMENTS
+    return block_rows * (vocab * 2 + seg_len * 2 + width * 4) + vocab * width * 4
+
+
+def sglang_loss_block_rows(width: int, seg_len: int, device: torch.device,
+                           working_memory: Optional[int] = None) -> int:
+    """Rows per block of sglang_loss_blocks: the most, a multiple of sglang_block_rows up to the device's maximum,
+    that fit the allowance (sglang_blocks_bytes); 0 where not even one forward row block does. A function of H, the
+    segment length and the allowance only."""
+    step = sglang_block_rows(device)
+    most = SGLANG_LOSS_BLOCK_ROWS_MAX if device.type == "cuda" else HOST_SGLANG_LOSS_BLOCK_ROWS_MAX
+    fixed = sglang_blocks_bytes(0, width, seg_len)
+    per_row = sglang_blocks_bytes(1, width, seg_len) - fixed
+    fit = max(0, sglang_loss_allowance(device, working_memory) - fixed) // per_row
+    return min(most, fit // step * step)
+
+
+def sglang_path(backend: tuple, *, device: torch.device, token_loss: bool, n_rows: int, width: int, seg_len: int,
+                dw_bytes: int, working_memory: Optional[int] = None) -> HeadPath:
+    """head_path for reduction_order="sglang": the general op's sglang_blocks; the token loss's one block, blocks, or
+    sglang_blocks by the allowance (the comment above). dw_bytes: the weight's element size (dW's)."""
+    step = sglang_block_rows(device)
+    if token_loss:
+        if (sglang_one_block_bytes(n_rows, width, seg_len, dw_bytes, device)
+                <= sglang_loss_allowance(device, working_memory)):
+            return HeadPath(Path.SGLANG_LOSS_ONE_BLOCK, backend, block_rows=n_rows,
+                            buffer_rows=round_up(n_rows, _GEMM_ROW_MULTIPLE))
+        rows = sglang_loss_block_rows(width, seg_len, device, working_memory)
+        if rows:
+            return HeadPath(Path.SGLANG_LOSS_BLOCKS, backend, block_rows=rows,
+                            buffer_rows=min(rows, round_up(n_rows, _GEMM_ROW_MULTIPLE)))
+    return HeadPath(Path.SGLANG_BLOCKS, backend, block_rows=step)
 
 
 # ---- the decision ----
@@ -232,15 +322,19 @@ def backend_key(kind: str, dtype: torch.dtype, token_loss: bool, reduction_order
 
 def head_path(*, kind: str, dtype: torch.dtype, device: torch.device, token_loss: bool, aligned: bool,
               needs_grad: bool, n_rows: int, width: int, seg_len: int,
-              working_memory: Optional[int] = None, reduction_order: str = "fused") -> HeadPath:
+              working_memory: Optional[int] = None, reduction_order: str = "fused",
+              weight_dtype: Optional[torch.dtype] = None) -> HeadPath:
     """The path of a call: kind "torch" | "triton" (core/shell.backend_kind resolves backend="auto"); dtype and device
     of the hidden states; token_loss: linear_token_loss; aligned: the kept rows and the weight are what the one-GEMM
     kernels take (gemm_partials.applies: rows contiguous and 16-byte aligned); needs_grad: a backward follows;
     n_rows: the kept rows; width: H; seg_len: the segment length (core/layout.py); working_memory: the call's;
-    reduction_order: the call's ("sglang": SGLang's blocks, whatever the rest)."""
+    reduction_order: the call's ("sglang": sglang_path, whatever the kind, dtype and alignment); weight_dtype: the
+    weight's (None: dtype), whose element size sizes dW in the SGLang-order token loss's memory."""
     backend = backend_key(kind, dtype, token_loss, reduction_order)
     if reduction_order == "sglang":
-        return HeadPath(Path.SGLANG_BLOCKS, backend, block_rows=sglang_block_rows(device))
+        dw_bytes = torch.finfo(weight_dtype or dtype).bits // 8
+        return sglang_path(backend, device=device, token_loss=token_loss, n_rows=n_rows, width=width,
+                           seg_len=seg_len, dw_bytes=dw_bytes, working_memory=working_memory)
     one_gemm = kind == "triton" and dtype in HALF and aligned
     shape = block_shape(device)
     if token_loss:
@@ -294,4 +388,4 @@ def path_of_call(hidden: torch.Tensor, weight: torch.Tensor, *, token_loss: bool
     return head_path(kind=kind, dtype=hidden.dtype, device=hidden.device, token_loss=token_loss,
                      aligned=one_gemm_applies(kind, kept, weight), needs_grad=needs_grad, n_rows=kept.shape[0],
                      width=kept.shape[1], seg_len=seg_len, working_memory=working_memory,
-                     reduction_order=reduction_order)
+                     reduction_order=reduction_order, weight_dtype=weight.dtype)

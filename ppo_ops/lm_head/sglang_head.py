@@ -1,5 +1,6 @@
 """The fused LM head in SGLang's order (reduction_order="sglang"): log-probs bit for bit those of SGLang's true
-on-policy LM head, from hidden states and the weight, without holding [T, V] logits.
+on-policy LM head, from hidden states and the weight, holding [T, V] logits only where the token loss's allowance
+takes them.
 
 What SGLang computes (0.5.17, --rl-on-policy-target, batch-invariant mode): bf16 logits from its batch-invariant
 matmul (`torch.matmul(hidden.bfloat16(), weight.T.bfloat16())`; sglang_matmul.py says how each logit's bits are
@@ -7,7 +8,7 @@ fixed), then the batch-invariant log_softmax of those logits in fp32 (logits/sgl
 reduction_order="sglang"). With a temperature T the logits are divided as its sampler divides them,
 `bf16(bf16 logit / T)` (sglang_matmul.py), and scored in the same order.
 
-The schedule (four GEMMs' work for a gradient, none of them over more than a block of logits):
+The schedule (the general op: four GEMMs' work for a gradient, none of them over more than a block of logits):
   forward   per row block of `block_rows` rows: its bf16 logits over this rank's vocabulary, one
             [block, seg_len] rectangle per fixed segment (the layout's V_global / 8 columns); the logits op's SGLang
             order on them (row max, block sums, the TP collectives of that order); the row statistics kept, O(R).
@@ -15,15 +16,35 @@ The schedule (four GEMMs' work for a gradient, none of them over more than a blo
             bits: the Triton kernel's are shape-independent, the torch backend's come from the same shapes), the
             logits op's gradient pass in place over them (bf16 dlogits), dX32 += dl @ W_s (fp32) and dW_s = dl^T @ X
             (one GEMM, K = R, written once in the weight's dtype: no accumulator).
-  token loss (linear_token_loss): the forward's blocks, the caller's loss on each block's statistics (the
-            Function's hooks), then the backward's segments with those gradients, inside the forward.
+  token loss (linear_token_loss; lm_head/paths.py's sglang_path picks the path by the allowance, the call's
+            working_memory or paths.TOKEN_LOSS_BYTES, counted at the global vocabulary): the caller's loss on each
+            forward block's statistics (the Function's hooks) gives every row's upstream gradients in the forward,
+            so the logits already formed are turned into dlogits without a second GEMM:
+    sglang_loss_one_block  every row one block: each forward block's logits also copied into a segment-major
+            [n_seg, R8, seg_len] buffer (R8: R up to a multiple of 8, the rows above R zero); then per segment the
+            logits op's gradient pass in place, dX32 += dl_s @ W_s and dW_s = dl_s^T @ X (K = R, in the weight's
+            dtype), exactly the backward's GEMMs on the same operands; dW lies in the buffer's own storage from
+            R8 >= H x (dW's element size) / 2 on (segment s's over the dlogits of segments below s; the first
+            through a temporary) and is finished in the forward.
+    sglang_loss_blocks  blocks of paths.sglang_loss_block_rows rows (a multiple of the forward's row block, so its
+            row blocks are the general op's): each block's logits row-major [B, V_local], then per segment the
+            gradient pass into a [B8, seg_len] dlogits buffer, dX rows (fp32, finished per block) and the fp32 dW
+            accumulator [V_local, H] (its first block writes it); the Function rounds it once.
+    sglang_blocks  where not even one forward row block fits beside the accumulator: the forward's blocks with the
+            caller's loss, then the backward's segments over every row (every logit formed twice).
 The temperature's 1 / T on the gradient scales the upstream gradients (the dlogits are linear in them), so the
-logits op's passes run at temperature 1 on the divided logits.
+logits op's passes run at temperature 1 on the divided logits. Every dX / dW GEMM has the segment's shape
+(seg_len = V_global / 8 columns), the same at every TP size, so dW's bits are TP = 1's.
 
-Memory beyond the inputs and outputs: forward, one block of bf16 logits (block_rows x V_local); backward, one
-segment's bf16 logits of every row (R x seg_len: a quarter of the bf16 [R, V] logits at V = 151936, TP = 1... an
-eighth of the vocabulary, 2 bytes each), the fp32 dX accumulator [R, H], the bf16 copies of hidden and of the
-weight where they are not bf16 already.
+Memory beyond the inputs and outputs (bf16 copies of hidden and of the weight where they are not bf16 already):
+  general op   forward, one block of bf16 logits (block_rows x V_local); backward, one segment's bf16 logits of every
+               row (R x seg_len), the fp32 dX accumulator [R, H].
+  sglang_loss_one_block  R8 x V_local bf16 logits / dlogits, held with dW until the backward where dW lies in them;
+               one forward block (block_rows x V_local bf16); fp32 dX rows [R8, H]; dW's first segment's temporary.
+  sglang_loss_blocks  B x V_local bf16 logits, B8 x seg_len bf16 dlogits, fp32 dX rows [B8, H], the fp32 dW
+               accumulator [V_local, H] until the backward.
+  sglang_blocks (token loss)  the general op's forward and backward memory, both in the forward.
+Values only (no gradient wanted): the forward's blocks and the caller's loss, nothing held, on every path.
 
 Exactness and its conditions (checked before any collective, core/checks.check_lm_head_order): the logits are
 SGLang's only from the Triton kernel on the GPU generation it was checked on (sm_90); CUDA tensors with
@@ -46,9 +67,9 @@ import torch.distributed as dist
 from ppo_ops.core import agreement, checks, registry, shell
 from ppo_ops.core.contracts import (BackwardStats, GradsWanted, HeadRows, LinearSaved, LossHooks, RowInputs,
                                     RowStats, UpstreamGrads)
-from ppo_ops.lm_head import sglang_matmul
+from ppo_ops.lm_head import paths, sglang_matmul
 from ppo_ops.lm_head.gemms import addmm_fp32, gemm_operand_rows, gemm_rows, mm_fp32, mm_rounded
-from ppo_ops.lm_head.paths import sglang_block_rows
+from ppo_ops.lm_head.paths import Path, sglang_block_rows
 from ppo_ops.logits import sglang_order
 
 def _bf16(t: torch.Tensor) -> torch.Tensor:
@@ -89,17 +110,23 @@ class SglangHeadBackend:
             _raise_bad_logits_collectively(plan, stats.bad_input)
         return stats
 
-    def logit_blocks(self, plan, hidden, weight):
-        """(r0, r1, bf16 logits [r1 - r0, V_local]) of each row block, one buffer reused."""
-        rows, v_local = hidden.shape[0], weight.shape[0]
+    def logit_blocks(self, plan, hidden, weight, r_start: int = 0, r_stop: Optional[int] = None, rows_buffer=None):
+        """(r0, r1, bf16 logits [r1 - r0, V_local]) of each forward row block of rows r_start .. r_stop (r_start a
+        multiple of the block rows, so the blocks are the general op's): into one block's buffer, reused, or, given
+        `rows_buffer` [r_stop - r_start, V_local], into its rows. `weight` is cast to bf16 where it is not already
+        (a caller looping over row ranges passes the cast one)."""
+        r_stop = hidden.shape[0] if r_stop is None else r_stop
+        v_local = weight.shape[0]
         step = sglang_block_rows(hidden.device)
         w16 = _bf16(weight)
-        buffer = torch.empty((min(step, rows), v_local), dtype=torch.bfloat16, device=hidden.device)
+        buffer = rows_buffer
+        if buffer is None:
+            buffer = torch.empty((min(step, r_stop - r_start), v_local), dtype=torch.bfloat16, device=hidden.device)
         seg_len = plan.shard.seg_len
-        for r0 in range(0, rows, step):
-            r1 = min(rows, r0 + step)
+        for r0 in range(r_start, r_stop, step):
+            r1 = min(r_stop, r0 + step)
             h16 = _bf16(hidden[r0:r1])
-            z = buffer[:r1 - r0]
+            z = buffer[:r1 - r0] if rows_buffer is None else buffer[r0 - r_start:r1 - r_start]
             for c0, c1 in self._column_spans(v_local, seg_len):
                 sglang_matmul.bf16_logits(h16, w16[c0:c1], z[:, c0:c1], _temperature(plan), self.kind)
             yield r0, r1, z
@@ -130,11 +157,7 @@ class SglangHeadBackend:
     def grads(self, plan, hidden, weight, tokens, shift, log_sum, mean_shifted, g_lp, g_ent, wanted) -> tuple:
         rows, width, v_local = hidden.shape[0], hidden.shape[1], weight.shape[0]
         device = hidden.device
-        inv_t = plan.shard.inv_temperature
-        if inv_t != 1.0:  # d z / d logit = 1 / T: the dlogits are linear in the upstream gradients
-            g_lp = None if g_lp is None else g_lp * inv_t
-            g_ent = None if g_ent is None else g_ent * inv_t
-        upstream = UpstreamGrads(g_lp, g_ent)
+        upstream = _upstream(plan, g_lp, g_ent)
         stats = BackwardStats(shift, log_sum, None, mean_shifted)
         lplan = self.logits_plan(plan)
         n_gemm = gemm_rows(rows)  # zero rows up to a multiple of 8: cuBLAS's aligned kernels (gemms.py)
@@ -157,38 +180,190 @@ class SglangHeadBackend:
             if dx is not None:
                 addmm_fp32(dx, dl, w16[c0:c1])
             if dw is not None:
-                if weight.dtype == torch.float32:
-                    mm_fp32(dl.t(), h16, dw[c0:c1])
-                elif weight.dtype == torch.bfloat16:
-                    mm_rounded(dl.t(), h16, dw[c0:c1])
-                else:  # fp16: rounded once from fp32
-                    dw[c0:c1].copy_(_mm32(dl.t(), h16))
+                _dw_segment(dl, h16, dw[c0:c1])
         return (None if dx is None else dx[:rows]), dw
 
     # ---- linear_token_loss ----
 
+    def loss_path(self, plan, hidden, weight) -> paths.HeadPath:
+        """The token loss's path for these kept rows (paths.head_path: sglang_path by the call's working_memory)."""
+        return paths.head_path(kind=self.kind, dtype=hidden.dtype, device=hidden.device, token_loss=True,
+                               aligned=False, needs_grad=True, n_rows=hidden.shape[0], width=hidden.shape[1],
+                               seg_len=plan.shard.seg_len, working_memory=plan.working_memory,
+                               reduction_order="sglang", weight_dtype=weight.dtype)
+
     def loss_forward(self, head: HeadRows, with_entropy: bool, hooks: LossHooks, wanted: GradsWanted,
                      working_memory: Optional[int] = None, plan=None) -> Optional[torch.Tensor]:
-        """The token loss: the forward's blocks with the caller's loss on each, then the backward's segments."""
+        """The token loss on loss_path's path (module docstring). Returns dW: in the weight's dtype (one block,
+        sglang_blocks) or its fp32 accumulator (blocks); None where no gradient is wanted."""
         hidden, weight, tokens = head.hidden, head.weight, head.tokens
         rows = hidden.shape[0]
         hooks.headers()
         lplan = self.logits_plan(plan)
-        parts, g_lp, g_ent = [], [], []
-        for r0, r1, z in self.logit_blocks(plan, hidden, weight):
-            stats = self.block_stats(lplan, z, tokens[r0:r1])
-            parts.append(stats)
-            grads = hooks.block_grads(stats, r0, r1)
-            g_lp.append(grads.grad_log_prob)
-            g_ent.append(grads.grad_entropy)
-        if rows == 0 or not (wanted.dx or wanted.dw):
+        if not (wanted.dx or wanted.dw):  # values only: the forward's blocks and the loss, nothing held
+            scored = _Scored(self, lplan, hooks, tokens, with_entropy)
+            for r0, r1, z in self.logit_blocks(plan, hidden, weight):
+                scored.add(z, r0, r1)
             return None
-        stats = _cat_stats(parts, hidden.device)
-        dx, dw = self.grads(plan, hidden, weight, tokens, stats.shift, stats.log_sum,
-                            stats.mean_shifted if with_entropy else None, _cat(g_lp), _cat(g_ent), wanted)
+        if rows == 0:  # no row (a row mask that drops every row): no gradient
+            return torch.zeros_like(weight) if wanted.dw else None
+        path = self.loss_path(plan, hidden, weight)
+        if path.path is Path.SGLANG_LOSS_ONE_BLOCK:
+            return self._one_block(plan, lplan, hidden, weight, tokens, with_entropy, hooks, wanted)
+        if path.path is Path.SGLANG_LOSS_BLOCKS:
+            return self._blocks(plan, lplan, path.block_rows, hidden, weight, tokens, with_entropy, hooks, wanted)
+        scored = _Scored(self, lplan, hooks, tokens, with_entropy)
+        for r0, r1, z in self.logit_blocks(plan, hidden, weight):
+            scored.add(z, r0, r1)
+        stats, (g_lp, g_ent) = scored.take()
+        dx, dw = self.grads(plan, hidden, weight, tokens, stats.shift, stats.log_sum, stats.mean_shifted, g_lp,
+                            g_ent, wanted)
         if dx is not None:
             hooks.finish_dx(dx, 0, rows)
         return dw
+
+    def _one_block(self, plan, lplan, hidden, weight, tokens, with_entropy, hooks, wanted) -> Optional[torch.Tensor]:
+        """sglang_loss_one_block: the forward's blocks copied into segment-major logits, the loss, then per segment
+        grads()'s pass and GEMMs on them (the same operands, shapes and calls: the same bits). dW finished."""
+        rows, width, v_local = hidden.shape[0], hidden.shape[1], weight.shape[0]
+        seg_len, device = plan.shard.seg_len, hidden.device
+        n_seg, n_gemm = v_local // seg_len, gemm_rows(rows)
+        storage = torch.empty(n_seg * n_gemm * seg_len, dtype=torch.bfloat16, device=device)
+        logits = storage.view(n_seg, n_gemm, seg_len)  # logits[s]: grads()'s [n_gemm, seg_len] dlogits operand
+        if n_gemm > rows:
+            logits[:, rows:].zero_()
+        w16 = _bf16(weight)
+        scored = _Scored(self, lplan, hooks, tokens, with_entropy)
+        for r0, r1, z in self.logit_blocks(plan, hidden, w16):
+            scored.add(z, r0, r1)
+            logits[:, r0:r1].copy_(z.view(r1 - r0, n_seg, seg_len).transpose(0, 1))
+        stats, upstream = scored.backward_inputs(plan)
+        h16 = gemm_operand_rows(_bf16(hidden), n_gemm)
+        dx = torch.zeros((n_gemm, width), dtype=torch.float32, device=device) if wanted.dx else None
+        in_logits = paths.sglang_dw_in_logits(n_gemm, width, weight.element_size())
+        dw = None
+        if wanted.dw:
+            dw = (storage.view(weight.dtype)[:v_local * width].view(v_local, width) if in_logits
+                  else torch.empty_like(weight))
+        for s, c0 in enumerate(range(0, v_local, seg_len)):
+            c1 = c0 + seg_len
+            dl = logits[s]
+            lplan.backend.backward_grad(RowInputs(dl[:rows], tokens, None, None), lplan.shard.segment(c0), stats,
+                                        upstream, dl[:rows])
+            if dx is not None:
+                addmm_fp32(dx, dl, w16[c0:c1])
+            if dw is None:
+                continue
+            if in_logits and s == 0:  # its rows lie over segment 0's dlogits, which its own GEMM reads
+                first = torch.empty((seg_len, width), dtype=weight.dtype, device=device)
+                _dw_segment(dl, h16, first)
+                dw[c0:c1].copy_(first)
+                del first
+            else:  # over the dlogits of segments below s only (paths.sglang_dw_in_logits), or its own tensor
+                _dw_segment(dl, h16, dw[c0:c1])
+        if dx is not None:
+            hooks.finish_dx(dx[:rows], 0, rows)
+        return dw
+
+    def _blocks(self, plan, lplan, block, hidden, weight, tokens, with_entropy, hooks,
+                wanted) -> Optional[torch.Tensor]:
+        """sglang_loss_blocks (`block` rows each): per block its row-major logits, the loss, then per segment the
+        gradient pass into one segment's dlogits, dX rows and dW_s (+)= dl_s^T X into the fp32 accumulator
+        (returned unrounded)."""
+        rows, width, v_local = hidden.shape[0], hidden.shape[1], weight.shape[0]
+        seg_len, device = plan.shard.seg_len, hidden.device
+        most = min(block, rows)
+        logits = torch.empty((most, v_local), dtype=torch.bfloat16, device=device)
+        dl = torch.empty((gemm_rows(most), seg_len), dtype=torch.bfloat16, device=device)
+        dx = torch.empty((gemm_rows(most), width), dtype=torch.float32, device=device) if wanted.dx else None
+        acc = torch.empty(weight.shape, dtype=torch.float32, device=device) if wanted.dw else None
+        w16, h16 = _bf16(weight), _bf16(hidden)
+        for b0 in range(0, rows, block):
+            b1 = min(rows, b0 + block)
+            n, n_gemm = b1 - b0, gemm_rows(b1 - b0)
+            z = logits[:n]
+            scored = _Scored(self, lplan, hooks, tokens, with_entropy)
+            for r0, r1, z_rows in self.logit_blocks(plan, hidden, w16, b0, b1, rows_buffer=z):
+                scored.add(z_rows, r0, r1)
+            stats, upstream = scored.backward_inputs(plan)
+            x = gemm_operand_rows(h16[b0:b1], n_gemm)
+            if n_gemm > n:  # the GEMMs' extra rows: zero dlogits
+                dl[n:n_gemm].zero_()
+            d = dl[:n_gemm]
+            for s, c0 in enumerate(range(0, v_local, seg_len)):
+                c1 = c0 + seg_len
+                lplan.backend.backward_grad(RowInputs(z[:, c0:c1], tokens[b0:b1], None, None),
+                                            lplan.shard.segment(c0), stats, upstream, dl[:n])
+                if dx is not None:
+                    if s == 0:
+                        mm_fp32(d, w16[c0:c1], dx[:n_gemm])
+                    else:
+                        addmm_fp32(dx[:n_gemm], d, w16[c0:c1])
+                if acc is not None:
+                    if b0 == 0:
+                        mm_fp32(d.t(), x, acc[c0:c1])
+                    else:
+                        addmm_fp32(acc[c0:c1], d.t(), x)
+            if dx is not None:
+                hooks.finish_dx(dx[:n], b0, b1)
+        return acc
+
+
+class _Scored:
+    """A token-loss block's forward blocks scored: the logits op's SGLang order on each, the caller's loss on its
+    statistics (hooks.block_grads), and what the gradient pass over the block then reads."""
+
+    def __init__(self, head: SglangHeadBackend, lplan, hooks: LossHooks, tokens, with_entropy: bool):
+        self.head, self.lplan, self.hooks, self.tokens = head, lplan, hooks, tokens
+        self.with_entropy = with_entropy
+        self.stats, self.g_lp, self.g_ent = [], [], []
+
+    def add(self, z, r0: int, r1: int) -> None:
+        stats = self.head.block_stats(self.lplan, z, self.tokens[r0:r1])
+        grads = self.hooks.block_grads(stats, r0, r1)
+        self.stats.append(stats)
+        self.g_lp.append(grads.grad_log_prob)
+        self.g_ent.append(grads.grad_entropy)
+
+    def take(self) -> tuple:
+        """(the blocks' RowStats, (upstream gradient of the log-probs, of the entropies), each None where none)."""
+        stats = _cat_stats(self.stats, self.tokens.device)
+        if not self.with_entropy:
+            stats = dataclasses.replace(stats, mean_shifted=None)
+        return stats, (_cat_grads(self.g_lp, self.stats), _cat_grads(self.g_ent, self.stats))
+
+    def backward_inputs(self, plan) -> tuple:
+        """(BackwardStats, UpstreamGrads) of the gradient pass over the blocks' rows (temperature applied)."""
+        stats, (g_lp, g_ent) = self.take()
+        return BackwardStats(stats.shift, stats.log_sum, None, stats.mean_shifted), _upstream(plan, g_lp, g_ent)
+
+
+def _upstream(plan, g_lp, g_ent) -> UpstreamGrads:
+    """The upstream gradients of the divided logits' log-probs and entropies: d z / d logit = 1 / T, and the
+    dlogits are linear in them."""
+    inv_t = plan.shard.inv_temperature
+    if inv_t != 1.0:
+        g_lp = None if g_lp is None else g_lp * inv_t
+        g_ent = None if g_ent is None else g_ent * inv_t
+    return UpstreamGrads(g_lp, g_ent)
+
+
+def _dw_segment(dl, h16, out) -> None:
+    """out = dl^T @ X (fp32 accumulation, K = dl's rows) in out's dtype: fp32 written as is, bf16 rounded once by
+    the GEMM, fp16 rounded once from fp32."""
+    if out.dtype == torch.float32:
+        mm_fp32(dl.t(), h16, out)
+    elif out.dtype == torch.bfloat16:
+        mm_rounded(dl.t(), h16, out)
+    else:
+        out.copy_(_mm32(dl.t(), h16))
+
+
+def _cat_grads(parts, stats) -> Optional[torch.Tensor]:
+    """The blocks' upstream gradients as one vector; None where no block has one, zeros for a block without."""
+    if all(p is None for p in parts):
+        return None
+    return torch.cat([p if p is not None else torch.zeros_like(st.log_prob) for p, st in zip(parts, stats)])
 
 
 def _mm32(a, b):
@@ -200,10 +375,6 @@ def _mm32(a, b):
 def _temperature(plan) -> Optional[float]:
     """The divisor of SGLang's sampler, or None at temperature 1 (no division: the matmul's logits as they are)."""
     return None if plan.temperature == 1.0 else float(plan.temperature)
-
-
-def _cat(parts):
-    return None if not parts or parts[0] is None else torch.cat(parts)
 
 
 def _cat_stats(parts, device) -> RowStats:
