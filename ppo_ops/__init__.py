@@ -57,9 +57,9 @@ Function) and runtime/ (what the product's programs share: the CLI contract, ran
 from ppo_ops import backends  # noqa: F401  registers the backends the call shell selects
 from ppo_ops.api import (LogProbsEntropy, calculate_log_probs_and_entropy, linear_log_probs_and_entropy,
                          linear_token_loss, log_probs_and_entropy)
-from ppo_ops import token_losses
+from ppo_ops import rollout_correction, token_losses
 from ppo_ops.token_losses import TokenLoss, grpo_advantages, grpo_loss, policy_loss
 
 __all__ = ["LogProbsEntropy", "calculate_log_probs_and_entropy", "linear_log_probs_and_entropy", "linear_token_loss",
            "log_probs_and_entropy"]
-__all__ += ["TokenLoss", "grpo_advantages", "grpo_loss", "policy_loss", "token_losses"]
+__all__ += ["TokenLoss", "grpo_advantages", "grpo_loss", "policy_loss", "rollout_correction", "token_losses"]

@@ -1,0 +1,523 @@
+"""The RL objectives of ppo_ops.token_losses beyond PPO / GRPO (rollout correction, CISPO, the aggregations and the
+metrics) against float64 references written here plainly from their sources.
+
+Reference (`_reference_loss`): for every token, in float64,
+    w_t = exp(old_t - rollout_t); sequence level: w_t = exp(mean over the sequence's counted tokens of old - rollout)
+    c_t = clamp(w_t, low, high) (tis), w_t if w_t <= high [and >= low] else 0 (mis), w_t if low <= w_t <= high else
+          0 (icepop); 1 without a correction; 0 where not counted
+    r_t = exp(lp_t - old_t); pg_t = max(-A r, -A clip(r, 1 - cl, 1 + ch)) (PPO, dual clip min(pg, -A c) where A < 0)
+          or -A sg(clip(r, 1 - cl, 1 + ch)) lp_t (CISPO, MiniMax-M1 eq. 4)
+    term_t = c_t pg_t + kl_coef k3_t - entropy_coef H_t
+then the trainer's aggregation with a Python loop over sequences (verl's agg_loss modes, Dr. GRPO's constant).
+Gradients w.r.t. log-probs and entropies come from float64 autograd of it; through the logits op and the fused head,
+from float64 autograd through log_softmax of float64 logits.
+
+The batch has sequences of one token, a fully masked sequence, and per-sequence rollout offsets that put the
+correction weights below, inside and above the caps at both levels (`_assert_corrections_taken` checks it).
+"""
+
+import math
+
+import pytest
+import torch
+
+import ppo_ops
+from ppo_ops import token_losses
+from tests.core_support import backend_params
+from tests.linear_support import UNIT_ROUNDOFF, assert_within, bounds, inputs
+from tests.ranks import DEVICE
+from tests.reference import GRAD_TOL, LOG_PROB_TOL
+
+# fp32 per-row math: ~8 roundings of 2^-24 (log-ratio, exp, products with A, c_t and the weight, the addends' sums),
+# each relative to the magnitude of the addend it rounds (as tests/test_token_losses.py).
+TERM_RTOL = 1e-6
+# fp32 sums of T <= 240 terms over at most a few chunks: (log2 T + chunks) ulps of Σ|terms|, doubled for two sums.
+FP32_SUM_RTOL = 3e-6
+# A metric computed in float64 and rounded once to fp32 (half an ulp), against the reference's float64 value summed in
+# another order: within one fp32 ulp, at most 2^-23 of the value.
+METRIC_RTOL = 2.0**-23
+# The fused head's loss: each term's fp32 error (its upstream times the log-prob / entropy bound) plus the fp32
+# additions of the row blocks' sums: a few ulps of Σ|term| per addition (tests/test_linear_token_loss.py's).
+LOSS_SUM_ULPS = 4.0
+
+CLIP_LOW, CLIP_HIGH = 0.2, 0.28
+IS_LOW, IS_HIGH = 0.5, 2.0  # IcePop's alpha (0.5) and verl's rollout_is_threshold (2.0)
+# Sequence lengths: one-token sequences (0, 3), long and short ones; sequence 5 is fully masked.
+SEQ_LENS = (1, 30, 25, 1, 40, 18, 33, 22, 50, 20)
+MASKED_SEQ = 5
+T = sum(SEQ_LENS)
+# Per-sequence rollout weight exp(old - rollout) before a little token noise: below IS_LOW, inside, above IS_HIGH.
+SEQ_WEIGHTS = (0.35, 1.0, 3.0, 0.8, 2.5, 1.2, 0.4, 1.5, 2.8, 0.9)
+
+
+# --- inputs ---
+
+def _ratio_bands(gen, n, cl, ch):
+    """Ratios r = exp(lp - old) in bands away from every bound (1 - cl, 1 + ch, the dual-clip cap 3): below the
+    lowest, the middle 80% of each gap, above the highest; each band equally likely."""
+    points = sorted({1.0 - cl, 1.0 + ch, 3.0})
+    bands = [[0.6 * points[0], 0.95 * points[0]]]
+    bands += [[lo + 0.1 * (hi - lo), hi - 0.1 * (hi - lo)] for lo, hi in zip(points, points[1:])]
+    bands.append([1.1 * points[-1], 1.5 * points[-1]])
+    bands = torch.tensor(bands, dtype=torch.float64)
+    pick = torch.randint(0, len(bands), (n,), generator=gen)
+    u = torch.rand(n, generator=gen, dtype=torch.float64)
+    return bands[pick, 0] + u * (bands[pick, 1] - bands[pick, 0])
+
+
+def _batch(seed, *, shuffle=False, lp64=None, cl=CLIP_LOW, ch=CLIP_HIGH):
+    """fp32 per-token tensors of the T = sum(SEQ_LENS) tokens. lp64: the true float64 log-probs (the old ones are
+    placed so that the ratios against them fall in the bands); else log-probs are drawn."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_ids = torch.repeat_interleave(torch.arange(len(SEQ_LENS)), torch.tensor(SEQ_LENS))
+    n = seq_ids.numel()
+    log_r = _ratio_bands(gen, n, cl, ch).log()
+    if lp64 is None:
+        old = -(torch.rand(n, generator=gen, dtype=torch.float64) * 4 + 0.05)
+        lp = old + log_r
+    else:
+        lp, old = lp64.detach(), lp64.detach() - log_r
+    adv = torch.randn(n, generator=gen, dtype=torch.float64)
+    adv[torch.rand(n, generator=gen) < 0.1] = 0.0
+    log_w = torch.tensor(SEQ_WEIGHTS, dtype=torch.float64).log()[seq_ids] + 0.03 * torch.randn(
+        n, generator=gen, dtype=torch.float64)
+    mask = torch.rand(n, generator=gen) < 0.85
+    mask[seq_ids == MASKED_SEQ] = False
+    mask[0] = mask[SEQ_LENS[0] + SEQ_LENS[1] + SEQ_LENS[2]] = True  # the one-token sequences are counted
+    b = dict(old_log_probs=old, advantages=adv, rollout_log_probs=old - log_w,
+             ref_log_probs=old + 0.3 * torch.randn(n, generator=gen, dtype=torch.float64), log_probs=lp,
+             entropy=torch.rand(n, generator=gen, dtype=torch.float64) * 3)
+    b = {k: v.float() for k, v in b.items()}
+    b.update(loss_mask=mask, seq_ids=seq_ids)
+    if shuffle:  # a sequence's tokens need not be adjacent for a row-scope loss
+        perm = torch.randperm(n, generator=gen)
+        b = {k: v[perm] for k, v in b.items()}
+    return b
+
+
+def _build(b, opts):
+    kwargs = dict(clip_low=CLIP_LOW, clip_high=CLIP_HIGH)  # the reference's defaults
+    kwargs.update(opts)
+    for name in ("loss_mask", "seq_ids", "rollout_log_probs", "ref_log_probs"):
+        kwargs[name] = b[name]
+    return ppo_ops.policy_loss(b["old_log_probs"], b["advantages"], **kwargs)
+
+
+# --- float64 reference, from the formulas ---
+
+def _reference_correction(b, opts):
+    """c_t (float64 [T]) and the level's weight w_t, as the module docstring of rollout_correction writes them."""
+    old, rollout = b["old_log_probs"].double(), b["rollout_log_probs"].double()
+    counted, seq_ids = b["loss_mask"], b["seq_ids"]
+    log_w = torch.where(counted, old - rollout, 0.0)
+    mode = opts.get("rollout_correction")
+    if mode is None:
+        return counted.double(), torch.exp(log_w)
+    if mode.startswith("seq_"):
+        for s in seq_ids.unique().tolist():
+            in_s = seq_ids == s
+            if (in_s & counted).any():
+                log_w[in_s] = log_w[in_s & counted].mean()
+    w = torch.exp(log_w)
+    high, low = opts["rollout_is_high"], opts.get("rollout_is_low")
+    if mode.endswith("tis"):
+        c = w.clamp(min=0.0 if low is None else low, max=high)
+    else:
+        inside = (w <= high) & ((w >= low) if low is not None else True)
+        c = torch.where(inside, w, 0.0)
+    return torch.where(counted, c, 0.0), w
+
+
+def _reference_terms(lp, ent, b, opts):
+    """The per-token addends (c pg, kl, entropy) in float64, differentiable in lp and ent."""
+    old, adv = b["old_log_probs"].double(), b["advantages"].double()
+    cl, ch = opts.get("clip_low", CLIP_LOW), opts.get("clip_high", CLIP_HIGH)
+    ratio = torch.exp(lp - old)
+    if opts.get("surrogate", "ppo") == "cispo":
+        pg = -adv * torch.clamp(ratio, 1 - cl, 1 + ch).detach() * lp
+    else:
+        pg = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - cl, 1 + ch))
+        if opts.get("dual_clip") is not None:
+            pg = torch.where(adv < 0, torch.minimum(pg, -adv * opts["dual_clip"]), pg)
+    c, _ = _reference_correction(b, opts)
+    addends = [c * pg]
+    if opts.get("kl_coef", 0.0):
+        x = lp - b["ref_log_probs"].double()
+        addends.append(opts["kl_coef"] * (torch.exp(-x) - 1 + x))
+    if opts.get("entropy_coef", 0.0):
+        addends.append(-opts["entropy_coef"] * ent)
+    return addends
+
+
+def _aggregate(term, b, opts):
+    """The trainer's scalar from per-token terms (verl agg_loss; Dr. GRPO's constant)."""
+    mask, seq_ids = b["loss_mask"].double(), b["seq_ids"]
+    mode = opts.get("normalization", "token_mean")
+    if mode == "sum":
+        return (term * mask).sum()
+    if mode == "token_mean":
+        return (term * mask).sum() / mask.sum()
+    if mode == "seq_sum_over_constant":
+        return (term * mask).sum() / opts["normalization_constant"]
+    per_seq = []
+    for s in seq_ids.unique().tolist():
+        in_s = seq_ids == s
+        if mask[in_s].sum() > 0:
+            total = (term[in_s] * mask[in_s]).sum()
+            per_seq.append(total if mode == "seq_mean_token_sum" else total / mask[in_s].sum())
+    return torch.stack(per_seq).mean()
+
+
+def _reference_loss(lp, ent, b, opts):
+    return _aggregate(sum(_reference_terms(lp, ent, b, opts)), b, opts)
+
+
+def _reference_value_and_grads(lp, ent, b, opts):
+    lp = lp.detach().double().requires_grad_(True)
+    ent = ent.detach().double().requires_grad_(True)
+    value = _reference_loss(lp, ent, b, opts)
+    g_lp, g_ent = torch.autograd.grad(value, (lp, ent), allow_unused=True)
+    return value.detach(), g_lp, torch.zeros_like(ent) if g_ent is None else g_ent
+
+
+def _scales(b, opts):
+    """Per token: the magnitudes of the value's and the derivative's parts (what the closure's fp32 roundings are
+    relative to), times the token's weight in the scalar (the aggregation's derivative w.r.t. the token's term)."""
+    lp, ent = b["log_probs"].double(), b["entropy"].double()
+    old, adv = b["old_log_probs"].double(), b["advantages"].double()
+    cl, ch = opts.get("clip_low", CLIP_LOW), opts.get("clip_high", CLIP_HIGH)
+    c, _ = _reference_correction(b, opts)
+    ratio = torch.exp(lp - old)
+    if opts.get("surrogate", "ppo") == "cispo":  # |A c clip(r) lp|, derivative |A c clip(r)|
+        grad = (adv * c).abs() * ratio.clamp(1 - cl, 1 + ch)
+        value = grad * lp.abs()
+    else:  # the ratio the surrogate uses bounds the value and the derivative
+        r_used = torch.where(adv >= 0, ratio.clamp(max=1 + ch), ratio.clamp(min=1 - cl))
+        if opts.get("dual_clip") is not None:
+            r_used = torch.where(adv >= 0, r_used, r_used.clamp(max=opts["dual_clip"]))
+        value = grad = (adv * c).abs() * r_used
+    kl, ent_coef = abs(opts.get("kl_coef", 0.0)), abs(opts.get("entropy_coef", 0.0))
+    x = lp - b["ref_log_probs"].double()
+    value = value + kl * (x.abs() + torch.exp(-x) + 1) + ent_coef * ent
+    grad = grad + kl * (1 + torch.exp(-x)) + ent_coef
+    weight = torch.autograd.functional.jacobian(lambda t: _aggregate(t, b, opts), torch.zeros_like(lp)).abs()
+    return weight * value, weight * grad
+
+
+def _assert_within(got, expected, bound, what):
+    err = (got.double() - expected).abs()
+    assert bool((err <= bound).all()), f"{what}: max error over bound {float((err - bound).max()):.3e}"
+
+
+def _closure_value_and_grads(loss_fn, b):
+    lp = b["log_probs"].clone().requires_grad_(True)
+    ent = b["entropy"].clone().requires_grad_(True)
+    value = loss_fn.total(lp, ent)
+    g_lp, g_ent = torch.autograd.grad(value, (lp, ent), allow_unused=True)
+    return value.detach(), g_lp, torch.zeros_like(ent) if g_ent is None else g_ent
+
+
+def _assert_corrections_taken(b, opts):
+    """Among counted tokens, the correction keeps some weights and changes (truncates or drops) others."""
+    if opts.get("rollout_correction") is None:
+        return
+    c, w = _reference_correction(b, opts)
+    counted = b["loss_mask"]
+    assert (counted & (c == w)).any() and (counted & (c != w)).any(), "the caps were not exercised"
+
+
+# --- the closure against float64 ---
+
+CASES = {
+    "token_tis": dict(rollout_correction="token_tis", rollout_is_high=IS_HIGH),
+    "token_tis_low": dict(rollout_correction="token_tis", rollout_is_high=IS_HIGH, rollout_is_low=IS_LOW),
+    "token_mis": dict(rollout_correction="token_mis", rollout_is_high=IS_HIGH, dual_clip=3.0),
+    "token_icepop": dict(rollout_correction="token_icepop", rollout_is_high=IS_HIGH, rollout_is_low=IS_LOW,
+                         kl_coef=0.05, entropy_coef=0.01),
+    "seq_tis": dict(rollout_correction="seq_tis", rollout_is_high=IS_HIGH, normalization="seq_mean_token_mean"),
+    "seq_mis": dict(rollout_correction="seq_mis", rollout_is_high=IS_HIGH, rollout_is_low=IS_LOW,
+                    normalization="seq_mean_token_sum"),
+    "seq_icepop": dict(rollout_correction="seq_icepop", rollout_is_high=IS_HIGH, rollout_is_low=IS_LOW,
+                       normalization="seq_sum_over_constant", normalization_constant=10 * 64.0),
+    "cispo": dict(surrogate="cispo", clip_low=1.0, clip_high=4.0),  # MiniMax-M1: no lower bound
+    "cispo_token_tis": dict(surrogate="cispo", clip_high=0.28, rollout_correction="token_tis",
+                            rollout_is_high=IS_HIGH, kl_coef=0.05, normalization="sum"),
+    "seq_mean_token_sum": dict(normalization="seq_mean_token_sum", entropy_coef=0.01),
+    "dr_grpo": dict(normalization="seq_sum_over_constant", normalization_constant=10 * 64.0),
+}
+SHUFFLED = {"seq_tis", "cispo_token_tis"}  # sequence tokens not adjacent
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_objective_matches_float64_and_closed_form_is_autograds(case):
+    """Loss and gradients within the per-token bounds of the float64 reference; value_and_grad (the fused head's
+    path) autograd's bits of __call__ on rows in any order."""
+    opts = CASES[case]
+    cl = opts.get("clip_low", CLIP_LOW)
+    b = _batch(10 + sorted(CASES).index(case), shuffle=case in SHUFFLED, cl=min(cl, 0.9),
+               ch=opts.get("clip_high", CLIP_HIGH))
+    loss_fn = _build(b, opts)
+    value, g_lp, g_ent = _closure_value_and_grads(loss_fn, b)
+    ref_value, ref_g_lp, ref_g_ent = _reference_value_and_grads(b["log_probs"], b["entropy"], b, opts)
+    value_scale, grad_scale = _scales(b, opts)
+    _assert_within(value, ref_value, (TERM_RTOL + FP32_SUM_RTOL) * value_scale.sum(), "loss")
+    _assert_within(g_lp, ref_g_lp, TERM_RTOL * grad_scale, "d loss / d log_probs")
+    _assert_within(g_ent, ref_g_ent, TERM_RTOL * grad_scale, "d loss / d entropy")
+    assert bool((g_lp[~b["loss_mask"]] == 0).all()), "an uncounted token got a gradient"
+    _assert_corrections_taken(b, opts)
+
+    rows = torch.randperm(g_lp.numel(), generator=torch.Generator().manual_seed(3))[:97]
+    lp = b["log_probs"][rows].clone().requires_grad_(True)
+    ent = b["entropy"][rows].clone().requires_grad_(True)
+    terms = loss_fn(lp, ent, rows)
+    want = (terms.detach(),) + torch.autograd.grad(terms, (lp, ent), torch.ones_like(terms), allow_unused=True)
+    got = loss_fn.value_and_grad(b["log_probs"][rows], b["entropy"][rows], rows)
+    for name, g, w in zip(("terms", "d / d log_probs", "d / d entropy"), got, want):
+        assert (g is None) == (w is None), name
+        if w is not None:
+            assert torch.equal(g.view(torch.int32), w.view(torch.int32)), f"{name}: not autograd's bits"
+
+
+@pytest.mark.parametrize("mode", ["token_tis", "token_mis", "token_icepop", "seq_tis", "seq_mis", "seq_icepop"])
+def test_correction_at_its_caps(mode):
+    """Weights exactly at a cap are inside it (kept unchanged), just past it truncated (tis) or dropped (mis,
+    icepop). Log-weights are dyadic, so the sequence means are exact and w equals the cap bit for bit."""
+    d_high, d_low = 0.75, -0.5
+    high = float(torch.exp(torch.tensor(d_high, dtype=torch.float64)))
+    low = float(torch.exp(torch.tensor(d_low, dtype=torch.float64)))
+    # one-token-wide sequences of 2 tokens each: at high, just past high, at low, just below low, inside
+    log_w = torch.tensor([d_high, d_high, d_high + 2**-10, d_high + 2**-10, d_low, d_low, d_low - 2**-10,
+                          d_low - 2**-10, 0.25, 0.25])
+    seq_ids = torch.arange(10) // 2
+    old = torch.full((10,), -1.0)
+    adv = torch.ones(10)
+    lp = old.clone()
+    loss_fn = ppo_ops.policy_loss(old, adv, normalization="sum", seq_ids=seq_ids, rollout_log_probs=old - log_w,
+                                  rollout_correction=mode, rollout_is_high=high, rollout_is_low=low)
+    _, g_lp, _ = loss_fn.value_and_grad(lp, None, torch.arange(10))
+    w = torch.exp(log_w.double())
+    if mode.endswith("tis"):
+        want = w.clamp(low, high)
+    else:
+        want = torch.where((w >= low) & (w <= high), w, 0.0)
+    # ratio 1, A = 1, "sum": d term / d lp = -c exactly (c rounded once to fp32)
+    assert torch.equal(-g_lp, want.float()), f"{mode}: {(-g_lp).tolist()} vs {want.tolist()}"
+
+
+def test_row_chunks_sum_to_the_whole_with_sequence_level_weights():
+    """A sequence-level correction with a sequence-normalised aggregation stays row-separable: random row chunks in
+    any order sum to the whole call (seq_ids not sorted)."""
+    b = _batch(41, shuffle=True)
+    loss_fn = _build(b, CASES["seq_mis"])
+    terms = loss_fn(b["log_probs"], b["entropy"], torch.arange(T))
+    perm = torch.randperm(T, generator=torch.Generator().manual_seed(4))
+    parts = torch.stack([loss_fn(b["log_probs"][r], b["entropy"][r], r).sum() for r in perm.split(37)])
+    assert torch.equal(loss_fn(b["log_probs"][perm], b["entropy"][perm], perm), terms[perm]), "a row's term moved"
+    _assert_within(parts.sum(), terms.sum().double(), FP32_SUM_RTOL * terms.abs().sum().double(), "chunked loss")
+
+
+# --- metrics ---
+
+@pytest.mark.parametrize("case", ["token_icepop", "seq_mis", "cispo_token_tis"])
+def test_metrics_match_float64(case):
+    opts = CASES[case]
+    b = _batch(60 + sorted(CASES).index(case), ch=opts.get("clip_high", CLIP_HIGH))
+    loss_fn = _build(b, opts)
+    got = loss_fn.metrics(b["log_probs"])
+    counted, seq_ids = b["loss_mask"], b["seq_ids"]
+    old, rollout, lp = (b[k].double() for k in ("old_log_probs", "rollout_log_probs", "log_probs"))
+    adv = b["advantages"].double()
+    cl, ch = opts.get("clip_low", CLIP_LOW), opts.get("clip_high", CLIP_HIGH)
+    c, w = _reference_correction(b, opts)
+    r = torch.exp(lp - old)
+    if opts.get("surrogate") == "cispo":
+        clipped = (r > 1 + ch) | (r < 1 - cl)
+    else:
+        clipped = ((adv > 0) & (r > 1 + ch)) | ((adv < 0) & (r < 1 - cl))
+    diffs = [(rollout - old)[(seq_ids == s) & counted].mean() for s in seq_ids.unique().tolist()
+             if ((seq_ids == s) & counted).any()]
+    x = (old - rollout)[counted]
+    want = {
+        "clipped_share": clipped[counted].double().mean(),
+        "dual_clipped_share": ((adv < 0) & (r > opts.get("dual_clip", math.inf)))[counted].double().mean(),
+        "ppo_kl": (old - lp)[counted].mean(),
+        "rollout_k3_kl": (torch.exp(x) - 1 - x).mean(),
+        "rollout_log_ppl_diff": torch.stack(diffs).mean(),
+        "rollout_corrected_share": (c != w)[counted].double().mean(),
+        "rollout_weight_mean": c[counted].mean(),
+    }
+    assert set(got) == set(want)
+    for name, value in want.items():
+        assert got[name].dtype == torch.float32 and got[name].shape == ()
+        # ppo_kl: fp32 log-ratios (one rounding each, of |lp - old| <= 5) summed in fp32
+        tol = FP32_SUM_RTOL * 5 if name == "ppo_kl" else METRIC_RTOL * abs(float(value))
+        assert abs(float(got[name]) - float(value)) <= tol, f"{name}: {float(got[name])} vs {float(value)}"
+    assert 0 < float(got["clipped_share"]) < 1 and 0 < float(got["rollout_corrected_share"]) < 1
+
+
+def test_nothing_counted_gives_zero_metrics_and_loss():
+    b = _batch(70)
+    b["loss_mask"] = torch.zeros_like(b["loss_mask"])
+    loss_fn = _build(b, CASES["seq_icepop"])
+    assert float(loss_fn.total(b["log_probs"], b["entropy"])) == 0.0
+    assert all(float(v) == 0.0 for v in loss_fn.metrics(b["log_probs"]).values())
+
+
+def test_inputs_not_written_and_correction_weights_detached():
+    b = _batch(71)
+    before = {k: v.clone() for k, v in b.items()}
+    rollout = b["rollout_log_probs"].clone().requires_grad_(True)
+    loss_fn = ppo_ops.policy_loss(b["old_log_probs"], b["advantages"], rollout_log_probs=rollout,
+                                  rollout_correction="token_tis", loss_mask=b["loss_mask"])
+    value = loss_fn.total(b["log_probs"].clone().requires_grad_(True))
+    assert not loss_fn.pg_coef.requires_grad and value.requires_grad
+    for k, v in b.items():
+        assert torch.equal(v, before[k]), k
+
+
+# --- through the logits op and the fused head ---
+
+def _logits_case(seed, n_vocab=53):
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(SEQ_LENS)
+    logits = torch.randn(n, n_vocab, generator=gen) * 2
+    tokens = torch.randint(0, n_vocab, (n,), generator=gen)
+    return logits, tokens
+
+
+@pytest.mark.parametrize("case", ["seq_icepop", "cispo_token_tis"])
+def test_through_the_logits_op(case):
+    """log_probs_and_entropy -> total -> backward against float64 logits through log_softmax and the reference.
+    Bound per logit of row t: M_t (LOG_PROB_TOL max(1, |lp_t|) + GRAD_TOL + TERM_RTOL), M_t the row's derivative
+    magnitude times its weight (as tests/test_token_losses.py's end-to-end test)."""
+    opts = CASES[case]
+    logits, tokens = _logits_case(80 + sorted(CASES).index(case))
+    logits64 = logits.double().requires_grad_(True)
+    log_sm = torch.log_softmax(logits64, -1)
+    lp64, ent64 = log_sm.gather(1, tokens[:, None])[:, 0], -(log_sm.exp() * log_sm).sum(-1)
+    b = _batch(90, lp64=lp64, ch=opts.get("clip_high", CLIP_HIGH))
+    loss_fn = _build(b, opts)
+    x = logits.clone().requires_grad_(True)
+    out = ppo_ops.log_probs_and_entropy(x, tokens, entropy="grad")
+    value = loss_fn.total(out.log_probs, out.entropy)
+    (grad,) = torch.autograd.grad(value, x)
+    ref_value = _reference_loss(lp64, ent64, b, opts)
+    (ref_grad,) = torch.autograd.grad(ref_value, logits64)
+    b64 = dict(b, log_probs=lp64.detach().float(), entropy=ent64.detach().float())
+    value_scale, grad_scale = _scales(b64, opts)
+    lp_err = LOG_PROB_TOL * lp64.detach().abs().clamp(min=1.0)
+    _assert_within(grad, ref_grad, (grad_scale * (lp_err + GRAD_TOL + TERM_RTOL))[:, None].expand_as(grad),
+                   "d loss / d logits")
+    _assert_within(value.detach(), ref_value.detach(),
+                   (grad_scale * lp_err).sum() + (TERM_RTOL + FP32_SUM_RTOL) * value_scale.sum(), "loss")
+
+
+# Triton under the CPU interpreter takes minutes for this call's 15 row blocks; the torch backend makes the same
+# per-block loss calls, and the GPU target runs both.
+FUSED_BACKENDS = [p for p in backend_params(DEVICE) if p.values[0] == "torch" or DEVICE.type == "cuda"]
+
+
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_through_the_fused_head(backend):
+    """linear_token_loss with a sequence-level correction and CISPO over several row blocks: the loss, dX and dW
+    within tests/linear_support.py's bounds of float64 (the reference's gradient as the upstream weights), and the
+    closed form gives the bits of the same loss taken through autograd (a plain closure)."""
+    from ppo_ops.lm_head import paths
+
+    opts = dict(CASES["cispo_token_tis"], rollout_correction="seq_icepop", rollout_is_low=IS_LOW)
+    dtype = torch.float32
+    lead = (sum(SEQ_LENS),)
+    assert lead[0] > paths.HOST_LOSS_BLOCK_ROWS, "one row block only: sequences would not span blocks"
+    hidden, weight, tokens = inputs(lead, dtype, seed=120)
+    x, w = hidden.double(), weight.double()
+    lsm = torch.log_softmax(x @ w.T, -1)
+    lp64 = lsm.gather(1, tokens[:, None])[:, 0]
+    ent64 = -(lsm.exp() * lsm).sum(-1)
+    b = _batch(121, lp64=lp64, ch=opts["clip_high"])
+    loss_fn = _build(b, opts)
+    on_device = loss_fn if DEVICE.type == "cpu" else _to_device(loss_fn)
+
+    def run(token_loss):
+        h = hidden.detach().clone().to(DEVICE).requires_grad_(True)
+        wt = weight.detach().clone().to(DEVICE).requires_grad_(True)
+        loss, out = ppo_ops.linear_token_loss(h, wt, tokens.to(DEVICE), token_loss, entropy="grad", backend=backend)
+        dx, dw = torch.autograd.grad(loss, (h, wt))
+        return loss.detach().cpu(), out.log_probs.cpu(), dx.cpu(), dw.cpu()
+
+    loss, lp, dx, dw = run(on_device)
+    _, g_lp, g_ent = _reference_value_and_grads(lp64, ent64, b, opts)
+    bd = bounds(hidden, weight, tokens, g_lp.float(), g_ent.float(),
+                dl_roundoff=UNIT_ROUNDOFF[dtype] if backend == "triton" else 0.0)
+    assert_within("dX", dx, bd["dx"])
+    assert_within("dW", dw, bd["dw"])
+    ref_value = _reference_loss(lp64, ent64, b, opts)
+    terms = torch.stack(_reference_terms(lp64, ent64, b, opts)).sum(0)
+    loss_tol = ((g_lp.abs() * bd["log_probs"][1]).sum() + (g_ent.abs() * bd["entropy"][1]).sum()
+                + LOSS_SUM_ULPS * lead[0] * UNIT_ROUNDOFF[torch.float32] * (terms.abs() * b["loss_mask"]).sum())
+    assert abs(float(loss) - float(ref_value)) <= float(loss_tol)
+
+    wrapped = run(lambda lp_, ent_, rows: on_device(lp_, ent_, rows))
+    for what, a, c in zip(("loss", "log-probs", "dX", "dW"), (loss, lp, dx, dw), wrapped):
+        assert torch.equal(a, c), f"{what}: the closed form differs from autograd's path"
+
+
+def _to_device(loss):
+    import dataclasses
+
+    fields = {f.name: getattr(loss, f.name) for f in dataclasses.fields(loss)}
+    moved = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in fields.items()}
+    return type(loss)(**moved)
+
+
+# --- bad input: one error naming the argument, at construction ---
+
+def _bad(**changes):
+    def build():
+        b = _batch(99)
+        kwargs = dict(loss_mask=b["loss_mask"], seq_ids=b["seq_ids"], rollout_log_probs=b["rollout_log_probs"],
+                      rollout_correction="token_tis")
+        kwargs.update(changes)
+        return ppo_ops.policy_loss(b["old_log_probs"], b["advantages"], **kwargs)
+    return build
+
+
+BAD_INPUTS = {
+    "mode_unknown": (_bad(rollout_correction="tis"), ValueError, "rollout_correction"),
+    "high_negative": (_bad(rollout_is_high=-1.0), ValueError, "rollout_is_high"),
+    "high_zero": (_bad(rollout_is_high=0.0), ValueError, "rollout_is_high"),
+    "high_inf": (_bad(rollout_is_high=math.inf), ValueError, "rollout_is_high"),
+    "high_string": (_bad(rollout_is_high="2"), TypeError, "rollout_is_high"),
+    "low_negative": (_bad(rollout_is_low=-0.5), ValueError, "rollout_is_low"),
+    "low_above_high": (_bad(rollout_is_low=3.0), ValueError, "rollout_is_low"),
+    "icepop_without_low": (_bad(rollout_correction="token_icepop"), ValueError, "rollout_is_low"),
+    "seq_level_without_seq_ids": (_bad(rollout_correction="seq_tis", seq_ids=None), ValueError, "seq_ids"),
+    "correction_without_rollout": (_bad(rollout_log_probs=None), ValueError, "rollout_log_probs"),
+    "rollout_wrong_shape": (_bad(rollout_log_probs=torch.zeros(T, 1)), ValueError, "rollout_log_probs"),
+    "rollout_integer": (_bad(rollout_log_probs=torch.zeros(T, dtype=torch.long)), TypeError, "rollout_log_probs"),
+    "surrogate_unknown": (_bad(surrogate="gspo"), ValueError, "surrogate"),
+    "cispo_dual_clip": (_bad(surrogate="cispo", dual_clip=3.0), ValueError, "dual_clip"),
+    "ppo_clip_low_one": (_bad(clip_low=1.0), ValueError, "clip_low"),
+    "cispo_clip_low_above_one": (_bad(surrogate="cispo", clip_low=1.5), ValueError, "clip_low"),
+    "constant_missing": (_bad(normalization="seq_sum_over_constant"), ValueError, "normalization_constant"),
+    "constant_negative": (_bad(normalization="seq_sum_over_constant", normalization_constant=-4.0), ValueError,
+                          "normalization_constant"),
+    "constant_unused": (_bad(normalization_constant=4.0), ValueError, "normalization_constant"),
+    "seq_mean_token_sum_without_seq_ids": (_bad(normalization="seq_mean_token_sum", seq_ids=None), ValueError,
+                                           "seq_ids"),
+    "metrics_wrong_shape": (lambda: _bad()().metrics(torch.zeros(T, 1)), ValueError, "log_probs"),
+}
+
+
+@pytest.mark.parametrize("case_id", sorted(BAD_INPUTS))
+def test_bad_input_raises_naming_the_argument(case_id):
+    build, exc_type, name = BAD_INPUTS[case_id]
+    with pytest.raises(exc_type) as info:
+        build()
+    assert info.value.ppo_ops_argument == name and name in str(info.value), f"{case_id}: {info.value}"
+
+
+def test_public_names():
+    assert token_losses.NORMALIZATIONS[:5] == ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                                               "seq_sum_over_constant", "sum")
+    assert ppo_ops.rollout_correction.MODES == ("token_tis", "token_mis", "token_icepop", "seq_tis", "seq_mis",
+                                                "seq_icepop")
