@@ -76,6 +76,7 @@ KL_TYPES = ("k1", "k2", "k3")
 NORMALIZATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_sum_over_constant", "sum",
                   "seq_mean")
 SURROGATES = ("ppo", "cispo")
+SCOPES = ("row", "sequence", "batch")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -100,6 +101,10 @@ class TokenLoss:
     surrogate: str = "ppo"
     pg_coef: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)  # [T] fp32 rollout correction c_t
     constant_metrics: dict = dataclasses.field(default_factory=dict, repr=False)  # 0-d fp32 tensors (`metrics`)
+
+    # What a token's gradient reads: its own row ("row": every TokenLoss). ppo_ops.sequence_losses' losses are
+    # "sequence" scope; linear_token_loss gives those a statistics pass first (docs/losses.md, the schedules).
+    scope = "row"
 
     @property
     def n_tokens(self) -> int:
@@ -127,7 +132,9 @@ class TokenLoss:
         self._check_call(log_probs, entropy, rows)
         f = self._forward(log_probs, entropy, rows)
         g_term = f.weight  # the upstream 1 times the weight: 1 * w == w
-        if self.surrogate == "cispo":  # coef * lp: mul's gradient is grad * the other factor
+        if self.surrogate == "linearised":  # v + g (lp - lp0): the upstream 1 times g
+            g_lp = f.e
+        elif self.surrogate == "cispo":  # coef * lp: mul's gradient is grad * the other factor
             g_lp = g_term * f.e
         else:
             g_log_r = (g_term * f.neg_adv) * f.e  # through -A * exp(log_r): exp's gradient is grad * result
@@ -142,7 +149,7 @@ class TokenLoss:
             g_lp = g_lp + _kl_grad(f.kl_x, f.kl_saved, self.kl_type, g_term * self.kl_coef)
         g_lp = torch.where(f.counted, g_lp, 0.0)
         g_ent = None
-        if self.entropy_coef != 0.0 and entropy_grad:
+        if self.entropy_coef != 0.0 and entropy_grad:  # -(c H), or - c H after a first addend
             g_ent = torch.where(f.counted, -g_term * self.entropy_coef, 0.0)
         return f.value.detach(), g_lp, g_ent
 
@@ -156,7 +163,11 @@ class TokenLoss:
         neg_adv = -adv if self.pg_coef is None else -(adv * self.pg_coef[rows])
         hi, lo = _log_bounds(self.clip_low, self.clip_high)
         log_ratio = log_r = cap = capped = None
-        if self.surrogate == "cispo":  # -A c sg(clip(r)) lp: the clipped ratio is a constant coefficient
+        if self.surrogate == "linearised":  # v + g (lp - lp0): a sequence loss frozen at lp0 (its `freeze`)
+            e = self.pg_coef[rows]
+            lin = self.advantages[rows] + e * (lp - self.old_log_probs[rows])
+            term = None
+        elif self.surrogate == "cispo":  # -A c sg(clip(r)) lp: the clipped ratio is a constant coefficient
             e = neg_adv * torch.exp((lp.detach() - self.old_log_probs[rows]).clamp(min=lo, max=hi))
             term = e * lp
         else:
@@ -171,10 +182,15 @@ class TokenLoss:
         if self.kl_coef != 0.0:
             kl_x = lp - self.ref_log_probs[rows]
             kl, kl_saved = _kl(kl_x, self.kl_type)
-            term = term + self.kl_coef * kl
+            term = self.kl_coef * kl if term is None else term + self.kl_coef * kl
         if self.entropy_coef != 0.0:
-            term = term - self.entropy_coef * torch.where(counted, entropy, 0.0)
-        return _Terms(weight * term, weight, counted, positive, log_ratio, hi, lo, log_r, cap, capped, neg_adv, e,
+            h = self.entropy_coef * torch.where(counted, entropy, 0.0)
+            term = -h if term is None else term - h
+        if self.surrogate == "linearised":  # its values carry their weights already
+            value = lin if term is None else weight * term + lin
+        else:
+            value = weight * term
+        return _Terms(value, weight, counted, positive, log_ratio, hi, lo, log_r, cap, capped, neg_adv, e,
                       kl_x, kl_saved)
 
     def total(self, log_probs: torch.Tensor, entropy: Optional[torch.Tensor] = None) -> torch.Tensor:

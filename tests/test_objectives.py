@@ -16,6 +16,7 @@ The batch has sequences of one token, a fully masked sequence, and per-sequence 
 correction weights below, inside and above the caps at both levels (`_assert_corrections_taken` checks it).
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -521,3 +522,259 @@ def test_public_names():
                                                "seq_sum_over_constant", "sum")
     assert ppo_ops.rollout_correction.MODES == ("token_tis", "token_mis", "token_icepop", "seq_tis", "seq_mis",
                                                 "seq_icepop")
+
+
+# --- sequence scope: GSPO, GMPO ---
+
+U32 = UNIT_ROUNDOFF[torch.float32]
+MAX_ABS_LOG_RATIO = 2.0  # |lp - old| of the batches below (asserted): the ratio bands span [0.48, 4.5]
+# A sequence's mean log-ratio: index_add_ adds its L <= 50 terms one at a time in fp32 (L ulps of Σ|x| <= L max|x|),
+# then a division and exp (a few ulps): an absolute error in log s, hence a relative one in s, of at most
+# (L + 8) u max|x|.
+SEQ_RTOL = (max(SEQ_LENS) + 8) * U32 * MAX_ABS_LOG_RATIO
+
+SEQ_CASES = {
+    "gspo": dict(kind="gspo", clip_low=0.2, clip_high=0.28),
+    "gspo_seq_tis_kl_entropy": dict(kind="gspo", clip_low=0.2, clip_high=0.28, rollout_correction="seq_tis",
+                                    rollout_is_high=IS_HIGH, kl_coef=0.05, entropy_coef=0.01,
+                                    normalization="token_mean"),
+    "gmpo": dict(kind="gmpo"),
+    "gmpo_icepop_token_sum": dict(kind="gmpo", rollout_correction="token_icepop", rollout_is_high=IS_HIGH,
+                                  rollout_is_low=IS_LOW, normalization="seq_mean_token_sum"),
+}
+SEQ_SHUFFLED = {"gmpo"}  # sequence tokens not adjacent
+
+
+def _seq_opts(opts):
+    """The options as the reference reads them (clip bounds filled in with the loss's defaults)."""
+    from ppo_ops import sequence_losses as sl
+
+    out = dict(opts)
+    gspo = opts["kind"] == "gspo"
+    out.setdefault("clip_low", sl.GSPO_CLIP_LOW if gspo else sl.GMPO_CLIP_LOW)
+    out.setdefault("clip_high", sl.GSPO_CLIP_HIGH if gspo else sl.GMPO_CLIP_HIGH)
+    out.setdefault("normalization", "seq_mean_token_mean")
+    return out
+
+
+def _build_seq(b, opts):
+    kwargs = {k: v for k, v in opts.items() if k != "kind"}
+    for name in ("loss_mask", "rollout_log_probs", "ref_log_probs"):
+        kwargs[name] = b[name]
+    make = ppo_ops.gspo_loss if opts["kind"] == "gspo" else ppo_ops.gmpo_loss
+    return make(b["old_log_probs"], b["advantages"], b["seq_ids"], **kwargs)
+
+
+def _reference_seq_pg(lp, b, opts, magnitude=False):
+    """Per token c_t pg_t of GSPO / GMPO in float64, a Python loop over sequences (sequences_losses' docstring).
+    magnitude: |A| in place of -A (the clip sides from A's sign): the sizes the fp32 roundings are relative to."""
+    old, adv = b["old_log_probs"].double(), b["advantages"].double()
+    counted, seq_ids, m = b["loss_mask"], b["seq_ids"], b["loss_mask"].double()
+    hi, lo = math.log(1 + opts["clip_high"]), math.log(1 - opts["clip_low"])
+    scale = adv.abs() if magnitude else -adv
+    pg = torch.zeros_like(lp)
+    for s in seq_ids.unique().tolist():
+        in_s = (seq_ids == s) & counted
+        if not in_s.any():
+            continue
+        x = lp - old
+        big_m = m[in_s].sum()
+        if opts["kind"] == "gspo":
+            log_s = (m[in_s] * x[in_s]).sum() / big_m
+            val = scale * torch.exp(torch.where(adv >= 0, log_s.clamp(max=hi), log_s.clamp(min=lo)))
+        else:
+            x_clip = torch.where(adv >= 0, x.clamp(max=hi), x.clamp(min=lo))
+            ratio = torch.exp((m[in_s] * x_clip[in_s]).sum() / big_m)
+            a_bar = (m[in_s] * (adv.abs() if magnitude else adv)[in_s]).sum() / big_m
+            val = (a_bar if magnitude else -a_bar) * ratio * torch.ones_like(lp)
+        pg = torch.where(in_s, val, pg)
+    c, _ = _reference_correction(b, opts)
+    return c * pg
+
+
+def _reference_seq_loss(lp, ent, b, opts):
+    rest = _reference_terms(lp, ent, b, dict(opts, rollout_correction=None))[1:]  # KL, entropy
+    return _aggregate(_reference_seq_pg(lp, b, opts) + sum(rest, torch.zeros_like(lp)), b, opts)
+
+
+def _seq_bounds(b, opts):
+    """(value bound, per-token gradient bound) of the fp32 loss against the reference: SEQ_RTOL + TERM_RTOL
+    relative to the magnitudes of the sequence terms and their derivatives, TERM_RTOL to the KL / entropy parts."""
+    lp = b["log_probs"].double().requires_grad_(True)
+    mag = _aggregate(_reference_seq_pg(lp, b, opts, magnitude=True), b, opts)
+    (g_mag,) = torch.autograd.grad(mag, lp)
+    mag = float(mag.detach())
+    rest_opts = dict(opts, rollout_correction=None, clip_low=0.2, clip_high=0.2)
+    value_rest, grad_rest = _scales(dict(b, advantages=torch.zeros_like(b["advantages"])), rest_opts)
+    rtol = SEQ_RTOL + TERM_RTOL
+    value = rtol * mag + TERM_RTOL * value_rest.sum() + FP32_SUM_RTOL * (mag + value_rest.sum())
+    return value, rtol * g_mag.abs() + TERM_RTOL * grad_rest
+
+
+def _assert_seq_clips_taken(b, opts):
+    """GSPO: some counted sequences clipped, some not; GMPO: some counted tokens clipped, some not."""
+    lp = b["log_probs"].double()
+    with_clip = _reference_seq_pg(lp, b, opts, magnitude=True)
+    no_clip = _reference_seq_pg(lp, b, dict(opts, clip_low=1 - 1e-12, clip_high=1e12), magnitude=True)
+    counted = b["loss_mask"] & (b["advantages"] != 0)
+    assert (counted & (with_clip != no_clip)).any() and (counted & (with_clip == no_clip)).any()
+
+
+@pytest.mark.parametrize("case", sorted(SEQ_CASES))
+def test_sequence_loss_matches_float64_and_freezes_exactly(case):
+    """GSPO / GMPO against the float64 reference (values, gradients w.r.t. log-probs and entropies); the frozen
+    TokenLoss (what the fused head's gradient pass evaluates) has the loss's value and gradient at that point, and
+    its closed form gives autograd's bits."""
+    opts = _seq_opts(SEQ_CASES[case])
+    b = _batch(200 + sorted(SEQ_CASES).index(case), shuffle=case in SEQ_SHUFFLED)
+    assert float((b["log_probs"] - b["old_log_probs"]).abs().max()) <= MAX_ABS_LOG_RATIO
+    loss_fn = _build_seq(b, opts)
+    assert loss_fn.scope == "sequence"
+    value, g_lp, g_ent = _closure_value_and_grads(loss_fn, b)
+    lp = b["log_probs"].double().requires_grad_(True)
+    ent = b["entropy"].double().requires_grad_(True)
+    ref_value = _reference_seq_loss(lp, ent, b, opts)
+    ref_g_lp, ref_g_ent = torch.autograd.grad(ref_value, (lp, ent), allow_unused=True)
+    ref_g_ent = torch.zeros_like(ent) if ref_g_ent is None else ref_g_ent
+    value_bound, grad_bound = _seq_bounds(b, opts)
+    _assert_within(value, ref_value.detach(), value_bound, "loss")
+    _assert_within(g_lp, ref_g_lp, grad_bound, "d loss / d log_probs")
+    _assert_within(g_ent, ref_g_ent, grad_bound, "d loss / d entropy")
+    assert bool((g_lp[~b["loss_mask"]] == 0).all()), "an uncounted token got a gradient"
+    _assert_seq_clips_taken(b, opts)
+
+    frozen = loss_fn.freeze(b["log_probs"])
+    assert isinstance(frozen, token_losses.TokenLoss) and frozen.scope == "row"
+    f_value, f_g_lp, f_g_ent = _closure_value_and_grads(frozen, b)
+    _assert_within(f_value, value.double(), FP32_SUM_RTOL * value_bound / (SEQ_RTOL + TERM_RTOL), "frozen loss")
+    assert torch.equal(f_g_lp, g_lp) and torch.equal(f_g_ent, g_ent), "the frozen gradient is not the loss's"
+    rows = torch.randperm(T, generator=torch.Generator().manual_seed(9))[:97]
+    lp_r = b["log_probs"][rows].clone().requires_grad_(True)
+    ent_r = b["entropy"][rows].clone().requires_grad_(True)
+    terms = frozen(lp_r, ent_r, rows)
+    want = (terms.detach(),) + torch.autograd.grad(terms, (lp_r, ent_r), torch.ones_like(terms), allow_unused=True)
+    got = frozen.value_and_grad(b["log_probs"][rows], b["entropy"][rows], rows)
+    for name, g, w in zip(("terms", "d / d log_probs", "d / d entropy"), got, want):
+        assert (g is None) == (w is None), name
+        if w is not None:
+            assert torch.equal(g, w), f"{name}: not autograd's bits"
+
+
+def test_sequence_loss_through_the_logits_op():
+    opts = _seq_opts(SEQ_CASES["gspo_seq_tis_kl_entropy"])
+    logits, tokens = _logits_case(210)
+    logits64 = logits.double().requires_grad_(True)
+    log_sm = torch.log_softmax(logits64, -1)
+    lp64, ent64 = log_sm.gather(1, tokens[:, None])[:, 0], -(log_sm.exp() * log_sm).sum(-1)
+    b = _batch(211, lp64=lp64)
+    loss_fn = _build_seq(b, opts)
+    x = logits.clone().requires_grad_(True)
+    out = ppo_ops.log_probs_and_entropy(x, tokens, entropy="grad")
+    (grad,) = torch.autograd.grad(loss_fn.total(out.log_probs, out.entropy), x)
+    (ref_grad,) = torch.autograd.grad(_reference_seq_loss(lp64, ent64, b, opts), logits64)
+    # per row: its upstream's bound, plus the logits op's error per unit of upstream (GRAD_TOL), plus the upstream
+    # moved by the log-probs' error (LOG_PROB_TOL max(1, |lp|) relative, to first order)
+    _, grad_bound = _seq_bounds(dict(b, log_probs=lp64.detach().float(), entropy=ent64.detach().float()), opts)
+    scale = grad_bound / (SEQ_RTOL + TERM_RTOL)
+    lp_err = LOG_PROB_TOL * lp64.detach().abs().clamp(min=1.0)
+    row_bound = grad_bound + scale * (GRAD_TOL + lp_err.max() * max(SEQ_LENS))
+    _assert_within(grad, ref_grad, row_bound[:, None].expand_as(grad), "d loss / d logits")
+
+
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_sequence_loss_through_the_fused_head(backend, monkeypatch):
+    """linear_token_loss with GSPO over row blocks that cut sequences (15 blocks of 16 rows, sequences up to 50):
+    the statistics pass then the frozen loss's gradient pass; loss, dX, dW within tests/linear_support.py's bounds
+    of float64 with the reference's gradient as the upstream weights; the log-probs returned are the statistics
+    pass's (the frozen loss's value is its own exactly)."""
+    opts = _seq_opts(SEQ_CASES["gspo_seq_tis_kl_entropy"])
+    hidden, weight, tokens = inputs((T,), torch.float32, seed=220)
+    lsm = torch.log_softmax(hidden.double() @ weight.double().T, -1)
+    lp64, ent64 = lsm.gather(1, tokens[:, None])[:, 0], -(lsm.exp() * lsm).sum(-1)
+    b = _batch(221, lp64=lp64)
+    loss_fn = _build_seq(b, opts)
+    if DEVICE.type != "cpu":
+        loss_fn = dataclasses.replace(loss_fn, rest=_to_device(loss_fn.rest), advantages=loss_fn.advantages.to(DEVICE),
+                                      mask=loss_fn.mask.to(DEVICE), seq_ids=loss_fn.seq_ids.to(DEVICE))
+    seen = []  # the statistics pass's log-probs, as freeze receives them
+    freeze = ppo_ops.SequenceLoss.freeze
+    monkeypatch.setattr(ppo_ops.SequenceLoss, "freeze", lambda self, lp, *a: seen.append(lp) or freeze(self, lp, *a))
+    h = hidden.clone().to(DEVICE).requires_grad_(True)
+    w = weight.clone().to(DEVICE).requires_grad_(True)
+    loss, out = ppo_ops.linear_token_loss(h, w, tokens.to(DEVICE), loss_fn, entropy="grad", backend=backend)
+    assert len(seen) == 1 and torch.equal(seen[0], out.log_probs.reshape(-1)), \
+        "the gradient pass's log-probs differ from the statistics pass's (the frozen loss is then first-order only)"
+    dx, dw = (g.cpu() for g in torch.autograd.grad(loss, (h, w)))
+    lp64_ = lp64.detach().requires_grad_(True)
+    ent64_ = ent64.detach().requires_grad_(True)
+    ref_value = _reference_seq_loss(lp64_, ent64_, b, opts)
+    g_lp, g_ent = torch.autograd.grad(ref_value, (lp64_, ent64_))
+    bd = bounds(hidden, weight, tokens, g_lp.float(), g_ent.float(),
+                dl_roundoff=U32 if backend == "triton" else 0.0)
+    assert_within("log_probs", out.log_probs.cpu(), bd["log_probs"])
+    assert_within("dX", dx, bd["dx"])
+    assert_within("dW", dw, bd["dw"])
+    value_bound, _ = _seq_bounds(dict(b, log_probs=lp64.detach().float(), entropy=ent64.detach().float()), opts)
+    loss_tol = (value_bound + (g_lp.abs() * bd["log_probs"][1]).sum() + (g_ent.abs() * bd["entropy"][1]).sum()
+                + LOSS_SUM_ULPS * T * U32 * abs(float(ref_value.detach())))
+    assert abs(float(loss.detach()) - float(ref_value.detach())) <= float(loss_tol)
+
+
+def _tp2_sequence_worker(rank, world_size):
+    import torch.distributed as dist
+
+    from tests.linear_support import DX_ACROSS_TP_MAX_REL
+
+    opts = _seq_opts(SEQ_CASES["gmpo_icepop_token_sum"])
+    hidden, weight, tokens = inputs((T,), torch.float32, seed=230)
+    lsm = torch.log_softmax(hidden.double() @ weight.double().T, -1)
+    b = _batch(231, lp64=lsm.gather(1, tokens[:, None])[:, 0])
+    loss_fn = _build_seq(b, opts)
+
+    def run(w, group):
+        hh = hidden.clone().requires_grad_(True)
+        ww = w.clone().requires_grad_(True)
+        loss, out = ppo_ops.linear_token_loss(hh, ww, tokens, loss_fn, tp_group=group, backend="torch")
+        return (loss.detach(), out.log_probs) + torch.autograd.grad(loss, (hh, ww))
+
+    v_local = weight.shape[0] // world_size
+    one = run(weight, None)
+    tp = run(weight[rank * v_local:(rank + 1) * v_local], dist.group.WORLD)
+    assert torch.equal(tp[0], one[0]) and torch.equal(tp[1], one[1]), f"rank {rank}: loss or log-probs differ"
+    assert torch.equal(tp[3], one[3][rank * v_local:(rank + 1) * v_local]), f"rank {rank}: dW differs"
+    assert float((tp[2] - one[2]).abs().max()) <= DX_ACROSS_TP_MAX_REL * float(one[2].abs().max()), f"rank {rank}"
+
+
+def test_sequence_loss_tp2_equals_tp1():
+    """The fused token loss with a sequence-scope loss at TP = 2 over gloo: the loss, log-probs and each rank's dW
+    rows bit for bit TP = 1's (the statistics pass's log-probs, hence the frozen constants, are TP-invariant); dX
+    within DX_ACROSS_TP_MAX_REL (its fp32 sum over the ranks' segments in another order)."""
+    from tests.ranks import run_gloo
+
+    run_gloo(2, _tp2_sequence_worker, timeout_s=60, deadline_s=120)
+
+
+SEQ_BAD_INPUTS = {
+    "seq_ids_wrong_shape": (lambda b: ppo_ops.gspo_loss(b["old_log_probs"], b["advantages"], b["seq_ids"][:-1]),
+                            ValueError, "seq_ids"),
+    "seq_ids_float": (lambda b: ppo_ops.gspo_loss(b["old_log_probs"], b["advantages"], b["seq_ids"].float()),
+                      TypeError, "seq_ids"),
+    "clip_low_negative": (lambda b: ppo_ops.gmpo_loss(b["old_log_probs"], b["advantages"], b["seq_ids"],
+                                                      clip_low=-0.1), ValueError, "clip_low"),
+    "dual_clip": (lambda b: ppo_ops.gspo_loss(b["old_log_probs"], b["advantages"], b["seq_ids"], dual_clip=3.0),
+                  TypeError, "dual_clip"),
+    "advantages_wrong_shape": (lambda b: ppo_ops.gspo_loss(b["old_log_probs"], b["advantages"][:-1], b["seq_ids"]),
+                               ValueError, "advantages"),
+    "cap_negative": (lambda b: ppo_ops.gspo_loss(b["old_log_probs"], b["advantages"], b["seq_ids"],
+                                                 rollout_log_probs=b["rollout_log_probs"],
+                                                 rollout_correction="seq_tis", rollout_is_high=-2.0),
+                     ValueError, "rollout_is_high"),
+}
+
+
+@pytest.mark.parametrize("case_id", sorted(SEQ_BAD_INPUTS))
+def test_sequence_loss_bad_input_raises_naming_the_argument(case_id):
+    build, exc_type, name = SEQ_BAD_INPUTS[case_id]
+    with pytest.raises(exc_type) as info:
+        build(_batch(98))
+    assert info.value.ppo_ops_argument == name and name in str(info.value), f"{case_id}: {info.value}"
