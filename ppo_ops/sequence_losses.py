@@ -85,11 +85,13 @@ class SequenceLoss:
         rows = torch.arange(self.n_tokens, device=self.mask.device)
         return self(log_probs.reshape(-1), None if entropy is None else entropy.reshape(-1), rows).sum()
 
-    def freeze(self, log_probs: torch.Tensor, scored: Optional[torch.Tensor] = None) -> TokenLoss:
+    def freeze(self, log_probs: torch.Tensor, scored: Optional[torch.Tensor] = None,
+               entropy: Optional[torch.Tensor] = None) -> TokenLoss:
         """The row-separable TokenLoss equal to this loss at `log_probs` ([T] fp32, every token's) in value and
         gradient: each token's term v_t + g_t (lp - lp_t) with v_t its weighted sequence term and g_t the exact
         d loss / d lp_t there (by autograd over the [T] tokens), plus the KL and entropy terms. `scored` ([T] bool,
-        None: all): tokens the call scores; the others are left out of the sequences' statistics."""
+        None: all): tokens the call scores; the others are left out of the sequences' statistics. `entropy` is not
+        read (the statistics pass hands every loss it)."""
         if not isinstance(log_probs, torch.Tensor) or log_probs.numel() != self.n_tokens:
             raise token_losses._error(ValueError, "SequenceLoss.freeze", "log_probs",
                                       f"log_probs must hold the {self.n_tokens} tokens' log-probs")

@@ -778,3 +778,100 @@ def test_sequence_loss_bad_input_raises_naming_the_argument(case_id):
     with pytest.raises(exc_type) as info:
         build(_batch(98))
     assert info.value.ppo_ops_argument == name and name in str(info.value), f"{case_id}: {info.value}"
+
+
+# --- batch scope: the top-entropy-share mask ---
+
+ENTROPY_QUANTILE = 0.8  # "80/20": the top 20% of counted tokens by entropy keep their policy-gradient term
+# Entropies from the fused head (fp32) against float64 ones: no counted entropy but the threshold's own lies this close
+# (relative) to the threshold, so an fp32 entropy error (~1e-6 relative) cannot move a token across it (asserted).
+TAU_MARGIN = 1e-5
+
+
+def _reference_keep(ent64, b):
+    """k_t in float64: counted tokens with H_t >= quantile(counted entropies, q) (TRL's get_high_entropy_mask)."""
+    counted = b["loss_mask"]
+    tau = torch.quantile(ent64[counted], ENTROPY_QUANTILE)
+    gap = (ent64[counted] - tau).abs()
+    assert bool(((gap > TAU_MARGIN * tau) | (gap == 0)).all()), "an entropy sits next to the threshold"
+    return counted & (ent64 >= tau)
+
+
+def _reference_masked_loss(lp, ent, b, opts, keep):
+    terms = _reference_terms(lp, ent, b, opts)
+    terms[0] = terms[0] * keep.double()  # the policy-gradient term only
+    return _aggregate(sum(terms), b, opts)
+
+
+@pytest.mark.parametrize("case", ["token_icepop", "cispo_token_tis"])
+def test_top_entropy_mask_matches_float64(case):
+    """The masked loss against float64 (the mask from float64 entropies), through `total` (the logits op's route)
+    and through the frozen TokenLoss (the fused head's); the share it drops is 1 - q of the counted tokens."""
+    opts = CASES[case]
+    b = _batch(300 + sorted(CASES).index(case), ch=opts.get("clip_high", CLIP_HIGH))
+    loss_fn = ppo_ops.top_entropy_mask(_build(b, opts), ENTROPY_QUANTILE)
+    assert loss_fn.scope == "batch"
+    keep = _reference_keep(b["entropy"].double(), b)
+    lp = b["log_probs"].double().requires_grad_(True)
+    ent = b["entropy"].double().requires_grad_(True)
+    ref_value = _reference_masked_loss(lp, ent, b, opts, keep)
+    ref_g_lp, ref_g_ent = torch.autograd.grad(ref_value, (lp, ent), allow_unused=True)
+    ref_g_ent = torch.zeros_like(ent) if ref_g_ent is None else ref_g_ent
+    value_scale, grad_scale = _scales(b, opts)
+    for route, fn in (("total", loss_fn), ("frozen", loss_fn.freeze(b["log_probs"], None, b["entropy"]))):
+        value, g_lp, g_ent = _closure_value_and_grads(fn, b)
+        _assert_within(value, ref_value.detach(), (TERM_RTOL + FP32_SUM_RTOL) * value_scale.sum(), f"{route}: loss")
+        _assert_within(g_lp, ref_g_lp, TERM_RTOL * grad_scale, f"{route}: d loss / d log_probs")
+        _assert_within(g_ent, ref_g_ent, TERM_RTOL * grad_scale, f"{route}: d loss / d entropy")
+    counted = int(b["loss_mask"].sum())
+    share = float(loss_fn.metrics(b["log_probs"], b["entropy"])["entropy_masked_share"])
+    dropped = (counted - int(keep.sum())) / counted  # a count over a count: fp32's division rounds it once
+    assert share == float(torch.tensor(dropped, dtype=torch.float32)) and abs(share - ENTROPY_QUANTILE) <= 1 / counted
+
+
+def test_top_entropy_mask_through_the_fused_head():
+    """linear_token_loss with the mask over GSPO (a batch statistic over a sequence-scope loss): the statistics pass
+    gives every entropy, the threshold and the sequences' ratios; dX, dW within float64's bounds; without the
+    entropy asked, one error naming `entropy` before any work."""
+    opts = _seq_opts(SEQ_CASES["gspo"])
+    hidden, weight, tokens = inputs((T,), torch.float32, seed=320)
+    lsm = torch.log_softmax(hidden.double() @ weight.double().T, -1)
+    lp64, ent64 = lsm.gather(1, tokens[:, None])[:, 0], -(lsm.exp() * lsm).sum(-1)
+    b = _batch(321, lp64=lp64)
+    loss_fn = ppo_ops.top_entropy_mask(_build_seq(b, opts), ENTROPY_QUANTILE)
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    loss, out = ppo_ops.linear_token_loss(h, w, tokens, loss_fn, entropy="value", backend="torch")
+    dx, dw = torch.autograd.grad(loss, (h, w))
+    keep = _reference_keep(ent64.detach(), b)
+    lp = lp64.detach().requires_grad_(True)
+    pg = _reference_seq_pg(lp, b, opts) * keep.double()
+    ref_value = _aggregate(pg, b, opts)
+    (g_lp,) = torch.autograd.grad(ref_value, lp)
+    bd = bounds(hidden, weight, tokens, g_lp.float(), None)
+    assert_within("dX", dx, bd["dx"])
+    assert_within("dW", dw, bd["dw"])
+    assert abs(float(loss.detach()) - float(ref_value.detach())) <= float(
+        (SEQ_RTOL + TERM_RTOL) * ref_value.detach().abs() + (g_lp.abs() * bd["log_probs"][1]).sum())
+    with pytest.raises(ValueError, match='entropy="value" or "grad"') as info:
+        ppo_ops.linear_token_loss(h, w, tokens, loss_fn, backend="torch")
+    assert info.value.ppo_ops_argument == "entropy"
+
+
+ENTROPY_BAD_INPUTS = {
+    "quantile_negative": (lambda b: ppo_ops.top_entropy_mask(_build(b, {}), -0.1), ValueError, "quantile"),
+    "quantile_above_one": (lambda b: ppo_ops.top_entropy_mask(_build(b, {}), 1.5), ValueError, "quantile"),
+    "quantile_nan": (lambda b: ppo_ops.top_entropy_mask(_build(b, {}), math.nan), ValueError, "quantile"),
+    "loss_not_shipped": (lambda b: ppo_ops.top_entropy_mask(lambda lp, ent, rows: lp), TypeError, "loss"),
+    "total_without_entropy": (lambda b: ppo_ops.top_entropy_mask(_build(b, {})).total(b["log_probs"]), ValueError,
+                              "entropy"),
+    "rows_not_all": (lambda b: ppo_ops.top_entropy_mask(_build(b, {}))(b["log_probs"][:5], b["entropy"][:5],
+                                                                      torch.arange(5)), ValueError, "rows"),
+}
+
+
+@pytest.mark.parametrize("case_id", sorted(ENTROPY_BAD_INPUTS))
+def test_top_entropy_mask_bad_input_raises_naming_the_argument(case_id):
+    build, exc_type, name = ENTROPY_BAD_INPUTS[case_id]
+    with pytest.raises(exc_type) as info:
+        build(_batch(97))
+    assert info.value.ppo_ops_argument == name and name in str(info.value), f"{case_id}: {info.value}"

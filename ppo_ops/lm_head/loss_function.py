@@ -143,14 +143,20 @@ def forward_values(hidden, weight, tokens, row_mask, plan: Plan, token_loss, kee
 
 
 def _frozen(hidden, weight, tokens, row_mask, plan: Plan, token_loss, keep):
-    """A loss whose token's gradient reads other rows (scope "sequence": ppo_ops.sequence_losses): the statistics
-    pass (this forward without gradients: every scored row's log-prob, from the same blocks) and the loss frozen at
-    them (`token_loss.freeze`: a row-separable TokenLoss with its exact value and gradient there), which the
-    gradient pass then evaluates block by block like any TokenLoss. One more forward GEMM pass: the general head's
-    cost."""
-    _, log_prob, _, _, _ = forward_values(hidden, weight, tokens, row_mask, dataclasses.replace(plan, needs_grad=False),
-                                          _no_loss, keep, need_dx=False, need_dw=False)
-    return token_loss.freeze(log_prob, None if row_mask is None else row_mask.reshape(-1))
+    """A loss whose token's gradient reads other rows (scope "sequence": ppo_ops.sequence_losses; "batch":
+    ppo_ops.entropy_mask): the statistics pass (this forward without gradients: every scored row's log-prob and
+    entropy, from the same blocks) and the loss frozen at them (`token_loss.freeze`: a row-separable TokenLoss with
+    its exact value and gradient there), which the gradient pass then evaluates block by block like any TokenLoss.
+    One more forward GEMM pass: the general head's cost."""
+    if getattr(token_loss, "needs_entropy_statistics", False) and plan.entropy_mode == "none":
+        raise checks.argument_error(ValueError, plan.fn_name, "entropy",
+                                    "this token_loss reads every token's entropy (a batch statistic): pass "
+                                    'entropy="value" or "grad"')
+    stats_plan = dataclasses.replace(plan, needs_grad=False)
+    _, log_prob, ent, _, _ = forward_values(hidden, weight, tokens, row_mask, stats_plan, _no_loss, keep,
+                                            need_dx=False, need_dw=False)
+    return token_loss.freeze(log_prob, None if row_mask is None else row_mask.reshape(-1),
+                             ent if ent.numel() else None)
 
 
 def _no_loss(log_probs, entropy, rows):
