@@ -330,25 +330,31 @@ def test_token_loss_compiles_fullgraph_bitwise(case, backend):
 
 
 @functools.lru_cache(maxsize=None)
-def _cached_objective_loss(shape, device, seed=8):
-    """CISPO with a sequence-level IcePop correction, KL and a sequence aggregation: every field that crosses the
-    operator beyond PPO's (the correction weights, the surrogate)."""
+def _cached_objective_loss(name, shape, device, seed=8):
+    """The objectives beyond PPO, each crossing the operator with the fields PPO's does not have: CISPO with a
+    sequence-level IcePop correction (the correction weights, the surrogate); GSPO under the top-entropy mask (a
+    sequence loss's tensors and kind, the quantile; its statistics pass inside the operator)."""
     gen = torch.Generator().manual_seed(seed)
     old = (-torch.rand(shape, generator=gen) * 3).to(device)
+    adv = torch.randn(shape, generator=gen).to(device)
     seq_ids = (torch.arange(math.prod(shape)) // 5).reshape(shape).to(device)
+    if name == "gspo_top_entropy":
+        return ppo_ops.top_entropy_mask(ppo_ops.gspo_loss(old, adv, seq_ids, clip_low=0.2, clip_high=0.28), 0.5)
     rollout = old + torch.where(seq_ids % 2 == 1, 0.5, 0.05)  # odd sequences: w = e^-0.5, outside IcePop's caps
     return ppo_ops.token_losses.policy_loss(
-        old, torch.randn(shape, generator=gen).to(device), surrogate="cispo", clip_high=0.28, kl_coef=0.05,
+        old, adv, surrogate="cispo", clip_high=0.28, kl_coef=0.05,
         ref_log_probs=(-torch.rand(shape, generator=gen) * 3).to(device), seq_ids=seq_ids,
         normalization="seq_mean_token_sum", rollout_log_probs=rollout, rollout_correction="seq_icepop",
         rollout_is_low=0.8, rollout_is_high=1.25)
 
 
 @pytest.mark.parametrize("backend", backend_params())
-def test_objective_token_loss_compiles_fullgraph_bitwise(backend):
+@pytest.mark.parametrize("name", ["cispo_seq_icepop", "gspo_top_entropy"])
+def test_objective_token_loss_compiles_fullgraph_bitwise(name, backend):
     hidden, weight, t, opts = _head_call(LINEAR_CASES["grad"])
-    loss_fn = _cached_objective_loss(tuple(t.shape), t.device)
-    assert loss_fn.pg_coef is not None and bool((loss_fn.pg_coef == 0).any()), "no sequence was dropped"
+    loss_fn = _cached_objective_loss(name, tuple(t.shape), t.device)
+    if name == "cispo_seq_icepop":
+        assert bool((loss_fn.pg_coef == 0).any()), "no sequence was dropped"
 
     def fn(hidden, weight, t, loss_fn):
         return ppo_ops.linear_token_loss(hidden, weight, t, loss_fn, backend=backend, **opts)
