@@ -23,8 +23,10 @@ A `SequenceLoss` is called as a TokenLoss is, `loss(log_probs, entropy, rows) ->
 sequences (every counted token of each sequence present), and its `scope` is "sequence". `linear_token_loss`
 evaluates it with a statistics pass (every scored row's log-prob, no gradient kept) and then the gradient pass over
 `loss.freeze(log_probs, ...)`: a row-separable TokenLoss with every token's value and exact gradient at those
-log-probs (docs/losses.md, the schedules). The logits op's route is plain autograd: `loss.total(log_probs,
-entropy)`. No collective is issued; constants are copied at construction (fp32, detached).
+log-probs (docs/losses.md, the schedules). Rows a row_mask drops are not scored: they add no term and are left out of
+their sequence's statistics, while the weights stay those of loss_mask, as for a TokenLoss (build the loss with
+loss_mask & row_mask to normalise over the scored tokens). The logits op's route is plain autograd:
+`loss.total(log_probs, entropy)`. No collective is issued; constants are copied at construction (fp32, detached).
 """
 
 from __future__ import annotations

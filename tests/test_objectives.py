@@ -875,3 +875,32 @@ def test_top_entropy_mask_bad_input_raises_naming_the_argument(case_id):
     with pytest.raises(exc_type) as info:
         build(_batch(97))
     assert info.value.ppo_ops_argument == name and name in str(info.value), f"{case_id}: {info.value}"
+
+
+def test_sequence_loss_row_mask_leaves_dropped_rows_out_of_the_statistics():
+    """Rows a row_mask drops are never scored: they add no term and the fused head's sequence statistics leave them
+    out, while the weights stay those of loss_mask (as for a row-scope loss). GMPO with a row_mask equals, within
+    float64's bounds, the reference with those tokens out of the statistics and the sum, and the dropped rows get a
+    zero dX."""
+    opts = _seq_opts(SEQ_CASES["gmpo"])
+    hidden, weight, tokens = inputs((T,), torch.float32, seed=240)
+    lsm = torch.log_softmax(hidden.double() @ weight.double().T, -1)
+    lp64 = lsm.gather(1, tokens[:, None])[:, 0]
+    b = _batch(241, lp64=lp64)
+    row_mask = torch.rand(T, generator=torch.Generator().manual_seed(242)) < 0.8
+    row_mask[0] = True  # the first one-token sequence stays
+    loss_fn = _build_seq(b, opts)
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    loss, _ = ppo_ops.linear_token_loss(h, w, torch.where(row_mask, tokens, -100), loss_fn, row_mask=row_mask,
+                                        backend="torch")
+    dx, dw = torch.autograd.grad(loss, (h, w))
+    b_kept = dict(b, loss_mask=b["loss_mask"] & row_mask)
+    lp = lp64.detach().requires_grad_(True)
+    ref_value = _aggregate(_reference_seq_pg(lp, b_kept, opts), b, opts)
+    (g_lp,) = torch.autograd.grad(ref_value, lp)
+    bd = bounds(hidden, weight, tokens, g_lp.float(), None, row_mask=row_mask)
+    assert_within("dX", dx, bd["dx"])
+    assert_within("dW", dw, bd["dw"])
+    assert bool((dx[~row_mask] == 0).all())
+    assert abs(float(loss.detach()) - float(ref_value.detach())) <= float(
+        (SEQ_RTOL + TERM_RTOL) * ref_value.detach().abs() + (g_lp.abs() * bd["log_probs"][1]).sum())
