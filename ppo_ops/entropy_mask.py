@@ -15,7 +15,8 @@ tau is a statistic of the whole batch, so a token's term reads every token's ent
 the call must ask for the entropy, entropy="value" or "grad") and then the loss with the mask fixed (`freeze`), at
 the cost of the general head. Through the logits op, `loss.total(log_probs, entropy)` computes tau from the entropies
 it is given (all tokens) and goes through autograd. The entropies that set tau are the trainer's own, rank-invariant
-under TP (every rank computes the same tau). torch.quantile takes at most 2^24 counted tokens.
+under TP (every rank computes the same tau). Selecting the counted entropies for torch.quantile is a data-dependent
+shape: one host sync per call. torch.quantile takes at most 2^24 counted tokens.
 """
 
 from __future__ import annotations

@@ -904,3 +904,18 @@ def test_sequence_loss_row_mask_leaves_dropped_rows_out_of_the_statistics():
     assert bool((dx[~row_mask] == 0).all())
     assert abs(float(loss.detach()) - float(ref_value.detach())) <= float(
         (SEQ_RTOL + TERM_RTOL) * ref_value.detach().abs() + (g_lp.abs() * bd["log_probs"][1]).sum())
+
+
+def test_grpo_loss_takes_the_same_objectives_options():
+    """grpo_loss passes the objectives' options through: with a sequence-level correction, CISPO and a sequence
+    aggregation it is policy_loss on its group-normalised advantages, bit for bit."""
+    b = _batch(250)
+    rewards = torch.randn(len(SEQ_LENS), generator=torch.Generator().manual_seed(251))
+    opts = dict(surrogate="cispo", clip_high=0.28, normalization="seq_mean_token_sum",
+                rollout_log_probs=b["rollout_log_probs"], rollout_correction="seq_mis", rollout_is_high=IS_HIGH,
+                loss_mask=b["loss_mask"], kl_coef=0.0)
+    grpo = ppo_ops.grpo_loss(b["old_log_probs"], rewards, b["seq_ids"], group_size=2, **opts)
+    adv = ppo_ops.grpo_advantages(rewards, 2)[b["seq_ids"]]
+    policy = ppo_ops.policy_loss(b["old_log_probs"], adv, seq_ids=b["seq_ids"], **opts)
+    for got, want in zip(_closure_value_and_grads(grpo, b), _closure_value_and_grads(policy, b)):
+        assert torch.equal(got, want)
