@@ -450,12 +450,22 @@ def test_lm_head_operators_opcheck(case):
                            torch.randn(t.shape, device=DEVICE), grad_ent, "", opts["entropy"], common[0], common[1],
                            True, "auto", True, True))
     loss = _policy_loss(t, opts["entropy"])
+    no_sequence = (None, None, None, "", None)  # a sequence loss's advantages, mask, ids, kind; the entropy quantile
     loss_args = (hidden, weight, t, args[3], ids, offsets, loss.weight, loss.old_log_probs, loss.advantages,
-                 loss.ref_log_probs, loss.clip_low, loss.clip_high, loss.dual_clip, loss.entropy_coef, loss.kl_coef,
-                 loss.kl_type, loss.normalization, "", opts["entropy"]) + common[:4] + (validate, 1 << 20, True,
-                                                                                       True)
+                 loss.ref_log_probs, loss.pg_coef, loss.clip_low, loss.clip_high, loss.dual_clip, loss.entropy_coef,
+                 loss.kl_coef, loss.kl_type, loss.normalization, loss.surrogate) + no_sequence + (
+                     "", opts["entropy"]) + common[:4] + (validate, 1 << 20, True, True)
     op = token_loss_op.forward_op.syncing if syncs else token_loss_op.forward_op.plain
     torch.library.opcheck(op, loss_args)
+    if case == "grad":  # the fields of a sequence loss under the top-entropy mask, with its statistics pass
+        seq = _cached_objective_loss("gspo_top_entropy", tuple(t.shape), t.device)
+        rest = seq.base.rest
+        seq_args = (hidden, weight, t, None, None, None, rest.weight, rest.old_log_probs, rest.advantages,
+                    rest.ref_log_probs, rest.pg_coef, rest.clip_low, rest.clip_high, rest.dual_clip,
+                    rest.entropy_coef, rest.kl_coef, rest.kl_type, rest.normalization, rest.surrogate,
+                    seq.base.advantages, seq.base.mask, seq.base.seq_ids, seq.base.kind, seq.quantile, "",
+                    opts["entropy"]) + common[:4] + (validate, 1 << 20, True, True)
+        torch.library.opcheck(token_loss_op.forward_op.plain, seq_args)
 
 
 def test_lm_head_varying_rows_compile_at_most_twice():
