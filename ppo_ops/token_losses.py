@@ -83,7 +83,10 @@ SCOPES = ("row", "sequence", "batch")
 class TokenLoss:
     """A row-separable per-token loss over T tokens; build it with `policy_loss` or `grpo_loss`.
 
-    The tensor fields are the checked fp32 [T] copies those functions make (0 where a token is not counted).
+    The tensor fields are the checked fp32 [T] copies those functions make (0 where a token is not counted). The
+    `freeze` of a sequence- or batch-scope loss (ppo_ops.sequence_losses, ppo_ops.entropy_mask) is a TokenLoss too,
+    surrogate "linearised": term v_t + g_t (lp - lp0_t) plus the KL and entropy terms, with `advantages` holding
+    the weighted values v_t, `pg_coef` the gradients g_t and `old_log_probs` the point lp0.
     """
 
     weight: torch.Tensor = dataclasses.field(repr=False)  # [T] fp32 normalisation weight; 0: not counted
@@ -102,8 +105,9 @@ class TokenLoss:
     pg_coef: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)  # [T] fp32 rollout correction c_t
     constant_metrics: dict = dataclasses.field(default_factory=dict, repr=False)  # 0-d fp32 tensors (`metrics`)
 
-    # What a token's gradient reads: its own row ("row": every TokenLoss). ppo_ops.sequence_losses' losses are
-    # "sequence" scope; linear_token_loss gives those a statistics pass first (docs/losses.md, the schedules).
+    # What a token's gradient reads (one of SCOPES): its own row, "row", for every TokenLoss; ppo_ops.sequence_losses'
+    # are "sequence", ppo_ops.entropy_mask's "batch", and linear_token_loss gives those a statistics pass first
+    # (docs/losses.md, the schedules).
     scope = "row"
 
     @property
