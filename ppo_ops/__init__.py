@@ -7,7 +7,8 @@ Two ops, their public functions all in api.py:
     chunking, in-place gradient, backend choice) and `calculate_log_probs_and_entropy` (a drop-in for slime's);
   the fused LM head, from hidden states and a vocab-parallel weight, never holding [T, V] logits:
     `linear_log_probs_and_entropy`, and `linear_token_loss` (a per-token RL loss, its gradient formed in the forward;
-    the losses themselves in token_losses.py).
+    the losses themselves in token_losses.py, rollout_correction.py, sequence_losses.py and entropy_mask.py:
+    docs/losses.md).
 
 Reading order, for either op: api.py (arguments) -> core/shell.py (the one call shell: local checks, layout, backend
 choice, and partials -> TP all-gather -> fixed-order merge) -> the op's autograd Function -> its backend -> kernels.
@@ -57,9 +58,13 @@ Function) and runtime/ (what the product's programs share: the CLI contract, ran
 from ppo_ops import backends  # noqa: F401  registers the backends the call shell selects
 from ppo_ops.api import (LogProbsEntropy, calculate_log_probs_and_entropy, linear_log_probs_and_entropy,
                          linear_token_loss, log_probs_and_entropy)
-from ppo_ops import token_losses
+from ppo_ops import entropy_mask, rollout_correction, sequence_losses, token_losses
+from ppo_ops.entropy_mask import EntropyMaskedLoss, top_entropy_mask
+from ppo_ops.sequence_losses import SequenceLoss, gmpo_loss, gspo_loss
 from ppo_ops.token_losses import TokenLoss, grpo_advantages, grpo_loss, policy_loss
 
 __all__ = ["LogProbsEntropy", "calculate_log_probs_and_entropy", "linear_log_probs_and_entropy", "linear_token_loss",
            "log_probs_and_entropy"]
-__all__ += ["TokenLoss", "grpo_advantages", "grpo_loss", "policy_loss", "token_losses"]
+__all__ += ["EntropyMaskedLoss", "SequenceLoss", "TokenLoss", "entropy_mask", "gmpo_loss", "grpo_advantages",
+            "grpo_loss", "gspo_loss", "policy_loss", "rollout_correction", "sequence_losses", "token_losses",
+            "top_entropy_mask"]

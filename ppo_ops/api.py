@@ -270,8 +270,11 @@ def linear_token_loss(
     per-token constants with them). It MUST be row-separable: a row's term depends only on its own log-prob,
     entropy and constants (a mean over rows uses a count known beforehand). A ppo_ops.token_losses.TokenLoss
     (policy_loss, grpo_loss) gives its gradient in closed form; any other callable goes through autograd once per
-    block. Checked on every block: values float32 [n] on hidden's device (finite, with validate=True). row_mask
-    False rows are never passed to it; at TP > 1 every rank calls it with the same global values.
+    block. A loss whose `scope` is "sequence" (ppo_ops.sequence_losses: gspo_loss, gmpo_loss) or "batch"
+    (ppo_ops.top_entropy_mask) gets a statistics pass first, then its frozen row-separable form (docs/losses.md, the
+    schedules). Checked on every block: values
+    float32 [n] on hidden's device (finite, with validate=True). row_mask False rows are never passed to it; at
+    TP > 1 every rank calls it with the same global values.
 
     Arguments as in linear_log_probs_and_entropy (with `keep`, token_loss sees renormalised log-probs), except:
       working_memory: the bytes the row blocks may hold (None: paths.TOKEN_LOSS_BYTES). Where every row

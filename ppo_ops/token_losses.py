@@ -1,4 +1,5 @@
-"""Per-token RL losses (PPO's clipped surrogate, GRPO) as row-separable closures over the flattened tokens.
+"""Per-token RL losses (PPO's clipped surrogate, CISPO, GRPO; rollout correction) as row-separable closures over the
+flattened tokens.
 
 A `TokenLoss` holds the per-token constants of one batch of T tokens (any leading shape, flattened in row-major
 order): old log-probs, advantages, reference log-probs, and each token's normalisation weight. Called as
@@ -14,13 +15,19 @@ no collective: at TP > 1 every rank holds the same one and calls it with the sam
 not record a graph per block for these losses: `value_and_grad` returns the terms with their gradients in closed
 form, the elementwise ops autograd's backward of the call would run, in its order, hence the same bits.
 
-The term of token t, with lp its log-prob, old / ref its old and reference log-probs, A its advantage, H its entropy:
+The term of token t, with lp its log-prob, old / ref its old and reference log-probs, A its advantage, H its entropy,
+c its rollout-correction weight (1 without one; ppo_ops/rollout_correction.py: TIS, MIS, IcePop at token or sequence
+level, a constant from the old and the rollout engine's log-probs):
 
     r      = exp(lp - old)
-    pg     = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))            PPO's clipped surrogate
+    pg     = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))            surrogate="ppo": PPO's clipped surrogate
              where A < 0 and dual_clip = c:  min(pg, -A c)                 dual-clip PPO: a capped loss
+    pg     = -A sg(clip(r, 1 - clip_low, 1 + clip_high)) lp                surrogate="cispo": CISPO (MiniMax-M1,
+                                                                           eq. 4): the clipped ratio a constant
+                                                                           coefficient, every token keeps a gradient;
+                                                                           clip_low = 1: no lower bound
     x      = lp - ref;   k1 = x,   k2 = x^2 / 2,   k3 = exp(-x) - 1 + x    Schulman's estimators of KL(pi || ref)
-    term   = pg + kl_coef * k - entropy_coef * H
+    term   = c pg + kl_coef * k - entropy_coef * H
     row    = weight_t * term
 
 pg is formed as -A * exp(min(lp - old, log(1 + clip_high))) for A >= 0 and -A * exp(max(lp - old, log(1 - clip_low)))
@@ -28,17 +35,25 @@ pg is formed as -A * exp(min(lp - old, log(1 + clip_high))) for A >= 0 and -A * 
 so a log-ratio past fp32's exp range (~88) gives a finite term and a zero gradient where it is clipped, and A = 0
 gives 0 rather than 0 * inf. k3 is evaluated as expm1(-x) + x (no cancellation near x = 0).
 
-Weights (`normalization`), over the tokens that `loss_mask` counts (m_t = 1 or the mask's value; 0 = not counted):
+Weights (`normalization`), over the tokens that `loss_mask` counts (m_t = 1 or the mask's value; 0 = not counted),
+N the sequences with a counted token (verl's `loss_agg_mode` names with "_" for "-"):
 
-    "token_mean"  m_t / Σ m                                       the mean over all counted tokens
-    "seq_mean"    m_t / (N * Σ_{u in seq(t)} m_u)                 the mean over sequences of each sequence's token
-                                                                  mean; N = sequences with a counted token
-    "sum"         m_t
+    "token_mean"             m_t / Σ m                            the mean over all counted tokens (DAPO)
+    "seq_mean_token_mean"    m_t / (N * Σ_{u in seq(t)} m_u)      the mean over sequences of each sequence's token
+      (or "seq_mean")                                             mean (GRPO, GSPO)
+    "seq_mean_token_sum"     m_t / N                              the mean over sequences of each sequence's sum
+    "seq_sum_over_constant"  m_t / normalization_constant         Dr. GRPO: the sum over a constant fixed for the
+                                                                  run (TRL's dr_grpo: sequences x max completion
+                                                                  length; verl seq-mean-token-sum-norm)
+    "sum"                    m_t
 
 computed once at construction in float64 on the constants' device with tensor ops (counts stay tensors: no host
 sync) and rounded to fp32; a batch with nothing counted gets weight 0 everywhere (a loss of 0, not NaN). Tokens not
 counted contribute 0 and get a zero gradient whatever their log-probs, entropies or constants hold (-inf, NaN,
 placeholders): those are replaced by 0 before any arithmetic.
+
+`TokenLoss.metrics(log_probs)` gives what users log with the loss (clipped shares, ppo_kl, and with rollout log-probs
+the rollout-vs-trainer k3 KL and log-perplexity difference), as 0-d tensors without a host read.
 
 `grpo_loss` builds a TokenLoss from per-sequence rewards (group-normalised advantages, `grpo_advantages`) with GRPO's
 defaults. All constants are copied (detached, fp32) at construction: the closure never writes the caller's tensors,
@@ -54,17 +69,24 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ppo_ops import rollout_correction as rollout_correction_mod
 from ppo_ops.core.checks import argument_error
 
 KL_TYPES = ("k1", "k2", "k3")
-NORMALIZATIONS = ("token_mean", "seq_mean", "sum")
+NORMALIZATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_sum_over_constant", "sum",
+                  "seq_mean")
+SURROGATES = ("ppo", "cispo")
+SCOPES = ("row", "sequence", "batch")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenLoss:
     """A row-separable per-token loss over T tokens; build it with `policy_loss` or `grpo_loss`.
 
-    The tensor fields are the checked fp32 [T] copies those functions make (0 where a token is not counted).
+    The tensor fields are the checked fp32 [T] copies those functions make (0 where a token is not counted). The
+    `freeze` of a sequence- or batch-scope loss (ppo_ops.sequence_losses, ppo_ops.entropy_mask) is a TokenLoss too,
+    surrogate "linearised": term v_t + g_t (lp - lp0_t) plus the KL and entropy terms, with `advantages` holding
+    the weighted values v_t, `pg_coef` the gradients g_t and `old_log_probs` the point lp0.
     """
 
     weight: torch.Tensor = dataclasses.field(repr=False)  # [T] fp32 normalisation weight; 0: not counted
@@ -79,6 +101,14 @@ class TokenLoss:
     kl_coef: float
     kl_type: str
     normalization: str
+    surrogate: str = "ppo"
+    pg_coef: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)  # [T] fp32 rollout correction c_t
+    constant_metrics: dict = dataclasses.field(default_factory=dict, repr=False)  # 0-d fp32 tensors (`metrics`)
+
+    # What a token's gradient reads (one of SCOPES): its own row, "row", for every TokenLoss; ppo_ops.sequence_losses'
+    # are "sequence", ppo_ops.entropy_mask's "batch", and linear_token_loss gives those a statistics pass first
+    # (docs/losses.md, the schedules).
+    scope = "row"
 
     @property
     def n_tokens(self) -> int:
@@ -106,18 +136,24 @@ class TokenLoss:
         self._check_call(log_probs, entropy, rows)
         f = self._forward(log_probs, entropy, rows)
         g_term = f.weight  # the upstream 1 times the weight: 1 * w == w
-        g_log_r = (g_term * f.neg_adv) * f.e  # through -A * exp(log_r): exp's gradient is grad * result
-        if f.capped is not None:  # where(A >= 0, log_r, clamp(log_r, max=cap)): each branch's share, then their sum
-            g_log_r = (torch.where(f.positive, g_log_r, 0.0)
-                       + torch.where(f.log_r <= f.cap, torch.where(f.positive, 0.0, g_log_r), 0.0))
-        # where(A >= 0, clamp(log_ratio, max=hi), clamp(log_ratio, min=lo)): clamp passes the gradient within bounds
-        g_lp = (torch.where(f.log_ratio <= f.hi, torch.where(f.positive, g_log_r, 0.0), 0.0)
-                + torch.where(f.log_ratio >= f.lo, torch.where(f.positive, 0.0, g_log_r), 0.0))
+        if self.surrogate == "linearised":  # v + g (lp - lp0): the upstream 1 times g
+            g_lp = f.e
+        elif self.surrogate == "cispo":  # coef * lp: mul's gradient is grad * the other factor
+            g_lp = g_term * f.e
+        else:
+            g_log_r = (g_term * f.neg_adv) * f.e  # through -A * exp(log_r): exp's gradient is grad * result
+            if f.capped is not None:  # where(A >= 0, log_r, clamp(log_r, max=cap)): each branch's share, then sum
+                g_log_r = (torch.where(f.positive, g_log_r, 0.0)
+                           + torch.where(f.log_r <= f.cap, torch.where(f.positive, 0.0, g_log_r), 0.0))
+            # where(A >= 0, clamp(log_ratio, max=hi), clamp(log_ratio, min=lo)): clamp passes the gradient within
+            # its bounds
+            g_lp = (torch.where(f.log_ratio <= f.hi, torch.where(f.positive, g_log_r, 0.0), 0.0)
+                    + torch.where(f.log_ratio >= f.lo, torch.where(f.positive, 0.0, g_log_r), 0.0))
         if f.kl_x is not None:
             g_lp = g_lp + _kl_grad(f.kl_x, f.kl_saved, self.kl_type, g_term * self.kl_coef)
         g_lp = torch.where(f.counted, g_lp, 0.0)
         g_ent = None
-        if self.entropy_coef != 0.0 and entropy_grad:
+        if self.entropy_coef != 0.0 and entropy_grad:  # -(c H), or - c H after a first addend
             g_ent = torch.where(f.counted, -g_term * self.entropy_coef, 0.0)
         return f.value.detach(), g_lp, g_ent
 
@@ -126,26 +162,39 @@ class TokenLoss:
         weight = self.weight[rows]
         counted = weight != 0
         lp = torch.where(counted, log_probs, 0.0)
-        log_ratio = lp - self.old_log_probs[rows]
         adv = self.advantages[rows]
         positive = adv >= 0
-        hi, lo = math.log1p(self.clip_high), math.log1p(-self.clip_low)
-        log_r = torch.where(positive, log_ratio.clamp(max=hi), log_ratio.clamp(min=lo))
-        cap = capped = None
-        if self.dual_clip is not None:
-            cap = math.log(self.dual_clip)
-            capped = torch.where(positive, log_r, log_r.clamp(max=cap))
-        neg_adv = -adv
-        e = torch.exp(log_r if capped is None else capped)
-        term = neg_adv * e
+        neg_adv = -adv if self.pg_coef is None else -(adv * self.pg_coef[rows])
+        hi, lo = _log_bounds(self.clip_low, self.clip_high)
+        log_ratio = log_r = cap = capped = None
+        if self.surrogate == "linearised":  # v + g (lp - lp0): a sequence loss frozen at lp0 (its `freeze`)
+            e = self.pg_coef[rows]
+            lin = self.advantages[rows] + e * (lp - self.old_log_probs[rows])
+            term = None
+        elif self.surrogate == "cispo":  # -A c sg(clip(r)) lp: the clipped ratio is a constant coefficient
+            e = neg_adv * torch.exp((lp.detach() - self.old_log_probs[rows]).clamp(min=lo, max=hi))
+            term = e * lp
+        else:
+            log_ratio = lp - self.old_log_probs[rows]
+            log_r = torch.where(positive, log_ratio.clamp(max=hi), log_ratio.clamp(min=lo))
+            if self.dual_clip is not None:
+                cap = math.log(self.dual_clip)
+                capped = torch.where(positive, log_r, log_r.clamp(max=cap))
+            e = torch.exp(log_r if capped is None else capped)
+            term = neg_adv * e
         kl_x = kl_saved = None
         if self.kl_coef != 0.0:
             kl_x = lp - self.ref_log_probs[rows]
             kl, kl_saved = _kl(kl_x, self.kl_type)
-            term = term + self.kl_coef * kl
+            term = self.kl_coef * kl if term is None else term + self.kl_coef * kl
         if self.entropy_coef != 0.0:
-            term = term - self.entropy_coef * torch.where(counted, entropy, 0.0)
-        return _Terms(weight * term, weight, counted, positive, log_ratio, hi, lo, log_r, cap, capped, neg_adv, e,
+            h = self.entropy_coef * torch.where(counted, entropy, 0.0)
+            term = -h if term is None else term - h
+        if self.surrogate == "linearised":  # its values carry their weights already
+            value = lin if term is None else weight * term + lin
+        else:
+            value = weight * term
+        return _Terms(value, weight, counted, positive, log_ratio, hi, lo, log_r, cap, capped, neg_adv, e,
                       kl_x, kl_saved)
 
     def total(self, log_probs: torch.Tensor, entropy: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -157,6 +206,43 @@ class TokenLoss:
                              f"{name} must have the loss constants' shape {tuple(self.shape)}, got {tuple(t.shape)}")
         rows = torch.arange(self.n_tokens, device=self.weight.device)
         return self(_flatten(log_probs), None if entropy is None else _flatten(entropy), rows).sum()
+
+    def metrics(self, log_probs: torch.Tensor) -> dict:
+        """What users log with the loss, from every token's log-prob shaped like the constants (e.g. the op's
+        detached log-probs): 0-d fp32 tensors, means over the counted tokens (unweighted; 0 when none is), no host
+        read. Always:
+
+            clipped_share       share of tokens whose surrogate is clipped: PPO A > 0 with r > 1 + clip_high or
+                                A < 0 with r < 1 - clip_low (a zero gradient there); CISPO, r outside its clip
+            dual_clipped_share  share of tokens with A < 0 and r > dual_clip (0 without a dual clip)
+            ppo_kl              mean (old - lp): verl's ppo_kl, the k1 estimate of KL(pi_old || pi)
+
+        With a rollout correction, also its constants' metrics (ppo_ops/rollout_correction.py: rollout_k3_kl,
+        rollout_log_ppl_diff, rollout_corrected_share, rollout_weight_mean)."""
+        fn = "TokenLoss.metrics"
+        _check_tensor(fn, "log_probs", log_probs, self.weight.device)
+        if log_probs.shape != self.shape:
+            raise _error(ValueError, fn, "log_probs", f"log_probs must have the loss constants' shape "
+                                                      f"{tuple(self.shape)}, got {tuple(log_probs.shape)}")
+        counted = self.weight != 0
+        n = counted.sum()
+        log_ratio = torch.where(counted, log_probs.detach().reshape(-1).float(), 0.0) - self.old_log_probs
+        hi, lo = _log_bounds(self.clip_low, self.clip_high)
+        adv = self.advantages
+        if self.surrogate == "cispo":
+            clipped = (log_ratio > hi) | (log_ratio < lo)
+        else:
+            clipped = ((adv > 0) & (log_ratio > hi)) | ((adv < 0) & (log_ratio < lo))
+        dual = torch.zeros_like(counted)
+        if self.dual_clip is not None:
+            dual = (adv < 0) & (log_ratio > math.log(self.dual_clip))
+
+        def mean(x):
+            return torch.where(counted, x.float(), 0.0).sum() / torch.where(n > 0, n, 1)
+
+        out = {"clipped_share": mean(clipped), "dual_clipped_share": mean(dual), "ppo_kl": mean(-log_ratio)}
+        out.update(self.constant_metrics)
+        return out
 
     def _check_call(self, log_probs, entropy, rows):
         fn = "TokenLoss"
@@ -199,6 +285,12 @@ def policy_loss(
     loss_mask: Optional[torch.Tensor] = None,
     normalization: str = "token_mean",
     seq_ids: Optional[torch.Tensor] = None,
+    normalization_constant: Optional[float] = None,
+    surrogate: str = "ppo",
+    rollout_log_probs: Optional[torch.Tensor] = None,
+    rollout_correction: Optional[str] = None,
+    rollout_is_high: float = 2.0,
+    rollout_is_low: Optional[float] = None,
 ) -> TokenLoss:
     """TokenLoss of Σ_t w_t (pg_t + kl_coef k_t - entropy_coef H_t), pg_t = max(-A_t r_t, -A_t clip(r_t,
     1 - clip_low, 1 + clip_high)), r_t = exp(lp_t - old_t), k_t the KL estimator, w_t from `normalization` over
@@ -221,7 +313,17 @@ def policy_loss(
       loss_mask: old_log_probs.shape, bool, or floating non-negative per-token weights (0: not counted); None: all.
       normalization: "token_mean", "seq_mean" (needs seq_ids) or "sum" (module docstring).
       seq_ids: old_log_probs.shape integer, each token's sequence index in [0, T) (any order; not range checked);
-        used by "seq_mean" only.
+        used by the "seq_*" normalizations and the sequence-level rollout corrections.
+      normalization_constant: > 0, the divisor of "seq_sum_over_constant" (required there, refused elsewhere).
+      surrogate: "ppo" (the clipped surrogate above) or "cispo" (clip_low may then be 1: no lower bound; no
+        dual_clip).
+      rollout_log_probs: old_log_probs.shape floating, the rollout engine's log-probs of the sampled tokens; alone it
+        adds the rollout metrics (`TokenLoss.metrics`), with rollout_correction it also weighs each pg term.
+      rollout_correction: None, or one of rollout_correction.MODES: "token_tis", "token_mis", "token_icepop",
+        "seq_tis", "seq_mis", "seq_icepop" (ppo_ops/rollout_correction.py); the weight exp(old - rollout_log_probs),
+        a detached constant, uses old_log_probs as the trainer's log-probs.
+      rollout_is_high: the weight's upper cap, finite > 0 (verl's rollout_is_threshold 2.0).
+      rollout_is_low: None or the lower cap in [0, rollout_is_high); required by the icepop modes (IcePop: 0.5).
 
     Numbers are Python or NumPy reals (no tensors: reading one would be a host sync).
     """
@@ -231,7 +333,10 @@ def policy_loss(
     ids = None if seq_ids is None else _checked_ids(fn, seq_ids, old_log_probs)
     return _build(fn, old_log_probs, advantages, ids, n_seq_slots=old_log_probs.numel(), clip_low=clip_low,
                   clip_high=clip_high, dual_clip=dual_clip, entropy_coef=entropy_coef, kl_coef=kl_coef,
-                  ref_log_probs=ref_log_probs, kl_type=kl_type, loss_mask=loss_mask, normalization=normalization)
+                  ref_log_probs=ref_log_probs, kl_type=kl_type, loss_mask=loss_mask, normalization=normalization,
+                  normalization_constant=normalization_constant, surrogate=surrogate,
+                  rollout_log_probs=rollout_log_probs, rollout_correction=rollout_correction,
+                  rollout_is_high=rollout_is_high, rollout_is_low=rollout_is_low)
 
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale_by_std: bool = True,
@@ -265,6 +370,12 @@ def grpo_loss(
     kl_type: str = "k3",
     loss_mask: Optional[torch.Tensor] = None,
     normalization: str = "seq_mean",
+    normalization_constant: Optional[float] = None,
+    surrogate: str = "ppo",
+    rollout_log_probs: Optional[torch.Tensor] = None,
+    rollout_correction: Optional[str] = None,
+    rollout_is_high: float = 2.0,
+    rollout_is_low: Optional[float] = None,
 ) -> TokenLoss:
     """policy_loss(old_log_probs, grpo_advantages(rewards, group_size, ...)[seq_ids], ...): GRPO.
 
@@ -285,22 +396,38 @@ def grpo_loss(
     advantages = _advantages(fn, rewards, group_size, scale_by_std, eps)[ids]
     return _build(fn, old_log_probs, advantages, ids, n_seq_slots=rewards.numel(), clip_low=clip_low,
                   clip_high=clip_high, dual_clip=dual_clip, entropy_coef=entropy_coef, kl_coef=kl_coef,
-                  ref_log_probs=ref_log_probs, kl_type=kl_type, loss_mask=loss_mask, normalization=normalization)
+                  ref_log_probs=ref_log_probs, kl_type=kl_type, loss_mask=loss_mask, normalization=normalization,
+                  normalization_constant=normalization_constant, surrogate=surrogate,
+                  rollout_log_probs=rollout_log_probs, rollout_correction=rollout_correction,
+                  rollout_is_high=rollout_is_high, rollout_is_low=rollout_is_low)
 
 
 # ---- construction ----
 
+def _log_bounds(clip_low: float, clip_high: float) -> tuple:
+    """(log(1 + clip_high), log(1 - clip_low)); clip_low = 1 (CISPO without a lower bound) gives -inf."""
+    return math.log1p(clip_high), (-math.inf if clip_low == 1.0 else math.log1p(-clip_low))
+
+
 def _build(fn, old_log_probs, advantages, ids, *, n_seq_slots, clip_low, clip_high, dual_clip, entropy_coef, kl_coef,
-           ref_log_probs, kl_type, loss_mask, normalization) -> TokenLoss:
+           ref_log_probs, kl_type, loss_mask, normalization, normalization_constant, surrogate, rollout_log_probs,
+           rollout_correction, rollout_is_high, rollout_is_low) -> TokenLoss:
     """Checks the options, computes the weights and returns the TokenLoss. advantages: [T] fp32; ids: [T] int64
     sequence indices in [0, n_seq_slots), or None."""
+    if not isinstance(surrogate, str) or surrogate not in SURROGATES:
+        raise _error(ValueError, fn, "surrogate", f"surrogate must be one of {SURROGATES}, got {surrogate!r}")
     clip_low = _real(fn, "clip_low", clip_low)
-    if not 0.0 <= clip_low < 1.0:
-        raise _error(ValueError, fn, "clip_low", f"clip_low must be in [0, 1), got {clip_low}")
+    low_max = 1.0 if surrogate == "cispo" else math.nextafter(1.0, 0.0)  # CISPO: 1 is "no lower bound"
+    if not 0.0 <= clip_low <= low_max:
+        raise _error(ValueError, fn, "clip_low", f"clip_low must be in [0, 1{']' if surrogate == 'cispo' else ')'}"
+                                                 f" (surrogate={surrogate!r}), got {clip_low}")
     clip_high = clip_low if clip_high is None else _real(fn, "clip_high", clip_high)
     if not 0.0 <= clip_high < math.inf:
         raise _error(ValueError, fn, "clip_high", f"clip_high must be finite and >= 0, got {clip_high}")
     if dual_clip is not None:
+        if surrogate == "cispo":
+            raise _error(ValueError, fn, "dual_clip", "dual_clip applies to the PPO surrogate only (CISPO's clipped "
+                                                      "ratio is already a bounded constant); pass dual_clip=None")
         dual_clip = _real(fn, "dual_clip", dual_clip)
         if not 1.0 < dual_clip < math.inf:
             raise _error(ValueError, fn, "dual_clip", f"dual_clip must be None or finite and > 1, got {dual_clip}")
@@ -324,24 +451,60 @@ def _build(fn, old_log_probs, advantages, ids, *, n_seq_slots, clip_low, clip_hi
     elif ref_log_probs is not None:
         _checked_float(fn, "ref_log_probs", ref_log_probs, old_log_probs)  # checked, unused at kl_coef=0
     mask = _checked_mask(fn, loss_mask, old_log_probs)
-    if normalization == "seq_mean" and ids is None:
-        raise _error(ValueError, fn, "seq_ids", 'normalization="seq_mean" needs seq_ids (each token\'s sequence)')
+    if normalization.startswith("seq_") and ids is None:
+        raise _error(ValueError, fn, "seq_ids", f"normalization={normalization!r} needs seq_ids (each token's "
+                                                "sequence)")
+    if normalization == "seq_sum_over_constant":
+        if normalization_constant is None:
+            raise _error(ValueError, fn, "normalization_constant",
+                         'normalization="seq_sum_over_constant" needs normalization_constant (e.g. the number of '
+                         "sequences times the generation budget, Dr. GRPO's constant)")
+        normalization_constant = _real(fn, "normalization_constant", normalization_constant)
+        if not 0.0 < normalization_constant < math.inf:
+            raise _error(ValueError, fn, "normalization_constant",
+                         f"normalization_constant must be finite and > 0, got {normalization_constant}")
+    elif normalization_constant is not None:
+        raise _error(ValueError, fn, "normalization_constant",
+                     f'normalization_constant is used by normalization="seq_sum_over_constant" only, got '
+                     f"normalization={normalization!r}")
+    correction = None
+    if rollout_correction is not None:
+        correction = rollout_correction_mod.check_options(fn, rollout_correction, rollout_is_high, rollout_is_low,
+                                                          has_seq_ids=ids is not None)
+        if rollout_log_probs is None:
+            raise _error(ValueError, fn, "rollout_log_probs",
+                         f"rollout_correction={rollout_correction!r} needs rollout_log_probs (the engine's log-probs)")
+    rollout = None
+    if rollout_log_probs is not None:
+        rollout = _checked_float(fn, "rollout_log_probs", rollout_log_probs, old_log_probs)
 
-    weight = _weights(mask, normalization, ids, n_seq_slots)
+    weight = _weights(mask, normalization, ids, n_seq_slots, normalization_constant)
     counted = weight != 0
 
     def own(x):  # the closure's own fp32 copy, 0 where not counted (no placeholder ever reaches the arithmetic)
         return None if x is None else torch.where(counted, x, 0.0)
 
+    pg_coef, constant_metrics = None, {}
+    if rollout is not None:
+        c, constant_metrics = rollout_correction_mod.weights(
+            correction or rollout_correction_mod.Correction("token_tis", math.inf, None), old, rollout, counted,
+            ids, n_seq_slots)
+        if correction is not None:
+            pg_coef = c
+        else:  # metrics only: no weight applied (c_t = 1), none changed by a bound (an infinite cap)
+            constant_metrics["rollout_weight_mean"] = counted.any().float()
     return TokenLoss(weight=weight, old_log_probs=own(old), advantages=own(advantages), ref_log_probs=own(ref),
                      shape=old_log_probs.shape, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
-                     entropy_coef=entropy_coef, kl_coef=kl_coef, kl_type=kl_type, normalization=normalization)
+                     entropy_coef=entropy_coef, kl_coef=kl_coef, kl_type=kl_type, normalization=normalization,
+                     surrogate=surrogate, pg_coef=pg_coef, constant_metrics=constant_metrics)
 
 
-def _weights(mask, normalization, seq_ids, n_seq_slots) -> torch.Tensor:
+def _weights(mask, normalization, seq_ids, n_seq_slots, constant=None) -> torch.Tensor:
     """[T] fp32 normalisation weights from the [T] float64 mask (module docstring); float64 until the one rounding."""
     if normalization == "sum":
         return mask.float()
+    if normalization == "seq_sum_over_constant":
+        return (mask / constant).float()
     if normalization == "token_mean":
         count = mask.sum()
         return (mask / torch.where(count > 0, count, 1.0)).float()
@@ -349,6 +512,8 @@ def _weights(mask, normalization, seq_ids, n_seq_slots) -> torch.Tensor:
     # additions differently run to run (a last-bit difference before the fp32 rounding).
     per_seq = torch.zeros(n_seq_slots, dtype=torch.float64, device=mask.device).index_add_(0, seq_ids, mask)
     n_seqs = (per_seq > 0).sum()
+    if normalization == "seq_mean_token_sum":  # N >= 1 wherever a token is counted
+        return torch.where(mask != 0, mask / n_seqs, 0.0).float()
     # A counted token's sequence has a count > 0 and N >= 1 (masks are non-negative); others get 0, not 0 / 0.
     return torch.where(mask != 0, mask / (n_seqs * per_seq[seq_ids]), 0.0).float()
 
@@ -405,10 +570,10 @@ class _Terms(NamedTuple):
     weight: torch.Tensor
     counted: torch.Tensor
     positive: torch.Tensor
-    log_ratio: torch.Tensor
+    log_ratio: Optional[torch.Tensor]  # None for CISPO (its ratio is a constant)
     hi: float
     lo: float
-    log_r: torch.Tensor
+    log_r: Optional[torch.Tensor]
     cap: Optional[float]
     capped: Optional[torch.Tensor]
     neg_adv: torch.Tensor

@@ -6,6 +6,7 @@ with validate=False (one-GPU target).
 """
 
 import functools
+import math
 import pytest
 import torch
 import torch.distributed as dist
@@ -328,6 +329,41 @@ def test_token_loss_compiles_fullgraph_bitwise(case, backend):
     _assert_bitwise(eager, compiled)
 
 
+@functools.lru_cache(maxsize=None)
+def _cached_objective_loss(name, shape, device, seed=8):
+    """The objectives beyond PPO, each crossing the operator with the fields PPO's does not have: CISPO with a
+    sequence-level IcePop correction (the correction weights, the surrogate); GSPO under the top-entropy mask (a
+    sequence loss's tensors and kind, the quantile; its statistics pass inside the operator)."""
+    gen = torch.Generator().manual_seed(seed)
+    old = (-torch.rand(shape, generator=gen) * 3).to(device)
+    adv = torch.randn(shape, generator=gen).to(device)
+    seq_ids = (torch.arange(math.prod(shape)) // 5).reshape(shape).to(device)
+    if name == "gspo_top_entropy":
+        return ppo_ops.top_entropy_mask(ppo_ops.gspo_loss(old, adv, seq_ids, clip_low=0.2, clip_high=0.28), 0.5)
+    rollout = old + torch.where(seq_ids % 2 == 1, 0.5, 0.05)  # odd sequences: w = e^-0.5, outside IcePop's caps
+    return ppo_ops.token_losses.policy_loss(
+        old, adv, surrogate="cispo", clip_high=0.28, kl_coef=0.05,
+        ref_log_probs=(-torch.rand(shape, generator=gen) * 3).to(device), seq_ids=seq_ids,
+        normalization="seq_mean_token_sum", rollout_log_probs=rollout, rollout_correction="seq_icepop",
+        rollout_is_low=0.8, rollout_is_high=1.25)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("name", ["cispo_seq_icepop", "gspo_top_entropy"])
+def test_objective_token_loss_compiles_fullgraph_bitwise(name, backend):
+    hidden, weight, t, opts = _head_call(LINEAR_CASES["grad"])
+    loss_fn = _cached_objective_loss(name, tuple(t.shape), t.device)
+    if name == "cispo_seq_icepop":
+        assert bool((loss_fn.pg_coef == 0).any()), "no sequence was dropped"
+
+    def fn(hidden, weight, t, loss_fn):
+        return ppo_ops.linear_token_loss(hidden, weight, t, loss_fn, backend=backend, **opts)
+
+    eager = _token_loss_results(fn, hidden, weight, t, loss_fn)
+    compiled = _token_loss_results(_compiled(fn), hidden, weight, t, loss_fn)
+    _assert_bitwise(eager, compiled)
+
+
 def test_token_loss_compiled_refuses_a_loss_over_other_rows():
     """A TokenLoss built over more constants than the rows it scores: the eager op's ValueError naming token_loss,
     raised while the call is traced (shapes alone decide it)."""
@@ -414,12 +450,22 @@ def test_lm_head_operators_opcheck(case):
                            torch.randn(t.shape, device=DEVICE), grad_ent, "", opts["entropy"], common[0], common[1],
                            True, "auto", True, True))
     loss = _policy_loss(t, opts["entropy"])
+    no_sequence = (None, None, None, "", None)  # a sequence loss's advantages, mask, ids, kind; the entropy quantile
     loss_args = (hidden, weight, t, args[3], ids, offsets, loss.weight, loss.old_log_probs, loss.advantages,
-                 loss.ref_log_probs, loss.clip_low, loss.clip_high, loss.dual_clip, loss.entropy_coef, loss.kl_coef,
-                 loss.kl_type, loss.normalization, "", opts["entropy"]) + common[:4] + (validate, 1 << 20, True,
-                                                                                       True)
+                 loss.ref_log_probs, loss.pg_coef, loss.clip_low, loss.clip_high, loss.dual_clip, loss.entropy_coef,
+                 loss.kl_coef, loss.kl_type, loss.normalization, loss.surrogate) + no_sequence + (
+                     "", opts["entropy"]) + common[:4] + (validate, 1 << 20, True, True)
     op = token_loss_op.forward_op.syncing if syncs else token_loss_op.forward_op.plain
     torch.library.opcheck(op, loss_args)
+    if case == "grad":  # the fields of a sequence loss under the top-entropy mask, with its statistics pass
+        seq = _cached_objective_loss("gspo_top_entropy", tuple(t.shape), t.device)
+        rest = seq.base.rest
+        seq_args = (hidden, weight, t, None, None, None, rest.weight, rest.old_log_probs, rest.advantages,
+                    rest.ref_log_probs, rest.pg_coef, rest.clip_low, rest.clip_high, rest.dual_clip,
+                    rest.entropy_coef, rest.kl_coef, rest.kl_type, rest.normalization, rest.surrogate,
+                    seq.base.advantages, seq.base.mask, seq.base.seq_ids, seq.base.kind, seq.quantile, "",
+                    opts["entropy"]) + common[:4] + (validate, 1 << 20, True, True)
+        torch.library.opcheck(token_loss_op.forward_op.plain, seq_args)
 
 
 def test_lm_head_varying_rows_compile_at_most_twice():

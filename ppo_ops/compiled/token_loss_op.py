@@ -2,12 +2,14 @@
 a row_mask) for the shipped losses; any other callable traced into the graph on top of the general head.
 
 The closure: an operator's schema carries tensors and scalars, never a Python callable, and the op calls its loss
-between collectives on row blocks the compiler never sees. So the losses ppo_ops ships (`ppo_ops.token_losses`:
-policy_loss, grpo_loss, a TokenLoss) cross as their fields, operator options (the [T] weights, old log-probs,
-advantages, reference log-probs; clip, dual clip, coefficients, KL estimator), and the operator rebuilds the same
-TokenLoss inside: one graph, the eager op's bits. Any other callable is traced by the compiler like the rest of the
-caller's code, applied to the general head's log-probs and entropies (`traced_closure`): one graph too, the loss
-within rounding of the eager op's, at the general head's cost.
+between collectives on row blocks the compiler never sees. So the losses ppo_ops ships (ppo_ops.token_losses'
+TokenLoss, ppo_ops.sequence_losses' SequenceLoss, ppo_ops.entropy_mask's EntropyMaskedLoss) cross as their fields,
+operator options (the [T] weights, old log-probs, advantages, reference log-probs, rollout-correction weights, a
+sequence loss's advantages, mask and ids; clip, dual clip, coefficients, KL estimator, surrogate, sequence kind,
+entropy quantile), and the operator rebuilds the same loss inside (where a statistics pass runs too): one graph, the
+eager op's bits. Any other callable is traced by the compiler like the rest of the caller's code, applied to the
+general head's log-probs and entropies (`traced_closure`): one graph too, the loss within rounding of the eager
+op's, at the general head's cost.
 
 The forward operator returns the loss, the metrics and the gradients the op formed in its forward (dX [..., H] and dW
 [V_local, H], or empty placeholders when not wanted). dW always comes back in weight's dtype: where the eager op keeps
@@ -30,6 +32,8 @@ from ppo_ops.compiled import common
 from ppo_ops.core import checks, shell
 from ppo_ops.core.scale import scale_round_in_place
 from ppo_ops.lm_head import loss_function
+from ppo_ops.entropy_mask import EntropyMaskedLoss
+from ppo_ops.sequence_losses import SequenceLoss
 from ppo_ops.token_losses import TokenLoss
 
 FN = "linear_token_loss"
@@ -37,15 +41,22 @@ FN = "linear_token_loss"
 
 def _forward(hidden: Tensor, weight: Tensor, tokens: Tensor, row_mask: Optional[Tensor], keep_ids: Optional[Tensor],
              keep_offsets: Optional[Tensor], loss_weight: Tensor, old_log_probs: Tensor, advantages: Tensor,
-             ref_log_probs: Optional[Tensor], clip_low: float, clip_high: float, dual_clip: Optional[float],
-             entropy_coef: float, kl_coef: float, kl_type: str, normalization: str, group_name: str, entropy: str,
-             temperature: float, vocab_size: Optional[int], reduce_dx: bool, backend: str, validate: bool,
+             ref_log_probs: Optional[Tensor], pg_coef: Optional[Tensor], clip_low: float, clip_high: float,
+             dual_clip: Optional[float], entropy_coef: float, kl_coef: float, kl_type: str, normalization: str,
+             surrogate: str, seq_advantages: Optional[Tensor], seq_mask: Optional[Tensor], seq_ids: Optional[Tensor],
+             seq_kind: str, entropy_quantile: Optional[float], group_name: str, entropy: str, temperature: float,
+             vocab_size: Optional[int], reduce_dx: bool, backend: str, validate: bool,
              working_memory: Optional[int], need_dx: bool, need_dw: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor,
                                                                                    Tensor]:
     token_loss = TokenLoss(weight=loss_weight, old_log_probs=old_log_probs, advantages=advantages,
                            ref_log_probs=ref_log_probs, shape=loss_weight.shape, clip_low=clip_low,
                            clip_high=clip_high, dual_clip=dual_clip, entropy_coef=entropy_coef, kl_coef=kl_coef,
-                           kl_type=kl_type, normalization=normalization)
+                           kl_type=kl_type, normalization=normalization, surrogate=surrogate, pg_coef=pg_coef)
+    if seq_kind:  # a SequenceLoss: the TokenLoss above is its row-separable rest
+        token_loss = SequenceLoss(rest=token_loss, advantages=seq_advantages, mask=seq_mask, seq_ids=seq_ids,
+                                  kind=seq_kind)
+    if entropy_quantile is not None:
+        token_loss = EntropyMaskedLoss(base=token_loss, quantile=entropy_quantile)
     # Shapes only, so every rank raises it alike (the eager op's check, run where the operator runs)
     checks.check_token_loss_rows(FN, token_loss, tuple(hidden.shape[:-1]), "hidden.shape[:-1] =")
     call = shell.prepare_lm_head(
@@ -65,13 +76,14 @@ def _forward(hidden: Tensor, weight: Tensor, tokens: Tensor, row_mask: Optional[
         dx.reshape(hidden.shape) if dx is not None else common.empty(hidden, hidden.dtype),
         dw if dw is not None else common.empty(weight, weight.dtype),
     ), (hidden, weight, tokens, row_mask, keep_ids, keep_offsets, loss_weight, old_log_probs, advantages,
-        ref_log_probs))
+        ref_log_probs, pg_coef, seq_advantages, seq_mask, seq_ids))
 
 
 def _forward_fake(hidden, weight, tokens, row_mask, keep_ids, keep_offsets, loss_weight, old_log_probs, advantages,
-                  ref_log_probs, clip_low, clip_high, dual_clip, entropy_coef, kl_coef, kl_type, normalization,
-                  group_name, entropy, temperature, vocab_size, reduce_dx, backend, validate, working_memory, need_dx,
-                  need_dw):
+                  ref_log_probs, pg_coef, clip_low, clip_high, dual_clip, entropy_coef, kl_coef, kl_type,
+                  normalization, surrogate, seq_advantages, seq_mask, seq_ids, seq_kind, entropy_quantile, group_name,
+                  entropy, temperature, vocab_size, reduce_dx, backend, validate,
+                  working_memory, need_dx, need_dw):
     lead = hidden.shape[:-1]
     return (hidden.new_empty((), dtype=torch.float32), hidden.new_empty(lead, dtype=torch.float32),
             hidden.new_empty(lead if entropy != "none" else (0,), dtype=torch.float32),
@@ -96,9 +108,9 @@ def _backward(ctx, grad_loss, *_detached):
     shell.refuse_double_backward(FN)
     dx, dw = ctx.saved_tensors
     if grad_loss is None:
-        return (None,) * 27
+        return (None,) * 34
     g = grad_loss.to(torch.float32)
-    return (_scaled(dx, g), _scaled(dw, g)) + (None,) * 25
+    return (_scaled(dx, g), _scaled(dw, g)) + (None,) * 32
 
 
 forward_op = common.TwoRegistrations("linear_token_loss", _forward, _forward_fake, _backward, _setup_context)
@@ -111,20 +123,28 @@ def linear_token_loss(hidden, weight, tokens, token_loss, *, tp_group, entropy, 
     common.check_crossable(FN, tp_group, keep, temperature=temperature, vocab_size=vocab_size,
                            working_memory=working_memory)
     working_memory = checks.check_working_memory(FN, working_memory)  # an int for the schema; checked on both routes
-    if not isinstance(token_loss, TokenLoss):
+    if not isinstance(token_loss, (TokenLoss, SequenceLoss, EntropyMaskedLoss)):
         return traced_closure(hidden, weight, tokens, token_loss, tp_group=tp_group, entropy=entropy, keep=keep,
                               temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx,
                               backend=backend, validate=validate, working_memory=working_memory)
     keep_ids, keep_offsets = common.keep_tensors(keep)
+    quantile = None
+    if isinstance(token_loss, EntropyMaskedLoss):
+        token_loss, quantile = token_loss.base, token_loss.quantile
+    seq = token_loss if isinstance(token_loss, SequenceLoss) else None
+    if seq is not None:
+        token_loss = seq.rest
     grad = torch.is_grad_enabled()
     need_dx, need_dw = grad and hidden.requires_grad, grad and weight.requires_grad
     loss, log_prob, ent, _dx, _dw = forward_op(
         hidden, weight, tokens, row_mask, keep_ids, keep_offsets, token_loss.weight, token_loss.old_log_probs,
-        token_loss.advantages, token_loss.ref_log_probs, token_loss.clip_low, token_loss.clip_high,
-        token_loss.dual_clip, token_loss.entropy_coef, token_loss.kl_coef, token_loss.kl_type,
-        token_loss.normalization, common.group_name(tp_group), entropy, common.number(temperature),
-        common.number(vocab_size, numbers.Integral), reduce_dx, backend, validate, working_memory, need_dx, need_dw,
-        syncs=bool(validate) or row_mask is not None)
+        token_loss.advantages, token_loss.ref_log_probs, token_loss.pg_coef, token_loss.clip_low,
+        token_loss.clip_high, token_loss.dual_clip, token_loss.entropy_coef, token_loss.kl_coef, token_loss.kl_type,
+        token_loss.normalization, token_loss.surrogate, None if seq is None else seq.advantages,
+        None if seq is None else seq.mask, None if seq is None else seq.seq_ids, "" if seq is None else seq.kind,
+        quantile, common.group_name(tp_group), entropy,
+        common.number(temperature), common.number(vocab_size, numbers.Integral), reduce_dx, backend, validate,
+        working_memory, need_dx, need_dw, syncs=bool(validate) or row_mask is not None)
     return loss, log_prob, (ent if entropy != "none" else None)
 
 

@@ -47,6 +47,7 @@ rank only (validate=False: the other ranks wait in their next collective until t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Optional
 
 import torch
@@ -122,6 +123,8 @@ def forward_values(hidden, weight, tokens, row_mask, plan: Plan, token_loss, kee
     """The forward of a prepared call: (loss, log-probs [T], entropies [T] or an empty placeholder, dX or None, dW
     or None), dW in weight's dtype or as its fp32 accumulator. Shared by the autograd Function and the custom operator
     (ppo_ops/compiled/token_loss_op.py)."""
+    if getattr(token_loss, "scope", "row") != "row":
+        token_loss = _frozen(hidden, weight, tokens, row_mask, plan, token_loss, keep)
     n_rows = hidden.shape[0]
     rows = kept_row_indices(row_mask)
     head = HeadRows(kept(hidden, rows).contiguous(), weight, kept(tokens, rows), plan.shard)
@@ -137,6 +140,27 @@ def forward_values(hidden, weight, tokens, row_mask, plan: Plan, token_loss, kee
     # entropy="none": an empty placeholder (the wrapper returns None), so every output is a tensor.
     ent_out = loop.log_prob.new_empty(0) if loop.entropy is None else scatter_rows(loop.entropy, rows, n_rows)
     return loop.loss, lp_out, ent_out, loop.dx, dw
+
+
+def _frozen(hidden, weight, tokens, row_mask, plan: Plan, token_loss, keep):
+    """A loss whose token's gradient reads other rows (scope "sequence": ppo_ops.sequence_losses; "batch":
+    ppo_ops.entropy_mask): the statistics pass (this forward without gradients: every scored row's log-prob and
+    entropy, from the same blocks) and the loss frozen at them (`token_loss.freeze`: a row-separable TokenLoss with
+    its exact value and gradient there), which the gradient pass then evaluates block by block like any TokenLoss.
+    One more forward GEMM pass: the general head's cost."""
+    if getattr(token_loss, "needs_entropy_statistics", False) and plan.entropy_mode == "none":
+        raise checks.argument_error(ValueError, plan.fn_name, "entropy",
+                                    "this token_loss reads every token's entropy (a batch statistic): pass "
+                                    'entropy="value" or "grad"')
+    stats_plan = dataclasses.replace(plan, needs_grad=False)
+    _, log_prob, ent, _, _ = forward_values(hidden, weight, tokens, row_mask, stats_plan, _no_loss, keep,
+                                            need_dx=False, need_dw=False)
+    return token_loss.freeze(log_prob, None if row_mask is None else row_mask.reshape(-1),
+                             ent if ent.numel() else None)
+
+
+def _no_loss(log_probs, entropy, rows):
+    return torch.zeros_like(log_probs)
 
 
 class BlockLoop:
