@@ -124,3 +124,9 @@ def source(dtype: str) -> str:
     if dtype == "float32":
         return "hand-set float32 defaults (tolerances.py), inside the CPU calibration of docs/calibration.md"
     return "hand-set bfloat16 defaults (tolerances.py); no GPU calibration installed"
+
+# The textbook trainer against the ppo_ops trainer over --train_steps (train_steps.py, --reference_trainer): both
+# train from the same weights on the same rollouts, so they part only through rounding, which AdamW's normalised steps
+# carry forward. Bands on the absolute difference at every step, set from the CPU runs of docs/contributing.md.
+REFERENCE_REWARD_BAND = 0.05  # |d policy reward| (probability on the target ids, in [0, 1])
+REFERENCE_LOSS_BAND = 0.01  # |d GRPO loss|
