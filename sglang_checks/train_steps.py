@@ -281,8 +281,13 @@ def sent_state(model, control: str) -> Dict[str, torch.Tensor]:
 
 def save_weights(model, state: Dict[str, torch.Tensor], folder: str) -> None:
     """`state` (the model's names, shapes and dtype) as the Hugging Face checkpoint an SGLang server loads from disk:
-    config.json and model.safetensors, written by the model's own save (a tied embedding stored once)."""
-    model.save_pretrained(folder, state_dict=state, safe_serialization=True)
+    config.json and model.safetensors, written by the model's own save, a tensor the model ties to an earlier one
+    (Qwen3-0.6B's lm_head.weight is its embedding) stored once under the earlier name, as the checkpoint has it."""
+    first: Dict[int, str] = {}
+    for name, t in model.state_dict().items():
+        first.setdefault(t.data_ptr(), name)
+    kept = set(first.values())
+    model.save_pretrained(folder, state_dict={n: t for n, t in state.items() if n in kept}, safe_serialization=True)
 
 
 def readback_differs(values, tensor: torch.Tensor, rows: int) -> bool:
