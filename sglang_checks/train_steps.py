@@ -415,7 +415,7 @@ def run(s, plan, info: models.ModelInfo, prompt_ids: List[List[int]], tol: Dict[
         log(f"trainer layouts {','.join(layout.name for layout in plan.trainer_layouts)} on every step's rollout")
         comparisons += _layout_comparisons(s, plan, jobs, tol)
     if reference is not None:
-        comparisons += _reference_comparisons(rows, tol)
+        comparisons += _reference_comparisons(rows, tol, s.dtype)
     record = {"steps": s.train_steps, "lr": s.lr, "optimizer": "AdamW", "weight_decay": WEIGHT_DECAY,
               "max_grad_norm": MAX_GRAD_NORM, "loss": "ppo_ops.grpo_loss (seq_mean, no KL)",
               "master_weights": "float32", "numerics": s.trainer_numerics,
@@ -424,8 +424,8 @@ def run(s, plan, info: models.ModelInfo, prompt_ids: List[List[int]], tol: Dict[
               "reward": {"name": "share of completion tokens with id % TARGET_MODULUS == 0",
                          "target_modulus": reward_lib.TARGET_MODULUS},
               "reference_trainer": reference is not None,
-              "reference_bands": {"policy_reward": tolerances.REFERENCE_REWARD_BAND,
-                                  "loss": tolerances.REFERENCE_LOSS_BAND} if reference is not None else None,
+              "reference_bands": {"policy_reward": tolerances.REFERENCE_REWARD_BAND[s.dtype],
+                                  "loss": tolerances.REFERENCE_LOSS_BAND[s.dtype]} if reference is not None else None,
               "reward_first": rows[0]["reward_mean"], "reward_last": rows[-1]["reward_mean"],
               "reward_rise": rows[-1]["reward_mean"] - rows[0]["reward_mean"], "rows": rows}
     return record, comparisons
@@ -535,7 +535,7 @@ def _layout_comparisons(s, plan, jobs, tol: Dict[str, float]) -> List[Comparison
     return out
 
 
-def _reference_comparisons(rows: List[dict], tol: Dict[str, float]) -> List[Comparison]:
+def _reference_comparisons(rows: List[dict], tol: Dict[str, float], dtype: str) -> List[Comparison]:
     """The textbook trainer against the ppo_ops trainer: the first step's loss and gradient norm within
     trainer_rtol, every step's policy reward and loss within the bands of tolerances.py."""
     first, ref = rows[0], rows[0]["reference"]
@@ -546,10 +546,10 @@ def _reference_comparisons(rows: List[dict], tol: Dict[str, float]) -> List[Comp
     for row in rows:
         ref = row["reference"]
         out.append(Comparison(SECTION, f"step {row['step']}: {subject}", "|d policy reward|",
-                              abs(ref["policy_reward"] - row["policy_reward"]), tolerances.REFERENCE_REWARD_BAND,
+                              abs(ref["policy_reward"] - row["policy_reward"]), tolerances.REFERENCE_REWARD_BAND[dtype],
                               {"value": ref["policy_reward"], "ppo_ops": row["policy_reward"]},
                               "REFERENCE_REWARD_BAND"))
         out.append(Comparison(SECTION, f"step {row['step']}: {subject}", "|d loss|", abs(ref["loss"] - row["loss"]),
-                              tolerances.REFERENCE_LOSS_BAND, {"value": ref["loss"], "ppo_ops": row["loss"]},
+                              tolerances.REFERENCE_LOSS_BAND[dtype], {"value": ref["loss"], "ppo_ops": row["loss"]},
                               "REFERENCE_LOSS_BAND"))
     return out
