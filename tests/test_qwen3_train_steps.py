@@ -237,7 +237,9 @@ def test_sglang_engine_sends_the_weight_requests_sglang_expects():
     assert engine.weights_by_name("model.norm.weight", 4) == [[1.0, 2.0]]
     assert server.requests == [("/update_weights_from_disk", {"model_path": "/abs/step", "flush_cache": True}),
                                ("/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 4})]
-    failing = _engine_with(_FakeServer({"/get_weights_by_name": lambda p: None}))
+    unreadable = _engine_with(_FakeServer({"/get_weights_by_name": lambda p: None}))
+    assert unreadable.weights_by_name("model.norm.weight", 4) is None  # a model class without the method
+    failing = _engine_with(_FakeServer({"/get_weights_by_name": lambda p: {"error": "no such parameter"}}))
     with pytest.raises(RuntimeError, match="get_weights_by_name failed for model.norm.weight"):
         failing.weights_by_name("model.norm.weight", 4)
 
@@ -293,6 +295,24 @@ def test_sglang_sync_reads_back_the_trainers_weights_and_catches_one_ulp(control
         assert entry["tensors_differing"] == 0 and entry["probe_max_abs_diff"] == 0.0, entry
     else:  # model.norm.weight one ulp off: its read-back and the probe's bits differ
         assert entry["first_differing"] == [controls.ULP_WEIGHT] and entry["probe_max_abs_diff"] > 0, entry
+
+
+class _UnreadableEngine(_DiskServedEngine):
+    def weights_by_name(self, name, rows):
+        return None  # SGLang's answer when the served model class has no get_weights_by_name
+
+
+def test_sglang_sync_without_read_back_says_so_and_keeps_the_probe(tiny_info, tmp_path):
+    model = models.load_hf_model(tiny_info, dtype=torch.bfloat16, device=torch.device("cpu"))
+    trainer_ = train_steps.Trainer(model, lr=1e-3)
+    probe = train_steps.probe_samples([[1, 2, 3]], tiny_info.vocab_size)
+    theirs = train_steps.trainer_scores(trainer_, probe, tiny_info, layouts.Layout("tp1"))
+    logged = []
+    (entry,) = train_steps.sync(trainer_, [train_steps.EngineSlot(layouts.Layout("tp1"), _UnreadableEngine(
+        torch.bfloat16))], probe, theirs, control=controls.TRAINER_WEIGHT_ULP, weights_dir=str(tmp_path / "w"),
+        log=logged.append)
+    assert entry["tensors"] == 0 and "not readable: model.embed_tokens.weight" in entry["method"]
+    assert entry["probe_max_abs_diff"] > 0 and "probe batch alone" in logged[0]
 
 
 # ---------------------------------------------------------------------------------------- the on-policy trainer

@@ -452,9 +452,11 @@ class SGLangEngine:
 
     def weights_by_name(self, name: str, rows: int):
         """The first `rows` rows of the served parameter `name` (checkpoint naming), as nested lists of floats; a
-        list of them, one per replica, under data parallelism (the training steps' read-back, train_steps.py)."""
+        list of them, one per replica, under data parallelism (the training steps' read-back, train_steps.py).
+        None when the server answers null: its model class has no get_weights_by_name (the model runner logs the
+        error and returns nothing)."""
         answer = self.server.post("/get_weights_by_name", weights_by_name_request(name, rows))
-        if answer is None or (isinstance(answer, dict) and not answer.get("success", True)):
+        if isinstance(answer, dict):  # an error object, not a parameter
             raise RuntimeError(f"SGLang /get_weights_by_name failed for {name}: {answer}")
         return answer
 
