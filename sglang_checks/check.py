@@ -77,6 +77,7 @@ class Settings:
     train_steps: int  # GRPO steps after the check (train_steps.py); 0: none
     lr: float
     reference_trainer: bool  # replay the training steps through the textbook trainer (train_steps.py)
+    train_head: str  # what the training steps train with: train_steps.TRAIN_HEADS
     max_ranks: int
     trainer_timeout_s: float
     tolerances: Dict[str, Optional[float]]

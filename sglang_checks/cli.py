@@ -69,6 +69,10 @@ _TRAIN_STEPS = flags.DEFINE_integer(
     "(sglang_checks/train_steps.py). 0: no training. `bazel run` of the check passes --train_steps=8 "
     "--samples_per_prompt=4 (BUILD).")
 _LR = flags.DEFINE_float("lr", 1e-3, "AdamW learning rate of --train_steps.")
+_TRAIN_HEAD = flags.DEFINE_enum(
+    "train_head", "logits", ["logits", "fused"], "What --train_steps trains with: logits (h @ W^T, then ppo_ops' "
+    "logits op) or fused (ppo_ops.linear_token_loss, the GRPO loss in the head's forward; SGLang's exact order under "
+    "--trainer_numerics=sglang_on_policy).")
 _REFERENCE_TRAINER = flags.DEFINE_bool(
     "reference_trainer", False, "With --train_steps: replay every step's rollout through a textbook PyTorch trainer "
     "(fp32 log_softmax + gather + softmax entropy, the same GRPO loss, AdamW and masters) from the same initial "
@@ -177,7 +181,7 @@ def settings(**overrides) -> check.Settings:
         samples_per_prompt=_value(_SAMPLES_PER_PROMPT), prompts=_value(_PROMPTS), ignore_eos=_value(_IGNORE_EOS),
         rollout_data=_value(_ROLLOUT_DATA), explicit_flags=explicit, seq_len=_value(_SEQ_LEN),
         entropy_coef=_value(_ENTROPY_COEF), train_steps=_value(_TRAIN_STEPS), lr=_value(_LR),
-        reference_trainer=_value(_REFERENCE_TRAINER),
+        reference_trainer=_value(_REFERENCE_TRAINER), train_head=_value(_TRAIN_HEAD),
         max_ranks=_value(_MAX_RANKS), trainer_timeout_s=_value(_TRAINER_TIMEOUT),
         tolerances={name: _value(holder) for name, holder in _TOLERANCES.items()},
         expect_bitwise=_value(_EXPECT_BITWISE), negative_control=_value(_NEGATIVE_CONTROL),

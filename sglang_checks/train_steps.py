@@ -1,8 +1,12 @@
 """The check across GRPO training steps (--train_steps=N): train, sync the weights into the engine, roll out, check.
 
-After the check's own step, one trainer in this process (TP = 1, the logits op path of the check's tp1 layout: the
-model's final hidden states h, logits = h @ W^T in the model's dtype, ppo_ops.log_probs_and_entropy at the rollout's
-temperature and log-prob kind, with the trainer's own top-p set as keep mask) runs N GRPO steps against the engine.
+After the check's own step, one trainer in this process (TP = 1) runs N GRPO steps against the engine, with the
+head --train_head names: `logits` (the check's tp1 layout: the model's final hidden states h, logits = h @ W^T in the
+model's dtype, ppo_ops.log_probs_and_entropy at the rollout's temperature and log-prob kind, the trainer's own top-p
+set as keep mask) or `fused` (the check's tp1-fused layout: ppo_ops.linear_token_loss on h and W with the GRPO loss
+in its forward, the top-p set as its sparse keep set; under sglang_on_policy in SGLang's exact order, from the
+on-policy forward's h). The check's comparisons of a step read the logits path's log-probs of the same weights; the
+ratio, the loss and the entropy are the training head's.
 Every engine layout of --engine_layouts runs for the whole run and gets every sync; the first one samples.
 
   step k = 0 .. N:
@@ -99,6 +103,9 @@ PROBE_PROMPTS, PROBE_TOKENS = 2, 8
 # model.norm.weight is also the tensor the trainer_weight_ulp control moves.
 READBACK_TENSORS = ("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight", "model.norm.weight")
 READBACK_ROWS = 4  # rows of each (a norm weight has one: all of it)
+# --train_head: what the in-process trainer trains with (module docstring).
+LOGITS_HEAD, FUSED_HEAD = "logits", "fused"
+TRAIN_HEADS = (LOGITS_HEAD, FUSED_HEAD)
 
 
 def check_settings(s) -> None:
@@ -117,6 +124,8 @@ def check_settings(s) -> None:
     if s.samples_per_prompt < 2:
         raise CheckError(f"--train_steps={s.train_steps}: GRPO compares the completions of one prompt; expected "
                          f"--samples_per_prompt >= 2, got {s.samples_per_prompt}")
+    if s.train_head not in TRAIN_HEADS:
+        raise CheckError(f"--train_head: expected one of {', '.join(TRAIN_HEADS)}, got {s.train_head}")
     if s.negative_control not in (controls.NONE, controls.TRAINER_WEIGHT_ULP):
         raise CheckError(f"--train_steps={s.train_steps}: of the negative controls the training steps carry only "
                          f"{controls.TRAINER_WEIGHT_ULP} (each sync then delivers weights one ulp off); got "
@@ -128,9 +137,9 @@ class Trainer:
     sglang_on_policy (`kernels` given) its values are the on-policy forward's, its gradient transformers' (module
     docstring)."""
 
-    def __init__(self, model, lr: float, *, numerics: str = trainer.HF, kernels=None):
+    def __init__(self, model, lr: float, *, numerics: str = trainer.HF, kernels=None, head: str = LOGITS_HEAD):
         self.model = model.eval()  # Qwen3 has no dropout; eval keeps the forward the engine's
-        self.numerics, self.kernels = numerics, kernels
+        self.numerics, self.kernels, self.head = numerics, kernels, head
         self.params = [p for p in model.parameters()]  # tied weights appear once
         for p in self.params:
             p.requires_grad_(True)
@@ -169,6 +178,63 @@ class Trainer:
         entropy = exact.entropy + (out.entropy - out.entropy.detach())
         return log_probs, entropy, view
 
+    def loss(self, packed: rollout_lib.Packed, rollout: rollout_lib.Rollout, rewards: List[float], group_size: int,
+             entropy_coef: float):
+        """(the GRPO loss with its graph, log-probs [B, S], entropy [B, S], the step's TrainerView) by self.head."""
+        import ppo_ops
+
+        if self.head == FUSED_HEAD:
+            return self._fused_loss(packed, rollout, rewards, group_size, entropy_coef)
+        log_probs, entropy, view = self.forward(packed, rollout, rollout.temperature, rollout.top_p)
+        device = log_probs.device
+        loss_fn = ppo_ops.grpo_loss(log_probs.detach(), torch.tensor(rewards, dtype=torch.float32, device=device),
+                                    _seq_ids(packed, device), group_size=group_size, eps=GRPO_EPS, clip_low=CLIP_LOW,
+                                    clip_high=CLIP_HIGH, entropy_coef=entropy_coef, kl_coef=0.0,
+                                    loss_mask=packed.row_mask.to(device), normalization="seq_mean")
+        return loss_fn.total(log_probs, entropy), log_probs, entropy, view
+
+    def _fused_loss(self, packed, rollout, rewards, group_size, entropy_coef):
+        """The fused head (ppo_ops.linear_token_loss, the loss's gradient formed in its forward, no logits): from
+        transformers' final hidden states, or under sglang_on_policy from the on-policy forward's (their value, the
+        gradient into transformers' graph, as Trainer.forward does it) in SGLang's order."""
+        import ppo_ops
+        from sglang_checks import check as check_lib
+
+        device = self.model.device
+        targets, mask = packed.targets.to(device), packed.row_mask.to(device)
+        hidden = self.model.model(input_ids=packed.input_ids.to(device)).last_hidden_state
+        weight = self.model.lm_head.weight
+        if self.numerics == trainer.HF:
+            logits = trainer.lm_head_logits(hidden.detach(), weight.detach())
+            top_p_set = logprob_kinds.top_p_keep_mask(logits.float() / rollout.temperature, rollout.top_p)
+            t, keep_mask = logprob_kinds.trainer_arguments(rollout.logprob_kind, rollout.temperature, top_p_set)
+            view = check_lib.TrainerView(hidden.detach(), weight.detach(), logits, rollout.temperature,
+                                         rollout.top_p, top_p_set, keep_mask, trainer.HF)
+            order = "fused"
+        else:
+            view = check_lib.trainer_view(self.model, packed, rollout, rollout.temperature, rollout.top_p,
+                                          numerics=self.numerics, kernels=self.kernels)
+            t, keep_mask = logprob_kinds.trainer_arguments(rollout.logprob_kind, rollout.temperature,
+                                                           view.top_p_set)
+            hidden = view.hidden.detach() + (hidden.float() - hidden.float().detach())  # the value + an exact 0
+            order = "sglang"
+        keep = None if keep_mask is None else sparse_keep(keep_mask)
+        options = dict(temperature=t, row_mask=mask, keep=keep, reduction_order=order)
+        if keep is not None:
+            # Workaround: with both a sparse keep set and a row_mask, the fused head scored the first kept row
+            # against another row's set (its log-prob off by 0.56 on a tiny rollout; each alone is right). Every row
+            # is scored instead, the loss's loss_mask giving the prompt and padding rows weight 0.
+            options["row_mask"] = None
+            targets = targets.clamp(min=0)
+        with torch.no_grad():  # PPO's old log-probs: this trainer's own, before the update
+            old = ppo_ops.linear_log_probs_and_entropy(hidden.detach(), weight.detach(), targets, **options).log_probs
+        token_loss = ppo_ops.grpo_loss(old, torch.tensor(rewards, dtype=torch.float32, device=device),
+                                       _seq_ids(packed, device), group_size=group_size, eps=GRPO_EPS,
+                                       clip_low=CLIP_LOW, clip_high=CLIP_HIGH, entropy_coef=entropy_coef,
+                                       kl_coef=0.0, loss_mask=mask, normalization="seq_mean")
+        loss, out = ppo_ops.linear_token_loss(hidden, weight, targets, token_loss, entropy="grad", **options)
+        return loss, out.log_probs, out.entropy, view
+
     def step(self, loss: torch.Tensor, update: bool) -> float:
         """Backward; the gradient norm before clipping; with `update`, one AdamW step, cast into the model."""
         for p in self.params + self.masters:
@@ -187,6 +253,19 @@ class Trainer:
         for p in self.params + self.masters:
             p.grad = None
         return norm
+
+
+def _seq_ids(packed: rollout_lib.Packed, device) -> torch.Tensor:
+    mask = packed.row_mask
+    return torch.arange(mask.shape[0])[:, None].expand_as(mask).to(device)
+
+
+def sparse_keep(keep_mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A dense keep mask [..., V] as the fused head's sparse keep set (ids, offsets) over the flattened rows."""
+    flat = keep_mask.reshape(-1, keep_mask.shape[-1])
+    offsets = torch.zeros(flat.shape[0] + 1, dtype=torch.int64, device=flat.device)
+    offsets[1:] = flat.sum(1).cumsum(0)
+    return flat.nonzero()[:, 1].contiguous(), offsets
 
 
 class ReferenceTrainer(Trainer):
@@ -383,7 +462,7 @@ def run(s, plan, info: models.ModelInfo, prompt_ids: List[List[int]], tol: Dict[
 
         kernels = on_policy.sglang_kernels(plan.sglang_site)
     trainer_ = Trainer(models.load_hf_model(info, dtype=dtype, device=plan.device), s.lr,
-                       numerics=s.trainer_numerics, kernels=kernels)
+                       numerics=s.trainer_numerics, kernels=kernels, head=s.train_head)
     reference = ReferenceTrainer(models.load_hf_model(info, dtype=dtype, device=plan.device), s.lr) \
         if s.reference_trainer else None
     probe = probe_samples(prompt_ids, info.vocab_size)
@@ -426,6 +505,7 @@ def run(s, plan, info: models.ModelInfo, prompt_ids: List[List[int]], tol: Dict[
         comparisons += _reference_comparisons(rows, tol, s.dtype)
     record = {"steps": s.train_steps, "lr": s.lr, "optimizer": "AdamW", "weight_decay": WEIGHT_DECAY,
               "max_grad_norm": MAX_GRAD_NORM, "loss": "ppo_ops.grpo_loss (seq_mean, no KL)",
+              "train_head": s.train_head,
               "master_weights": "float32", "numerics": s.trainer_numerics,
               "engine_layouts": [slot.layout.name for slot in slots], "sampling_layout": slots[0].layout.name,
               "trainer_layouts": [layout.name for layout in plan.trainer_layouts],
@@ -445,19 +525,12 @@ def _train_step(s, plan, trainer_: Trainer, reference: Optional[ReferenceTrainer
     """One step's numbers, comparisons, and (when other trainer layouts are asked for) its trainer layout inputs."""
     from sglang_checks import check as check_lib
 
-    packed = rollout_lib.pack(rollout, rollout.longest)
-    rewards = reward_lib.rewards([sample.completion_ids for sample in rollout.samples])
-    log_probs, entropy, view = trainer_.forward(packed, rollout, rollout.temperature, rollout.top_p)
-    device = log_probs.device
-    mask = packed.row_mask
-    seq_ids = torch.arange(mask.shape[0])[:, None].expand_as(mask).to(device)
     import ppo_ops
 
-    rewards_t = torch.tensor(rewards, dtype=torch.float32, device=device)
-    loss_fn = ppo_ops.grpo_loss(log_probs.detach(), rewards_t, seq_ids, group_size=s.samples_per_prompt,
-                                eps=GRPO_EPS, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, entropy_coef=s.entropy_coef,
-                                kl_coef=0.0, loss_mask=mask.to(device), normalization="seq_mean")
-    loss = loss_fn.total(log_probs, entropy)
+    packed = rollout_lib.pack(rollout, rollout.longest)
+    rewards = reward_lib.rewards([sample.completion_ids for sample in rollout.samples])
+    loss, log_probs, entropy, view = trainer_.loss(packed, rollout, rewards, s.samples_per_prompt, s.entropy_coef)
+    mask = packed.row_mask
     loss_value = float(loss.detach())
     grad_norm = trainer_.step(loss, update)
 
@@ -520,7 +593,8 @@ def _train_step(s, plan, trainer_: Trainer, reference: Optional[ReferenceTrainer
 
     job = None
     if len(plan.trainer_layouts) > 1:
-        advantages = ppo_ops.grpo_advantages(rewards_t, s.samples_per_prompt, eps=GRPO_EPS).cpu()
+        advantages = ppo_ops.grpo_advantages(torch.tensor(rewards, dtype=torch.float32), s.samples_per_prompt,
+                                             eps=GRPO_EPS)
         inputs = dataclasses.replace(check_lib.trainer_inputs(view, packed, s.entropy_coef, plan.sglang_site),
                                      advantages=advantages)
         job = (inputs, packed)

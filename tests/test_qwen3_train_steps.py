@@ -343,6 +343,31 @@ def test_on_policy_trainer_has_the_on_policy_values_and_transformers_gradient(ti
     assert all(torch.equal(a, b) for a, b in zip(*grads))  # ... but the gradient is transformers' in both
 
 
+def test_the_fused_head_trains_as_the_logits_head_does(tiny_info):
+    """--train_head=fused: the same loss and gradient as the logits head on a rollout of the hf engine's kind (the
+    top-p set as the fused head's sparse keep set), within trainer_rtol's fp32 size."""
+    from sglang_checks import logprob_kinds, rollout as rollout_lib
+
+    samples = [rollout_lib.Sample(i // 2, i % 2, [1, 2, 3], [5 + i, 9, 11 + 3 * i, 17], [0.0] * 4) for i in range(4)]
+    rollout = rollout_lib.Rollout(model_name="tiny", model_fingerprint="", engine="hf", engine_layout="tp1",
+                                  logprob_kind=logprob_kinds.SAMPLER, temperature=0.8, top_p=0.95,
+                                  max_new_tokens=4, seed=0, samples=samples)
+    packed = rollout_lib.pack(rollout, rollout.longest)
+    rewards = [0.0, 0.5, 0.25, 1.0]
+    out = {}
+    for head in train_steps.TRAIN_HEADS:
+        model = models.load_hf_model(tiny_info, dtype=torch.float32, device=torch.device("cpu"))
+        trainer_ = train_steps.Trainer(model, lr=1e-3, head=head)
+        loss, log_probs, _, _ = trainer_.loss(packed, rollout, rewards, 2, 0.01)
+        out[head] = (float(loss.detach()), trainer_.step(loss, update=False), log_probs.detach())
+    rtol = tolerances.DEFAULTS["trainer_rtol"].float32
+    (loss_l, norm_l, lp_l), (loss_f, norm_f, lp_f) = out["logits"], out["fused"]
+    assert abs(loss_f - loss_l) <= rtol * abs(loss_l) and abs(norm_f - norm_l) <= rtol * norm_l, out
+    mask = packed.row_mask
+    assert torch.allclose(lp_f[mask], lp_l[mask], rtol=0, atol=tolerances.DEFAULTS["trainer_logprob_atol"].float32)
+    assert torch.isfinite(lp_f[mask]).all()  # a target outside the top-p set counts in its row's set: finite
+
+
 @pytest.mark.parametrize("overrides, message", [
     (dict(train_steps=-1), "--train_steps: expected 0"),
     (dict(lr=0.0), "--lr: expected a finite learning rate > 0"),
@@ -351,6 +376,7 @@ def test_on_policy_trainer_has_the_on_policy_values_and_transformers_gradient(ti
     (dict(train_steps=2, samples_per_prompt=1), "--samples_per_prompt >= 2"),
     (dict(reference_trainer=True), "--reference_trainer: replays the training steps' rollouts"),
     (dict(train_steps=2, negative_control=controls.TRAINER_TEMPERATURE), "carry only trainer_weight_ulp"),
+    (dict(train_steps=2, train_head="lm"), "--train_head: expected one of logits, fused"),
 ])
 def test_bad_values_are_refused_naming_the_flag(overrides, message, tmp_path, cache_dir, monkeypatch):
     def no_model(*args, **kwargs):
