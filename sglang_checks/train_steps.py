@@ -34,8 +34,8 @@ Every engine layout of --engine_layouts runs for the whole run and gets every sy
 
 Trainer layouts: the weights are trained by the in-process tp1 trainer only. Every other --trainer_layouts layout
 scores each step's rollout with that step's weights and is compared with tp1 by the check's own comparisons
-(trainer.run_jobs, all steps on one group of ranks after the last step; a `-fused` layout runs ppo_ops' fused head,
-under sglang_on_policy in SGLang's exact order).
+(trainer.run_jobs, all steps on one group of ranks after the last step, the training's seq_mean loss only; a `-fused`
+layout runs ppo_ops' fused head, under sglang_on_policy in SGLang's exact order).
 
 --trainer_numerics=sglang_on_policy: the trainer's log-probs and entropies (the ratio, the loss's value, the
 comparisons) are those of SGLang's on-policy forward (on_policy.py, the check's on-policy trainer), and their
@@ -103,6 +103,9 @@ PROBE_PROMPTS, PROBE_TOKENS = 2, 8
 # model.norm.weight is also the tensor the trainer_weight_ulp control moves.
 READBACK_TENSORS = ("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight", "model.norm.weight")
 READBACK_ROWS = 4  # rows of each (a norm weight has one: all of it)
+# The loss normalization the steps train with; the trainer layouts score each step's rollout with it alone (the
+# check's own step scores both of trainer.VARIANTS).
+TRAINED_VARIANT = "seq_mean"
 # --train_head: what the in-process trainer trains with (module docstring).
 LOGITS_HEAD, FUSED_HEAD = "logits", "fused"
 TRAIN_HEADS = (LOGITS_HEAD, FUSED_HEAD)
@@ -190,7 +193,7 @@ class Trainer:
         loss_fn = ppo_ops.grpo_loss(log_probs.detach(), torch.tensor(rewards, dtype=torch.float32, device=device),
                                     _seq_ids(packed, device), group_size=group_size, eps=GRPO_EPS, clip_low=CLIP_LOW,
                                     clip_high=CLIP_HIGH, entropy_coef=entropy_coef, kl_coef=0.0,
-                                    loss_mask=packed.row_mask.to(device), normalization="seq_mean")
+                                    loss_mask=packed.row_mask.to(device), normalization=TRAINED_VARIANT)
         return loss_fn.total(log_probs, entropy), log_probs, entropy, view
 
     def _fused_loss(self, packed, rollout, rewards, group_size, entropy_coef):
@@ -231,7 +234,7 @@ class Trainer:
         token_loss = ppo_ops.grpo_loss(old, torch.tensor(rewards, dtype=torch.float32, device=device),
                                        _seq_ids(packed, device), group_size=group_size, eps=GRPO_EPS,
                                        clip_low=CLIP_LOW, clip_high=CLIP_HIGH, entropy_coef=entropy_coef,
-                                       kl_coef=0.0, loss_mask=mask, normalization="seq_mean")
+                                       kl_coef=0.0, loss_mask=mask, normalization=TRAINED_VARIANT)
         loss, out = ppo_ops.linear_token_loss(hidden, weight, targets, token_loss, entropy="grad", **options)
         return loss, out.log_probs, out.entropy, view
 
@@ -596,7 +599,7 @@ def _train_step(s, plan, trainer_: Trainer, reference: Optional[ReferenceTrainer
         advantages = ppo_ops.grpo_advantages(torch.tensor(rewards, dtype=torch.float32), s.samples_per_prompt,
                                              eps=GRPO_EPS)
         inputs = dataclasses.replace(check_lib.trainer_inputs(view, packed, s.entropy_coef, plan.sglang_site),
-                                     advantages=advantages)
+                                     advantages=advantages, variants=(TRAINED_VARIANT,))
         job = (inputs, packed)
     return row, comparisons, job
 
