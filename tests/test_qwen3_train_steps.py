@@ -8,7 +8,7 @@ FAIL on the sync comparisons. SGLang's weight sync runs against a stand-in serve
 (the save, the request payloads, the read-back, and the one-ulp control caught); the on-policy trainer's values and
 gradient are checked with on_policy.py's CPU kernels. Bad values of the flags are refused before any model
 (CheckError in process, exit 2 from the binary); a bf16 model trains on fp32 master weights.
-About 70-90 s on a busy 2-core machine.
+About 90 s on a 2-core machine at load 3-4.
 """
 
 import json
