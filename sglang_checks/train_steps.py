@@ -62,6 +62,7 @@ import contextlib
 import dataclasses
 import hashlib
 import math
+import os
 import resource
 import sys
 import tempfile
@@ -475,8 +476,8 @@ def run(s, plan, info: models.ModelInfo, prompt_ids: List[List[int]], tol: Dict[
     with contextlib.ExitStack() as stack:
         weights_dir = None
         if s.engine == "sglang":
-            weights_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix=".train_weights_",
-                                                                          dir=s.report_dir))
+            weights_dir = os.path.abspath(stack.enter_context(tempfile.TemporaryDirectory(
+                prefix=".train_weights_", dir=s.report_dir)))  # the server resolves it, not this process
         slots = _open_slots(stack, s, plan, info, dtype)
         for step in range(s.train_steps + 1):
             t0 = time.monotonic()
