@@ -221,6 +221,7 @@ class Trainer:
             t, keep_mask = logprob_kinds.trainer_arguments(rollout.logprob_kind, rollout.temperature,
                                                            view.top_p_set)
             hidden = view.hidden.detach() + (hidden.float() - hidden.float().detach())  # the value + an exact 0
+            weight = weight.float()  # as the check's fused layouts pass it: fp32 leaves, SGLang's bf16 rounding inside
             order = "sglang"
         keep = None if keep_mask is None else sparse_keep(keep_mask)
         options = dict(temperature=t, row_mask=mask, keep=keep, reduction_order=order)
