@@ -14,8 +14,9 @@ dumps its passes into <report_dir>/engine_dump/<layout>/, and after scoring laye
 where the trainer's on-policy forward and the engine part (report.json's layer_diff).
 
 With --train_steps=N the check is followed by N GRPO steps of one trainer in this process, each step's weights synced
-into the engine and checked there, each step's rollout compared as the check's own (train_steps.py); their
-comparisons join the check's and decide the exit code with them.
+into every engine layout and read back there, each step's rollout compared as the check's own, under every trainer
+layout too, and with --reference_trainer replayed through a textbook trainer (train_steps.py); their comparisons
+join the check's and decide the exit code with them.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ class Settings:
     entropy_coef: float
     train_steps: int  # GRPO steps after the check (train_steps.py); 0: none
     lr: float
+    reference_trainer: bool  # replay the training steps through the textbook trainer (train_steps.py)
+    train_head: str  # what the training steps train with: train_steps.TRAIN_HEADS
     max_ranks: int
     trainer_timeout_s: float
     tolerances: Dict[str, Optional[float]]
@@ -377,7 +380,8 @@ def _run(s: Settings) -> int:
     train_record = None
     if s.train_steps:
         t0 = time.monotonic()
-        _log(f"{s.train_steps} GRPO training steps, weights synced into {s.engine} {plan.engine_layouts[0].name}")
+        _log(f"{s.train_steps} GRPO training steps, weights synced into {s.engine} "
+             f"{','.join(layout.name for layout in plan.engine_layouts)}")
         train_record, train_comparisons = train_steps.run(s, plan, info, _train_prompts(plan, rollout), tol,
                                                           sample_rollout=sample_rollout, log=_log)
         comparisons += train_comparisons
@@ -637,13 +641,7 @@ def compare(rollout, packed, results, engine_scores, view: TrainerView, tol, *, 
     """Every comparison, plus the per-token differences for the histogram. `results` may be empty (no trainer
     layouts run); `shifted` is the shifted_logprobs control."""
     mask = packed.row_mask.numpy()
-    comparisons: List[metrics.Comparison] = []
-    layout_hist = {}
-    for result in results[1:]:
-        base = result.baseline or results[0]  # a fused layout's own baseline (trainer.py), else tp1
-        comparisons += metrics.trainer_comparisons(base, result, mask, tol)
-        label = result.layout.name if base is results[0] else f"{result.layout.name} - {base.layout.name}"
-        layout_hist[label] = (result.log_probs - base.log_probs)[mask]
+    comparisons, layout_hist = trainer_layout_comparisons(results, mask, tol)
     scored = {name: to_rows(values, rollout, packed.targets.shape[1]) for name, values in engine_scores.items()}
     for name in scored:
         if name != first_layout:
@@ -666,6 +664,19 @@ def compare(rollout, packed, results, engine_scores, view: TrainerView, tol, *, 
         comparisons += metrics.mismatch_comparisons(subject, raw_lp, rows, mask, tol, bitwise=bitwise)
         mismatch_hist[subject] = (raw_lp - rows)[mask]
     return comparisons, mismatch_hist, layout_hist
+
+
+def trainer_layout_comparisons(results, mask: np.ndarray, tol) -> Tuple[List[metrics.Comparison], dict]:
+    """Every trainer layout's result against tp1 (a fused layout's against its own baseline), and the per-token
+    differences for the histogram. `results` in layout order, tp1 first (or empty)."""
+    comparisons: List[metrics.Comparison] = []
+    layout_hist = {}
+    for result in results[1:]:
+        base = result.baseline or results[0]  # a fused layout's own baseline (trainer.py), else tp1
+        comparisons += metrics.trainer_comparisons(base, result, mask, tol)
+        label = result.layout.name if base is results[0] else f"{result.layout.name} - {base.layout.name}"
+        layout_hist[label] = (result.log_probs - base.log_probs)[mask]
+    return comparisons, layout_hist
 
 
 def open_engine(s: Settings, layout, model, device, info):

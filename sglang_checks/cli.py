@@ -63,10 +63,21 @@ _MAX_RANKS = flags.DEFINE_integer("max_ranks", 8, "Most ranks a trainer layout m
                                   "per visible GPU).")
 _TRAIN_STEPS = flags.DEFINE_integer(
     "train_steps", 0, "After the check, this many GRPO steps of one tp1 trainer in this process (AdamW on fp32 master "
-    "weights, reward.py's token reward), each followed by a weight sync into the engine (hf only), a new rollout and "
-    "the check of that step: synced weights equal the trainer's, trainer-engine mismatch and ratio within tolerance "
-    "(sglang_checks/train_steps.py). 0: no training.")
+    "weights, reward.py's token reward), each followed by a weight sync into every engine layout (hf: in place; "
+    "SGLang: /update_weights_from_disk), a new rollout and the check of that step: synced weights equal the "
+    "trainer's, trainer-engine mismatch and ratio within tolerance, every trainer layout against tp1 "
+    "(sglang_checks/train_steps.py). 0: no training. `bazel run` of the check passes --train_steps=8 "
+    "--samples_per_prompt=4 (BUILD).")
 _LR = flags.DEFINE_float("lr", 1e-3, "AdamW learning rate of --train_steps.")
+_TRAIN_HEAD = flags.DEFINE_enum(
+    "train_head", "logits", ["logits", "fused"], "What --train_steps trains with: logits (h @ W^T, then ppo_ops' "
+    "logits op) or fused (ppo_ops.linear_token_loss, the GRPO loss in the head's forward; SGLang's exact order under "
+    "--trainer_numerics=sglang_on_policy).")
+_REFERENCE_TRAINER = flags.DEFINE_bool(
+    "reference_trainer", False, "With --train_steps: replay every step's rollout through a textbook PyTorch trainer "
+    "(fp32 log_softmax + gather + softmax entropy, the same GRPO loss, AdamW and masters) from the same initial "
+    "weights; its first step's loss and gradient norm must agree with the ppo_ops trainer's within trainer_rtol, its "
+    "policy reward and loss stay within the bands of tolerances.py at every step.")
 _TRAINER_TIMEOUT = flags.DEFINE_float("trainer_timeout_s", 900.0, "Time limit of all trainer layouts together.")
 _TOLERANCES = {name: flags.DEFINE_float(name, None, f"Default: the calibrated value for --dtype when installed "
                                         f"(tolerances.py), else {default.float32:g} (float32) / "
@@ -170,6 +181,7 @@ def settings(**overrides) -> check.Settings:
         samples_per_prompt=_value(_SAMPLES_PER_PROMPT), prompts=_value(_PROMPTS), ignore_eos=_value(_IGNORE_EOS),
         rollout_data=_value(_ROLLOUT_DATA), explicit_flags=explicit, seq_len=_value(_SEQ_LEN),
         entropy_coef=_value(_ENTROPY_COEF), train_steps=_value(_TRAIN_STEPS), lr=_value(_LR),
+        reference_trainer=_value(_REFERENCE_TRAINER), train_head=_value(_TRAIN_HEAD),
         max_ranks=_value(_MAX_RANKS), trainer_timeout_s=_value(_TRAINER_TIMEOUT),
         tolerances={name: _value(holder) for name, holder in _TOLERANCES.items()},
         expect_bitwise=_value(_EXPECT_BITWISE), negative_control=_value(_NEGATIVE_CONTROL),

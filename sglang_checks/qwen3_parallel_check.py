@@ -1,9 +1,9 @@
 """qwen3_parallel_check: do the trainer's log-probs equal the rollout engine's, and stay the same across layouts?
 
-    bazel run //sglang_checks:qwen3_parallel_check            # CPU, `tiny` model, hf engine, about a minute
-    bazel run //sglang_checks:qwen3_parallel_check -- --model=qwen3-0.6b-random --trainer_layouts=tp1,tp2
-    # then 8 GRPO steps, each step's weights synced into the hf engine and checked (sglang_checks/train_steps.py)
-    bazel run //sglang_checks:qwen3_parallel_check -- --train_steps=8 --samples_per_prompt=4
+    # CPU, `tiny` model, hf engine, then 8 GRPO steps (the target's args: --train_steps=8 --samples_per_prompt=4),
+    # each step's weights synced into the engine and checked (sglang_checks/train_steps.py); about a minute
+    bazel run //sglang_checks:qwen3_parallel_check
+    bazel run //sglang_checks:qwen3_parallel_check -- --train_steps=0 --model=qwen3-0.6b-random --trainer_layouts=tp2
     bazel run //sglang_checks:qwen3_parallel_check -- --engine=sglang --engine_layouts=tp1,tp2 \\
         --model=/path/to/Qwen3-0.6B --sglang_python=/path/to/sglang-venv/bin/python --dtype=bfloat16
     # true on-policy: the trainer repeats SGLang's --rl-on-policy-target forward and must match it exactly; the tensor
@@ -13,6 +13,10 @@
         --sglang_python=/path/to/sglang/python --model=qwen3-0.6b-random --dtype=bfloat16 --device=cuda \\
         --sglang_rl_on_policy_target=fsdp --sglang_attention_backend=triton --sglang_sampling_backend=pytorch \\
         --trainer_numerics=sglang_on_policy --trainer_layouts=tp1,tp2,tp1-fused --expect_bitwise --sglang_dump_tensors
+    # the same across 16 GRPO steps, each step's weights loaded into the server and read back, the textbook trainer
+    # beside ppo_ops' (docs/contributing.md has the full command)
+    ... --trainer_layouts=tp1,tp1-fused --expect_bitwise --sglang_mem_fraction=0.5 --train_steps=16 \\
+        --samples_per_prompt=4 --reference_trainer
 
 Exit code: 0 when every comparison is within its tolerance, 1 when one is not, 2 on bad input (flags, paths, rollout
 files, prompts: one line on stderr saying what was expected, before any model is built or loaded), 3 when a trainer

@@ -170,47 +170,80 @@ def _train_steps_lines(record) -> List[str]:
     """report.md's per-step table of --train_steps (every number is in report.json's train_steps.rows)."""
     if not record:
         return []
+    reference = record.get("reference_trainer")
     lines = ["", f"## GRPO training steps (weights synced into the engine after each; curves: `{TRAIN_PNG_NAME}`)",
              "",
              f"{record['steps']} steps of {record['optimizer']} at lr {record['lr']:g} on {record['master_weights']} "
-             f"master weights, loss {record['loss']}, reward: {record['reward']['name']} "
-             f"(TARGET_MODULUS = {record['reward']['target_modulus']}); reward {_fmt(record['reward_first'])} at step "
-             f"0, {_fmt(record['reward_last'])} at step {record['steps']} (rise {record['reward_rise']:+.4f}).",
-             "",
-             "| step | reward | entropy | loss | grad norm | ratio mean | max \\|ratio-1\\| "
-             "| mean \\|trainer-engine\\| | tensors differing | probe max \\|d\\| | time (s) | peak memory (MiB) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"master weights, trainer numerics `{record.get('numerics', 'hf')}`, loss {record['loss']}, reward: "
+             f"{record['reward']['name']} (TARGET_MODULUS = {record['reward']['target_modulus']}); reward "
+             f"{_fmt(record['reward_first'])} at step 0, {_fmt(record['reward_last'])} at step {record['steps']} "
+             f"(rise {record['reward_rise']:+.4f}). Engine layouts `{','.join(record['engine_layouts'])}` (the first "
+             f"samples); trainer layouts `{','.join(record['trainer_layouts'])}` score every step (only tp1 trains). "
+             f"Policy reward: the probability the trainer's policy puts on the target ids at the step's completion "
+             f"positions."]
+    if reference:
+        bands = record["reference_bands"]
+        lines += ["", f"Reference (`ref`): the textbook PyTorch trainer replaying the same rollouts; bands: |d policy "
+                      f"reward| <= {bands['policy_reward']:g}, |d loss| <= {bands['loss']:g}."]
+    header = ["step", "reward", "policy reward", "entropy", "loss", "grad norm", "ratio mean", "max \\|ratio-1\\|",
+              "mean \\|trainer-engine\\|", "k3 KL", "tensors differing", "probe max \\|d\\|", "time (s)",
+              "peak memory (MiB)"]
+    if reference:
+        header += ["ref policy reward", "ref entropy", "ref loss", "ref grad norm"]
+    lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in record["rows"]:
-        cells = [str(r["step"]), f"{r['reward_mean']:.4f}", f"{r['entropy_mean']:.4f}", _fmt(r["loss"]),
-                 _fmt(r["grad_norm"]), f"{r['ratio_mean']:.6f}", _fmt(r["ratio_max_abs_dev"]),
-                 _fmt(r["mismatch_mean_abs"]), f"{r['sync']['tensors_differing']} of {r['sync']['tensors']}",
-                 _fmt(r["sync"]["probe_max_abs_diff"]), f"{r['step_time_s']:.2f}",
-                 f"{r['peak_memory_bytes'] / 2**20:.0f}"]
+        differing = sum(e["tensors_differing"] for e in r["sync"])
+        checked = sum(e["tensors"] for e in r["sync"])
+        probe = max(e["probe_max_abs_diff"] for e in r["sync"])
+        cells = [str(r["step"]), f"{r['reward_mean']:.4f}", f"{r['policy_reward']:.4f}", f"{r['entropy_mean']:.4f}",
+                 _fmt(r["loss"]), _fmt(r["grad_norm"]), f"{r['ratio_mean']:.6f}", _fmt(r["ratio_max_abs_dev"]),
+                 _fmt(r["mismatch_mean_abs"]), _fmt(r["kl_k3"]), f"{differing} of {checked}", _fmt(probe),
+                 f"{r['step_time_s']:.2f}", f"{r['peak_memory_bytes'] / 2**20:.0f}"]
+        if reference:
+            ref = r["reference"]
+            cells += [f"{ref['policy_reward']:.4f}", f"{ref['entropy_mean']:.4f}", _fmt(ref["loss"]),
+                      _fmt(ref["grad_norm"])]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
-# The curves of train_steps.png: (row key, title), one panel each.
-_TRAIN_CURVES = (("reward_mean", "mean reward"), ("mismatch_mean_abs", "mean |trainer - engine| log-prob"),
-                 ("ratio_max_abs_dev", "max |ratio - 1| (ratio = exp(trainer - engine))"),
-                 ("entropy_mean", "mean entropy (nats)"), ("loss", "GRPO loss"),
-                 ("grad_norm", "gradient norm (before clipping)"))
+# The panels of train_steps.png: (title, [(row key, label)]); keys under "reference." are the reference trainer's.
+_TRAIN_CURVES = (
+    ("reward", [("reward_mean", "sampled reward"), ("policy_reward", "policy reward"),
+                ("reference.policy_reward", "policy reward (reference)")]),
+    ("trainer - engine", [("mismatch_mean_abs", "mean |trainer - engine| log-prob"), ("kl_k3", "k3 KL")]),
+    ("max |ratio - 1| (ratio = exp(trainer - engine))", [("ratio_max_abs_dev", "max |ratio - 1|")]),
+    ("mean entropy (nats)", [("entropy_mean", "ppo_ops"), ("reference.entropy_mean", "reference")]),
+    ("GRPO loss", [("loss", "ppo_ops"), ("reference.loss", "reference")]),
+    ("gradient norm (before clipping)", [("grad_norm", "ppo_ops"), ("reference.grad_norm", "reference")]),
+)
+
+
+def _curve(rows, key: str):
+    if key.startswith("reference."):
+        return None if "reference" not in rows[0] else [r["reference"][key.split(".", 1)[1]] for r in rows]
+    return [r[key] for r in rows]
 
 
 def write_train_curves(path: str, record: dict) -> None:
-    """train_steps.png: one panel per curve of _TRAIN_CURVES over the steps."""
+    """train_steps.png: one panel per entry of _TRAIN_CURVES over the steps, both trainers where both ran."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in record["rows"]]
+    rows = record["rows"]
+    steps = [r["step"] for r in rows]
     fig, axes = plt.subplots(2, 3, figsize=(15, 7))
-    for ax, (key, title) in zip(axes.flat, _TRAIN_CURVES):
-        ax.plot(steps, [r[key] for r in record["rows"]], marker="o")
+    for ax, (title, series) in zip(axes.flat, _TRAIN_CURVES):
+        for key, label in series:
+            values = _curve(rows, key)
+            if values is not None:
+                ax.plot(steps, values, marker="o", label=label, linestyle="--" if "reference" in key else "-")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=90)

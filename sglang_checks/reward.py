@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import List, Sequence
 
+import torch
+
 # Target ids: every TARGET_MODULUS-th id. 4 gives a start near 0.25, far from both 0 (no signal) and 1 (no room).
 TARGET_MODULUS = 4
 
@@ -33,3 +35,8 @@ def reward(completion_ids: Sequence[int]) -> float:
 
 def rewards(completions: Sequence[Sequence[int]]) -> List[float]:
     return [reward(c) for c in completions]
+
+
+def target_mass(probs: torch.Tensor) -> torch.Tensor:
+    """probs [..., V] -> [...]: the probability of the target set, the reward's expectation for the next token."""
+    return probs[..., ::TARGET_MODULUS].sum(-1)

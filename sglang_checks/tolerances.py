@@ -124,3 +124,16 @@ def source(dtype: str) -> str:
     if dtype == "float32":
         return "hand-set float32 defaults (tolerances.py), inside the CPU calibration of docs/calibration.md"
     return "hand-set bfloat16 defaults (tolerances.py); no GPU calibration installed"
+
+# The textbook trainer against the ppo_ops trainer over --train_steps (train_steps.py, --reference_trainer), per model
+# dtype: both train from the same weights on the same rollouts, so they part only through rounding, which AdamW's
+# normalised steps carry forward (where a gradient is near 0, its sign decides a whole step). Measured on `tiny`
+# (fp32, CPU, 8 prompts x 4 samples, 8 steps, seeds 0-4): the two stayed within 4.5e-4 in policy reward and 5.8e-5
+# in loss (seed 4; the others within 4e-6 and 2e-7), while the largest step-to-step move of each run was >= 0.14 in
+# policy reward and >= 3.8e-3 in loss. Each fp32 band sits near the geometric middle of the two, so rounding passes
+# and a reference that trained otherwise (an update behind, another lr) fails at the steps that move. bf16 adds the
+# rounding of the two forwards (8-bit logits; under sglang_on_policy the ppo_ops trainer's values are SGLang's
+# forward's, ~0.05 nats from transformers'): twice the reward band and five times the loss band, not yet measured
+# on a GPU (docs/contributing.md has the run that will).
+REFERENCE_REWARD_BAND = {"float32": 0.01, "bfloat16": 0.02}  # |d policy reward| (probability on the target ids)
+REFERENCE_LOSS_BAND = {"float32": 2e-4, "bfloat16": 1e-3}  # |d GRPO loss|; the loss is ~ -entropy_coef * entropy

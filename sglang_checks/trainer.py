@@ -100,6 +100,7 @@ class TrainerInputs:
     entropy_coef: float
     numerics: str = HF  # one of NUMERICS
     sglang_site: Optional[str] = None  # where sglang is imported from under SGLANG_ON_POLICY (None: sys.path as is)
+    variants: Tuple[str, ...] = VARIANTS  # the loss normalizations scored (the training steps: their own only)
 
 
 @dataclasses.dataclass
@@ -447,7 +448,8 @@ def _run_rank(layout: Layout, rank: int, groups: _Groups, inputs: dict, device: 
         old[rows, cols] = head.log_probs(hidden, weight)
 
     out = {"losses": {}}
-    for variant in VARIANTS:
+    variants = tuple(inputs.get("variants", VARIANTS))
+    for variant in variants:
         ppo_loss = ppo_ops.policy_loss(old, advantages, clip_low=CLIP_LOW, clip_high=CLIP_HIGH,
                                        entropy_coef=float(inputs["entropy_coef"]), loss_mask=full_mask,
                                        normalization=variant, seq_ids=seq_ids)
@@ -466,7 +468,7 @@ def _run_rank(layout: Layout, rank: int, groups: _Groups, inputs: dict, device: 
         out["losses"][variant] = {"loss": float(_sum(loss.detach().double(), groups.data, groups.data_size)),
                                   "logits_grad_norm": logits_norm, "hidden_grad_norm": float(hidden_sq.sqrt()),
                                   "lm_head_grad_norm": float(head_sq.sqrt())}
-        if variant == VARIANTS[0]:
+        if variant == variants[0]:
             out["log_probs"] = scores.log_probs.detach().float().cpu().numpy()
             out["entropy"] = scores.entropy.detach().float().cpu().numpy()
     return out

@@ -13,8 +13,10 @@ Version facts (SGLang 0.5.17, the release the check is written against; 0.5.11-0
   - `--debug-tensor-dump-output-folder DIR` (--sglang_dump_tensors) saves every forward pass's module outputs under
     DIR/TP{tp}_PP{pp}_Rank{rank}_pid{pid}/PassNNNNN.pt (debug_utils/tensor_dump_forward_hook.py) and turns CUDA
     graphs and server warmup off (server_args.py); layer_diff.py reads it.
-  - `POST /update_weights_from_disk {"model_path": ...}` reloads weights in a running server (the RL weight sync);
-    the negative control `engine_layout_weights` uses it to give one engine layout other weights.
+  - `POST /update_weights_from_disk {"model_path": ...}` reloads weights in a running server (the RL weight sync):
+    the training steps load each step's weights with it, and the negative control `engine_layout_weights` gives
+    one engine layout other weights. `POST /get_weights_by_name {"name", "truncate_size"}` answers a parameter's
+    first truncate_size rows as nested lists (one per replica under data parallelism): the training steps' read-back.
   - An SGLang install without FA3 kernels and FlashInfer sampling kernels (such as SGLang 0.5.17 with sglang-kernel
     0.4.5 built on torch 2.11, the one of docs/gpu_runs.md) needs `--attention-backend triton --sampling-backend
     pytorch --disable-custom-all-reduce --mm-feature-transport cpu`: pass its interpreter as --sglang_python and
@@ -391,6 +393,11 @@ def parse_scoring_response(response, samples: List[Sample]) -> List[List[float]]
     return out
 
 
+def weights_by_name_request(name: str, rows: int) -> dict:
+    """POST /get_weights_by_name: the parameter's first `rows` rows (its truncate_size)."""
+    return {"name": name, "truncate_size": rows}
+
+
 class SGLangEngine:
     name = "sglang"
 
@@ -442,6 +449,16 @@ class SGLangEngine:
         answer = self.server.post("/update_weights_from_disk", {"model_path": model_path, "flush_cache": True})
         if not isinstance(answer, dict) or not answer.get("success", False):
             raise RuntimeError(f"SGLang /update_weights_from_disk failed for {model_path}: {answer}")
+
+    def weights_by_name(self, name: str, rows: int):
+        """The first `rows` rows of the served parameter `name` (checkpoint naming), as nested lists of floats; a
+        list of them, one per replica, under data parallelism (the training steps' read-back, train_steps.py).
+        None when the server answers null: its model class has no get_weights_by_name (the model runner logs the
+        error and returns nothing)."""
+        answer = self.server.post("/get_weights_by_name", weights_by_name_request(name, rows))
+        if isinstance(answer, dict):  # an error object, not a parameter
+            raise RuntimeError(f"SGLang /get_weights_by_name failed for {name}: {answer}")
+        return answer
 
     def generate(self, prompts, samples_per_prompt, settings: SamplingSettings) -> List[Sample]:
         seeded = self.options.deterministic or bool(self.options.rl_on_policy_target)
