@@ -48,6 +48,12 @@ def _inputs(seed=0, weight_dtype=torch.bfloat16, rows=ROWS, vocab=V, width=H):
     return hidden.to(DEVICE), weight.to(DEVICE), tokens.to(DEVICE)
 
 
+# The order's backends here: both on the host; on CUDA the Triton one alone (the torch backend is refused there:
+# test_cuda_with_the_torch_backend_is_refused).
+ORDER_BACKENDS = [p for p in backend_params(DEVICE) if DEVICE.type != "cuda" or p.values[0] == "triton"]
+HOST_OR_GPU_BACKEND = "triton" if DEVICE.type == "cuda" else "torch"
+
+
 def _logits(hidden, weight, temperature, kind):
     out = torch.empty((hidden.shape[0], weight.shape[0]), dtype=torch.bfloat16, device=hidden.device)
     return sglang_matmul.bf16_logits(hidden.to(torch.bfloat16), weight.to(torch.bfloat16), out,
@@ -75,13 +81,13 @@ def test_kernel_adds_k_tiles_in_order_and_any_rectangle_has_the_bits_of_the_whol
 def test_temperature_divides_as_sglangs_sampler():
     hidden, weight, _ = _inputs(seed=2, rows=8, vocab=64)
     plain = _logits(hidden, weight, 1.0, "torch")
-    divisor = torch.full((8, 1), 0.7, dtype=torch.float32)
+    divisor = torch.full((8, 1), 0.7, dtype=torch.float32, device=plain.device)
     assert torch.equal(_logits(hidden, weight, 0.7, "torch"), plain.bfloat16().div(divisor).bfloat16())
 
 
 # ---- the order's logic, and float64 ----
 
-@pytest.mark.parametrize("backend", backend_params(DEVICE))
+@pytest.mark.parametrize("backend", ORDER_BACKENDS)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32_tied"])
 def test_log_probs_are_the_logits_ops_on_the_heads_logits(backend, temperature, weight_dtype):
@@ -112,7 +118,7 @@ def _rel(got, ref):
     return float((got.double().cpu() - ref).norm() / ref.norm())
 
 
-@pytest.mark.parametrize("backend", backend_params(DEVICE))
+@pytest.mark.parametrize("backend", ORDER_BACKENDS)
 def test_values_and_gradients_match_float64(backend):
     hidden, weight, tokens = _inputs(seed=4)
     gen = torch.Generator().manual_seed(5)
@@ -218,13 +224,13 @@ def test_token_loss_without_a_gradient_and_with_every_row_masked():
 
 def test_row_mask_drops_rows_and_keeps_the_others_bits():
     hidden, weight, tokens = _inputs(seed=8)
-    row_mask = torch.rand(ROWS, generator=torch.Generator().manual_seed(9)) > 0.4
+    row_mask = (torch.rand(ROWS, generator=torch.Generator().manual_seed(9)) > 0.4).to(DEVICE)
     h = hidden.clone().requires_grad_(True)
     out = ppo_ops.linear_log_probs_and_entropy(h, weight, tokens, entropy="grad", row_mask=row_mask,
-                                               backend="torch", reduction_order="sglang")
+                                               backend=HOST_OR_GPU_BACKEND, reduction_order="sglang")
     (out.log_probs.sum() + out.entropy.sum()).backward()
     alone = ppo_ops.linear_log_probs_and_entropy(hidden[row_mask], weight, tokens[row_mask], entropy="value",
-                                                 backend="torch", reduction_order="sglang")
+                                                 backend=HOST_OR_GPU_BACKEND, reduction_order="sglang")
     assert torch.equal(out.log_probs[row_mask], alone.log_probs)
     assert torch.equal(out.entropy[row_mask], alone.entropy)
     assert out.log_probs[~row_mask].eq(0).all() and h.grad[~row_mask].eq(0).all()
@@ -237,8 +243,8 @@ def _tp_run(rank, world_size, tp_group, device):
     v_local = V_TP // world_size
     out = {}
     for backend in ("torch", "triton"):
-        if backend == "triton" and not _triton_runs(device):
-            continue
+        if (backend == "triton" and not _triton_runs(device)) or (backend == "torch" and device.type == "cuda"):
+            continue  # the torch backend is refused on CUDA in SGLang's order
         h = hidden.to(device).requires_grad_(True)
         w = weight[rank * v_local:(rank + 1) * v_local].to(device).requires_grad_(True)
         res = ppo_ops.linear_log_probs_and_entropy(h, w, tokens.to(device), tp_group=tp_group, entropy="grad",
@@ -247,8 +253,9 @@ def _tp_run(rank, world_size, tp_group, device):
         g = torch.linspace(0.5, 1.5, ROWS, device=device)
         dx, dw = torch.autograd.grad([res.log_probs, res.entropy], [h, w], [g, g.flip(0)])
         out[backend] = (res.log_probs.detach().cpu(), res.entropy.detach().cpu(), dx.cpu(), dw.cpu())
-    # The token loss on each of its paths (its header exchange and end read are its own): torch backend only and
-    # H = 16, to keep the CPU run short; the path is a function of the global vocabulary, the same at every TP size.
+    # The token loss on each of its paths (its header exchange and end read are its own): the torch backend on the
+    # host (Triton on a GPU) and H = 16, to keep the CPU run short; the path is a function of the global vocabulary,
+    # the same at every TP size.
     hidden, weight, tokens = _inputs(seed=10, vocab=V_TP, width=16)
     g = torch.linspace(0.5, 1.5, ROWS, device=device)
     for case, memory in (("token_loss_one_block", None), ("token_loss_blocks", "blocks"), ("token_loss_recompute", 0)):
@@ -257,8 +264,8 @@ def _tp_run(rank, world_size, tp_group, device):
         loss, res = ppo_ops.linear_token_loss(h, w, tokens.to(device),
                                               lambda lp, ent, rows: g[rows] * lp + 0.5 * ent, tp_group=tp_group,
                                               entropy="grad", temperature=0.7, vocab_size=PADDED_VOCAB_TP,
-                                              backend="torch", reduction_order="sglang",
-                                              working_memory=_allowance(memory, 16, V_TP))
+                                              backend="triton" if device.type == "cuda" else "torch",
+                                              reduction_order="sglang", working_memory=_allowance(memory, 16, V_TP))
         dx, dw = torch.autograd.grad(loss, [h, w])
         out[case] = (res.log_probs.cpu(), res.entropy.cpu(), dx.cpu(), dw.cpu())
     return out
