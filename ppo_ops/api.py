@@ -66,7 +66,8 @@ def log_probs_and_entropy(
       keep: (ids, offsets), the same from a sparse CSR keep set over the flattened rows, no [T, V] mask; a row with
         an empty range keeps the whole vocabulary. Not with keep_mask (docs/api.md#keep-sets).
       temperature: both outputs use logits / temperature, the gradient carries 1 / temperature. A real > 0 whose
-        reciprocal fits in float32: a Python or NumPy scalar, or a one-element tensor (read with .item()).
+        reciprocal fits in float32: a Python or NumPy scalar, or a one-element tensor (read with .item()). With
+        reduction_order="sglang": bf16(bf16(logits) / T), as SGLang's sampler divides (a bf16 copy of the logits).
       row_mask: logits.shape[:-1] bool; False rows get 0, 0 and zero gradient, cost nothing, are not checked.
       vocab_size: the true global vocabulary; columns at or past it are padding (no mass, zero gradient).
       chunk_size: rows per chunk of the PyTorch backend's fp32 buffers (None or -1: automatic); bitwise invariant.
@@ -86,9 +87,60 @@ def log_probs_and_entropy(
     options = dict(tp_group=tp_group, entropy=entropy, keep_mask=keep_mask, keep=keep, temperature=temperature,
                    row_mask=row_mask, vocab_size=vocab_size, chunk_size=chunk_size, backend=backend,
                    validate=validate, reduction_order=reduction_order)
+    if reduction_order == "sglang":
+        temperature, inv_temperature, _, _ = checks.check_options(
+            "log_probs_and_entropy", entropy=entropy, backend=backend, temperature=temperature, chunk_size=chunk_size,
+            vocab_size=vocab_size, inplace_grad=inplace_grad, validate=validate)
+        if temperature != 1.0:
+            return _divided_as_sglangs_sampler(logits, tokens, temperature, inv_temperature, inplace_grad, options)
     if not torch.compiler.is_compiling():
         return _log_probs_eager(logits, tokens, inplace_grad=inplace_grad, **options)
     return LogProbsEntropy(*logits_op.log_probs_and_entropy(logits, tokens, **options))
+
+
+def _divided_as_sglangs_sampler(logits, tokens, temperature, inv_temperature, inplace_grad, options):
+    """reduction_order="sglang" at temperature T != 1. SGLang's sampler divides before its log_softmax,
+    bf16(bf16(logits) / fp32(T)) (lm_head/sglang_matmul.py), and the fused head in this order applies T the same way;
+    so the logits op scores those quotients at temperature 1 (a bf16 copy of the logits), and the 1 / T of the
+    gradient scales the upstream gradients (the dlogits are linear in them: one rounding, as at T = 1)."""
+    if inplace_grad:
+        raise checks.argument_error(
+            ValueError, "log_probs_and_entropy", "inplace_grad",
+            "inplace_grad=True is not available with reduction_order='sglang' and temperature != 1: the op scores "
+            "a copy of the logits divided as SGLang's sampler divides them, so the gradient cannot land in theirs")
+    divided = _SamplerDivision.apply(logits, temperature)
+    out = log_probs_and_entropy(divided, tokens, **dict(options, temperature=1.0))
+    scaled = [None if t is None else _ScaledGrad.apply(t, inv_temperature) for t in out]
+    return LogProbsEntropy(*scaled)
+
+
+class _SamplerDivision(torch.autograd.Function):
+    """bf16(bf16(logits) / T): an IEEE fp32 division by a device tensor (true division, as SGLang divides by its
+    temperatures tensor; a host scalar may be turned into a multiplication). Backward passes the gradient through in
+    the logits' dtype (_ScaledGrad carries the 1 / T)."""
+
+    @staticmethod
+    def forward(ctx, logits, temperature):
+        ctx.dtype = logits.dtype
+        divisor = torch.full((1,), temperature, dtype=torch.float32, device=logits.device)
+        return logits.to(torch.bfloat16).float().div(divisor).to(torch.bfloat16)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None
+
+
+class _ScaledGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by `scale` in fp32."""
+
+    @staticmethod
+    def forward(ctx, values, scale):
+        ctx.scale = scale
+        return values.view_as(values)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
 
 
 def _log_probs_eager(logits, tokens, *, tp_group, entropy, keep_mask, keep, temperature, row_mask, vocab_size,

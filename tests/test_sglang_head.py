@@ -98,6 +98,12 @@ def test_log_probs_are_the_logits_ops_on_the_heads_logits(backend, temperature, 
                                          vocab_size=PADDED_VOCAB, backend=backend, reduction_order="sglang")
     assert torch.equal(out.log_probs, want.log_probs)
     assert torch.equal(out.entropy, want.entropy)
+    # The logits op at the same temperature on the undivided logits divides as the head does: the same bits.
+    undivided = ppo_ops.log_probs_and_entropy(_logits(hidden, weight, 1.0, backend), tokens, entropy="value",
+                                              temperature=temperature, vocab_size=PADDED_VOCAB, backend=backend,
+                                              reduction_order="sglang")
+    assert torch.equal(out.log_probs, undivided.log_probs)
+    assert torch.equal(out.entropy, undivided.entropy)
 
 
 def _float64_reference(hidden, weight, tokens, temperature, g_lp, g_ent, vocab_size, backend):

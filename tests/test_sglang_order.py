@@ -89,10 +89,16 @@ def test_values_and_gradients_match_float64(backend, dtype):
                                         **{k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v
                                            for k, v in opts.items()})
     (grad,) = torch.autograd.grad([out.log_probs, out.entropy], x, [w_lp.to(DEVICE), w_ent.to(DEVICE)])
-    ref = reference_log_probs_and_entropy(logits, tokens, grad_log_probs=w_lp, grad_entropy=w_ent, **opts)
+    # The reference scores what the op scores at T != 1: the logits divided as SGLang's sampler divides them,
+    # bf16(bf16(logits) / T), at temperature 1, the gradient carrying 1 / T.
+    divided = logits.to(torch.bfloat16).float().div(torch.full((1,), opts["temperature"])).to(torch.bfloat16)
+    ref = reference_log_probs_and_entropy(divided, tokens, grad_log_probs=w_lp, grad_entropy=w_ent,
+                                          **dict(opts, temperature=1.0))
     assert_log_probs_close(out.log_probs, ref.log_probs)
     assert_entropy_close(out.entropy, ref.entropy)
-    assert_grad_close(grad, ref.grad, dtype)
+    # The gradient is taken with respect to the bf16 quotients: bf16 values in the logits' dtype.
+    assert grad.dtype == dtype
+    assert_grad_close(grad.to(torch.bfloat16), ref.grad / opts["temperature"], torch.bfloat16)
 
 
 @pytest.mark.parametrize("backend", backend_params(DEVICE))
@@ -169,6 +175,16 @@ def test_unknown_order_is_refused():
     logits, tokens = _case(2048)
     with pytest.raises(ValueError, match="reduction_order must be one of"):
         ppo_ops.log_probs_and_entropy(logits, tokens, reduction_order="sglng")
+
+
+def test_a_temperature_divides_a_copy_and_refuses_inplace_grad():
+    logits, tokens = _case(2048)
+    before = logits.clone()
+    ppo_ops.log_probs_and_entropy(logits, tokens, temperature=0.7, reduction_order="sglang")
+    assert torch.equal(logits, before)  # the quotients are a copy: the caller's logits are untouched
+    with pytest.raises(ValueError, match="inplace_grad"):
+        ppo_ops.log_probs_and_entropy(logits.clone().requires_grad_(True), tokens, temperature=0.7,
+                                      inplace_grad=True, reduction_order="sglang")
 
 
 def _small_shard_rank(rank, world_size):

@@ -10,9 +10,10 @@ vocabulary, in blocks of 1024 columns from column 0:
     S = ((0 + B_0) + B_1) + ... + B_last            B_b = tl.sum over block b of e_c = exp(z_c - M), 0 past the vocab
     log_prob(t) = (z_t - M) - log S
 
-(z = logits: SGLang's scoring has no temperature. With temperature T != 1 this module scales as the rest of the op
-does, z = logits * fl32(1 / T), so that backward recomputes the same z; SGLang's sampler divides, logits / T, which
-can differ from that by one ulp of z.) `tl.sum` over a 1024-wide fp32 block has one tree,
+(z = logits: SGLang's scoring has no temperature. With temperature T != 1 the public function first divides the
+logits as SGLang's sampler does, bf16(bf16(logits) / T), and runs this module at T = 1 (ppo_ops/api.py); the module's
+own scaling, z = logits * fl32(1 / T), serves only callers that pass a plan with another temperature.) `tl.sum`
+over a 1024-wide fp32 block has one tree,
 read off the kernel's sm_90 code under Triton 3.6: the load gives each of the 128 threads W contiguous columns per
 repetition, the repetitions 128·W columns apart (W = 4 for a vocabulary of a multiple of 4 columns: 16-byte loads;
 2 or 1 otherwise); a thread adds its 8 values in column order, starting from the first; the 32 lanes of a warp then
