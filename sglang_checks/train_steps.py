@@ -225,12 +225,6 @@ class Trainer:
             order = "sglang"
         keep = None if keep_mask is None else sparse_keep(keep_mask)
         options = dict(temperature=t, row_mask=mask, keep=keep, reduction_order=order)
-        if keep is not None:
-            # Workaround: with both a sparse keep set and a row_mask, the fused head scored the first kept row
-            # against another row's set (its log-prob off by 0.56 on a tiny rollout; each alone is right). Every row
-            # is scored instead, the loss's loss_mask giving the prompt and padding rows weight 0.
-            options["row_mask"] = None
-            targets = targets.clamp(min=0)
         with torch.no_grad():  # PPO's old log-probs: this trainer's own, before the update
             old = ppo_ops.linear_log_probs_and_entropy(hidden.detach(), weight.detach(), targets, **options).log_probs
         token_loss = ppo_ops.grpo_loss(old, torch.tensor(rewards, dtype=torch.float32, device=device),

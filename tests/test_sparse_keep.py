@@ -6,7 +6,9 @@ and every bad keep set raising one error that names `keep`, on every rank at TP 
 Every case's keep rows cover what top-p / top-k replay produces and what can go wrong with it: rows with no nucleus
 (the full vocabulary), a nucleus with and without the target, only the target, ids listed twice, ids on every rank's
 shard, a frequent id kept by most rows (its dW run crosses the kernel's tiles), ids next to the padding. The float64
-reference is tests/reference.py's with the dense mask: log-prob over keep ∪ {target}, entropy over everything.
+reference is tests/reference.py's with the dense mask: log-prob over keep ∪ {target}, entropy over everything. A row
+mask dropping rows before the first kept row, between kept rows and last, with and without keep entries on the
+dropped rows, has cases of its own (the LM head and the token loss compact the kept rows).
 """
 
 import pytest
@@ -366,6 +368,123 @@ def test_lm_head_log_probs_are_row_count_invariant(backend):
     part = run_head(hidden[20:50], weight, tokens[20:50], keep=csr(kept[20:50]), w_lp=w[20:50], w_ent=w[20:50],
                     backend=backend, backward=False)[0]
     assert torch.equal(part, full[20:50])
+
+
+# --- a row mask dropping rows before and between the keep rows ---
+
+DROPPED_ROWS = (0, 1, 2, 6, 7, 11)  # before the first kept row (the LM head's compacted row 0), between kept rows, last
+DROPPED_ROWS_N = 12
+
+
+def dropped_rows_case(seed=23):
+    """(hidden, weight, tokens, row_mask, {with: keep rows, without: keep rows}): the rows of DROPPED_ROWS dropped by
+    the row mask (token -100, as a rollout's prompt rows), the kept rows' keep sets sharing ids (a nucleus without and
+    with the target, the full vocabulary, only the target, duplicates); "with", the dropped rows list every kept
+    row's ids and targets (a real rollout's prompt rows carry nuclei too); "without", the dropped rows list none."""
+    hidden, weight, tokens = linear_inputs((DROPPED_ROWS_N,), torch.float32, seed)
+    row_mask = torch.ones(DROPPED_ROWS_N, dtype=torch.bool)
+    row_mask[list(DROPPED_ROWS)] = False
+    tokens = torch.where(row_mask, tokens, -100)
+    gen = torch.Generator().manual_seed(seed + 1)
+    patterns = iter([
+        lambda t, a, b: [FREQUENT_ID, a, b],  # the first kept row: its nucleus without the target
+        lambda t, a, b: [FREQUENT_ID, t, a],
+        lambda t, a, b: [],  # the full vocabulary
+        lambda t, a, b: [t],
+        lambda t, a, b: [a, FREQUENT_ID, a, b],
+        lambda t, a, b: [b, FREQUENT_ID],
+    ])
+    kept = [[] for _ in range(DROPPED_ROWS_N)]
+    for r in torch.nonzero(row_mask).squeeze(1).tolist():
+        t = int(tokens[r])
+        a, b = [i for i in torch.randperm(V_GLOBAL, generator=gen).tolist() if i not in (t, FREQUENT_ID)][:2]
+        kept[r] = next(patterns)(t, a, b)
+    listed = sorted({i for row in kept for i in row} | set(tokens[row_mask].tolist()))
+    with_entries = [row if row_mask[r] else listed[r % 3:] for r, row in enumerate(kept)]
+    return hidden, weight, tokens, row_mask, {"with": with_entries, "without": kept}
+
+
+@pytest.mark.parametrize("kernels", [pytest.param(False, id="torch"), pytest.param(True, id="triton", marks=[
+    pytest.mark.skipif(triton_skip_reason(DEVICE) is not None, reason=triton_skip_reason(DEVICE) or "")])])
+def test_entries_of_compacted_rows_are_those_of_the_call_rows(kernels):
+    """The LM head's entries over its compacted rows (a row mask's kept rows) count exactly the listings that the
+    entries over the call's rows with that row mask count: a dropped row's ids, which sit on compacted row 0 as an
+    index, never count, nor stop the kept rows' own first listings of the same ids from counting."""
+    _, _, tokens, row_mask, kept = dropped_rows_case()
+    shard = sparse_keep.KeepShard(vocab_size=V_GLOBAL, v_global=V_GLOBAL, vocab_start=0, n_valid=V_GLOBAL)
+    rows = torch.nonzero(row_mask).squeeze(1).to(DEVICE)
+    tokens, row_mask = tokens.to(DEVICE), row_mask.to(DEVICE)
+    for which in ("with", "without"):
+        keep = sparse_keep.SparseKeep(*csr(kept[which]))
+        call = sparse_keep.entries(keep, tokens, rows=None, row_mask=row_mask, shard=shard, kernels=False)
+        compact = sparse_keep.entries(keep, tokens[rows], rows=rows, row_mask=None, shard=shard, kernels=kernels)
+        n_ids = keep.ids.numel()
+        assert torch.equal(compact.ok[:n_ids], call.ok[:n_ids]), which
+        assert torch.equal(compact.ok[n_ids:], call.ok[n_ids:][rows]), which
+        assert torch.equal(rows[compact.row[:n_ids][compact.ok[:n_ids]]], call.row[:n_ids][call.ok[:n_ids]]), which
+
+
+@with_each_backend
+def test_logits_op_row_mask_drops_rows_before_and_between_keep_rows(backend):
+    """The logits op with a keep set and a row mask dropping rows before, between and after the keep rows, with and
+    without entries on the dropped rows: against float64 (the dense keep_mask's); dropped rows get no gradient, and
+    their entries change nothing."""
+    hidden, weight, tokens, row_mask, kept = dropped_rows_case()
+    logits = (hidden @ weight.T).contiguous()
+    lead = tuple(tokens.shape)
+    w_lp, w_ent = make_weights(lead, 4), make_weights(lead, 5, low=-1.0, high=1.0)
+    opts = dict(entropy="grad", temperature=0.7, row_mask=row_mask, backend=backend)
+    mask = dense_mask(kept["without"], V_GLOBAL, lead)
+    ref = reference_log_probs_and_entropy(logits, tokens, keep_mask=mask, grad_log_probs=w_lp, grad_entropy=w_ent,
+                                          **opts)
+    got = {}
+    for which, rows in kept.items():
+        got[which] = lp, ent, grad = run_logits(logits, tokens, keep=csr(rows), w_lp=w_lp, w_ent=w_ent, **opts)
+        assert_log_probs_close(lp.cpu(), ref.log_probs)
+        assert_entropy_close(ent.cpu(), ref.entropy)
+        assert_grad_close(grad.cpu(), ref.grad, torch.float32)
+        assert not grad[~row_mask.to(grad.device)].any(), which
+    for a, b in zip(got["with"], got["without"]):
+        assert torch.equal(a, b)
+
+
+@with_each_backend
+def test_lm_head_row_mask_drops_rows_before_and_between_keep_rows(backend):
+    """linear_log_probs_and_entropy with a keep set and a row mask dropping rows before its first kept row (the
+    compacted row 0), between and after the keep rows, with and without entries on the dropped rows: against the
+    float64 bounds of the dense keep_mask; the entries on dropped rows change no log-prob or entropy."""
+    hidden, weight, tokens, row_mask, kept = dropped_rows_case()
+    lead = tuple(tokens.shape)
+    w_lp, w_ent = make_weights(lead, 4), make_weights(lead, 5, low=-1.0, high=1.0)
+    expected = bounds(hidden, weight, tokens, w_lp, w_ent, temperature=0.7, row_mask=row_mask,
+                      keep_mask=dense_mask(kept["without"], V_GLOBAL, lead),
+                      **_rounding(backend, torch.float32, hidden, weight, row_mask))
+    got = {}
+    for which, rows in kept.items():
+        got[which] = lp, ent, dx, dw = run_head(hidden, weight, tokens, keep=csr(rows), w_lp=w_lp, w_ent=w_ent,
+                                                backend=backend, temperature=0.7, row_mask=row_mask)
+        for name, value in zip(("log_probs", "entropy", "dx", "dw"), (lp, ent, dx, dw)):
+            assert_within(f"{name} ({which} entries on dropped rows)", value.cpu(), expected[name])
+    assert torch.equal(got["with"][0], got["without"][0]) and torch.equal(got["with"][1], got["without"][1])
+
+
+@with_each_backend
+def test_token_loss_row_mask_drops_rows_before_and_between_keep_rows(backend):
+    """linear_token_loss with the same keep sets and row mask: its closure's keep log-probs and its gradients
+    against the float64 bounds of the dense keep_mask, with and without entries on the dropped rows."""
+    hidden, weight, tokens, row_mask, kept = dropped_rows_case()
+    lead = tuple(tokens.shape)
+    w_lp, w_ent = make_weights(lead, 4), make_weights(lead, 5, low=-1.0, high=1.0)
+    expected = bounds(hidden, weight, tokens, w_lp, w_ent, temperature=0.7, row_mask=row_mask,
+                      keep_mask=dense_mask(kept["without"], V_GLOBAL, lead),
+                      **_loss_rounding(backend, torch.float32, hidden, weight))
+    got = {}
+    for which, rows in kept.items():
+        got[which] = lp, ent, dx, dw = run_loss(hidden, weight, tokens, keep=csr(rows), w_lp=w_lp, w_ent=w_ent,
+                                                backend=backend, temperature=0.7, row_mask=row_mask)
+        for name, value in zip(("log_probs", "entropy", "dx", "dw"), (lp, ent, dx, dw)):
+            assert_within(f"{name} ({which} entries on dropped rows)", value.cpu(), expected[name])
+    assert torch.equal(got["with"][0], got["without"][0]) and torch.equal(got["with"][1], got["without"][1])
 
 
 # --- TP = 1, 2, 4: bitwise ---

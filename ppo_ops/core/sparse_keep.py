@@ -245,12 +245,17 @@ def entries(keep: SparseKeep, tokens: torch.Tensor, *, rows: Optional[torch.Tens
     is_id = torch.cat([torch.ones(n_ids, dtype=torch.int64, device=device),
                        torch.zeros(n_rows, dtype=torch.int64, device=device)])
     # (id, row), a target before an id equal to it: duplicates sit side by side; the first of each counts.
-    key = ((gid + 1) * max(n_rows, 1) + ent_row) * 2 + is_id
+    # Only entries that may count take part (as the kernel path's first *valid* entry): the others share key -1,
+    # ahead of every (id, row). Their `row` is only an index: a dropped row's ids sit on compacted row 0 (and, with
+    # validate=False, ids outside the CSR on row 0 or the last row), and ranked among that row's own listings they
+    # would take the place of its first listing of the same id, which then would not count.
+    valid = torch.cat([id_ok, target_ok])
+    key = torch.where(valid, ((gid + 1) * max(n_rows, 1) + ent_row) * 2 + is_id, -1)
     sorted_key, order = torch.sort(key, stable=True)
     first = torch.ones_like(sorted_key, dtype=torch.bool)
     first[1:] = sorted_key[1:] != sorted_key[:-1]
     unique = torch.empty_like(first).scatter_(0, order, first)
-    ok = unique & torch.cat([id_ok, target_ok])
+    ok = unique & valid
     col = gid - vocab_start
     local = ok & (col >= 0) & (col < n_valid)
     col = col.clamp(0, max(n_valid - 1, 0))

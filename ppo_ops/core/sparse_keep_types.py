@@ -55,8 +55,9 @@ class Entries:
     ok: torch.Tensor  # [E] bool: the entry is in its keep row's set (first of its (row, id), a valid id)
     local: torch.Tensor  # [E] bool: ok, and the id is in this rank's shard
     col: torch.Tensor  # [E] int64 the id's local column (the weight's row), clamped into the shard
-    order: Optional[torch.Tensor]  # [E] int64 entries sorted by (id, row), targets first among equal (id, row);
-    #   None from the logits op's kernel path, which needs no order
+    order: Optional[torch.Tensor]  # [E] int64 entries sorted by (id, row), targets first among equal (id, row)
+    #   (the torch path puts the entries that cannot count first); None from the logits op's kernel path, which needs
+    #   no order
     offsets: torch.Tensor  # [T + 1] the CSR (the torch path's made monotone), T the call's rows
     rows: Optional[torch.Tensor]  # [R] the call's row of each of the R rows, or None (the same rows)
     row_mask: Optional[torch.Tensor]  # [T] the call's row mask where rows are not compacted, or None
