@@ -45,6 +45,7 @@ test_linear_token_loss_gpu4 4
 test_logits_replay_gpu 1
 test_megatron_gpu 1
 test_megatron_gpu2 2
+test_objectives_gpu 1
 test_ppo_logprob_entropy_gpu 1
 test_ppo_logprob_entropy_gpu2 2
 test_qwen3_0.6B_parallel_check 2
