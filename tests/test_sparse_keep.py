@@ -449,39 +449,24 @@ def test_logits_op_row_mask_drops_rows_before_and_between_keep_rows(backend):
 
 
 @with_each_backend
-def test_lm_head_row_mask_drops_rows_before_and_between_keep_rows(backend):
-    """linear_log_probs_and_entropy with a keep set and a row mask dropping rows before its first kept row (the
-    compacted row 0), between and after the keep rows, with and without entries on the dropped rows: against the
-    float64 bounds of the dense keep_mask; the entries on dropped rows change no log-prob or entropy."""
+@pytest.mark.parametrize("op", ["head", "token_loss"])
+def test_lm_head_row_mask_drops_rows_before_and_between_keep_rows(backend, op):
+    """linear_log_probs_and_entropy and linear_token_loss (its closure's keep log-probs and its gradients) with a keep
+    set and a row mask dropping rows before its first kept row (the compacted row 0), between and after the keep
+    rows, with and without entries on the dropped rows: against the float64 bounds of the dense keep_mask; the
+    entries on dropped rows change no log-prob or entropy."""
     hidden, weight, tokens, row_mask, kept = dropped_rows_case()
     lead = tuple(tokens.shape)
     w_lp, w_ent = make_weights(lead, 4), make_weights(lead, 5, low=-1.0, high=1.0)
+    rounding = (_rounding(backend, torch.float32, hidden, weight, row_mask) if op == "head"
+                else _loss_rounding(backend, torch.float32, hidden, weight))
     expected = bounds(hidden, weight, tokens, w_lp, w_ent, temperature=0.7, row_mask=row_mask,
-                      keep_mask=dense_mask(kept["without"], V_GLOBAL, lead),
-                      **_rounding(backend, torch.float32, hidden, weight, row_mask))
+                      keep_mask=dense_mask(kept["without"], V_GLOBAL, lead), **rounding)
+    run = run_head if op == "head" else run_loss
     got = {}
     for which, rows in kept.items():
-        got[which] = lp, ent, dx, dw = run_head(hidden, weight, tokens, keep=csr(rows), w_lp=w_lp, w_ent=w_ent,
-                                                backend=backend, temperature=0.7, row_mask=row_mask)
-        for name, value in zip(("log_probs", "entropy", "dx", "dw"), (lp, ent, dx, dw)):
-            assert_within(f"{name} ({which} entries on dropped rows)", value.cpu(), expected[name])
-    assert torch.equal(got["with"][0], got["without"][0]) and torch.equal(got["with"][1], got["without"][1])
-
-
-@with_each_backend
-def test_token_loss_row_mask_drops_rows_before_and_between_keep_rows(backend):
-    """linear_token_loss with the same keep sets and row mask: its closure's keep log-probs and its gradients
-    against the float64 bounds of the dense keep_mask, with and without entries on the dropped rows."""
-    hidden, weight, tokens, row_mask, kept = dropped_rows_case()
-    lead = tuple(tokens.shape)
-    w_lp, w_ent = make_weights(lead, 4), make_weights(lead, 5, low=-1.0, high=1.0)
-    expected = bounds(hidden, weight, tokens, w_lp, w_ent, temperature=0.7, row_mask=row_mask,
-                      keep_mask=dense_mask(kept["without"], V_GLOBAL, lead),
-                      **_loss_rounding(backend, torch.float32, hidden, weight))
-    got = {}
-    for which, rows in kept.items():
-        got[which] = lp, ent, dx, dw = run_loss(hidden, weight, tokens, keep=csr(rows), w_lp=w_lp, w_ent=w_ent,
-                                                backend=backend, temperature=0.7, row_mask=row_mask)
+        got[which] = lp, ent, dx, dw = run(hidden, weight, tokens, keep=csr(rows), w_lp=w_lp, w_ent=w_ent,
+                                           backend=backend, temperature=0.7, row_mask=row_mask)
         for name, value in zip(("log_probs", "entropy", "dx", "dw"), (lp, ent, dx, dw)):
             assert_within(f"{name} ({which} entries on dropped rows)", value.cpu(), expected[name])
     assert torch.equal(got["with"][0], got["without"][0]) and torch.equal(got["with"][1], got["without"][1])
