@@ -223,6 +223,16 @@ class _FakeServer:
         return self.answers[path](payload)
 
 
+def _unreadable_answer(payload):
+    """SGLang 0.5.17 serving Qwen3 (no get_weights_by_name in its model class): HTTP 400 with this message."""
+    raise sglang_engine.ServerError("/get_weights_by_name", 400,
+                                    '{"error":{"message":"%s"}}' % sglang_engine.UNREADABLE_WEIGHTS)
+
+
+def _refused_answer(payload):
+    raise sglang_engine.ServerError("/get_weights_by_name", 500, "internal error")
+
+
 def _engine_with(server):
     engine = object.__new__(sglang_engine.SGLangEngine)  # no process: the stand-in answers
     engine.server, engine.layout, engine.costs = server, layouts.Layout("tp1"), {}
@@ -237,8 +247,13 @@ def test_sglang_engine_sends_the_weight_requests_sglang_expects():
     assert engine.weights_by_name("model.norm.weight", 4) == [[1.0, 2.0]]
     assert server.requests == [("/update_weights_from_disk", {"model_path": "/abs/step", "flush_cache": True}),
                                ("/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 4})]
-    unreadable = _engine_with(_FakeServer({"/get_weights_by_name": lambda p: None}))
+    unreadable = _engine_with(_FakeServer({"/get_weights_by_name": _unreadable_answer}))
     assert unreadable.weights_by_name("model.norm.weight", 4) is None  # a model class without the method
+    null = _engine_with(_FakeServer({"/get_weights_by_name": lambda p: None}))
+    assert null.weights_by_name("model.norm.weight", 4) is None
+    refused = _engine_with(_FakeServer({"/get_weights_by_name": _refused_answer}))
+    with pytest.raises(sglang_engine.ServerError, match="HTTP 500"):
+        refused.weights_by_name("model.norm.weight", 4)
     failing = _engine_with(_FakeServer({"/get_weights_by_name": lambda p: {"error": "no such parameter"}}))
     with pytest.raises(RuntimeError, match="get_weights_by_name failed for model.norm.weight"):
         failing.weights_by_name("model.norm.weight", 4)

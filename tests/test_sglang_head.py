@@ -161,7 +161,13 @@ _TOKEN_LOSS_CASES = (
     + [pytest.param("triton", case, id=f"triton-{case}",
                     marks=pytest.mark.skipif(triton_skip_reason(DEVICE) is not None,
                                              reason=triton_skip_reason(DEVICE) or ""))
-       for case in ("one_block", "blocks")])
+       for case in ("one_block",)]
+    # Blocks of the host's 16-row forward blocks: on CUDA a block is 1024 rows, and the blocks path at that size is
+    # checked against SGLang itself up to T = 32768 (test_sglang_head_vs_sglang).
+    + [pytest.param("triton", "blocks", id="triton-blocks",
+                    marks=[pytest.mark.device("cpu"),
+                           pytest.mark.skipif(triton_skip_reason(DEVICE) is not None,
+                                              reason=triton_skip_reason(DEVICE) or "")])])
 LOSS_BLOCK_ROWS = paths.HOST_SGLANG_BLOCK_ROWS  # the blocks cases' rows per block: three blocks of ROWS
 
 
@@ -303,6 +309,7 @@ def test_bitwise_identical_across_tp_sizes(tp_results, tp):
 
 # ---- the path, the integrations, the refusals ----
 
+@pytest.mark.device("cpu")  # the host's block sizes; CUDA's are checked against SGLang (test_sglang_head_vs_sglang)
 def test_the_path_is_named_and_working_memory_steers_the_token_loss():
     """The general op: sglang_blocks whatever the allowance. The token loss (H = 16: 16-row blocks cost less than one
     block of every row, 32-row blocks more): one block within its bytes (the host's default holds it), blocks below

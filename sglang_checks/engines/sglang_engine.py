@@ -220,6 +220,19 @@ def _close_all_servers() -> None:  # backstop: no server outlives the check
         server.close()
 
 
+class ServerError(RuntimeError):
+    """An HTTP error answer of the server: its status `code` and (the start of) its `body`."""
+
+    def __init__(self, path: str, code: int, body: str):
+        super().__init__(f"SGLang {path} answered HTTP {code}: {body}")
+        self.code, self.body = code, body
+
+
+# SGLang's answer (HTTP 400) to /get_weights_by_name when the served model class has no get_weights_by_name (Qwen3
+# in SGLang 0.5.17: the model runner logs the AttributeError and the endpoint sees nothing).
+UNREADABLE_WEIGHTS = "Get parameter by name failed"
+
+
 class Server:
     """A server subprocess: start, wait for health, JSON requests, and a shutdown that always happens."""
 
@@ -289,7 +302,7 @@ class Server:
                 return json.loads(response.read())
         except urllib.error.HTTPError as exc:
             body = exc.read().decode(errors="replace")[:2000]
-            raise RuntimeError(f"SGLang {path} answered HTTP {exc.code}: {body}") from exc
+            raise ServerError(path, exc.code, body) from exc
         except (urllib.error.URLError, OSError) as exc:
             alive = self.process is not None and self.process.poll() is None
             raise RuntimeError(f"SGLang {path} failed ({exc}); server {'running' if alive else 'exited'}; last "
@@ -453,9 +466,14 @@ class SGLangEngine:
     def weights_by_name(self, name: str, rows: int):
         """The first `rows` rows of the served parameter `name` (checkpoint naming), as nested lists of floats; a
         list of them, one per replica, under data parallelism (the training steps' read-back, train_steps.py).
-        None when the server answers null: its model class has no get_weights_by_name (the model runner logs the
-        error and returns nothing)."""
-        answer = self.server.post("/get_weights_by_name", weights_by_name_request(name, rows))
+        None when the served model class has no get_weights_by_name (SGLang then answers HTTP 400 with
+        UNREADABLE_WEIGHTS; an older server, null)."""
+        try:
+            answer = self.server.post("/get_weights_by_name", weights_by_name_request(name, rows))
+        except ServerError as exc:
+            if exc.code == 400 and UNREADABLE_WEIGHTS in exc.body:
+                return None
+            raise
         if isinstance(answer, dict):  # an error object, not a parameter
             raise RuntimeError(f"SGLang /get_weights_by_name failed for {name}: {answer}")
         return answer
