@@ -169,18 +169,19 @@ def _sequence_blocks(hidden, weight, tokens, row_mask, plan: Plan, token_loss, k
     n_tokens = token_loss.n_tokens
     ids = token_loss.seq_ids[row_ids]
     counted = token_loss.rest.weight[row_ids] != 0
-    host = torch.stack((ids, counted.to(torch.int64))).cpu().numpy()
+    host = torch.stack((ids, counted.to(torch.int64))).cpu()
     blocks, error = None, None
-    if host.shape[1] and (host[0].min() < 0 or host[0].max() >= n_tokens):
+    low, high = int(host[0].min()), int(host[0].max())
+    if low < 0 or high >= n_tokens:
         error = checks.argument_error(
             ValueError, plan.fn_name, "token_loss",
             f"token_loss.seq_ids must be in [0, {n_tokens}) (one sequence index per token, the loss's T = "
-            f"{n_tokens}), got values in [{int(host[0].min())}, {int(host[0].max())}]")
+            f"{n_tokens}), got values in [{low}, {high}]")
     else:
-        blocks = sequence_blocks.cut(host[0], host[1].astype(bool), path.block_rows)
+        blocks = sequence_blocks.cut(host[0], host[1].bool(), path.block_rows)
     _agree_on_blocks(plan, blocks, error, hidden)
     if blocks.recompute is not None:
-        again = torch.from_numpy(blocks.recompute).to(hidden.device)
+        again = blocks.recompute.to(hidden.device)
         frozen = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         frozen[row_ids] = again
         stats_plan = dataclasses.replace(plan, needs_grad=False)

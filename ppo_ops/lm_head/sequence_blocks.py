@@ -31,36 +31,38 @@ import dataclasses
 import zlib
 from typing import Optional
 
-import numpy as np
+import torch
 
 
 @dataclasses.dataclass(frozen=True)
 class SequenceBlocks:
-    """The cut: `bounds` (r0, r1) of each block over the kept rows, in order; `recompute` [n_kept] bool, the kept
-    rows whose sequence is recomputed (None: none is)."""
+    """The cut: `bounds` (r0, r1) of each block over the kept rows, in order; `recompute` [n_kept] bool (CPU), the
+    kept rows whose sequence is recomputed (None: none is)."""
 
     bounds: tuple
-    recompute: Optional[np.ndarray]
+    recompute: Optional[torch.Tensor]
 
     @property
     def recomputed_rows(self) -> int:
         return 0 if self.recompute is None else int(self.recompute.sum())
 
 
-def cut(seq_ids: np.ndarray, counted: np.ndarray, block_rows: int) -> SequenceBlocks:
-    """The blocks of kept rows with sequence ids `seq_ids` ([n] int64, the call's row order) and `counted` ([n]
-    bool, rows with a loss weight) for blocks of at most block_rows rows (module docstring)."""
+def cut(seq_ids: torch.Tensor, counted: torch.Tensor, block_rows: int) -> SequenceBlocks:
+    """The blocks of kept rows with sequence ids `seq_ids` ([n] int64 on the CPU, the call's row order) and
+    `counted` ([n] bool, rows with a loss weight) for blocks of at most block_rows rows (module docstring)."""
     n = int(seq_ids.shape[0])
     if n <= block_rows:  # one block holds every sequence whole, whatever the order
         return SequenceBlocks(bounds=((0, n),) if n else (), recompute=None)
-    starts = np.flatnonzero(np.concatenate(([True], seq_ids[1:] != seq_ids[:-1])))
-    ends = np.concatenate((starts[1:], [n]))
+    change = torch.ones(n, dtype=torch.bool)
+    change[1:] = seq_ids[1:] != seq_ids[:-1]
+    starts = torch.nonzero(change).squeeze(1)
+    ends = torch.cat((starts[1:], torch.tensor([n])))
     run_ids = seq_ids[starts]
-    ids, runs_per_id = np.unique(run_ids, return_counts=True)
-    live_ids = np.unique(seq_ids[counted])
-    split = np.isin(run_ids, ids[runs_per_id > 1])
-    recompute_run = (split | (ends - starts > block_rows)) & np.isin(run_ids, live_ids)
-    cuttable = recompute_run | ~np.isin(run_ids, live_ids)  # recomputed or free: cut anywhere
+    ids, runs_per_id = torch.unique(run_ids, return_counts=True)
+    live = torch.isin(run_ids, torch.unique(seq_ids[counted]))
+    split = torch.isin(run_ids, ids[runs_per_id > 1])
+    recompute_run = (split | (ends - starts > block_rows)) & live
+    cuttable = recompute_run | ~live  # recomputed or free: cut anywhere
     bounds = []
     b0 = 0
     # Invariant: every row of the block [b0, s) before the run [s, e) fits, s - b0 <= block_rows.
@@ -73,15 +75,15 @@ def cut(seq_ids: np.ndarray, counted: np.ndarray, block_rows: int) -> SequenceBl
             bounds.append((b0, s))
             b0 = s
     bounds.append((b0, n))
-    recompute = np.repeat(recompute_run, ends - starts)
-    return SequenceBlocks(bounds=tuple(bounds), recompute=recompute if recompute.any() else None)
+    recompute = torch.repeat_interleave(recompute_run, ends - starts)
+    return SequenceBlocks(bounds=tuple(bounds), recompute=recompute if bool(recompute.any()) else None)
 
 
 def summary(blocks: Optional[SequenceBlocks], error: int = 0) -> list:
-    """Four int64 values that ranks compare before cutting: a local error code (0: none), the block count, and
-    checksums of the block ends and of the recomputed rows (CRC-32 of their bytes)."""
+    """Four ints that ranks compare before cutting: a local error code (0: none), the block count, and checksums
+    (CRC-32) of the block ends and of the recomputed rows."""
     if blocks is None:
         return [error, 0, 0, 0]
-    ends = np.asarray([r1 for _, r1 in blocks.bounds], dtype=np.int64)
-    recompute = b"" if blocks.recompute is None else np.packbits(blocks.recompute).tobytes()
-    return [error, len(blocks.bounds), zlib.crc32(ends.tobytes()), zlib.crc32(recompute)]
+    ends = ",".join(str(r1) for _, r1 in blocks.bounds).encode()
+    recompute = b"" if blocks.recompute is None else bytes(blocks.recompute.to(torch.uint8).tolist())
+    return [error, len(blocks.bounds), zlib.crc32(ends), zlib.crc32(recompute)]
