@@ -21,9 +21,13 @@ log-probs before the caller's loss sees them; the loss's log-prob gradient goes 
 keep rows, and the keep term is added into each block x segment of dlogits (keep_dlogits) before its dX / dW GEMMs,
 so it rides in them: no pass of its own over the weight or the hidden rows.
 
-Row-separable losses only: a row's term may depend on its own log-prob, entropy and constants (indexed by the row
-ids the loss is given), never on other rows' values, because the loss sees one row block at a time. TP > 1: every
-rank calls token_loss with the same global values (merged statistics).
+The loss sees one row block at a time, so the schedule follows its `scope` (paths.loss_schedule, docs/losses.md):
+"row" losses (a row's term depends on its own log-prob, entropy and constants, indexed by the row ids the loss is
+given; any closure) take the path's blocks as they come; "sequence" losses (ppo_ops.sequence_losses) take blocks cut
+at sequence ends (lm_head/sequence_blocks.py, `_sequence_blocks`: the sequences that fit no block get a statistics
+pass over their rows and are frozen there), except in SGLang's order; "batch" losses, and sequence ones in SGLang's
+order, a statistics pass over every row and the loss frozen there (`_frozen`). TP > 1: every rank calls token_loss
+with the same global values (merged statistics) on the same blocks.
 
 Validation (validate=True): at TP > 1 the logits op's header exchange runs before the first block's all-gather
 (ranks agreeing on rows, tokens and options; the NaN / +inf flag from this rank's first block); every block adds
