@@ -129,6 +129,8 @@ def forward_values(hidden, weight, tokens, row_mask, plan: Plan, token_loss, kee
     or None), dW in weight's dtype or as its fp32 accumulator. Shared by the autograd Function and the custom operator
     (ppo_ops/compiled/token_loss_op.py)."""
     schedule = schedule_of(plan, token_loss)
+    if schedule == paths.SEQUENCES and hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+        schedule = paths.STATISTICS  # the cut reads the sequence ids on the host, which a capture cannot
     if schedule == paths.STATISTICS:
         token_loss = _frozen(hidden, weight, tokens, row_mask, plan, token_loss, keep)
     n_rows = hidden.shape[0]
