@@ -181,12 +181,28 @@ def _expected_recomputed(seq_ids, mask, block_rows, row_mask=None):
     return out
 
 
-def _check(case, backend, dtype, block_rows, monkeypatch, *, interleave=False, row_mask=None, seed=0, **options):
+def _dense_keep(ids, offsets, n_rows, vocab):
+    """[rows, V] bool of a sparse keep set as tests/linear_support.bounds takes it (an empty row keeps everything)."""
+    dense = torch.zeros((n_rows, vocab), dtype=torch.bool)
+    for r in range(n_rows):
+        row = ids[offsets[r]:offsets[r + 1]]
+        dense[r] = True if row.numel() == 0 else dense[r].index_fill(0, row, True)
+    return dense
+
+
+def _check(case, backend, dtype, block_rows, monkeypatch, *, interleave=False, row_mask=None, seed=0, keep=None,
+           **options):
     opts = CASES[case]
     seq_ids = _seq_ids(SEQ_LENS, interleave)
     hidden, weight, tokens = inputs((T,), dtype, seed=100 + seed)
-    lsm = torch.log_softmax(hidden.double() @ weight.double().T, -1)
+    logits = hidden.double() @ weight.double().T
+    lsm = torch.log_softmax(logits, -1)
     lp64, ent64 = lsm.gather(1, tokens[:, None])[:, 0], -(lsm.exp() * lsm).sum(-1)
+    keep_mask = None
+    if keep is not None:  # log-probs over keep ∪ {target}; entropies stay full
+        keep_mask = _dense_keep(*keep, T, weight.shape[0])
+        kept_set = keep_mask | torch.nn.functional.one_hot(tokens, weight.shape[0]).bool()
+        lp64 = torch.log_softmax(torch.where(kept_set, logits, -math.inf), -1).gather(1, tokens[:, None])[:, 0]
     b = _batch(200 + seed, lp64, seq_ids)
     loss_fn = _build(b, opts)
     if row_mask is not None:
@@ -194,6 +210,8 @@ def _check(case, backend, dtype, block_rows, monkeypatch, *, interleave=False, r
     named = paths.path_of_call(hidden, weight, token_loss=loss_fn, backend=backend, row_mask=row_mask, **options)
     assert named.schedule == paths.SEQUENCES and named.block_rows == block_rows, named
 
+    if keep is not None:
+        options = dict(options, keep=keep)
     seen = _spy_recomputed(monkeypatch)
     loss, lp, ent, dx, dw = _run(hidden, weight, tokens, loss_fn, backend, row_mask=row_mask, **options)
     expected = _expected_recomputed(seq_ids, b["loss_mask"], block_rows, row_mask)
@@ -223,7 +241,7 @@ def _check(case, backend, dtype, block_rows, monkeypatch, *, interleave=False, r
     g_ent = torch.zeros_like(ent64) if g_ent is None else g_ent
     half = dtype != torch.float32
     bd = bounds(hidden, weight, tokens, g_lp.float(), g_ent.float(), row_mask=row_mask,
-                dl_roundoff=UNIT_ROUNDOFF[dtype] if half else 0.0, prob_storage=half)
+                dl_roundoff=UNIT_ROUNDOFF[dtype] if half else 0.0, prob_storage=half, keep_mask=keep_mask)
     for what, got_dx, got_dw in (("sequence", dx, dw), ("statistics", s_dx, s_dw)):
         assert_within(f"{what} schedule: dX", got_dx, bd["dx"])
         assert_within(f"{what} schedule: dW", got_dw, bd["dw"])
@@ -249,6 +267,16 @@ def test_row_mask_leaves_dropped_rows_out(monkeypatch):
     row_mask = torch.rand(T, generator=torch.Generator().manual_seed(5)) < 0.75
     row_mask[0] = True
     _check("gmpo_seq_mis", "torch", torch.float32, CHUNK_BLOCK, monkeypatch, row_mask=row_mask, seed=8)
+
+
+def test_sparse_keep_set(monkeypatch):
+    """With a sparse keep set the loss sees each block's renormalised log-probs, the recomputed sequences' statistics
+    pass too (the keep set over its own rows)."""
+    gen = torch.Generator().manual_seed(70)
+    counts = torch.randint(0, 6, (T,), generator=gen)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+    ids = torch.randint(0, 256, (int(offsets[-1]),), generator=gen)
+    _check("gspo_seq_tis_kl_entropy", "torch", torch.float32, CHUNK_BLOCK, monkeypatch, seed=10, keep=(ids, offsets))
 
 
 @pytest.mark.parametrize("case", ["gspo_seq_tis_kl_entropy", "gmpo"])
@@ -292,6 +320,21 @@ def test_one_block_cuts_nothing(monkeypatch):
     loss = _run(hidden, weight, tokens, loss_fn, "torch")[0]
     assert not seen and not cuts
     assert abs(float(loss) - float(s_loss)) <= SUM_RTOL * abs(float(s_loss)) + 1e-30
+
+
+def test_path_of_call_names_the_schedule():
+    """rows for a row-scope loss (or token_loss=True), sequences for GSPO / GMPO, statistics for the top-entropy mask
+    and for a sequence-scope loss in SGLang's order; the general op has none."""
+    hidden, weight, _ = inputs((T,), torch.float32, seed=80)
+    b = _batch(81, torch.zeros(T, dtype=torch.float64) - 2.0, _seq_ids(SEQ_LENS))
+    gspo = _build(b, CASES["gspo"])
+    ppo = ppo_ops.policy_loss(b["old_log_probs"], b["advantages"])
+    named = {name: paths.path_of_call(hidden, weight, token_loss=loss, backend="torch", **opts).schedule
+             for name, loss, opts in (("plain", True, {}), ("ppo", ppo, {}), ("gspo", gspo, {}),
+                                      ("masked", ppo_ops.top_entropy_mask(gspo), {}),
+                                      ("sglang", gspo, dict(reduction_order="sglang")), ("general", False, {}))}
+    assert named == dict(plain=paths.ROWS, ppo=paths.ROWS, gspo=paths.SEQUENCES, masked=paths.STATISTICS,
+                         sglang=paths.STATISTICS, general="")
 
 
 # --- the cut itself ---
