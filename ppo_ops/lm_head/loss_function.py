@@ -464,7 +464,9 @@ def _collective_failure(fn: str, table, failed, mine: Optional[BaseException]) -
 def _call_loss(fn_name, token_loss, log_prob, entropy, rows, *, need_grad, entropy_grad):
     """(values [n] fp32, d sum / d log_prob or None, d sum / d entropy or None) of the caller's loss on a block:
     ppo_ops' own losses (token_losses.TokenLoss) in their closed form, autograd's bits without its graph (the host
-    time of a block's graph and backward is what many row blocks add up to); any other closure through autograd."""
+    time of a block's graph and backward is what many row blocks add up to), and a SequenceLoss on a block of whole
+    sequences (its value_and_grad: the rest in closed form, the sequence terms by autograd over the block's rows);
+    any other closure through autograd."""
     if need_grad and isinstance(token_loss, (token_losses.TokenLoss, sequence_losses.SequenceLoss)):
         return token_loss.value_and_grad(log_prob, entropy, rows, entropy_grad=entropy_grad)
     lp_in = log_prob.detach().requires_grad_(need_grad)
