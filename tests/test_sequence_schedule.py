@@ -40,6 +40,7 @@ TERM_RTOL = (max(SEQ_LENS) + 8) * U32 * MAX_ABS_LOG_RATIO + 8 * U32
 # The loss: T terms summed per block, then the blocks' sums in fp32: at most T + 8 ulps of Σ|term|.
 SUM_RTOL = (T + 8) * U32
 LOSS_RTOL = TERM_RTOL + SUM_RTOL
+ONE_BLOCK_BYTES = 2**20  # an allowance that holds every row of the batch as one loss_one_block block (~80 KB)
 CLIP_LOW, CLIP_HIGH = 0.05, 0.08  # narrow, so that some sequences (GSPO) and tokens (GMPO) are clipped
 IS_LOW, IS_HIGH = 0.9, 1.1  # rollout-correction caps within the batch's sequence weights (below, inside, above)
 
@@ -214,10 +215,13 @@ def _check(case, backend, dtype, block_rows, monkeypatch, *, interleave=False, r
         options = dict(options, keep=keep)
     seen = _spy_recomputed(monkeypatch)
     loss, lp, ent, dx, dw = _run(hidden, weight, tokens, loss_fn, backend, row_mask=row_mask, **options)
-    expected = _expected_recomputed(seq_ids, b["loss_mask"], block_rows, row_mask)
-    assert expected.any(), "no sequence recomputed: the case does not cross a block"
-    assert len(seen) == 1 and torch.equal(seen[0], expected), "not the sequences longer than a block or split"
-    assert (b["loss_mask"] & ~expected).any(), "every sequence recomputed: nothing formed in its block"
+    if block_rows >= T:  # one block: every sequence formed in it, none recomputed
+        assert not seen, "a sequence recomputed although every row is one block"
+    else:
+        expected = _expected_recomputed(seq_ids, b["loss_mask"], block_rows, row_mask)
+        assert expected.any(), "no sequence recomputed: the case does not cross a block"
+        assert len(seen) == 1 and torch.equal(seen[0], expected), "not the sequences longer than a block or split"
+        assert (b["loss_mask"] & ~expected).any(), "every sequence recomputed: nothing formed in its block"
 
     s_loss, s_lp, s_ent, s_dx, s_dw = _run(hidden, weight, tokens, loss_fn, backend, row_mask=row_mask,
                                            schedule=paths.STATISTICS, monkeypatch=monkeypatch, **options)
@@ -286,6 +290,15 @@ def test_prob_blocks_match_statistics_schedule_and_float64(case, monkeypatch):
         pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
     _check(case, "triton", torch.bfloat16, PROB_BLOCK, monkeypatch, seed=9 + sorted(CASES).index(case),
            working_memory=0)
+
+
+def test_one_prob_block(monkeypatch):
+    """loss_one_block (Triton, bf16, every row one block, dW finished in the forward): the sequence loss on every
+    row at once, nothing cut, nothing recomputed (interleaved rows too)."""
+    if not (torch.cuda.is_available() or _interpreted()):
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    _check("gmpo_seq_mis", "triton", torch.bfloat16, T, monkeypatch, interleave=True, seed=12,
+           working_memory=ONE_BLOCK_BYTES)
 
 
 def _interpreted():
