@@ -20,13 +20,18 @@ GSPO's paper clips s_i in [1 - 3e-4, 1 + 4e-4]; GMPO's, the token ratio in (e^-0
 Advantages are usually constant over a sequence (GRPO's); per-token ones are allowed, as in verl.
 
 A `SequenceLoss` is called as a TokenLoss is, `loss(log_probs, entropy, rows) -> [R]`, but the rows must hold whole
-sequences (every counted token of each sequence present), and its `scope` is "sequence". `linear_token_loss`
-evaluates it with a statistics pass (every scored row's log-prob, no gradient kept) and then the gradient pass over
-`loss.freeze(log_probs, ...)`: a row-separable TokenLoss with every token's value and exact gradient at those
-log-probs (docs/losses.md, the schedules). Rows a row_mask drops are not scored: they add no term and are left out of
-their sequence's statistics, while the weights stay those of loss_mask, as for a TokenLoss (build the loss with
-loss_mask & row_mask to normalise over the scored tokens). The logits op's route is plain autograd:
-`loss.total(log_probs, entropy)`. No collective is issued; constants are copied at construction (fp32, detached).
+sequences (every counted token of each sequence present), and its `scope` is "sequence". `value_and_grad` gives the
+terms with their gradients on such rows: the row-separable rest (KL, entropy) in TokenLoss's closed form, the
+sequence terms through autograd over the rows given. `linear_token_loss` evaluates it with the sequence schedule
+(lm_head/sequence_blocks.py): row blocks cut at sequence ends, the loss on each block in the one forward; a sequence
+that does not fit a block (longer than one, or its rows not consecutive) is frozen at a statistics pass over its rows
+(`partly_frozen`). Where a statistics pass over every row is taken instead (SGLang's order, and under a batch-scope
+loss), the gradient pass evaluates `loss.freeze(log_probs, ...)`: a row-separable TokenLoss with every token's value
+and exact gradient at those log-probs (docs/losses.md, the schedules). Rows a row_mask drops are not scored: they add
+no term and are left out of their sequence's statistics, while the weights stay those of loss_mask, as for a
+TokenLoss (build the loss with loss_mask & row_mask to normalise over the scored tokens). The logits op's route is
+plain autograd: `loss.total(log_probs, entropy)`. No collective is issued; constants are copied at construction
+(fp32, detached).
 """
 
 from __future__ import annotations
@@ -57,6 +62,10 @@ class SequenceLoss:
     mask: torch.Tensor = dataclasses.field(repr=False)  # [T] fp32 m_t, 0 where not counted
     seq_ids: torch.Tensor = dataclasses.field(repr=False)  # [T] int64 in [0, T)
     kind: str
+    # partly_frozen's: `frozen`, the rest with the sequence terms of the tokens not `live` ([T] bool) frozen in (a
+    # linearised TokenLoss, freeze's), in place of `rest` for the row terms; None, None: every sequence live.
+    frozen: Optional[TokenLoss] = dataclasses.field(default=None, repr=False)
+    live: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)
 
     scope = "sequence"
 
@@ -75,8 +84,37 @@ class SequenceLoss:
     def __call__(self, log_probs: torch.Tensor, entropy: Optional[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
         """Weighted terms of the tokens `rows`, which must hold whole sequences: [R] fp32, differentiable w.r.t.
         log_probs and entropy (as TokenLoss.__call__)."""
-        rest = self.rest(log_probs, entropy, rows)
+        rest = self._row_terms(log_probs, entropy, rows)
         return rest + self._pg_terms(log_probs, rows)
+
+    def value_and_grad(self, log_probs: torch.Tensor, entropy: Optional[torch.Tensor], rows: torch.Tensor, *,
+                       entropy_grad: bool = True) -> tuple:
+        """(terms [R], d terms.sum() / d log_probs [R], d terms.sum() / d entropy [R] or None) of rows that hold
+        whole sequences, without a graph left behind: the rest's closed form (TokenLoss.value_and_grad) plus the
+        sequence terms and their gradient by autograd over these rows only. What the sequence schedule of
+        linear_token_loss calls on each of its blocks."""
+        row_terms = self.rest if self.frozen is None else self.frozen
+        value, g_lp, g_ent = row_terms.value_and_grad(log_probs, entropy, rows, entropy_grad=entropy_grad)
+        at = log_probs.detach().requires_grad_(True)
+        with torch.enable_grad():  # the fused head's forward runs under no_grad
+            pg = self._pg_terms(at, rows)
+            (g_pg,) = torch.autograd.grad(pg.sum(), at)
+        return value + pg.detach(), g_lp + g_pg, g_ent
+
+    def partly_frozen(self, log_probs: torch.Tensor, frozen: torch.Tensor) -> "SequenceLoss":
+        """This loss with the sequences of the tokens `frozen` ([T] bool, whole sequences' scored tokens) frozen at
+        `log_probs` ([T] fp32, read on those tokens): their terms and exact gradients there are row terms (`freeze`,
+        scored = frozen, with the KL and entropy terms of every token), and every other sequence's terms are still
+        formed from the log-probs the loss is called with. The sequence schedule's loss where some sequences do not
+        fit a row block."""
+        if self.frozen is not None:
+            raise token_losses._error(ValueError, "SequenceLoss.partly_frozen", "self",
+                                      "this loss is partly frozen already: freeze the loss it came from")
+        frozen = frozen.reshape(-1)
+        return dataclasses.replace(self, frozen=self.freeze(log_probs, frozen), live=~frozen)
+
+    def _row_terms(self, log_probs, entropy, rows) -> torch.Tensor:
+        return (self.rest if self.frozen is None else self.frozen)(log_probs, entropy, rows)
 
     def total(self, log_probs: torch.Tensor, entropy: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The scalar loss from every token's log-prob (and entropy), shaped like the constants."""
@@ -142,6 +180,8 @@ class SequenceLoss:
         counted = weight != 0
         if scored is not None:
             counted = counted & scored.reshape(-1)[rows]
+        if self.live is not None:
+            counted = counted & self.live[rows]
         m = torch.where(counted, self.mask[rows], 0.0)
         x = torch.where(counted, log_probs, 0.0) - rest.old_log_probs[rows]
         adv = self.advantages[rows]

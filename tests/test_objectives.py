@@ -683,10 +683,13 @@ def test_sequence_loss_through_the_logits_op():
 
 @pytest.mark.parametrize("backend", FUSED_BACKENDS)
 def test_sequence_loss_through_the_fused_head(backend, monkeypatch):
-    """linear_token_loss with GSPO over row blocks that cut sequences (15 blocks of 16 rows, sequences up to 50):
-    the statistics pass then the frozen loss's gradient pass; loss, dX, dW within tests/linear_support.py's bounds
-    of float64 with the reference's gradient as the upstream weights; the log-probs returned are the statistics
-    pass's (the frozen loss's value is its own exactly)."""
+    """linear_token_loss with GSPO over row blocks shorter than most sequences (blocks of 8 rows, sequences up to
+    50): the sequence schedule recomputes those (a statistics pass over their rows, the loss frozen there) and forms
+    the one-token ones in their blocks; loss, dX, dW within tests/linear_support.py's bounds of float64 with the
+    reference's gradient as the upstream weights; the statistics pass's log-probs of the recomputed rows are the
+    gradient pass's (the frozen loss's value is its own exactly)."""
+    from ppo_ops.lm_head import paths
+
     opts = _seq_opts(SEQ_CASES["gspo_seq_tis_kl_entropy"])
     hidden, weight, tokens = inputs((T,), torch.float32, seed=220)
     lsm = torch.log_softmax(hidden.double() @ weight.double().T, -1)
@@ -698,11 +701,16 @@ def test_sequence_loss_through_the_fused_head(backend, monkeypatch):
                                       mask=loss_fn.mask.to(DEVICE), seq_ids=loss_fn.seq_ids.to(DEVICE))
     seen = []  # the statistics pass's log-probs, as freeze receives them
     freeze = ppo_ops.SequenceLoss.freeze
-    monkeypatch.setattr(ppo_ops.SequenceLoss, "freeze", lambda self, lp, *a: seen.append(lp) or freeze(self, lp, *a))
+    monkeypatch.setattr(ppo_ops.SequenceLoss, "freeze",
+                        lambda self, lp, *a: seen.append((lp,) + a) or freeze(self, lp, *a))
     h = hidden.clone().to(DEVICE).requires_grad_(True)
     w = weight.clone().to(DEVICE).requires_grad_(True)
     loss, out = ppo_ops.linear_token_loss(h, w, tokens.to(DEVICE), loss_fn, entropy="grad", backend=backend)
-    assert len(seen) == 1 and torch.equal(seen[0], out.log_probs.reshape(-1)), \
+    # every counted sequence longer than a block (the fully masked one adds nothing: never recomputed)
+    recomputed = torch.tensor([n > paths.HOST_SHAPE.loss_block_rows and i != MASKED_SEQ
+                               for i, n in enumerate(SEQ_LENS)]).repeat_interleave(torch.tensor(SEQ_LENS)).to(DEVICE)
+    assert len(seen) == 1 and torch.equal(seen[0][1], recomputed), "not the sequences longer than a block"
+    assert torch.equal(seen[0][0][recomputed], out.log_probs.reshape(-1)[recomputed]), \
         "the gradient pass's log-probs differ from the statistics pass's (the frozen loss is then first-order only)"
     dx, dw = (g.cpu() for g in torch.autograd.grad(loss, (h, w)))
     lp64_ = lp64.detach().requires_grad_(True)

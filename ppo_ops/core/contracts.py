@@ -221,6 +221,9 @@ class LossHooks(Protocol):
 
     def headers(self) -> None: ...  # the header exchange, once, for a backend that merges its own stats
 
+    # (r0, r1) of each row block, in order, each at most block_rows rows: fixed steps, or cut at sequence ends
+    def row_blocks(self, n_rows: int, block_rows: int) -> list: ...
+
     def block_grads(self, stats: RowStats, r0: int, r1: int) -> BlockGrads: ...  # -> upstream gradients
 
     def keep_dlogits(self, dl: torch.Tensor, r0: int, c0: int) -> None: ...  # a sparse keep set's term, into dl

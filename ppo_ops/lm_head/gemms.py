@@ -79,7 +79,11 @@ class RowBlocks:
     def block(self, b: int):
         """(first row, real rows n, [rows, H] block) of block b."""
         r0 = b * self.rows
-        n = min(self.rows, self.hidden.shape[0] - r0)
+        return self.span(r0, min(self.rows, self.hidden.shape[0] - r0))
+
+    def span(self, r0: int, n: int):
+        """(r0, n, [rows, H] block) of the n <= rows rows from r0: the same fixed shape for a block of any start
+        (the token loss's sequence schedule cuts its blocks at sequence ends)."""
         if n == self.rows and self.aligned:
             return r0, n, self.hidden[r0:r0 + n]
         if self._pad is None:

@@ -21,9 +21,13 @@ log-probs before the caller's loss sees them; the loss's log-prob gradient goes 
 keep rows, and the keep term is added into each block x segment of dlogits (keep_dlogits) before its dX / dW GEMMs,
 so it rides in them: no pass of its own over the weight or the hidden rows.
 
-Row-separable losses only: a row's term may depend on its own log-prob, entropy and constants (indexed by the row
-ids the loss is given), never on other rows' values, because the loss sees one row block at a time. TP > 1: every
-rank calls token_loss with the same global values (merged statistics).
+The loss sees one row block at a time, so the schedule follows its `scope` (paths.loss_schedule, docs/losses.md):
+"row" losses (a row's term depends on its own log-prob, entropy and constants, indexed by the row ids the loss is
+given; any closure) take the path's blocks as they come; "sequence" losses (ppo_ops.sequence_losses) take blocks cut
+at sequence ends (lm_head/sequence_blocks.py, `_sequence_blocks`: the sequences that fit no block get a statistics
+pass over their rows and are frozen there), except in SGLang's order; "batch" losses, and sequence ones in SGLang's
+order, a statistics pass over every row and the loss frozen there (`_frozen`). TP > 1: every rank calls token_loss
+with the same global values (merged statistics) on the same blocks.
 
 Validation (validate=True): at TP > 1 the logits op's header exchange runs before the first block's all-gather
 (ranks agreeing on rows, tokens and options; the NaN / +inf flag from this rank's first block); every block adds
@@ -53,11 +57,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ppo_ops import token_losses
+from ppo_ops import sequence_losses, token_losses
 from ppo_ops.core import agreement, checks, shell, sparse_keep
 from ppo_ops.core.scale import scale_in_place, scale_round_in_place
 from ppo_ops.core.contracts import BlockGrads, GradsWanted, HeadRows, RowStats
 from ppo_ops.core.shell import Plan, refuse_double_backward
+from ppo_ops.lm_head import paths, sequence_blocks
 from ppo_ops.lm_head.function import kept, kept_row_indices, scatter_rows
 
 # The end flags, one int64 each per rank: NaN / +inf logits (merged statistics), non-finite loss values or
@@ -123,13 +128,20 @@ def forward_values(hidden, weight, tokens, row_mask, plan: Plan, token_loss, kee
     """The forward of a prepared call: (loss, log-probs [T], entropies [T] or an empty placeholder, dX or None, dW
     or None), dW in weight's dtype or as its fp32 accumulator. Shared by the autograd Function and the custom operator
     (ppo_ops/compiled/token_loss_op.py)."""
-    if getattr(token_loss, "scope", "row") != "row":
+    schedule = schedule_of(plan, token_loss)
+    if schedule == paths.SEQUENCES and hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+        schedule = paths.STATISTICS  # the cut reads the sequence ids on the host, which a capture cannot
+    if schedule == paths.STATISTICS:
         token_loss = _frozen(hidden, weight, tokens, row_mask, plan, token_loss, keep)
     n_rows = hidden.shape[0]
     rows = kept_row_indices(row_mask)
     head = HeadRows(kept(hidden, rows).contiguous(), weight, kept(tokens, rows), plan.shard)
+    blocks = None
+    if schedule == paths.SEQUENCES:
+        token_loss, blocks = _sequence_blocks(hidden, weight, tokens, row_mask, plan, token_loss, keep, rows, head,
+                                              needs_grad=need_dx or need_dw)
     loop = BlockLoop(plan, token_loss, hidden, tokens, row_mask, rows, n_kept=head.hidden.shape[0],
-                     need_dx=need_dx, need_grad=need_dx or need_dw, keep=keep, head=head)
+                     need_dx=need_dx, need_grad=need_dx or need_dw, keep=keep, head=head, blocks=blocks)
     wanted = GradsWanted(dx=need_dx, dw=need_dw)
     if plan.reduction_order == "sglang":  # its blocks read the call's plan (lm_head/sglang_head.py)
         dw = plan.backend.loss_forward(head, loop.with_entropy, loop, wanted, plan=plan)
@@ -140,6 +152,73 @@ def forward_values(hidden, weight, tokens, row_mask, plan: Plan, token_loss, kee
     # entropy="none": an empty placeholder (the wrapper returns None), so every output is a tensor.
     ent_out = loop.log_prob.new_empty(0) if loop.entropy is None else scatter_rows(loop.entropy, rows, n_rows)
     return loop.loss, lp_out, ent_out, loop.dx, dw
+
+
+def schedule_of(plan: Plan, token_loss) -> str:
+    """The schedule a call's loss takes (paths.loss_schedule: by its scope and the reduction order)."""
+    return paths.loss_schedule(getattr(token_loss, "scope", "row"), plan.reduction_order)
+
+
+def _sequence_blocks(hidden, weight, tokens, row_mask, plan: Plan, token_loss, keep, rows, head: HeadRows, *,
+                     needs_grad: bool) -> tuple:
+    """The sequence schedule (lm_head/sequence_blocks.py) of a SequenceLoss on the segment-GEMM paths: (the loss
+    the blocks call, the blocks' cut or None for fixed steps). Where the kept rows are more than one block of the
+    path, the kept rows' sequence ids and counted flags come to the host (one read), the cut is made (and compared
+    across ranks at TP > 1 with validate, before any other collective), and the sequences that do not fit a block
+    get a statistics pass over their rows only and are frozen there (SequenceLoss.partly_frozen)."""
+    n_kept = head.hidden.shape[0]
+    path = plan.backend.path(head.hidden, weight, plan.shard.seg_len, token_loss=True, needs_grad=needs_grad,
+                             working_memory=plan.working_memory)
+    if n_kept <= path.block_rows:  # one block: every sequence whole in it, nothing to cut
+        return token_loss, None
+    row_ids = rows if rows is not None else torch.arange(n_kept, device=hidden.device)
+    n_tokens = token_loss.n_tokens
+    ids = token_loss.seq_ids[row_ids]
+    counted = token_loss.rest.weight[row_ids] != 0
+    host = torch.stack((ids, counted.to(torch.int64))).cpu()
+    blocks, error = None, None
+    low, high = int(host[0].min()), int(host[0].max())
+    if low < 0 or high >= n_tokens:
+        error = checks.argument_error(
+            ValueError, plan.fn_name, "token_loss",
+            f"token_loss.seq_ids must be in [0, {n_tokens}) (one sequence index per token, the loss's T = "
+            f"{n_tokens}), got values in [{low}, {high}]")
+    else:
+        blocks = sequence_blocks.cut(host[0], host[1].bool(), path.block_rows)
+    _agree_on_blocks(plan, blocks, error, hidden)
+    if blocks.recompute is not None:
+        again = blocks.recompute.to(hidden.device)
+        frozen = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        frozen[row_ids] = again
+        stats_plan = dataclasses.replace(plan, needs_grad=False)
+        _, log_prob, _, _, _ = forward_values(hidden, weight, tokens, frozen, stats_plan, _no_loss, keep,
+                                              need_dx=False, need_dw=False)
+        token_loss = token_loss.partly_frozen(log_prob, frozen)
+    return token_loss, blocks
+
+
+def _agree_on_blocks(plan: Plan, blocks, error: Optional[Exception], like: torch.Tensor) -> None:
+    """Raises `error` (the seq ids' range), or at TP > 1 with validate, where the ranks' cuts differ, one error on
+    every rank: the ranks exchange sequence_blocks.summary (one small all-gather and host read) before any other
+    collective of the call, since the blocks fix the count and shapes of every later one."""
+    layout = plan.layout
+    if layout.group is None or not plan.validate:
+        if error is not None:
+            raise error
+        return
+    mine = torch.tensor(sequence_blocks.summary(blocks, error=int(error is not None)), dtype=torch.int64,
+                        device=agreement.header_device(like, layout.group))
+    table = agreement.exchange_headers(mine, layout.group, layout.world_size)
+    faulty = [r for r, row in enumerate(table) if row[0]]
+    if faulty:
+        detail = (f"token_loss.seq_ids out of range on tensor-parallel {_ranks(faulty)} of {len(table)}"
+                  + (f"; this rank's error: {error}" if error is not None else ""))
+        raise checks.argument_error(ValueError, plan.fn_name, "token_loss", detail) from error
+    if any(row != table[0] for row in table):
+        raise checks.argument_error(
+            ValueError, plan.fn_name, "token_loss",
+            f"the ranks cut different sequence blocks (token_loss.seq_ids, or its loss_mask, differ across the "
+            f"{len(table)} tensor-parallel ranks): every rank must hold the same loss")
 
 
 def _frozen(hidden, weight, tokens, row_mask, plan: Plan, token_loss, keep):
@@ -170,7 +249,7 @@ class BlockLoop:
 
     def __init__(self, plan: Plan, token_loss, hidden, tokens, row_mask, rows: Optional[torch.Tensor], *,
                  n_kept: int, need_dx: bool, need_grad: bool, keep: Optional[sparse_keep.SparseKeep] = None,
-                 head: Optional[HeadRows] = None):
+                 head: Optional[HeadRows] = None, blocks: Optional[sequence_blocks.SequenceBlocks] = None):
         device = hidden.device
         self.plan, self.token_loss = plan, token_loss
         self.tokens, self.row_mask, self.rows = tokens, row_mask, rows  # the call's (all T rows), the kept indices
@@ -197,8 +276,17 @@ class BlockLoop:
         self.keep, self.head = keep, head  # the sparse keep set and the kept rows' operands it is formed from
         self.keep_state: Optional[sparse_keep.KeepState] = None  # formed in the first merge
         self.keep_coef: Optional[torch.Tensor] = None  # the current block's keep term per entry, or None
+        self.blocks = blocks  # the sequence schedule's cut, or None: blocks of fixed steps
 
     # ---- the backend's hooks ----
+
+    def row_blocks(self, n_rows: int, block_rows: int) -> list:
+        """(r0, r1) of each row block: the sequence schedule's cut where there is one (made for these block rows),
+        else steps of block_rows."""
+        if self.blocks is not None:
+            assert self.blocks.bounds[-1][1] == n_rows and all(r1 - r0 <= block_rows for r0, r1 in self.blocks.bounds)
+            return list(self.blocks.bounds)
+        return [(r0, min(n_rows, r0 + block_rows)) for r0 in range(0, n_rows, block_rows)]
 
     def headers(self) -> None:
         """The call's header exchange (TP > 1 with validate), once, before a backend's first collective: for a
@@ -376,8 +464,10 @@ def _collective_failure(fn: str, table, failed, mine: Optional[BaseException]) -
 def _call_loss(fn_name, token_loss, log_prob, entropy, rows, *, need_grad, entropy_grad):
     """(values [n] fp32, d sum / d log_prob or None, d sum / d entropy or None) of the caller's loss on a block:
     ppo_ops' own losses (token_losses.TokenLoss) in their closed form, autograd's bits without its graph (the host
-    time of a block's graph and backward is what many row blocks add up to); any other closure through autograd."""
-    if need_grad and isinstance(token_loss, token_losses.TokenLoss):
+    time of a block's graph and backward is what many row blocks add up to), and a SequenceLoss on a block of whole
+    sequences (its value_and_grad: the rest in closed form, the sequence terms by autograd over the block's rows);
+    any other closure through autograd."""
+    if need_grad and isinstance(token_loss, (token_losses.TokenLoss, sequence_losses.SequenceLoss)):
         return token_loss.value_and_grad(log_prob, entropy, rows, entropy_grad=entropy_grad)
     lp_in = log_prob.detach().requires_grad_(need_grad)
     ent_in = None

@@ -31,6 +31,16 @@ The paths (docs/lm_head.md has the table with memory and GEMM counts):
     sglang_loss_blocks the same where one block does not fit: blocks of `block_rows` rows (a multiple of the forward's
                        row block) beside an fp32 dW accumulator.
 
+A token loss's schedule (`HeadPath.schedule`, from the loss's `scope`; docs/losses.md has the table with costs):
+
+    rows        a row-scope loss (TokenLoss, any closure): the path's row blocks, the loss's gradient per block.
+    sequences   a sequence-scope loss (SequenceLoss: GSPO, GMPO) on loss_one_block, loss_blocks, loss_chunk_blocks:
+                the path's row blocks cut at sequence ends (lm_head/sequence_blocks.py), each sequence's statistic
+                and gradient formed in its block; only sequences longer than a block or not consecutive get a
+                statistics pass, over their rows.
+    statistics  a batch-scope loss (EntropyMaskedLoss), and a sequence-scope one in SGLang's order: a statistics pass
+                over every row (the forward without gradients), then the loss frozen there through the row blocks.
+
 Glossary (one word each; every row count of the head is one of these):
     segment  the fixed vocabulary segments of core/layout.py (V_global / 8 columns, whichever rank holds them); every
              GEMM's vocabulary side and every partial is per segment.
@@ -69,6 +79,20 @@ class Path(enum.Enum):
     SGLANG_LOSS_BLOCKS = "sglang_loss_blocks"
 
 
+# A token loss's schedules (module docstring).
+ROWS, SEQUENCES, STATISTICS = "rows", "sequences", "statistics"
+
+
+def loss_schedule(scope: str, reduction_order: str = "fused") -> str:
+    """The schedule of a token loss of `scope` ("row" | "sequence" | "batch"): SGLang's order scores its rows in the
+    forward's fixed row blocks, so a sequence-scope loss there takes the statistics pass."""
+    if scope == "row":
+        return ROWS
+    if scope == "sequence" and reduction_order != "sglang":
+        return SEQUENCES
+    return STATISTICS
+
+
 ONE_GEMM_PATHS = (Path.ONE_GEMM, Path.ONE_GEMM_HELD)  # the general op's one-GEMM forward and fused recompute
 PROB_PATHS = (Path.LOSS_ONE_BLOCK, Path.LOSS_BLOCKS)  # the token loss's one-GEMM blocks (fp16 probabilities)
 SGLANG_PATHS = (Path.SGLANG_BLOCKS, Path.SGLANG_LOSS_ONE_BLOCK, Path.SGLANG_LOSS_BLOCKS)  # reduction_order="sglang"
@@ -86,6 +110,7 @@ class HeadPath:
     held_rows: int = 0  # one_gemm_held: the call's first rows whose fp16 probabilities the forward holds
     buffer_rows: int = 0  # loss_one_block / loss_blocks: rows of the probabilities' buffer (block rows up to a tile);
     #                       sglang_loss_*: rows of the held logits (block rows up to a multiple of 8)
+    schedule: str = ""  # a token loss's: ROWS, SEQUENCES or STATISTICS (loss_schedule); "" for the general op
 
     @property
     def name(self) -> str:
@@ -323,7 +348,20 @@ def backend_key(kind: str, dtype: torch.dtype, token_loss: bool, reduction_order
 def head_path(*, kind: str, dtype: torch.dtype, device: torch.device, token_loss: bool, aligned: bool,
               needs_grad: bool, n_rows: int, width: int, seg_len: int,
               working_memory: Optional[int] = None, reduction_order: str = "fused",
-              weight_dtype: Optional[torch.dtype] = None) -> HeadPath:
+              weight_dtype: Optional[torch.dtype] = None, loss_scope: str = "row") -> HeadPath:
+    """The path of a call (_head_path), with a token loss's schedule for a loss of `loss_scope` (loss_schedule)."""
+    path = _head_path(kind=kind, dtype=dtype, device=device, token_loss=token_loss, aligned=aligned,
+                      needs_grad=needs_grad, n_rows=n_rows, width=width, seg_len=seg_len,
+                      working_memory=working_memory, reduction_order=reduction_order, weight_dtype=weight_dtype)
+    if not token_loss:
+        return path
+    return dataclasses.replace(path, schedule=loss_schedule(loss_scope, reduction_order))
+
+
+def _head_path(*, kind: str, dtype: torch.dtype, device: torch.device, token_loss: bool, aligned: bool,
+               needs_grad: bool, n_rows: int, width: int, seg_len: int,
+               working_memory: Optional[int] = None, reduction_order: str = "fused",
+               weight_dtype: Optional[torch.dtype] = None) -> HeadPath:
     """The path of a call: kind "torch" | "triton" (core/shell.backend_kind resolves backend="auto"); dtype and device
     of the hidden states; token_loss: linear_token_loss; aligned: the kept rows and the weight are what the one-GEMM
     kernels take (gemm_partials.applies: rows contiguous and 16-byte aligned); needs_grad: a backward follows;
@@ -366,14 +404,16 @@ def one_gemm_applies(kind: str, hidden: torch.Tensor, weight: torch.Tensor) -> b
     return gemm_partials.applies(hidden, weight)
 
 
-def path_of_call(hidden: torch.Tensor, weight: torch.Tensor, *, token_loss: bool = False, backend: str = "auto",
+def path_of_call(hidden: torch.Tensor, weight: torch.Tensor, *, token_loss=False, backend: str = "auto",
                  row_mask: Optional[torch.Tensor] = None, tp_group=None, vocab_size: Optional[int] = None,
                  working_memory: Optional[int] = None, needs_grad: Optional[bool] = None,
                  reduction_order: str = "fused") -> HeadPath:
-    """The path that linear_log_probs_and_entropy (token_loss=False) or linear_token_loss (True) takes for these
-    arguments (the same names and defaults as theirs), decided by head_path as the call decides it. needs_grad
-    None: as the call infers it (grad mode on and hidden or weight requiring grad). Reads the row mask's kept-row
-    count on the host."""
+    """The path that linear_log_probs_and_entropy (token_loss=False) or linear_token_loss (True, or the loss itself)
+    takes for these arguments (the same names and defaults as theirs), decided by head_path as the call decides it;
+    with the loss given, `schedule` is its loss's (a plain True: a row-scope loss's). needs_grad None: as the call
+    infers it (grad mode on and hidden or weight requiring grad). Reads the row mask's kept-row count on the host."""
+    loss_scope = "row" if isinstance(token_loss, bool) else getattr(token_loss, "scope", "row")
+    token_loss = token_loss is not False
     from ppo_ops.core import checks, shell
 
     fn_name = "linear_token_loss" if token_loss else "linear_log_probs_and_entropy"
@@ -388,4 +428,4 @@ def path_of_call(hidden: torch.Tensor, weight: torch.Tensor, *, token_loss: bool
     return head_path(kind=kind, dtype=hidden.dtype, device=hidden.device, token_loss=token_loss,
                      aligned=one_gemm_applies(kind, kept, weight), needs_grad=needs_grad, n_rows=kept.shape[0],
                      width=kept.shape[1], seg_len=seg_len, working_memory=working_memory,
-                     reduction_order=reduction_order, weight_dtype=weight.dtype)
+                     reduction_order=reduction_order, weight_dtype=weight.dtype, loss_scope=loss_scope)

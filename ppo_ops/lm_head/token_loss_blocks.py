@@ -5,7 +5,10 @@ Per block: the block's logits over every local segment -> their partials -> `hoo
 fixed-order merge) -> `hooks.block_grads` (the caller's loss: upstream gradients of the block's log-probs and
 entropies) -> dlogits in the input dtype -> dX rows (fp32 over the local segments, `hooks.finish_dx` reduces and
 rounds them once) and dW; a sparse keep set's term goes into each block x segment of dlogits before those GEMMs
-(`hooks.keep_dlogits`). The path and its block rows are lm_head/paths.py's `head_path` (the caller passes it):
+(`hooks.keep_dlogits`). The blocks are `hooks.row_blocks`: steps of the path's block rows, or for a sequence-scope
+loss the same at most cut at sequence ends (lm_head/sequence_blocks.py); a block's log-probs and entropies do not
+depend on where it starts or ends (each row's GEMM row and passes are its own). The path and its block rows are
+lm_head/paths.py's `head_path` (the caller passes it):
 
     loss_one_block, loss_blocks (the Triton passes, half precision, TMA-aligned rows): the general op's one-GEMM
         forward also stores every logit as e^(z - tile max) in fp16 into a segment-major [n_seg, buffer_rows,
@@ -83,9 +86,10 @@ def _blocks_by_probs(passes, path: paths.HeadPath, head: HeadRows, with_entropy:
     segments = list(gemms.segments(shard, v_local))
     rows, buffer_rows, one = path.block_rows, path.buffer_rows, path.path is Path.LOSS_ONE_BLOCK
     forward = passes.one_gemm_forward
+    bounds = hooks.row_blocks(n_rows, rows)
     if not (need_dx or need_dw):  # values only: the same blocks (the same loss sum), no probabilities kept
-        for r0 in range(0, n_rows, rows):
-            rs = slice(r0, min(n_rows, r0 + rows))
+        for r0, r1 in bounds:
+            rs = slice(r0, r1)
             hooks.block_grads(hooks.merge(forward.forward_partials(hidden[rs], weight, tokens[rs], shard,
                                                                    with_entropy)), rs.start, rs.stop)
         return None
@@ -101,9 +105,9 @@ def _blocks_by_probs(passes, path: paths.HeadPath, head: HeadRows, with_entropy:
     elif need_dw:
         dw = _accumulator(weight, segments)
     grads = _Gradients(weight, segments, hooks, dw, need_dx, finished=one)
-    for r0 in range(0, n_rows, rows):
-        n = min(rows, n_rows - r0)
-        rs = slice(r0, r0 + n)
+    for r0, r1 in bounds:
+        n = r1 - r0
+        rs = slice(r0, r1)
         x = hidden[rs]
         parts, tiles = forward.forward_probs(x, weight, tokens[rs], shard, with_entropy, probs)
         stats = hooks.merge(parts)
@@ -129,27 +133,32 @@ def _blocks_by_probs(passes, path: paths.HeadPath, head: HeadRows, with_entropy:
         grads.add_block(dl, r0, n, x, n_gemm)
     return dw
 
+
 def _blocks_by_chunks(passes, path: paths.HeadPath, head: HeadRows, with_entropy: bool, hooks: LossHooks,
                       grads: "_Gradients") -> None:
-    """loss_chunk_blocks: per block of path.block_rows rows its fp32 logits over every local segment (a chunk GEMM
-    per segment), the logits op's partials and gradient passes; dW every path.group_rows rows."""
+    """loss_chunk_blocks: per block of at most path.block_rows rows (hooks.row_blocks) its fp32 logits over every
+    local segment (a chunk GEMM per segment, on block_rows rows whatever the block's), the logits op's partials and
+    gradient passes; dW per group of consecutive blocks that fills at most path.group_rows rows (with blocks of
+    block_rows rows: every group_rows rows)."""
     hidden, weight, tokens, shard = head.hidden, head.weight, head.tokens, head.shard
     need_grad = grads.need_dx or grads.dw is not None
+    n_rows = hidden.shape[0]
     v_local, seg_len = weight.shape[0], shard.seg_len
     n_seg = v_local // seg_len
     block_rows, group_stride = path.block_rows, path.group_rows
     device = hidden.device
+    bounds = hooks.row_blocks(n_rows, block_rows)
     blocks = gemms.RowBlocks(hidden, block_rows)
     logits = torch.empty((n_seg, block_rows, seg_len), dtype=torch.float32, device=device)
     parts = torch.empty((n_seg, row_stats.NUM_PARTIALS, block_rows), dtype=torch.float32, device=device)
-    group_rows = min(group_stride, blocks.count * block_rows)
+    group_rows = min(group_stride, len(bounds) * block_rows)
     dl = torch.empty((n_seg, group_rows, seg_len), dtype=hidden.dtype, device=device) if need_grad else None
     for s, _seg_lo, seg in grads.segments:
         if seg.n_valid == 0:
             gemms.neutral_partials(parts[s])
-    blocks_per_group = group_stride // block_rows
-    for b in range(blocks.count):
-        r0, n, x = blocks.block(b)
+    g0 = offset = 0  # the dlogits group: rows g0 .. g0 + offset of the kept rows, in dl[:, :offset]
+    for b, (r0, r1) in enumerate(bounds):
+        r0, n, x = blocks.span(r0, r1 - r0)
         rs = slice(r0, r0 + n)
         for s, seg_lo, seg in grads.segments:
             if seg.n_valid:
@@ -160,7 +169,9 @@ def _blocks_by_chunks(passes, path: paths.HeadPath, head: HeadRows, with_entropy
         if not need_grad:
             continue
         g_lp, g_ent = up.grad_log_prob, up.grad_entropy
-        offset = (b % blocks_per_group) * block_rows
+        if offset + n > group_rows:  # the group is full: its dW, then a new group from this block
+            grads.add_dw(dl, offset, hidden[g0:g0 + offset])
+            g0, offset = r0, 0
         if g_lp is None and g_ent is None:  # the loss does not depend on these rows: zero gradient
             dl[:, offset:offset + n].zero_()
         else:
@@ -173,9 +184,10 @@ def _blocks_by_chunks(passes, path: paths.HeadPath, head: HeadRows, with_entropy
         if up.keep_term:
             _add_keep_term(hooks, dl[:, offset:offset + n], r0, n, grads.segments)
         grads.add_dx(dl[:, offset:offset + n], r0, n)
-        if (b + 1) % blocks_per_group == 0 or b + 1 == blocks.count:
-            g0 = (b // blocks_per_group) * group_stride
-            grads.add_dw(dl, r0 + n - g0, hidden[g0:r0 + n])
+        offset += n
+        if offset == group_rows or b + 1 == len(bounds):
+            grads.add_dw(dl, offset, hidden[g0:g0 + offset])
+            g0, offset = r0 + n, 0
 
 
 def _add_keep_term(hooks: LossHooks, dl, r0: int, n: int, segments) -> None:

@@ -8,10 +8,11 @@
 
 Families, each one module on the shared runner (runner.py): logits.py (the logits op: suites headline, tp_ref,
 sweep, options, grid, tp2, sglang_order, small_call, keep_set), lm_head.py (the fused LM head: lm_head, lm_head_own,
-lm_head_small, lm_head_keep), step.py (a whole RL step: whole_step, lm_head_step, megatron_step,
-megatron_step_flash). One run may name suites of several families; `--suite=custom` is the cross product of the list
-flags (each provider in the first family that has it: logits, step, lm_head). `--smoke` runs every family's tiny
-cases (on the CPU unless --device is given, with few repetitions): the plumbing, as the tests run it.
+lm_head_small, lm_head_keep, lm_head_exact, lm_head_seq), step.py (a whole RL step: whole_step, lm_head_step,
+megatron_step, megatron_step_flash). One run may name suites of several families; `--suite=custom` is the cross
+product of the list flags (each provider in the first family that has it: logits, step, lm_head). `--smoke` runs
+every family's tiny cases (on the CPU unless --device is given, with few repetitions): the plumbing, as the tests
+run it.
 
 Every measured case is appended to one long-format CSV (--csv in --out_dir, report.COLUMNS, a `family` column) as
 soon as it is measured; the Markdown report (and the PNG where --png names one) is rendered from the whole CSV at the

@@ -10,6 +10,8 @@ Suites:
   lm_head_exact SGLang's order: H in (1024, 4096), T in (8192, 32768), TP = 1: the GEMMs, the fused head and token
                 loss beside their reduction_order="sglang" forms and the sglang-order logits path (with and without
                 the token loss)
+  lm_head_seq   the sequence schedule: T in (8192, 32768), H = 4096, TP = 1: the GEMMs, the PPO token loss, GSPO
+                through the token loss without and with a token-level rollout correction (TIS)
 
 Providers (forward + backward with upstream gradients for the log-prob and, where the provider has one, the entropy):
   gemms     the three cuBLAS GEMMs alone: logits = X W^T, dX = G W, dW = G^T X (G a stored [T, V_local] gradient)
@@ -20,6 +22,8 @@ Providers (forward + backward with upstream gradients for the log-prob and, wher
   token_loss / token_loss_novalidate / token_loss_lean  ppo_ops.linear_token_loss with token_losses.policy_loss
             (DAPO's clip range, entropy bonus, k3 KL, token mean), validate on / off / working_memory=0
   fused_keep / token_loss_keep  fused / token_loss with a 64-id nucleus per row as the sparse keep set
+  token_loss_gspo / token_loss_gspo_tis  ppo_ops.linear_token_loss with sequence_losses.gspo_loss (the sequence
+            schedule) over packed sequences of GSPO_SEQ_ROWS rows, without / with rollout_correction="token_tis"
   exact / exact_token_loss  fused / token_loss with reduction_order="sglang": bit for bit SGLang's on-policy head
   sglang_logits / sglang_logits_loss  the sglang-order logits path: bf16 logits from SGLang's batch-invariant matmul
             (ppo_ops' reproduction of it, lm_head/sglang_matmul.py: its bits and its config), then
@@ -57,11 +61,14 @@ TOKENS = (8192, 32768)
 PROVIDERS_ORDER = ("gemms", "gemm1", "unfused", "fused", "fused_novalidate", "fused_nograd", "token_loss",
                    "token_loss_novalidate", "token_loss_lean", "liger", "liger_flsce", "liger_flsce_nograd", "cce",
                    "cce_exact", "verl", "fused_keep", "token_loss_keep", "exact", "exact_token_loss",
-                   "sglang_logits", "sglang_logits_loss")
+                   "sglang_logits", "sglang_logits_loss", "token_loss_gspo", "token_loss_gspo_tis")
 PEERS = ("liger", "liger_flsce", "liger_flsce_nograd", "cce", "cce_exact", "verl")  # other projects' kernels
 ONE_GEMM = ("fused_nograd", "liger_flsce_nograd")  # forward only: set against one GEMM
 CHECK_ROWS = 64  # rows compared with float64: a [64, V] float64 block is 78 MB
 PPO = dict(clip_low=0.2, clip_high=0.28, entropy_coef=0.01, kl_coef=0.01)  # the token_loss rows' loss (DAPO's clip)
+# The GSPO rows' sequences: packed one after another, lengths drawn in this range (responses of a GRPO group), all
+# shorter than a loss_blocks block at H = 4096 (2816 rows): the sequence schedule recomputes none.
+GSPO_SEQ_ROWS = (256, 2048)
 
 
 # Each exact row's own baselines: the sglang-order logits path of the same loss, and the non-exact fused head.
@@ -84,6 +91,8 @@ SUITES = dict(
     lm_head_small=lambda: [case(p, T, H=SMALL_HIDDEN) for T in TOKENS
                            for p in ("gemms", "unfused", "fused", "fused_nograd", "token_loss", "token_loss_lean")],
     lm_head_keep=lambda: [case(p, 8192) for p in ("fused", "fused_keep", "token_loss", "token_loss_keep")],
+    lm_head_seq=lambda: [case(p, T) for T in TOKENS
+                         for p in ("gemms", "token_loss", "token_loss_gspo", "token_loss_gspo_tis")],
     lm_head_exact=lambda: [case(p, T, H=H) for H in (SMALL_HIDDEN, HIDDEN) for T in TOKENS
                            for p in ("gemms", "fused", "exact", "sglang_logits", "token_loss", "exact_token_loss",
                                      "sglang_logits_loss")],
@@ -139,7 +148,7 @@ class HeadInputs:
         self.tokens = torch.randint(0, c.V, (c.T,), generator=gen, device=device)
         self.g_lp = 0.5 + torch.rand(c.T, generator=gen, device=device)
         self.g_ent = torch.rand(c.T, generator=gen, device=device) * 2 - 1
-        self._g_logits, self._ppo = None, None
+        self._g_logits, self._ppo, self._gspo = None, None, {}
 
     def leaves(self) -> tuple[torch.Tensor, torch.Tensor]:
         return _leaf(self.hidden), _leaf(self.weight)
@@ -168,6 +177,30 @@ class HeadInputs:
                                                  ref_log_probs=noisy(), kl_type="k3", normalization="token_mean",
                                                  **PPO)
         return self._ppo
+
+
+    def gspo_loss(self, tis: bool):
+        """gspo_loss (clip 0.2 / 0.28) over packed sequences of GSPO_SEQ_ROWS rows with one advantage each, old and
+        rollout log-probs near the current ones; with tis, rollout_correction="token_tis" (cap 2)."""
+        import ppo_ops
+
+        if tis not in self._gspo:
+            device = self.hidden.device
+            gen = torch.Generator(device="cpu").manual_seed(self._seed + 11)
+            lens, total = [], self.hidden.shape[0]
+            while sum(lens) < total:
+                lens.append(min(int(torch.randint(*GSPO_SEQ_ROWS, (1,), generator=gen)), total - sum(lens)))
+            seq_ids = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(device)
+            with torch.no_grad():
+                lp = ppo_ops.linear_log_probs_and_entropy(self.hidden, self.weight, self.tokens, tp_group=self.group,
+                                                          backend=self.backend).log_probs
+            noise = torch.randn((2, lp.numel()), generator=gen).to(device)
+            adv = torch.randn(len(lens), generator=gen).to(device)[seq_ids]
+            options = dict(rollout_log_probs=lp + 0.1 * noise[1], rollout_correction="token_tis",
+                           rollout_is_high=2.0) if tis else {}
+            self._gspo[tis] = ppo_ops.gspo_loss(lp + 0.01 * noise[0], adv, seq_ids, clip_low=0.2, clip_high=0.28,
+                                                **options)
+        return self._gspo[tis]
 
 
 def make_inputs(c: Case, device: torch.device, *, seed: int, rank: int = 0, group=None) -> HeadInputs:
@@ -220,7 +253,12 @@ def build_ppo_ops(c: Case, inp: HeadInputs) -> Closure:
         return _sglang_logits_path(c, inp, options)
     if c.provider.endswith("_keep"):
         options["keep"] = nucleus(inp.tokens, c.V, seed=17)
-    loss_closure = inp.ppo_loss() if c.provider.startswith(("token_loss", "exact_token_loss")) else None
+    if c.provider.startswith("token_loss_gspo"):
+        loss_closure = inp.gspo_loss(tis=c.provider.endswith("_tis"))
+    elif c.provider.startswith(("token_loss", "exact_token_loss")):
+        loss_closure = inp.ppo_loss()
+    else:
+        loss_closure = None
     if c.provider == "token_loss_lean":
         options["working_memory"] = 0
     if c.provider == "fused_nograd":
@@ -258,7 +296,8 @@ def build_ppo_ops(c: Case, inp: HeadInputs) -> Closure:
         x, w = inp.leaves()
         return step(x, w, [x, w])
 
-    return _closure(timed, None if c.provider.endswith("_keep") else values)
+    # no float64 check for a keep set, nor for GSPO (the check's 64 rows do not hold whole sequences)
+    return _closure(timed, None if c.provider.endswith("_keep") or "gspo" in c.provider else values)
 
 
 def _sglang_logits_path(c: Case, inp: HeadInputs, options: dict) -> Closure:
