@@ -25,8 +25,11 @@ Every engine layout of --engine_layouts runs for the whole run and gets every sy
               scores them
     check     the comparisons of the check's own step (check.compare: the trainer's sampled and teacher-forced
               log-probs against every engine layout's, engine layouts against the first), on the step's rollout
-              with the step's weights; the ratio exp(trainer - engine) of the step's first (and only) minibatch:
-              mean |ratio - 1| within expm1(mismatch_tol), and exactly 1 under --expect_bitwise
+              with the step's weights; the ratio exp(trainer - engine) of the step's first (and only) minibatch
+              against the engine's sampling-time log-probs: mean |ratio - 1| within expm1(mismatch_tol). Not held
+              to exactly 1 under --expect_bitwise, as the check's sampled comparison is not: SGLang samples with
+              its decode kernels (split-KV decode attention), whose bits are not its prefill's; the exact claim is
+              the teacher-forced scores (prefill) and the probe batch, exactly 0 at every step
     update    (k < N) the GRPO loss of the step's tokens (ppo_ops.grpo_loss: group-normalised advantages of
               reward.py's rewards, old log-probs = the trainer's own before the update, no KL term: no reference
               model is kept), backward, gradient clipped, one AdamW step on fp32 master weights, cast back to the
@@ -568,9 +571,6 @@ def _train_step(s, plan, trainer_: Trainer, reference: Optional[ReferenceTrainer
                    math.expm1(tol["mismatch_tol"]), {"max": row["ratio_max_abs_dev"], "mean": row["ratio_mean"]},
                    "mismatch_tol"),
     ]
-    if bitwise:
-        comparisons.append(Comparison(SECTION, subject, "max |ratio - 1|", row["ratio_max_abs_dev"], 0.0,
-                                      {"mean": row["ratio_mean"]}, metrics.BITWISE))
     for entry in synced:
         where = f"{subject}: engine {entry['layout']} sync"
         comparisons.append(Comparison(SECTION, where, "engine tensors differing from the trainer's",
