@@ -97,6 +97,39 @@ def scaled(z, inv_temperature):
         return z * inv_temperature
 
 
+@triton.jit
+def tanh(x):
+    """tanh in fp32 from tl ops, the same code compiled and interpreted (the interpreter has no libdevice): Cephes'
+    tanhf, an odd polynomial below |x| = 0.625 (where 1 - 2 / (e^2|x| + 1) would cancel) and that quotient above;
+    within a few ulps of the true value. +-inf gives +-1, NaN gives NaN."""
+    ax = tl.abs(x)
+    xs = tl.where(ax < 0.625, x, 0.0)  # the polynomial's own range (no inf * 0 from the other lanes)
+    s = xs * xs
+    small = ((((-5.70498872745e-3 * s + 2.06390887954e-2) * s - 5.37397155531e-2) * s + 1.33314422036e-1) * s
+             - 3.33332819422e-1) * s * xs + xs
+    big = 1.0 - 2.0 / (tl.exp(2.0 * ax) + 1.0)
+    return tl.where(ax < 0.625, small, tl.where(x < 0.0, -big, big))
+
+
+@triton.jit
+def transformed(x, inv_temperature, softcap, inv_softcap, SCALE: tl.constexpr, SOFTCAP: tl.constexpr):
+    """z of fp32 logits x: softcap * tanh(x * inv_softcap) with SOFTCAP (Gemma 2's final_logit_softcapping), then
+    scaled by the temperature with SCALE (as `scaled`); without SOFTCAP exactly `scaled`, so the scalar-temperature
+    path keeps its bits. -inf logits become -softcap, as the formula gives."""
+    if SOFTCAP:
+        x = scaled(tanh(x * inv_softcap), softcap)  # rounded on its own, as `scaled` says why
+    if SCALE:
+        x = scaled(x, inv_temperature)
+    return x
+
+
+@triton.jit
+def softcap_slope(x, inv_softcap):
+    """d(softcap * tanh(x / softcap)) / dx = 1 - tanh²(x / softcap) of fp32 logits x (0 for +-inf)."""
+    th = tanh(x * inv_softcap)
+    return 1.0 - th * th
+
+
 def interpreting() -> bool:
     """True when the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 was set before triton loaded them)."""
     return not COMPILED.value

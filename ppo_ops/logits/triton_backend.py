@@ -28,7 +28,7 @@ import torch
 import triton  # noqa: F401  an ImportError here is how backend="auto" (ppo_ops/api.py) learns triton is absent
 
 from ppo_ops.core.checks import argument_error
-from ppo_ops.core.contracts import BackwardStats, RowInputs, RowStats, ShardOptions, UpstreamGrads
+from ppo_ops.core.contracts import BackwardStats, RowInputs, RowStats, ShardOptions, UpstreamGrads, inverse_softcap
 from ppo_ops.core import row_stats
 from ppo_ops.core.row_stats import NUM_PARTIALS
 from ppo_ops.core.shell import interpret_requested
@@ -194,9 +194,9 @@ def forward_launch_args(inputs: RowInputs, shard: ShardOptions, with_entropy: bo
         keep_ptr=logits if keep is None else keep, out_ptr=out,
         num_rows=num_rows, n_valid=shard.n_valid, seg_len=seg_len, v_local=v_local, vocab_start=int(shard.vocab_start),
         logits_row_stride=logits.stride(0), keep_row_stride=0 if keep is None else keep.stride(0),
-        inv_temperature=float(shard.inv_temperature),
+        **transform_args(shard, logits),
         HAS_ROW_MASK=row_bytes is not None, HAS_KEEP=keep is not None, WITH_ENTROPY=bool(with_entropy),
-        SCALE=float(shard.inv_temperature) != 1.0, BLOCK_V=config.block_v,
+        BLOCK_V=config.block_v,
         LOGITS_ALIGN=_segment_align(seg_len, logits, config.block_v),
         KEEP_ALIGN=1 if keep is None else _segment_align(seg_len, keep, config.block_v),
         LANE_WIDTH=config.lane_width,
@@ -260,13 +260,28 @@ def backward_launch_args(inputs: RowInputs, shard: ShardOptions, stats: Backward
         v_local=logits.shape[1], n_valid=shard.n_valid, vocab_start=int(shard.vocab_start),
         logits_row_stride=logits.stride(0), out_row_stride=out.stride(0),
         keep_row_stride=0 if keep is None else keep.stride(0),
-        inv_temperature=float(shard.inv_temperature),
+        **transform_args(shard, logits),
         HAS_ROW_MASK=row_bytes is not None, HAS_KEEP=has_keep, HAS_GRAD_LOG_PROB=grad_log_prob is not None,
         HAS_GRAD_ENTROPY=upstream.grad_entropy is not None, HAS_LOG_PROB_DEFINED=stats.log_prob_defined is not None,
-        HAS_MASS=stats.row_has_mass is not None,
-        SCALE=float(shard.inv_temperature) != 1.0, BLOCK_V=config.block_v,
+        HAS_MASS=stats.row_has_mass is not None, BLOCK_V=config.block_v,
         ROUND_BF16_BY_BITS=round_bf16_by_bits(out.dtype), **options(config),
     )
+
+
+def transform_args(shard: ShardOptions, like: torch.Tensor) -> dict:
+    """The kernels' logit-transform arguments (core/triton_common.transformed): the scalar temperature (SCALE), or
+    the per-row one (ROW_SCALE: a [rows] fp32 vector indexed by the kernel's row), and the softcap (SOFTCAP). `like`
+    stands in for the per-row pointer when there is none."""
+    rows = shard.row_inv_temperature
+    softcap = shard.softcap
+    args = dict(inv_temperature=float(shard.inv_temperature),
+                SCALE=rows is not None or float(shard.inv_temperature) != 1.0)
+    if rows is None and softcap is None:
+        return args  # the kernels' defaults: the launch of a scalar temperature, as it always was
+    return dict(args, row_inv_temperature_ptr=like if rows is None else _vector(rows, torch.float32),
+                softcap=1.0 if softcap is None else float(softcap),
+                inv_softcap=1.0 if softcap is None else inverse_softcap(softcap),
+                ROW_SCALE=rows is not None, SOFTCAP=softcap is not None)
 
 
 def _vector(t, dtype, default=None):
