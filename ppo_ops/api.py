@@ -252,6 +252,7 @@ def linear_log_probs_and_entropy(
     validate: bool = True,
     working_memory: Optional[int] = None,
     reduction_order: str = "fused",
+    softcap: Optional[float] = None,
 ) -> LogProbsEntropy:
     """Log-probability of each target token and entropy of each row, from hidden states and a vocab-parallel
     LM-head weight, without ever holding the [T, V] logits.
@@ -266,8 +267,9 @@ def linear_log_probs_and_entropy(
       weight: [V_local, H], hidden's dtype and device: this rank's contiguous slice of the vocabulary, as in
         Megatron's column-parallel output layer.
       tokens: hidden.shape[:-1] integer global token ids.
-      tp_group, entropy, keep, temperature, vocab_size, backend, validate: as in log_probs_and_entropy (a keep row's
-        kept logits are fp32 dots hidden[r] . weight[id]: docs/api.md#keep-sets).
+      tp_group, entropy, keep, temperature, vocab_size, backend, validate, softcap: as in log_probs_and_entropy (a
+        keep row's kept logits are fp32 dots hidden[r] . weight[id]: docs/api.md#keep-sets; a per-row temperature
+        has hidden.shape[:-1]); the softcap and temperature apply to the fp32 logits in the GEMMs' epilogues.
       row_mask: hidden.shape[:-1] bool; False rows get 0, 0, zero gradient and no GEMM work; on CUDA the kept-row
         count costs one host sync of its own, with validate True or False.
       reduce_dx: True: the backward all-reduces dX over tp_group (fp32, one rounding). False: each rank returns its
@@ -290,6 +292,9 @@ def linear_log_probs_and_entropy(
     options = dict(tp_group=tp_group, entropy=entropy, keep=keep, temperature=temperature, row_mask=row_mask,
                    vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend, validate=validate,
                    working_memory=working_memory)
+    if softcap is not None or checks.is_row_temperature(temperature):
+        _refuse_compiled_transform("linear_log_probs_and_entropy", temperature, softcap)
+        return _linear_eager(hidden, weight, tokens, reduction_order=reduction_order, softcap=softcap, **options)
     if not torch.compiler.is_compiling():
         return _linear_eager(hidden, weight, tokens, reduction_order=reduction_order, **options)
     _refuse_compiled_order("linear_log_probs_and_entropy", reduction_order)
@@ -297,11 +302,12 @@ def linear_log_probs_and_entropy(
 
 
 def _linear_eager(hidden, weight, tokens, *, tp_group, entropy, keep, temperature, row_mask, vocab_size, reduce_dx,
-                  backend, validate, working_memory, reduction_order="fused") -> LogProbsEntropy:
+                  backend, validate, working_memory, reduction_order="fused", softcap=None) -> LogProbsEntropy:
     call = shell.prepare_lm_head(
         "linear_log_probs_and_entropy", hidden, weight, tokens, tp_group=tp_group, entropy=entropy,
         temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend,
-        validate=validate, keep=keep, working_memory=working_memory, reduction_order=reduction_order)
+        validate=validate, keep=keep, working_memory=working_memory, reduction_order=reduction_order,
+        softcap=softcap)
     with shell.on_device(call):
         out = LinearLogProbEntropyFunction.apply(call.rows, weight, call.tokens, call.row_mask, call.plan, call.keep)
     return _outputs(out, call)
@@ -325,6 +331,7 @@ def linear_token_loss(
     validate: bool = True,
     working_memory: Optional[int] = None,
     reduction_order: str = "fused",
+    softcap: Optional[float] = None,
 ) -> tuple:
     """A per-token RL loss on the LM head's log-probs (and entropies), its gradient formed inside the forward.
 
@@ -361,6 +368,10 @@ def linear_token_loss(
     options = dict(tp_group=tp_group, entropy=entropy, keep=keep, temperature=temperature, row_mask=row_mask,
                    vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend, validate=validate,
                    working_memory=working_memory)
+    if softcap is not None or checks.is_row_temperature(temperature):
+        _refuse_compiled_transform("linear_token_loss", temperature, softcap)
+        return _token_loss_eager(hidden, weight, tokens, token_loss, reduction_order=reduction_order, softcap=softcap,
+                                 **options)
     if not torch.compiler.is_compiling():
         return _token_loss_eager(hidden, weight, tokens, token_loss, reduction_order=reduction_order, **options)
     _refuse_compiled_order("linear_token_loss", reduction_order)
@@ -369,7 +380,8 @@ def linear_token_loss(
 
 
 def _token_loss_eager(hidden, weight, tokens, token_loss, *, tp_group, entropy, keep, temperature, row_mask,
-                      vocab_size, reduce_dx, backend, validate, working_memory, reduction_order="fused") -> tuple:
+                      vocab_size, reduce_dx, backend, validate, working_memory, reduction_order="fused",
+                      softcap=None) -> tuple:
     if isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:  # else the shell's checks name hidden
         agreement.check_collectively("linear_token_loss", tp_group, validate, hidden, checks.check_token_loss_rows,
                                      "linear_token_loss", token_loss, tuple(hidden.shape[:-1]), "hidden.shape[:-1] =")
@@ -377,7 +389,7 @@ def _token_loss_eager(hidden, weight, tokens, token_loss, *, tp_group, entropy, 
         "linear_token_loss", hidden, weight, tokens, tp_group=tp_group, entropy=entropy, temperature=temperature,
         row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend, validate=validate,
         token_loss=token_loss, fused_loss=True, keep=keep, working_memory=working_memory,
-        reduction_order=reduction_order)
+        reduction_order=reduction_order, softcap=softcap)
     keep_arg = () if call.keep is None else (call.keep,)  # the Function's last argument, given only with keep
     with shell.on_device(call):
         loss, log_prob, ent = LinearTokenLossFunction.apply(call.rows, weight, call.tokens, call.row_mask, call.plan,

@@ -1,16 +1,20 @@
-"""A temperature per row and logit soft-capping (Gemma 2's final_logit_softcapping) in the logits op, against float64
+"""A temperature per row and logit soft-capping (Gemma 2's final_logit_softcapping) in the three ops, against float64
 references written out here: z = softcap * tanh(x / softcap) / temperature[row], then log_softmax, the target's
-log-prob, the entropy, and autograd's gradient of float64 math. Both backends (Triton under the interpreter on CPU).
-Also: equal per-row values give the scalar temperature's bits, bad arguments raise naming the argument, the paths
-that refuse the options say so, and at TP = 2 over gloo the ranks' results equal TP = 1's and disagreeing
+log-prob, the entropy, and autograd's gradient of float64 math (of the logits; of hidden and weight through the fused
+head, linear_token_loss with a simple loss). Both backends (Triton under the interpreter on CPU), every path of the
+fused head. Also: equal per-row values give the scalar temperature's bits, and in the fused head each row of a
+per-row call is bit for bit that row of a scalar call at its temperature; bad arguments raise naming the argument;
+the paths that refuse the options say so; at TP = 2 over gloo the ranks' results equal TP = 1's and disagreeing
 temperatures raise on every rank.
 """
 
 import pytest
 import torch
 
-from ppo_ops import log_probs_and_entropy
-from tests.core_support import backend_params, run_gloo
+from ppo_ops import linear_log_probs_and_entropy, linear_token_loss, log_probs_and_entropy
+from ppo_ops.lm_head.paths import path_of_call
+from tests.core_support import backend_params, run_gloo, triton_skip_reason
+from tests.linear_support import ACCUM_ULPS, SAFETY, U32
 from tests.reference import ENTROPY_TOL, GRAD_TOL, LOG_PROB_TOL
 from tests.ranks import DEVICE
 
@@ -221,3 +225,149 @@ def test_tp2_gloo_equals_tp1(tmp_path):
     for result in ranks:
         argument, message = result["disagreement"]
         assert argument == "temperature" and "per-row temperature" in message
+
+
+# ---- the fused head: linear_log_probs_and_entropy and linear_token_loss ----
+
+HEAD_ROWS, HIDDEN, HEAD_VOCAB = 40, 48, 256  # eight segments of 32; H * 2 bytes a multiple of 16 (TMA-aligned rows)
+UNALIGNED_HIDDEN = 44  # 88-byte bf16 rows: not TMA-aligned, so the chunk GEMM paths
+# dX and dW against float64, norm-relative. fp32 inputs: fp32 dlogits (GRAD_TOL per unit of upstream gradient) through
+# fp32 GEMMs of K <= 256, measured near 1e-6. Half precision: dlogits rounded once to bf16 before the GEMMs and dX,
+# dW returned in bf16 (half an ulp, 2^-9, each), measured near 2^-8.6.
+HEAD_GRAD_REL_TOL = 1e-5
+HALF_HEAD_GRAD_REL_TOL = 2.0**-7
+HEAD_SOFTCAP = 4.0  # the head's logits reach about 9: the cap bends them
+
+# (backend, dtype, hidden width, working_memory, the path linear_log_probs_and_entropy takes, linear_token_loss's)
+HEAD_CASES = {
+    "torch-fp32": ("torch", torch.float32, HIDDEN, None, "TORCH_TILES", "LOSS_CHUNK_BLOCKS"),
+    "triton-fp32": ("triton", torch.float32, HIDDEN, None, "FP32_TILES", "LOSS_CHUNK_BLOCKS"),
+    "triton-bf16-held": ("triton", torch.bfloat16, HIDDEN, None, "ONE_GEMM_HELD", "LOSS_BLOCKS"),
+    "triton-bf16-one-block": ("triton", torch.bfloat16, HIDDEN, 1 << 30, "ONE_GEMM_HELD", "LOSS_ONE_BLOCK"),
+    "triton-bf16-recompute": ("triton", torch.bfloat16, HIDDEN, 0, "ONE_GEMM", "LOSS_BLOCKS"),
+    "triton-bf16-chunks": ("triton", torch.bfloat16, UNALIGNED_HIDDEN, None, "CHUNK_GEMMS", "LOSS_CHUNK_BLOCKS"),
+}
+
+
+def _head_case(name, marks=()):
+    backend = HEAD_CASES[name][0]
+    reason = triton_skip_reason(DEVICE) if backend == "triton" else None
+    skip = [pytest.mark.skipif(reason is not None, reason=reason or "")]
+    return pytest.param(name, id=name, marks=skip + list(marks))
+
+
+def _head_inputs(dtype, width, seed=7):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(HEAD_ROWS, width, generator=gen).to(dtype)
+    weight = (torch.randn(HEAD_VOCAB, width, generator=gen) * (9.0 / width**0.5)).to(dtype)
+    tokens = torch.randint(0, HEAD_VOCAB, (HEAD_ROWS,), generator=gen)
+    temperature = 0.6 + torch.rand(HEAD_ROWS, generator=gen)
+    g_lp, g_ent = torch.randn(HEAD_ROWS, generator=gen), torch.randn(HEAD_ROWS, generator=gen)
+    return hidden, weight, tokens, temperature, g_lp, g_ent
+
+
+def _head_run(op, hidden, weight, tokens, g_lp, g_ent, **options):
+    """(log-probs, entropies, dX, dW) of `op` ("linear" or "token_loss") with loss Σ g_lp lp + Σ g_ent ent."""
+    h, w = hidden.to(DEVICE).requires_grad_(), weight.to(DEVICE).requires_grad_()
+    g_lp, g_ent, tokens = g_lp.to(DEVICE), g_ent.to(DEVICE), tokens.to(DEVICE)
+    if op == "linear":
+        out = linear_log_probs_and_entropy(h, w, tokens, entropy="grad", **options)
+        loss = (out.log_probs * g_lp).sum() + (out.entropy * g_ent).sum()
+    else:
+        loss, out = linear_token_loss(h, w, tokens, lambda lp, ent, rows: lp * g_lp[rows] + ent * g_ent[rows],
+                                      entropy="grad", **options)
+    dx, dw = torch.autograd.grad(loss, (h, w))
+    return out.log_probs, out.entropy, dx, dw
+
+
+def _head_reference(hidden, weight, tokens, temperature, softcap, g_lp, g_ent):
+    """float64 (log-probs, entropies, dX, dW) and each row's bound on the logits' fp32 accumulation error
+    E_r = max_c ACCUM_ULPS * H * u32 * (|X| @ |W|^T) / T_r (the transform's slope is at most 1)."""
+    h = hidden.double().requires_grad_()
+    w = weight.double().requires_grad_()
+    x = h @ w.T
+    z = x if softcap is None else softcap * torch.tanh(x / softcap)
+    t = temperature.double().unsqueeze(-1)
+    log_p = torch.log_softmax(z / t, dim=-1)
+    log_probs = log_p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    dx, dw = torch.autograd.grad((g_lp * log_probs).sum() + (g_ent * entropy).sum(), (h, w))
+    accumulation = ACCUM_ULPS * hidden.shape[1] * U32 * (hidden.double().abs() @ weight.double().abs().T)
+    return log_probs.detach(), entropy.detach(), dx, dw, accumulation.amax(-1) / temperature.double()
+
+
+def _rel(a, b):
+    return float((a.double().cpu() - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("op", ["linear", "token_loss"])
+@pytest.mark.parametrize("case", [_head_case("torch-fp32"), _head_case("triton-fp32"),
+                                  _head_case("triton-bf16-held"),
+                                  _head_case("triton-bf16-chunks", marks=[pytest.mark.device("cuda")])])
+def test_head_against_float64(op, case):
+    """A per-row temperature and a softcap together, values and the gradients of hidden and weight."""
+    backend, dtype, width, memory, path, loss_path = HEAD_CASES[case]
+    hidden, weight, tokens, temperature, g_lp, g_ent = _head_inputs(dtype, width)
+    assert path_of_call(hidden, weight, backend=backend, working_memory=memory, token_loss=op == "token_loss",
+                        needs_grad=True).path.name == (path if op == "linear" else loss_path)
+    log_probs, entropy, dx, dw = _head_run(op, hidden, weight, tokens, g_lp, g_ent, backend=backend,
+                                           temperature=temperature.to(DEVICE), softcap=HEAD_SOFTCAP,
+                                           working_memory=memory)
+    ref_lp, ref_ent, ref_dx, ref_dw, e_row = _head_reference(hidden, weight, tokens, temperature, HEAD_SOFTCAP,
+                                                             g_lp, g_ent)
+    lp_tol = LOG_PROB_TOL * ref_lp.abs().clamp(min=1) + SAFETY * 2 * e_row
+    assert ((log_probs.double().cpu() - ref_lp).abs() <= lp_tol).all()
+    # the entropy moves by at most E_r times Σ_c p |z - E_p z| <= 2 log V per unit of z's error
+    ent_tol = ENTROPY_TOL + SAFETY * e_row * 2 * torch.log(torch.tensor(float(HEAD_VOCAB), dtype=torch.float64))
+    assert ((entropy.double().cpu() - ref_ent).abs() <= ent_tol).all()
+    grad_tol = HEAD_GRAD_REL_TOL if dtype == torch.float32 else HALF_HEAD_GRAD_REL_TOL
+    assert _rel(dx, ref_dx) <= grad_tol and _rel(dw, ref_dw) <= grad_tol
+
+
+@pytest.mark.parametrize("softcap", [HEAD_SOFTCAP, pytest.param(None, marks=[pytest.mark.device("cuda")])])
+@pytest.mark.parametrize("case", [
+    _head_case("torch-fp32"), _head_case("triton-fp32", marks=[pytest.mark.device("cuda")]),
+    _head_case("triton-bf16-held"), _head_case("triton-bf16-one-block", marks=[pytest.mark.device("cuda")]),
+    _head_case("triton-bf16-recompute", marks=[pytest.mark.device("cuda")]),
+    _head_case("triton-bf16-chunks"),
+])
+def test_head_rows_are_scalar_rows(case, softcap):
+    """Each row of a per-row call is, bit for bit, that row of a scalar call at the row's temperature (a row's
+    results do not depend on the other rows): log-probs, entropies and dX, in both ops, through a row mask."""
+    backend, dtype, width, memory, _, _ = HEAD_CASES[case]
+    hidden, weight, tokens, _, g_lp, g_ent = _head_inputs(dtype, width)
+    temperature = torch.tensor([0.7, 1.3]).repeat(HEAD_ROWS // 2)
+    row_mask = torch.rand(HEAD_ROWS, generator=torch.Generator().manual_seed(9)) < 0.8
+    even = torch.arange(HEAD_ROWS) % 2 == 0
+    options = dict(backend=backend, working_memory=memory, softcap=softcap, row_mask=row_mask.to(DEVICE))
+    for op in ("linear", "token_loss"):
+        rows = _head_run(op, hidden, weight, tokens, g_lp, g_ent, temperature=temperature.to(DEVICE), **options)
+        cold = _head_run(op, hidden, weight, tokens, g_lp, g_ent, temperature=0.7, **options)
+        hot = _head_run(op, hidden, weight, tokens, g_lp, g_ent, temperature=1.3, **options)
+        for got, a, b in zip(rows[:3], cold[:3], hot[:3]):
+            assert torch.equal(got[even.to(DEVICE)], a[even.to(DEVICE)])
+            assert torch.equal(got[~even.to(DEVICE)], b[~even.to(DEVICE)])
+
+
+@pytest.mark.parametrize("fn", ["linear_log_probs_and_entropy", "linear_token_loss"])
+def test_head_bad_arguments(fn):
+    hidden, weight, tokens, temperature, g_lp, g_ent = _head_inputs(torch.float32, HIDDEN)
+    hidden, weight, tokens = hidden.to(DEVICE), weight.to(DEVICE), tokens.to(DEVICE)
+
+    def call(**options):
+        if fn == "linear_log_probs_and_entropy":
+            return linear_log_probs_and_entropy(hidden, weight, tokens, **options)
+        return linear_token_loss(hidden, weight, tokens, lambda lp, ent, rows: lp, **options)
+
+    cases = [(dict(temperature=torch.ones(HEAD_ROWS - 1, device=DEVICE)), ValueError, "temperature"),
+             (dict(temperature=torch.ones(HEAD_ROWS, device=DEVICE).index_fill_(0, torch.tensor([5], device=DEVICE),
+                                                                                 -1.0)), ValueError, "temperature"),
+             (dict(softcap=0.0), ValueError, "softcap"),
+             (dict(softcap=HEAD_SOFTCAP, keep=(torch.tensor([1], device=DEVICE),
+                                               torch.tensor([0] + [1] * HEAD_ROWS, device=DEVICE))),
+              ValueError, "softcap"),
+             (dict(temperature=temperature.to(DEVICE), reduction_order="sglang"), ValueError, "temperature")]
+    for options, exc_type, argument in cases:
+        with pytest.raises(exc_type, match=argument) as info:
+            call(**options)
+        assert info.value.ppo_ops_argument == argument

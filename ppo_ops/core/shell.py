@@ -194,10 +194,6 @@ def prepare_lm_head(fn_name, hidden, weight, tokens, *, tp_group, entropy, tempe
                                        chunk_size=None, vocab_size=vocab_size, inplace_grad=False, validate=validate)
         cap = checks.check_softcap(fn_name, softcap)
         checks.check_transform_support(fn_name, temperature, cap, reduction_order=reduction_order, keep=keep)
-        if cap is not None or checks.is_row_temperature(temperature):
-            raise checks.argument_error(
-                ValueError, fn_name, "temperature" if cap is None else "softcap",
-                "a per-row temperature and softcap are available in log_probs_and_entropy, not yet in the LM head")
         if not isinstance(reduce_dx, bool):
             raise checks.argument_error(TypeError, fn_name, "reduce_dx",
                                         f"reduce_dx must be a bool, got {type(reduce_dx).__name__}")

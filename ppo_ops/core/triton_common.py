@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from ppo_ops.core import row_stats
+from ppo_ops.core.contracts import inverse_softcap
 
 # Channel order of the partials, from core/row_stats.py (jit code may read only constexpr globals).
 CH_MAX = tl.constexpr(row_stats.MAX)
@@ -128,6 +129,39 @@ def softcap_slope(x, inv_softcap):
     """d(softcap * tanh(x / softcap)) / dx = 1 - tanh²(x / softcap) of fp32 logits x (0 for +-inf)."""
     th = tanh(x * inv_softcap)
     return 1.0 - th * th
+
+
+@triton.jit
+def row_scale(inv_temperature, row_inv_temperature_ptr, rows, row_ok, ROW_SCALE: tl.constexpr):
+    """The temperature's scale of a vector of `rows`: their own [BLOCK] fp32 1 / T with ROW_SCALE (1 where not
+    row_ok), else the scalar."""
+    if ROW_SCALE:
+        inv_temperature = tl.load(row_inv_temperature_ptr + rows, mask=row_ok, other=1.0)
+    return inv_temperature
+
+
+@triton.jit
+def tile_row_scale(inv_temperature, row_inv_temperature_ptr, rows, row_ok, ROW_SCALE: tl.constexpr):
+    """row_scale for a [BLOCK_M, BLOCK_N] tile of `rows`: [BLOCK_M, 1] with ROW_SCALE, else the scalar."""
+    if ROW_SCALE:
+        inv_temperature = tl.load(row_inv_temperature_ptr + rows, mask=row_ok, other=1.0)[:, None]
+    return inv_temperature
+
+
+def transform_args(shard, like: torch.Tensor) -> dict:
+    """The kernels' logit-transform arguments (`transformed`) of a ShardOptions: the scalar temperature (SCALE), the
+    per-row one (ROW_SCALE: a [rows] fp32 vector indexed like the kernel's rows) and the softcap (SOFTCAP). The last
+    five have the kernels' defaults, so without a per-row temperature or a softcap they are not passed and the launch
+    is the scalar temperature's as it always was. `like` stands in for the per-row pointer when there is none."""
+    rows, softcap = shard.row_inv_temperature, shard.softcap
+    args = dict(inv_temperature=float(shard.inv_temperature),
+                SCALE=rows is not None or float(shard.inv_temperature) != 1.0)
+    if rows is None and softcap is None:
+        return args
+    return dict(args, row_inv_temperature_ptr=like if rows is None else rows.to(torch.float32).contiguous(),
+                softcap=1.0 if softcap is None else float(softcap),
+                inv_softcap=1.0 if softcap is None else inverse_softcap(softcap),
+                ROW_SCALE=rows is not None, SOFTCAP=softcap is not None)
 
 
 def interpreting() -> bool:

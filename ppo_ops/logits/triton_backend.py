@@ -28,11 +28,11 @@ import torch
 import triton  # noqa: F401  an ImportError here is how backend="auto" (ppo_ops/api.py) learns triton is absent
 
 from ppo_ops.core.checks import argument_error
-from ppo_ops.core.contracts import BackwardStats, RowInputs, RowStats, ShardOptions, UpstreamGrads, inverse_softcap
+from ppo_ops.core.contracts import BackwardStats, RowInputs, RowStats, ShardOptions, UpstreamGrads
 from ppo_ops.core import row_stats
 from ppo_ops.core.row_stats import NUM_PARTIALS
 from ppo_ops.core.shell import interpret_requested
-from ppo_ops.core.triton_common import cdiv, interpreting, options, round_bf16_by_bits
+from ppo_ops.core.triton_common import cdiv, interpreting, options, round_bf16_by_bits, transform_args
 from ppo_ops.core.triton_launch import launcher
 from ppo_ops.logits import triton_kernels
 
@@ -266,22 +266,6 @@ def backward_launch_args(inputs: RowInputs, shard: ShardOptions, stats: Backward
         HAS_MASS=stats.row_has_mass is not None, BLOCK_V=config.block_v,
         ROUND_BF16_BY_BITS=round_bf16_by_bits(out.dtype), **options(config),
     )
-
-
-def transform_args(shard: ShardOptions, like: torch.Tensor) -> dict:
-    """The kernels' logit-transform arguments (core/triton_common.transformed): the scalar temperature (SCALE), or
-    the per-row one (ROW_SCALE: a [rows] fp32 vector indexed by the kernel's row), and the softcap (SOFTCAP). `like`
-    stands in for the per-row pointer when there is none."""
-    rows = shard.row_inv_temperature
-    softcap = shard.softcap
-    args = dict(inv_temperature=float(shard.inv_temperature),
-                SCALE=rows is not None or float(shard.inv_temperature) != 1.0)
-    if rows is None and softcap is None:
-        return args  # the kernels' defaults: the launch of a scalar temperature, as it always was
-    return dict(args, row_inv_temperature_ptr=like if rows is None else _vector(rows, torch.float32),
-                softcap=1.0 if softcap is None else float(softcap),
-                inv_softcap=1.0 if softcap is None else inverse_softcap(softcap),
-                ROW_SCALE=rows is not None, SOFTCAP=softcap is not None)
 
 
 def _vector(t, dtype, default=None):
