@@ -371,3 +371,77 @@ def test_head_bad_arguments(fn):
         with pytest.raises(exc_type, match=argument) as info:
             call(**options)
         assert info.value.ppo_ops_argument == argument
+
+
+# ---- ppo_ops.hf: Gemma 2's final_logit_softcapping ----
+
+GEMMA_SOFTCAP = 1.0  # below the tiny model's uncapped logits (about 2), so the cap bends them; Gemma 2 ships 30.0
+
+
+def _gemma2():
+    import transformers
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        config = transformers.Gemma2Config(vocab_size=301, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                           final_logit_softcapping=GEMMA_SOFTCAP, attn_implementation="eager")
+        model = transformers.Gemma2ForCausalLM(config).eval()
+        for p in model.parameters():  # matrices scaled up: logits of a few units, which the cap bends
+            if p.dim() == 2:
+                p.data.mul_(4.0)
+    return model.to(DEVICE)
+
+
+def test_hf_serves_gemma2_softcapping():
+    """token_log_probs on a Gemma 2 whose config caps its logits, with a per-position temperature: values and every
+    parameter's gradient against the model's own (capped) logits taken to float64."""
+    from ppo_ops.hf import token_log_probs
+
+    model = _gemma2()
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 301, (2, 9), generator=gen).to(DEVICE)
+    temperature = (0.6 + torch.rand(2, 9, generator=gen)).to(DEVICE)
+    w_lp, w_ent = (torch.randn(2, 9, generator=gen).to(DEVICE) for _ in range(2))
+
+    out = token_log_probs(model, ids, entropy="grad", temperature=temperature)
+    assert model.config.final_logit_softcapping == GEMMA_SOFTCAP  # off during the call only
+    (w_lp * out.log_probs + w_ent * out.entropy).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+
+    logits = model(input_ids=ids, use_cache=False).logits  # the model's own, capped in its forward
+    assert logits.abs().max() <= GEMMA_SOFTCAP and logits.abs().max() > 0.8 * GEMMA_SOFTCAP  # the cap bends them
+    log_p = torch.log_softmax(logits.double() / temperature.double().unsqueeze(-1), -1)[:, :-1]
+    ref_lp = log_p.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    ref_ent = -(log_p.exp() * log_p).sum(-1)
+    (w_lp[:, :-1] * ref_lp + w_ent[:, :-1] * ref_ent).sum().backward()
+
+    # Both sides' fp32 logits (the model's GEMM and the head's) are within the fp32 accumulation bound of
+    # _head_reference, E <= ACCUM_ULPS * H * u32 * max |h| . |w| / T, each.
+    hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state.detach()
+    weight = model.lm_head.weight.detach()
+    e_row = (ACCUM_ULPS * hidden.shape[-1] * U32 * (hidden.double().abs() @ weight.double().abs().T).amax(-1)
+             / temperature.double())[:, :-1]
+    lp_tol = LOG_PROB_TOL * ref_lp.abs().clamp(min=1) + SAFETY * 4 * e_row
+    assert ((out.log_probs[:, :-1].double() - ref_lp).abs() <= lp_tol).all()
+    assert (out.log_probs[:, -1] == 0).all()
+    ent_tol = ENTROPY_TOL + SAFETY * 2 * e_row * 2 * torch.log(torch.tensor(301.0, dtype=torch.float64))
+    assert ((out.entropy[:, :-1].double() - ref_ent).abs() <= ent_tol).all()
+    for name, p in model.named_parameters():
+        assert _rel(grads[name], p.grad.double()) <= HEAD_GRAD_REL_TOL, name
+
+
+def test_hf_refuses_softcapping_of_other_models():
+    """A model outside SOFTCAPPED_MODELS whose config names a soft-cap is still refused, before it runs."""
+    import transformers
+
+    from ppo_ops.hf import token_log_probs
+
+    config = transformers.Qwen3Config(vocab_size=301, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model = transformers.Qwen3ForCausalLM(config)
+    model.config.final_logit_softcapping = 30.0  # Qwen3's forward would not apply it
+    with pytest.raises(ValueError, match="final_logit_softcapping") as info:
+        token_log_probs(model, torch.zeros(1, 4, dtype=torch.long))
+    assert info.value.ppo_ops_argument == "model"
