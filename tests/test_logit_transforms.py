@@ -445,3 +445,40 @@ def test_hf_refuses_softcapping_of_other_models():
     with pytest.raises(ValueError, match="final_logit_softcapping") as info:
         token_log_probs(model, torch.zeros(1, 4, dtype=torch.long))
     assert info.value.ppo_ops_argument == "model"
+
+
+# ---- ppo_ops.megatron: the Context passes a per-label temperature and the softcap to the head ----
+
+def test_megatron_context_passes_them_through():
+    """output_processor in Megatron's [S, B, H] layout, one rank (no process group), against the head called
+    directly on the same rows: bit for bit, both ops; and the softcap refused beside MuP's logit multiplier."""
+    import types
+
+    pytest.importorskip("megatron.core")
+    import ppo_ops.megatron as pm
+
+    hidden, weight, tokens, temperature, g_lp, g_ent = _head_inputs(torch.float32, HIDDEN)
+    batch, seq = 4, HEAD_ROWS // 4
+    labels = tokens.view(batch, seq).to(DEVICE)
+    loss_mask = (torch.rand(batch, seq, generator=torch.Generator().manual_seed(3)) < 0.8).to(DEVICE)
+    per_label = temperature.view(batch, seq).to(DEVICE)
+    hidden_sbh = hidden.view(batch, seq, HIDDEN).transpose(0, 1).contiguous().to(DEVICE)
+    w = weight.to(DEVICE)
+    for token_loss in (None, lambda lp, ent, rows: lp * 2.0 + ent):
+        context = pm.Context(entropy="value", temperature=per_label, softcap=HEAD_SOFTCAP, token_loss=token_loss)
+        got = pm.output_processor(hidden_states=hidden_sbh, labels=labels, context=context, output_weight=w,
+                                  loss_mask=loss_mask)
+        options = dict(entropy="value", temperature=per_label, softcap=HEAD_SOFTCAP, row_mask=loss_mask)
+        if token_loss is None:
+            want = linear_log_probs_and_entropy(hidden_sbh.transpose(0, 1), w, labels, **options)
+        else:
+            ppo_ops_loss, want = linear_token_loss(hidden_sbh.transpose(0, 1), w, labels, token_loss, **options)
+            loss, got = got
+            assert torch.equal(loss, ppo_ops_loss)
+        assert torch.equal(got.log_probs, want.log_probs) and torch.equal(got.entropy, want.entropy)
+    # the cap acts on the multiplied logits: no temperature can carry MuP's multiplier past it
+    mup = types.SimpleNamespace(use_mup=True, mup_output_mult=2.0)
+    with pytest.raises(ValueError, match="softcap") as info:
+        pm.output_processor(hidden_states=hidden_sbh, labels=labels, context=pm.Context(softcap=HEAD_SOFTCAP),
+                            output_weight=w, config=mup)
+    assert info.value.ppo_ops_argument == "softcap"
