@@ -125,10 +125,20 @@ def transformed(x, inv_temperature, softcap, inv_softcap, SCALE: tl.constexpr, S
 
 
 @triton.jit
-def softcap_slope(x, inv_softcap):
-    """d(softcap * tanh(x / softcap)) / dx = 1 - tanh²(x / softcap) of fp32 logits x (0 for +-inf)."""
-    th = tanh(x * inv_softcap)
-    return 1.0 - th * th
+def transformed_with_slope(x, inv_temperature, softcap, inv_softcap, SCALE: tl.constexpr, SOFTCAP: tl.constexpr):
+    """(z, the softcap's slope) of fp32 logits x for a backward: z as `transformed` gives it, bit for bit, and
+    d(softcap * tanh(x / softcap)) / dx = 1 - tanh²(x / softcap) from the same tanh (one per element; 1.0 without
+    SOFTCAP, which the caller then does not apply)."""
+    if SOFTCAP:
+        th = tanh(x * inv_softcap)
+        z = scaled(th, softcap)
+        slope = 1.0 - th * th
+    else:
+        z = x
+        slope = 1.0
+    if SCALE:
+        z = scaled(z, inv_temperature)
+    return z, slope
 
 
 @triton.jit

@@ -34,8 +34,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ppo_ops.core.contracts import BackwardStats, ShardOptions, UpstreamGrads
 from ppo_ops.core.triton_common import (bf16_by_bits, grouped_tile, interpreting, options, round_bf16_by_bits,
-                                        row_scale, scaled, softcap_slope, store_rounded, tile_row_scale,
-                                        transform_args, transformed)
+                                        row_scale, scaled, store_rounded, tanh, tile_row_scale,
+                                        transform_args, transformed_with_slope)
 from ppo_ops.core.triton_launch import launcher as _launch  # fewer host steps per launch (core/triton_launch.py)
 from ppo_ops.lm_head import gemm_partials
 
@@ -89,7 +89,7 @@ def gemm_dlogits_kernel(
         row_ok = rows < num_rows
         inv_t = tile_row_scale(inv_temperature, row_inv_temperature_ptr, rows, row_ok, ROW_SCALE)
         if ROW_SCALE or SOFTCAP:
-            z = transformed(x, inv_t, softcap, inv_softcap, SCALE, SOFTCAP)
+            z, slope = transformed_with_slope(x, inv_t, softcap, inv_softcap, SCALE, SOFTCAP)
         elif SCALE:
             z = scaled(x, inv_temperature)
         else:
@@ -112,7 +112,7 @@ def gemm_dlogits_kernel(
         if SCALE:
             grad = grad * inv_t
         if SOFTCAP:
-            grad = grad * softcap_slope(x, inv_softcap)  # the chain rule through softcap * tanh(x / softcap)
+            grad = grad * slope  # the chain rule through softcap * tanh(x / softcap)
         grad = tl.where(((cols < seg_len) & (cols < n_valid))[None, :], grad, 0.0)
         if ROUND_BF16_BY_BITS:
             out = bf16_by_bits(grad)
@@ -172,7 +172,8 @@ def target_dlogits_kernel(
     if SCALE:
         grad = grad * row_scale(inv_temperature, row_inv_temperature_ptr, rows, here, ROW_SCALE)
     if SOFTCAP:
-        grad = grad * softcap_slope(x, inv_softcap)
+        th = tanh(x * inv_softcap)  # the slope of the cap at the target's own logit
+        grad = grad * (1.0 - th * th)
     offset = ((target // slab_cols).to(tl.int64) * slab_stride + rows.to(tl.int64) * out_stride
               + (target % slab_cols).to(tl.int64) * col_stride)
     store_rounded(out_ptr + offset, grad, here, ROUND_BF16_BY_BITS)

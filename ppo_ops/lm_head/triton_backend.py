@@ -40,8 +40,8 @@ from ppo_ops.core import row_stats
 from ppo_ops.core.checks import argument_error
 from ppo_ops.core.contracts import GradsWanted, HeadRows, LinearSaved, ShardOptions, UpstreamGrads, holds_nothing
 from ppo_ops.core.triton_common import (FLT_MAX, cdiv, empty_row_state, grouped_tile, interpreting, options, scaled,
-                                        softcap_slope, store_row_partials, tile_row_scale, transform_args,
-                                        transformed)
+                                        store_row_partials, tile_row_scale, transform_args, transformed,
+                                        transformed_with_slope)
 from ppo_ops.core.triton_launch import launcher as _launch  # fewer host steps per launch (core/triton_launch.py)
 from ppo_ops.logits.triton_backend import merge_partials  # the logits op's fused merge: the partials are the same
 
@@ -191,7 +191,7 @@ def dlogits_kernel(
     else:
         inv_t = tile_row_scale(inv_temperature, row_inv_temperature_ptr, rows, row_ok, ROW_SCALE)
         if ROW_SCALE or SOFTCAP:
-            z = transformed(x, inv_t, softcap, inv_softcap, SCALE, SOFTCAP)
+            z, slope = transformed_with_slope(x, inv_t, softcap, inv_softcap, SCALE, SOFTCAP)
         elif SCALE:
             z = scaled(x, inv_temperature)
         else:
@@ -211,7 +211,7 @@ def dlogits_kernel(
         if SCALE:
             grad = grad * inv_t
         if SOFTCAP:
-            grad = grad * softcap_slope(x, inv_softcap)  # the chain rule through softcap * tanh(x / softcap)
+            grad = grad * slope  # the chain rule through softcap * tanh(x / softcap)
         grad = tl.where(row_ok[:, None] & (cols < n_valid)[None, :], grad, 0.0)
         tl.store(out, grad, mask=store_ok)
 

@@ -54,7 +54,7 @@ from ppo_ops.core import row_stats
 from ppo_ops.core.row_stats import (BAD_INPUT, ENTROPY, HAS_MASS, LOG_PROB, LOG_PROB_DEFINED, LOG_SUM, LOG_SUM_KEPT,
                                     MEAN_SHIFTED, SHIFT)
 from ppo_ops.core.triton_common import (CH_ENT_SUM, CH_KEPT_SUMEXP, CH_MAX, CH_SUMEXP, CH_TARGET_Z, COMPILED, FLT_MAX,
-                                        NUM_PARTIALS, softcap_slope, transformed)
+                                        NUM_PARTIALS, transformed, transformed_with_slope)
 
 # The row stride (V_local) and n_valid differ between TP sizes: they must not change the compiled code (vector width,
 # hence register layout, hence the order of the tile sums). Their alignment comes from the ALIGN constexprs instead,
@@ -306,7 +306,7 @@ def backward_grad_kernel(
     if ROW_SCALE:
         inv_temperature = tl.load(row_inv_temperature_ptr + row)
     x = tl.load(logits_ptr + row * logits_row_stride + cols, mask=load, other=float("-inf")).to(tl.float32)
-    z = transformed(x, inv_temperature, softcap, inv_softcap, SCALE, SOFTCAP)
+    z, slope = transformed_with_slope(x, inv_temperature, softcap, inv_softcap, SCALE, SOFTCAP)
     d = z - tl.load(shift_ptr + row)
     p = tl.exp(d - tl.load(log_sum_ptr + row))  # 0 for -inf logits
 
@@ -331,7 +331,7 @@ def backward_grad_kernel(
     if SCALE:
         grad = grad * inv_temperature
     if SOFTCAP:
-        grad = grad * softcap_slope(x, inv_softcap)  # the chain rule through softcap * tanh(x / softcap)
+        grad = grad * slope  # the chain rule through softcap * tanh(x / softcap)
     grad = tl.where(valid, grad, 0.0)  # padding and dropped rows: 0, whatever they hold (NaN included)
     if ROUND_BF16_BY_BITS:
         # As core/triton_common.store_rounded (the interpreter truncates fp32 -> bf16 casts), inline: through that
