@@ -193,6 +193,12 @@ def _tp_worker(rank, world_size, out_dir):
         g_lp, g_ent = _upstream()
         (grad,) = torch.autograd.grad((out.log_probs * g_lp).sum() + (out.entropy * g_ent).sum(), x)
         results[backend] = (out.log_probs, out.entropy, grad)
+    # The fused head on this rank's weight rows: log-probs, entropies and dW bitwise those of TP = 1.
+    hidden, weight, head_tokens, head_temperature, g_lp, g_ent = _head_inputs(torch.float32, HIDDEN)
+    rows = HEAD_VOCAB // world_size
+    results["head"] = _head_run("linear", hidden, weight[rank * rows:(rank + 1) * rows], head_tokens, g_lp, g_ent,
+                                tp_group=group, backend="torch", temperature=head_temperature,
+                                softcap=HEAD_SOFTCAP)
     # A rank whose temperatures differ: every rank raises, naming temperature.
     other = temperature.clone()
     if rank == 1:
@@ -222,6 +228,14 @@ def test_tp2_gloo_equals_tp1(tmp_path):
             # V_global % 8 == 0: the results are bitwise TP-invariant (docs/api.md#reproducibility)
             assert torch.equal(log_probs, out.log_probs) and torch.equal(entropy, out.entropy)
             assert torch.equal(rank_grad, grad[:, r * (VOCAB // 2):(r + 1) * (VOCAB // 2)])
+    hidden, weight, head_tokens, head_temperature, g_lp, g_ent = _head_inputs(torch.float32, HIDDEN)
+    log_probs, entropy, _, dw = _head_run("linear", hidden, weight, head_tokens, g_lp, g_ent, backend="torch",
+                                          temperature=head_temperature, softcap=HEAD_SOFTCAP)
+    rows = HEAD_VOCAB // 2
+    for r, result in enumerate(ranks):
+        rank_lp, rank_ent, _, rank_dw = result["head"]
+        assert torch.equal(rank_lp, log_probs) and torch.equal(rank_ent, entropy)
+        assert torch.equal(rank_dw, dw[r * rows:(r + 1) * rows])
     for result in ranks:
         argument, message = result["disagreement"]
         assert argument == "temperature" and "per-row temperature" in message
@@ -303,7 +317,7 @@ def _rel(a, b):
 @pytest.mark.parametrize("op", ["linear", "token_loss"])
 @pytest.mark.parametrize("case", [_head_case("torch-fp32"), _head_case("triton-fp32"),
                                   _head_case("triton-bf16-held"),
-                                  _head_case("triton-bf16-chunks", marks=[pytest.mark.device("cuda")])])
+                                  _head_case("triton-bf16-chunks")])
 def test_head_against_float64(op, case):
     """A per-row temperature and a softcap together, values and the gradients of hidden and weight."""
     backend, dtype, width, memory, path, loss_path = HEAD_CASES[case]
@@ -329,7 +343,7 @@ def test_head_against_float64(op, case):
     _head_case("torch-fp32"), _head_case("triton-fp32", marks=[pytest.mark.device("cuda")]),
     _head_case("triton-bf16-held"), _head_case("triton-bf16-one-block", marks=[pytest.mark.device("cuda")]),
     _head_case("triton-bf16-recompute", marks=[pytest.mark.device("cuda")]),
-    _head_case("triton-bf16-chunks"),
+    _head_case("triton-bf16-chunks", marks=[pytest.mark.device("cuda")]),
 ])
 def test_head_rows_are_scalar_rows(case, softcap):
     """Each row of a per-row call is, bit for bit, that row of a scalar call at the row's temperature (a row's
