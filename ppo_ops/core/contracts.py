@@ -16,7 +16,9 @@ Two backends implement `Backend`: `logits.torch_backend.TorchBackend` (any devic
 
 With d = z - shift: log p = d - log_sum, q = 1[keep ∪ target] e^(d - log_sum_kept) (q = p without a keep mask),
 grad = inv_temperature * (g_lp * (onehot - q) + g_ent * p * (mean_shifted - d)); padding columns and entries with
-p == 0 get no entropy term (never 0 * inf). All statistics are global (merged over the TP ranks).
+p == 0 get no entropy term (never 0 * inf). All statistics are global (merged over the TP ranks). With a softcap or a
+per-row temperature (ShardOptions.softcap, row_inv_temperature) z = softcap * tanh(x / softcap) * (the row's 1 / T)
+and the gradient carries the row's 1 / T and 1 - tanh²(x / softcap) in place of inv_temperature.
 
 A dropped row's token and per-row values are unspecified (its token may be junk such as -100); backends ignore them.
 The row mask crosses as a mask, not an index list: building one (nonzero) is a host sync on CUDA.
