@@ -121,6 +121,21 @@ def test_keep_mask_and_leading_dims(backend):
     assert (out.log_probs.double().cpu() - ref).abs().max() <= LOG_PROB_TOL * max(1.0, ref.abs().max())
 
 
+def test_expanded_per_sequence_temperature():
+    """One temperature per sequence, expanded over its positions (a stride-0 view), is each row's."""
+    logits, tokens = _logits().view(3, 4, VOCAB), _tokens().view(3, 4)
+    per_sequence = torch.tensor([[0.6], [1.0], [1.4]])
+    out = log_probs_and_entropy(logits.to(DEVICE), tokens.to(DEVICE),
+                                temperature=per_sequence.to(DEVICE).expand(3, 4), softcap=SOFTCAP)
+    dense = log_probs_and_entropy(logits.to(DEVICE), tokens.to(DEVICE),
+                                  temperature=per_sequence.expand(3, 4).contiguous().to(DEVICE), softcap=SOFTCAP)
+    assert torch.equal(out.log_probs, dense.log_probs)
+    for b in range(3):
+        row = log_probs_and_entropy(logits[b].to(DEVICE), tokens[b].to(DEVICE), temperature=float(per_sequence[b]),
+                                    softcap=SOFTCAP)
+        assert torch.equal(out.log_probs[b], row.log_probs)
+
+
 def test_caller_tensors_unchanged():
     logits, tokens, temperature = _logits(), _tokens(), _temperatures()
     copies = [t.clone() for t in (logits, tokens, temperature)]

@@ -211,7 +211,9 @@ def row_inverse_temperature(temperature: torch.Tensor, n_rows: int, row_mask: Op
     (so a row of temperature t gets the bits a scalar t gives); rows the row mask drops get 1 (they are not checked
     and their values are never used). The values the value checks reject give a non-finite or non-positive inverse
     (bad_inverse_rows)."""
-    inv = torch.reciprocal(temperature.reshape(n_rows).to(torch.float64)).to(torch.float32)
+    # detached: the temperature is a constant of the call (no gradient flows to it); an expanded view (one value per
+    # sequence over its positions) reshapes to a copy
+    inv = torch.reciprocal(temperature.detach().reshape(n_rows).to(torch.float64)).to(torch.float32)
     if row_mask is not None:
         inv = torch.where(row_mask.reshape(n_rows), inv, torch.ones_like(inv))
     return inv
