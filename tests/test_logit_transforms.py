@@ -15,7 +15,7 @@ from ppo_ops import linear_log_probs_and_entropy, linear_token_loss, log_probs_a
 from ppo_ops.lm_head.paths import path_of_call
 from tests.core_support import backend_params, run_gloo, triton_skip_reason
 from tests.linear_support import ACCUM_ULPS, SAFETY, U32
-from tests.reference import ENTROPY_TOL, GRAD_TOL, LOG_PROB_TOL
+from tests.reference import ENTROPY_TOL, GRAD_DTYPE_ULP, GRAD_TOL, LOG_PROB_TOL
 from tests.ranks import DEVICE
 
 ROWS, VOCAB = 12, 384  # 384 columns: 8 segments of 48, at TP = 2 four per rank
@@ -90,6 +90,22 @@ def test_logits_op_against_float64(backend, transform):
     ref_temperature = torch.where(row_mask, temperature, 1.0) if isinstance(temperature, torch.Tensor) else temperature
     assert_close(out, grad, reference(logits, tokens, ref_temperature, softcap, g_lp, g_ent, row_mask))
     assert (grad[~row_mask.to(DEVICE)] == 0).all()
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_logits_op_half_precision(backend, dtype):
+    """Half-precision logits (the reference takes the same rounded values): the gradient within GRAD_TOL plus one ulp
+    of its dtype."""
+    logits, tokens = _logits().to(dtype), _tokens()
+    temperature = _temperatures()
+    g_lp, g_ent = _upstream()
+    out, grad = run(logits, tokens, g_lp, g_ent, temperature=temperature.to(DEVICE), softcap=SOFTCAP, backend=backend)
+    assert grad.dtype == dtype
+    log_probs, entropy, ref_grad = reference(logits.float(), tokens, temperature, SOFTCAP, g_lp, g_ent)
+    assert (out.log_probs.double().cpu() - log_probs).abs().max() <= LOG_PROB_TOL * max(1.0, log_probs.abs().max())
+    assert (out.entropy.double().cpu() - entropy).abs().max() <= ENTROPY_TOL
+    assert ((grad.double().cpu() - ref_grad).abs() <= GRAD_TOL + GRAD_DTYPE_ULP[dtype] * ref_grad.abs()).all()
 
 
 @pytest.mark.parametrize("backend", backend_params())
