@@ -47,6 +47,7 @@ def log_probs_and_entropy(
     backend: str = "auto",
     validate: bool = True,
     reduction_order: str = "fused",
+    softcap: Optional[float] = None,
 ) -> LogProbsEntropy:
     """Log-probability of each target token and entropy of each row, over a vocabulary split across TP ranks.
 
@@ -66,8 +67,10 @@ def log_probs_and_entropy(
       keep: (ids, offsets), the same from a sparse CSR keep set over the flattened rows, no [T, V] mask; a row with
         an empty range keeps the whole vocabulary. Not with keep_mask (docs/api.md#keep-sets).
       temperature: both outputs use logits / temperature, the gradient carries 1 / temperature. A real > 0 whose
-        reciprocal fits in float32: a Python or NumPy scalar, or a one-element tensor (read with .item()). With
-        reduction_order="sglang": bf16(bf16(logits) / T), as SGLang's sampler divides (a bf16 copy of the logits).
+        reciprocal fits in float32: a Python or NumPy scalar, or a one-element tensor (read with .item()); or one
+        per row, a float32 tensor of tokens' shape on the logits' device (its values checked with validate=True).
+        With reduction_order="sglang": a scalar, bf16(bf16(logits) / T), as SGLang's sampler divides (a bf16 copy
+        of the logits).
       row_mask: logits.shape[:-1] bool; False rows get 0, 0 and zero gradient, cost nothing, are not checked.
       vocab_size: the true global vocabulary; columns at or past it are padding (no mass, zero gradient).
       chunk_size: rows per chunk of the PyTorch backend's fp32 buffers (None or -1: automatic); bitwise invariant.
@@ -78,6 +81,9 @@ def log_probs_and_entropy(
         core/agreement.py lists is no longer guaranteed (docs/api.md#validation-and-collective-failure).
       reduction_order: "fused", or "sglang": log-probs bit for bit SGLang's batch-invariant log_softmax at any TP
         size (Triton on CUDA; no keep_mask or keep; docs/api.md#sglang-reduction-order).
+      softcap: None, or c > 0: the logits become c * tanh(logits / c) before the temperature, as Gemma 2's
+        final_logit_softcapping caps them; the gradient carries 1 - tanh²(logits / c). Not with keep or
+        reduction_order="sglang" (nor a per-row temperature).
 
     Returns LogProbsEntropy(log_probs, entropy), float32, shaped like tokens; entropy None with entropy="none".
     Guarantees (docs/api.md#guarantees): one all-gather per forward, none in backward; bitwise reproducible run to
@@ -87,6 +93,11 @@ def log_probs_and_entropy(
     options = dict(tp_group=tp_group, entropy=entropy, keep_mask=keep_mask, keep=keep, temperature=temperature,
                    row_mask=row_mask, vocab_size=vocab_size, chunk_size=chunk_size, backend=backend,
                    validate=validate, reduction_order=reduction_order)
+    if softcap is not None or checks.is_row_temperature(temperature):
+        # The custom operators and the replayed launches take a scalar temperature and no softcap; the shell checks
+        # the rest.
+        _refuse_compiled_transform("log_probs_and_entropy", temperature, softcap)
+        return _log_probs_eager(logits, tokens, inplace_grad=inplace_grad, softcap=softcap, **options)
     if reduction_order == "sglang":
         temperature, inv_temperature, _, _ = checks.check_options(
             "log_probs_and_entropy", entropy=entropy, backend=backend, temperature=temperature, chunk_size=chunk_size,
@@ -144,19 +155,23 @@ class _ScaledGrad(torch.autograd.Function):
 
 
 def _log_probs_eager(logits, tokens, *, tp_group, entropy, keep_mask, keep, temperature, row_mask, vocab_size,
-                     chunk_size, inplace_grad, backend, validate, reduction_order) -> LogProbsEntropy:
-    # A call of a signature seen before replays that call's launches (logits/replay.py).
-    key = replay.signature(logits, tokens, tp_group=tp_group, entropy=entropy, keep_mask=keep_mask, keep=keep,
-                           temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, chunk_size=chunk_size,
-                           inplace_grad=inplace_grad, backend=backend, validate=validate,
-                           reduction_order=reduction_order)
-    replayed = replay.run(key, logits, tokens)
+                     chunk_size, inplace_grad, backend, validate, reduction_order, softcap=None) -> LogProbsEntropy:
+    # A call of a signature seen before replays that call's launches (logits/replay.py); not one with a softcap or a
+    # per-row temperature, which its record does not carry.
+    key = None
+    if softcap is None and not checks.is_row_temperature(temperature):
+        key = replay.signature(logits, tokens, tp_group=tp_group, entropy=entropy, keep_mask=keep_mask, keep=keep,
+                               temperature=temperature, row_mask=row_mask, vocab_size=vocab_size,
+                               chunk_size=chunk_size, inplace_grad=inplace_grad, backend=backend, validate=validate,
+                               reduction_order=reduction_order)
+    replayed = None if key is None else replay.run(key, logits, tokens)
     if replayed is not None:
         return _shaped_outputs(*replayed)
     call = shell.prepare_logits(
         "log_probs_and_entropy", logits, tokens, tp_group=tp_group, entropy=entropy, keep_mask=keep_mask,
         temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, chunk_size=chunk_size,
         inplace_grad=inplace_grad, backend=backend, validate=validate, reduction_order=reduction_order, keep=keep,
+        softcap=softcap,
     )
     with shell.on_device(call), replay.recording(key, call, logits):
         out = LogProbEntropyFunction.apply(call.rows, call.tokens, call.keep_mask, call.row_mask, call.plan,
@@ -237,6 +252,7 @@ def linear_log_probs_and_entropy(
     validate: bool = True,
     working_memory: Optional[int] = None,
     reduction_order: str = "fused",
+    softcap: Optional[float] = None,
 ) -> LogProbsEntropy:
     """Log-probability of each target token and entropy of each row, from hidden states and a vocab-parallel
     LM-head weight, without ever holding the [T, V] logits.
@@ -251,8 +267,9 @@ def linear_log_probs_and_entropy(
       weight: [V_local, H], hidden's dtype and device: this rank's contiguous slice of the vocabulary, as in
         Megatron's column-parallel output layer.
       tokens: hidden.shape[:-1] integer global token ids.
-      tp_group, entropy, keep, temperature, vocab_size, backend, validate: as in log_probs_and_entropy (a keep row's
-        kept logits are fp32 dots hidden[r] . weight[id]: docs/api.md#keep-sets).
+      tp_group, entropy, keep, temperature, vocab_size, backend, validate, softcap: as in log_probs_and_entropy (a
+        keep row's kept logits are fp32 dots hidden[r] . weight[id]: docs/api.md#keep-sets; a per-row temperature
+        has hidden.shape[:-1]); the softcap and temperature apply to the fp32 logits in the GEMMs' epilogues.
       row_mask: hidden.shape[:-1] bool; False rows get 0, 0, zero gradient and no GEMM work; on CUDA the kept-row
         count costs one host sync of its own, with validate True or False.
       reduce_dx: True: the backward all-reduces dX over tp_group (fp32, one rounding). False: each rank returns its
@@ -275,6 +292,9 @@ def linear_log_probs_and_entropy(
     options = dict(tp_group=tp_group, entropy=entropy, keep=keep, temperature=temperature, row_mask=row_mask,
                    vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend, validate=validate,
                    working_memory=working_memory)
+    if softcap is not None or checks.is_row_temperature(temperature):
+        _refuse_compiled_transform("linear_log_probs_and_entropy", temperature, softcap)
+        return _linear_eager(hidden, weight, tokens, reduction_order=reduction_order, softcap=softcap, **options)
     if not torch.compiler.is_compiling():
         return _linear_eager(hidden, weight, tokens, reduction_order=reduction_order, **options)
     _refuse_compiled_order("linear_log_probs_and_entropy", reduction_order)
@@ -282,11 +302,12 @@ def linear_log_probs_and_entropy(
 
 
 def _linear_eager(hidden, weight, tokens, *, tp_group, entropy, keep, temperature, row_mask, vocab_size, reduce_dx,
-                  backend, validate, working_memory, reduction_order="fused") -> LogProbsEntropy:
+                  backend, validate, working_memory, reduction_order="fused", softcap=None) -> LogProbsEntropy:
     call = shell.prepare_lm_head(
         "linear_log_probs_and_entropy", hidden, weight, tokens, tp_group=tp_group, entropy=entropy,
         temperature=temperature, row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend,
-        validate=validate, keep=keep, working_memory=working_memory, reduction_order=reduction_order)
+        validate=validate, keep=keep, working_memory=working_memory, reduction_order=reduction_order,
+        softcap=softcap)
     with shell.on_device(call):
         out = LinearLogProbEntropyFunction.apply(call.rows, weight, call.tokens, call.row_mask, call.plan, call.keep)
     return _outputs(out, call)
@@ -310,6 +331,7 @@ def linear_token_loss(
     validate: bool = True,
     working_memory: Optional[int] = None,
     reduction_order: str = "fused",
+    softcap: Optional[float] = None,
 ) -> tuple:
     """A per-token RL loss on the LM head's log-probs (and entropies), its gradient formed inside the forward.
 
@@ -346,6 +368,10 @@ def linear_token_loss(
     options = dict(tp_group=tp_group, entropy=entropy, keep=keep, temperature=temperature, row_mask=row_mask,
                    vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend, validate=validate,
                    working_memory=working_memory)
+    if softcap is not None or checks.is_row_temperature(temperature):
+        _refuse_compiled_transform("linear_token_loss", temperature, softcap)
+        return _token_loss_eager(hidden, weight, tokens, token_loss, reduction_order=reduction_order, softcap=softcap,
+                                 **options)
     if not torch.compiler.is_compiling():
         return _token_loss_eager(hidden, weight, tokens, token_loss, reduction_order=reduction_order, **options)
     _refuse_compiled_order("linear_token_loss", reduction_order)
@@ -354,7 +380,8 @@ def linear_token_loss(
 
 
 def _token_loss_eager(hidden, weight, tokens, token_loss, *, tp_group, entropy, keep, temperature, row_mask,
-                      vocab_size, reduce_dx, backend, validate, working_memory, reduction_order="fused") -> tuple:
+                      vocab_size, reduce_dx, backend, validate, working_memory, reduction_order="fused",
+                      softcap=None) -> tuple:
     if isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:  # else the shell's checks name hidden
         agreement.check_collectively("linear_token_loss", tp_group, validate, hidden, checks.check_token_loss_rows,
                                      "linear_token_loss", token_loss, tuple(hidden.shape[:-1]), "hidden.shape[:-1] =")
@@ -362,13 +389,26 @@ def _token_loss_eager(hidden, weight, tokens, token_loss, *, tp_group, entropy, 
         "linear_token_loss", hidden, weight, tokens, tp_group=tp_group, entropy=entropy, temperature=temperature,
         row_mask=row_mask, vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend, validate=validate,
         token_loss=token_loss, fused_loss=True, keep=keep, working_memory=working_memory,
-        reduction_order=reduction_order)
+        reduction_order=reduction_order, softcap=softcap)
     keep_arg = () if call.keep is None else (call.keep,)  # the Function's last argument, given only with keep
     with shell.on_device(call):
         loss, log_prob, ent = LinearTokenLossFunction.apply(call.rows, weight, call.tokens, call.row_mask, call.plan,
                                                             token_loss, *keep_arg)
     return loss, _outputs((log_prob, ent) if entropy != "none" else log_prob, call)
 
+
+
+def _refuse_compiled_transform(fn_name: str, temperature, softcap) -> None:
+    """The custom operators (ppo_ops/compiled/) take a scalar temperature and no softcap."""
+    if not torch.compiler.is_compiling():
+        return
+    for name, given in (("temperature", checks.is_row_temperature(temperature)), ("softcap", softcap is not None)):
+        if given:
+            raise checks.argument_error(
+                ValueError, fn_name, name,
+                f"{'a per-row temperature' if name == 'temperature' else 'softcap'} is not available inside "
+                "torch.compile (the custom operator takes a scalar temperature and no softcap): call the op outside "
+                "the compiled region, or under torch.compiler.disable")
 
 
 def _refuse_compiled_order(fn_name: str, reduction_order) -> None:

@@ -11,10 +11,13 @@ are there (gathered, where a wrapper shards it). A head sharded by tensor parall
 Under a caller's torch.compile the base model and the head run directly (no wrapper runs: compile such a step over an
 unwrapped model).
 
-Refused with an error naming the model class: a logit transform (a non-neutral setting of LOGIT_TRANSFORMS, or a
-`final_logits_bias`), no base model or output embedding, an output embedding that is not a bias-free nn.Linear; and,
-after its forward ran, a model that does not call its output embedding exactly once on every position or changes what
-it returned before returning it as its logits.
+Gemma 2's final_logit_softcapping (`logits = tanh(logits / cap) * cap` after the output embedding, in the forward of
+the classes of SOFTCAPPED_MODELS) is served: the head applies it (ppo_ops' `softcap`) while the model's forward runs
+with the setting off, so the model returns the head's outputs as they are. Refused with an error naming the model
+class: another logit transform (a non-neutral setting of LOGIT_TRANSFORMS, the soft-capping of a model not in
+SOFTCAPPED_MODELS, or a `final_logits_bias`), no base model or output embedding, an output embedding that is not a
+bias-free nn.Linear; and, after its forward ran, a model that does not call its output embedding exactly once on every
+position or changes what it returned before returning it as its logits.
 """
 
 from __future__ import annotations
@@ -46,6 +49,11 @@ LOGIT_TRANSFORMS = {
     "output_multiplier": (None, 1.0),  # MuseGlimmer / MuseSpark: logits * m before their soft-capping
     "logits_mup_width_multiplier": (None, 1.0),  # Inkling: hidden states / m before the head
 }
+# transformers' causal LMs whose forward caps its output embedding's logits as Gemma 2's does, reading
+# `self.config.final_logit_softcapping` right after the output embedding (Gemma2ForCausalLM.forward:
+# `logits = logits / cap; logits = torch.tanh(logits); logits = logits * cap`): the head serves the setting for them.
+SOFTCAPPED_MODELS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_SOFTCAP = "final_logit_softcapping"
 
 
 def token_log_probs(
@@ -78,7 +86,9 @@ def token_log_probs(
       attention_mask: [B, S] bool or integer (non-zero: a real token), or None. Passed to the model.
       position_ids: [B, S] or [1, S] integer, or None. Passed to the model; packed rows come without attention_mask.
       temperature, entropy, working_memory: as ppo_ops.linear_log_probs_and_entropy's (linear_token_loss's with a
-        token_loss).
+        token_loss); a per-row temperature is [B, S] float32, position i's for the token input_ids[b, i + 1]. A
+        model of SOFTCAPPED_MODELS with final_logit_softcapping set gets its cap from the head (before the
+        temperature, as its sampler sees the capped logits).
       row_mask: [B, S] bool or None: False positions do not count (e.g. the prompt).
       keep: ppo_ops' sparse keep set over the flattened [B * S] positions (row b * S + i predicts input_ids[b, i + 1]).
       token_loss: None, or a row-separable loss (e.g. ppo_ops.policy_loss) over [B, S] constants, position i holding
@@ -95,7 +105,7 @@ def token_log_probs(
     forward shows (its head not called once on every position, its logits changed after it, a DTensor weight).
     """
     causal_lm = _inside_ddp(model)
-    head, config_vocab = _head(causal_lm)
+    head, config_vocab, softcap = _head(causal_lm)
     # a sharded weight (a DTensor: FSDP2, maybe offloaded to the CPU) says nothing of where the model computes
     _check_ids(input_ids, None if _is_dtensor(head.weight) else head.weight.device)
     attention_mask = _check_rows("attention_mask", attention_mask, input_ids, allow_int=True)
@@ -108,7 +118,8 @@ def token_log_probs(
 
     targets, counted = _targets(input_ids, attention_mask, position_ids, row_mask)
     opts = dict(entropy=entropy, temperature=temperature, row_mask=counted, validate=validate,
-                reduction_order=reduction_order, **({"keep": keep} if keep is not None else {}))
+                reduction_order=reduction_order, **({"keep": keep} if keep is not None else {}),
+                **({"softcap": softcap} if softcap is not None else {}))
     fused = _FusedHead(type(causal_lm).__name__, head, config_vocab, targets, token_loss, working_memory, opts)
     if torch.compiler.is_compiling():
         # Traced into a caller's compiled function: dynamo cannot trace putting the output embedding's forward back
@@ -117,7 +128,7 @@ def token_log_probs(
         body = _body(causal_lm)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                 use_cache=False)
         return fused.results(fused.forward(body.last_hidden_state if hasattr(body, "last_hidden_state") else body[0]))
-    with fused.in_place_of_forward():
+    with fused.in_place_of_forward(), _softcapping_off(causal_lm, softcap):
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return fused.results(out.logits if hasattr(out, "logits") else out[0])
 
@@ -205,6 +216,20 @@ class _FusedHead:
                                                         "for its output embedding")
 
 
+@contextlib.contextmanager
+def _softcapping_off(model, softcap):
+    """The model's final_logit_softcapping off while its forward runs (the head applied it), restored after."""
+    if softcap is None:
+        yield
+        return
+    config = model.config
+    setattr(config, _SOFTCAP, None)
+    try:
+        yield
+    finally:
+        setattr(config, _SOFTCAP, softcap)
+
+
 def _inside_ddp(model):
     """The causal LM a DistributedDataParallel wraps (its forward, not the inner one, must run: it prepares the
     backward's gradient all-reduce), or the model itself."""
@@ -241,8 +266,8 @@ def _check_dtype(model_name, weight):
 
 
 def _head(model):
-    """The output embedding (an nn.Linear, weight [V, H]) and the config's vocabulary size (None: not given), after
-    refusing what the fused head cannot compute."""
+    """The output embedding (an nn.Linear, weight [V, H]), the config's vocabulary size (None: not given) and the
+    softcap the head serves (None: none), after refusing what the fused head cannot compute."""
     name = type(model).__name__
     if not isinstance(model, nn.Module):
         raise argument_error(TypeError, _FN, "model", f"model must be a transformers causal LM (an nn.Module), got "
@@ -269,9 +294,12 @@ def _head(model):
     text_config = getattr(configs[0], "get_text_config", None)
     if callable(text_config):
         configs.append(text_config())
+    softcap = _served_softcap(model, configs[0])
     for setting, neutral in LOGIT_TRANSFORMS.items():
         for where, holder in [("config", c) for c in configs if c is not None] + [("model", model)]:
             value = getattr(holder, setting, None)
+            if softcap is not None and setting == _SOFTCAP and where == "config" and value == softcap:
+                continue  # the head applies it
             if not _neutral(value, neutral):
                 raise argument_error(ValueError, _FN, "model",
                                      f"{name} transforms its logits ({where}.{setting}={_show(value)}; the fused head "
@@ -286,7 +314,20 @@ def _head(model):
         if isinstance(size, int) and not isinstance(size, bool):
             vocab = size
             break
-    return head, vocab
+    return head, vocab, softcap
+
+
+def _served_softcap(model, config):
+    """The final_logit_softcapping the head serves for `model`: its config's, where the model is of
+    SOFTCAPPED_MODELS (transformers' own class, whose forward caps as Gemma 2's) and the value a real > 0; else None
+    (and _head's check refuses a non-neutral setting)."""
+    cls = type(model)
+    if cls.__name__ not in SOFTCAPPED_MODELS or not cls.__module__.startswith("transformers.models."):
+        return None
+    value = getattr(config, _SOFTCAP, None)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        return None
+    return float(value)
 
 
 def _body(model):

@@ -49,7 +49,11 @@ class Context:
     """The options of one `output_processor` call (GPTModel.forward's `output_processor_context`).
 
     entropy: "none" | "value" | "grad", as in ppo_ops.linear_log_probs_and_entropy.
-    temperature: the rollout's sampling temperature (both outputs use logits / temperature).
+    temperature: the rollout's sampling temperature (both outputs use logits / temperature): a number, or one per
+      label, a float32 tensor in the labels' [B, S] layout on their device (under context parallelism this rank's
+      rows), e.g. each sequence's own temperature repeated over its positions.
+    softcap: None, or c > 0: the logits become c * tanh(logits / c) before the temperature (Gemma 2's
+      final_logit_softcapping), in the head's elementwise step. Not with MuP's logit multiplier.
     vocab_size: the true vocabulary, the one the rollout engine samples from (the Hugging Face config's vocab_size:
       151936 for Qwen3); the columns Megatron pads the output layer with (to a multiple of 128 x TP), at and past it,
       get no probability mass and no gradient. None: every column of the output layer is a token.
@@ -77,6 +81,7 @@ class Context:
     backend: str = "auto"
     working_memory: Optional[int] = None
     reduction_order: str = "fused"
+    softcap: Optional[float] = None
 
 
 def output_processor(*, hidden_states: torch.Tensor, labels: torch.Tensor, context: Context, output_layer=None,
@@ -128,11 +133,13 @@ def output_processor(*, hidden_states: torch.Tensor, labels: torch.Tensor, conte
                                      context.token_loss, tuple(labels.shape), "labels' [B, S] =", _LOSS_ROWS)
     _check_layout(fn, hidden_states, labels, sequence_parallel)
 
-    options = dict(tp_group=group, entropy=context.entropy, temperature=_temperature(context.temperature, config),
+    options = dict(tp_group=group, entropy=context.entropy,
+                   temperature=_temperature(fn, context.temperature, context.softcap, config),
                    row_mask=None if loss_mask is None else loss_mask != 0, vocab_size=context.vocab_size,
                    reduce_dx=reduce_dx, backend=context.backend, validate=context.validate,
                    working_memory=context.working_memory, keep=context.keep,
-                   reduction_order=context.reduction_order)
+                   reduction_order=context.reduction_order,
+                   **({"softcap": context.softcap} if context.softcap is not None else {}))
     head = api.linear_log_probs_and_entropy if context.token_loss is None else api.linear_token_loss
     hidden = hidden_states.transpose(0, 1)  # [B, S, H]: the labels' layout
     if context.token_loss is None:
@@ -361,9 +368,14 @@ def _sequence_parallel(output_layer, config) -> bool:
     return bool(getattr(config, "sequence_parallel", False) if flag is None else flag)
 
 
-def _temperature(temperature, config):
-    """The sampling temperature with MuP's logit multiplier folded in: (z * m) / t = z / (t / m)."""
+def _temperature(fn, temperature, softcap, config):
+    """The sampling temperature with MuP's logit multiplier folded in: (z * m) / t = z / (t / m) (a new tensor for a
+    per-label one). A softcap acts on z * m, so the multiplier cannot move past it: refused with one."""
     if getattr(config, "use_mup", False) and getattr(config, "mup_output_mult", 1.0) != 1.0:
+        if softcap is not None:
+            raise argument_error(ValueError, fn, "softcap",
+                                 "softcap with MuP's logit multiplier (config.mup_output_mult != 1): the cap acts on "
+                                 "the multiplied logits, which the fused head does not form")
         return temperature / config.mup_output_mult
     return temperature
 

@@ -7,7 +7,9 @@ the same error, naming the rank(s) at fault and the argument.
 The header (int64, one entry per field of HEADER) holds what each rank can say about its call: its local error, T,
 V_local, the vocabulary size, the temperature (float64 bits), the entropy mode, the keep mask's presence, the logits'
 dtype, the reduction order, checksums of the row mask and of the kept rows' tokens, the kept rows' token min/max and a
-flag for NaN / +inf logits taken from the rank's own forward partials, then the sparse keep set's fields (its
+flag for NaN / +inf logits taken from the rank's own forward partials, the softcap, a checksum of a per-row
+temperature's fp32 reciprocals and a flag for its rejected values (a tensor of T values cannot travel in a fixed-size
+header, its checksum can), then the sparse keep set's fields (its
 number of ids, a checksum of ids and offsets, its offsets' error bits and id bounds: core/sparse_keep.py). The value
 fields are computed on the device, so building the header costs no host sync; `read_to_host` of the gathered table
 is the call's only one. At TP = 1 no header is exchanged: the token bounds, the bad-logits flag and the keep set's
@@ -33,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from ppo_ops.core import sparse_keep
-from ppo_ops.core.checks import (ENTROPY_MODES, FLOAT_DTYPES, REDUCTION_ORDERS, argument_error, check_tp_group,
-                                 error_prefix)
+from ppo_ops.core.checks import (ENTROPY_MODES, FLOAT_DTYPES, REDUCTION_ORDERS, ROW_TEMPERATURE,
+                                 ROW_TEMPERATURE_VALUES, argument_error, bad_inverse_rows, check_tp_group, error_prefix)
 from ppo_ops.core.row_stats import MAX, SUMEXP  # the partials' channels (the bad-logits flag reads them)
 
 
@@ -98,11 +100,13 @@ def check_single_rank_values(fn_name: str, bad_rows: torch.Tensor, tokens: torch
 
 
 def single_rank_values(bad_rows: torch.Tensor, tokens: torch.Tensor, row_mask: Optional[torch.Tensor],
-                       extra_flags: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The device-side int64 vector of the single-rank value read: token min, max, bad-logits flag, then
-    `extra_flags` (a [k] tensor on the same device: an op's own device-side checks, returned to it by
-    raise_single_rank_values)."""
-    parts = [token_bounds(tokens, row_mask), bad_rows.any().reshape(1).to(torch.int64)]
+                       extra_flags: Optional[torch.Tensor] = None,
+                       row_inv_temperature: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The device-side int64 vector of the single-rank value read: token min, max, bad-logits flag, bad per-row
+    temperature flag (from `row_inv_temperature`, the call's per-row 1 / T, or 0 without one), then `extra_flags` (a
+    [k] tensor on the same device: an op's own device-side checks, returned to it by raise_single_rank_values)."""
+    parts = [token_bounds(tokens, row_mask), bad_rows.any().reshape(1).to(torch.int64),
+             _bad_temperature(row_inv_temperature, bad_rows.device).reshape(1)]
     if extra_flags is not None:
         parts.append(extra_flags.reshape(-1).to(torch.int64))
     return torch.cat(parts)
@@ -112,10 +116,12 @@ def raise_single_rank_values(fn_name: str, values: Sequence[int], row_mask: Opti
                              naming: Optional["Naming"] = None) -> list:
     """Raises on the read values of single_rank_values (tokens first, then logits); returns the extras."""
     naming = LOGITS_NAMING if naming is None else naming
-    lo, hi, bad, *extra = values
+    lo, hi, bad, bad_temperature, *extra = values
     if lo < 0 or hi >= upper:
         raise argument_error(ValueError, fn_name, "tokens", _range_message(upper, lo if lo < 0 else hi,
                                                                            row_mask is not None))
+    if bad_temperature:
+        raise argument_error(ValueError, fn_name, "temperature", ROW_TEMPERATURE_VALUES)
     if bad:
         raise argument_error(ValueError, fn_name, naming.bad_logits_argument, naming.bad_logits.format(where=""))
     return extra
@@ -132,6 +138,23 @@ def _bits_float(bits: int) -> float:
 
 
 _DTYPES = (None,) + FLOAT_DTYPES  # the dtype field's encoding (0: none)
+
+
+def _bad_temperature(row_inv_temperature: Optional[torch.Tensor], device) -> torch.Tensor:
+    """0-d int64: 1 where a per-row temperature holds a value the checks reject (checks.bad_inverse_rows)."""
+    if row_inv_temperature is None:
+        return torch.zeros((), dtype=torch.int64, device=device)
+    return bad_inverse_rows(row_inv_temperature).to(torch.int64)
+
+
+def _temperature_name(bits: int):
+    value = _bits_float(bits)
+    return "per-row tensor" if value == ROW_TEMPERATURE else value
+
+
+def _softcap_name(bits: int):
+    value = _bits_float(bits)
+    return None if value == 0.0 else value
 
 
 def _entropy_name(value: int):
@@ -164,7 +187,7 @@ HEADER = (
     HeaderField("number of rows T", "tokens"),
     HeaderField("V_local (logits.shape[-1])", "logits"),
     HeaderField("vocabulary size", "vocab_size"),
-    HeaderField("temperature", "temperature", _bits_float),  # float64 bits
+    HeaderField("temperature", "temperature", _temperature_name),  # float64 bits; checks.ROW_TEMPERATURE: per row
     HeaderField("entropy mode", "entropy", _entropy_name),
     HeaderField("keep_mask presence", "keep_mask", bool),
     HeaderField("logits dtype", "logits", _dtype_name),
@@ -175,6 +198,9 @@ HEADER = (
     HeaderField("token min"),
     HeaderField("token max"),
     HeaderField("bad logits"),  # NaN / +inf in this rank's partials
+    HeaderField("softcap", "softcap", _softcap_name),  # float64 bits; 0: none
+    HeaderField("per-row temperature", "temperature", checksum=True),  # of the fp32 bits of 1 / T (0: none)
+    HeaderField("bad per-row temperature"),  # a kept row's temperature is rejected (checks.bad_inverse_rows)
     # The sparse keep set (core/sparse_keep.py, header_values): the number of ids (-1: none), a checksum of ids and
     # offsets, then this rank's offsets error bits and id bounds.
     HeaderField("keep (number of ids; -1: none)", "keep"),
@@ -184,13 +210,14 @@ HEADER = (
     HeaderField("keep id max"),
 )
 (ERR_ARG, ERR_TYPE, ROWS, V_LOCAL, VOCAB, TEMPERATURE, ENTROPY, KEEP, DTYPE, ORDER, WORKING_MEMORY, ROW_SUM, TOKEN_SUM,
- TOKEN_MIN, TOKEN_MAX, BAD, SPARSE_KEEP) = range(len(HEADER) - sparse_keep.HEADER_VALUES + 1)
+ TOKEN_MIN, TOKEN_MAX, BAD, SOFTCAP, TEMPERATURE_SUM, BAD_TEMPERATURE,
+ SPARSE_KEEP) = range(len(HEADER) - sparse_keep.HEADER_VALUES + 1)
 HEADER_FIELDS = tuple(field.description for field in HEADER)
 AGREED_FIELDS = tuple(i for i, field in enumerate(HEADER) if field.argument is not None)
 # Arguments an error can name in the header, and the exception types it can carry (index + 1; 0 = no error).
 ARGUMENTS = ("logits", "tokens", "tp_group", "entropy", "keep_mask", "temperature", "row_mask", "vocab_size",
              "chunk_size", "inplace_grad", "backend", "validate", "arguments", "hidden", "weight", "reduce_dx",
-             "token_loss", "reduction_order", "keep", "working_memory")
+             "token_loss", "reduction_order", "keep", "working_memory", "softcap")
 ERROR_TYPES = (TypeError, ValueError, RuntimeError)
 
 
@@ -265,10 +292,12 @@ def bad_logits(partials: torch.Tensor) -> torch.Tensor:
 def rank_header(tokens: torch.Tensor, row_mask: Optional[torch.Tensor], bad: torch.Tensor, *, v_local: int,
                 vocab_size: int, temperature: float, entropy_mode: str, has_keep_mask: bool,
                 dtype: torch.dtype, reduction_order: str = "fused",
-                keep: Optional["sparse_keep.SparseKeep"] = None, working_memory: Optional[int] = None) -> torch.Tensor:
+                keep: Optional["sparse_keep.SparseKeep"] = None, working_memory: Optional[int] = None,
+                softcap: Optional[float] = None, row_inv_temperature: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The header of a rank whose arguments passed the local checks, its value fields computed on the device from
-    its tokens, row mask, `bad` (0-d bool: NaN / +inf logits reached this rank, e.g. bad_logits of its partials) and
-    sparse keep set, with no host sync."""
+    its tokens, row mask, `bad` (0-d bool: NaN / +inf logits reached this rank, e.g. bad_logits of its partials),
+    per-row temperature (its 1 / T, 1 in dropped rows: checks.row_inverse_temperature) and sparse keep set, with no
+    host sync."""
     device = bad.device
     flat_tokens = tokens.reshape(-1).to(torch.int64)
     if row_mask is not None:
@@ -281,8 +310,14 @@ def rank_header(tokens: torch.Tensor, row_mask: Optional[torch.Tensor], bad: tor
         [0, 0, flat_tokens.numel(), v_local, vocab_size, _float_bits(temperature), ENTROPY_MODES.index(entropy_mode),
          int(has_keep_mask), _DTYPES.index(dtype), REDUCTION_ORDERS.index(reduction_order),
          -1 if working_memory is None else working_memory], device)
+    if row_inv_temperature is None:
+        temperature_sum = torch.zeros((), dtype=torch.int64, device=device)
+    else:
+        temperature_sum = _fold_checksum(row_inv_temperature.view(torch.int32).to(torch.int64))
     return torch.cat([fixed, row_sum.reshape(1), _fold_checksum(flat_tokens).reshape(1),
                       token_bounds(flat_tokens, None), bad.reshape(1).to(torch.int64),
+                      _host_ints([_float_bits(0.0 if softcap is None else softcap)], device),
+                      temperature_sum.reshape(1), _bad_temperature(row_inv_temperature, device).reshape(1),
                       sparse_keep.header_values(keep, device)])
 
 
@@ -335,6 +370,10 @@ def raise_if_any(fn_name: str, table: list, has_row_mask: bool,
             ValueError, fn_name, "tokens",
             _range_message(row[VOCAB], found, has_row_mask, f" on tensor-parallel {_ranks(out_of_range)} of {world}",
                            tp_size=world))
+    bad_temperature = [r for r in range(world) if table[r][BAD_TEMPERATURE]]
+    if bad_temperature:
+        raise argument_error(ValueError, fn_name, "temperature",
+                             f"{ROW_TEMPERATURE_VALUES} (on tensor-parallel {_ranks(bad_temperature)} of {world})")
     keep_errors = [(r, sparse_keep.value_error(fn_name, table[r][SPARSE_KEEP:], table[r][VOCAB])) for r in range(world)]
     keep_errors = [(r, exc) for r, exc in keep_errors if exc is not None]
     if keep_errors:

@@ -26,6 +26,9 @@ SGLANG_BLOCK = 1024  # columns per block of SGLang's log_softmax kernel (logits/
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Smallest temperature accepted: 1 / temperature, rounded to fp32 (the kernels multiply by it), must be finite.
 MIN_TEMPERATURE = 1.0 / FLT_MAX
+# The plan's temperature where the caller gave one per row (a [T] tensor): no scalar is a valid temperature <= 0, so
+# the ranks' headers tell the two apart.
+ROW_TEMPERATURE = -1.0
 
 
 def error_prefix(fn_name: str) -> str:
@@ -147,6 +150,9 @@ def check_options(
         raise argument_error(ValueError, fn_name, "entropy", f"entropy must be one of {ENTROPY_MODES}, got {entropy!r}")
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise argument_error(ValueError, fn_name, "backend", f"backend must be one of {BACKENDS}, got {backend!r}")
+    if is_row_temperature(temperature):  # checked against the rows by check_row_temperature
+        temperature, inv_temperature = ROW_TEMPERATURE, 1.0
+        return temperature, inv_temperature, *_chunk_and_vocab(fn_name, chunk_size, vocab_size, inplace_grad, validate)
     temperature = _scalar(fn_name, "temperature", temperature, integral=False)
     if not math.isfinite(temperature) or temperature <= 0.0:
         raise argument_error(ValueError, fn_name, "temperature",
@@ -156,6 +162,10 @@ def check_options(
         raise argument_error(
             ValueError, fn_name, "temperature",
             f"temperature must be >= {MIN_TEMPERATURE:.4g} (1 / temperature must fit in float32), got {temperature:g}")
+    return temperature, inv_temperature, *_chunk_and_vocab(fn_name, chunk_size, vocab_size, inplace_grad, validate)
+
+
+def _chunk_and_vocab(fn_name: str, chunk_size, vocab_size, inplace_grad, validate) -> tuple:
     if chunk_size is not None:
         chunk_size = _scalar(fn_name, "chunk_size", chunk_size, integral=True)
         if chunk_size == 0 or chunk_size < -1:
@@ -168,7 +178,85 @@ def check_options(
     for name, flag in (("inplace_grad", inplace_grad), ("validate", validate)):
         if not isinstance(flag, bool):
             raise argument_error(TypeError, fn_name, name, f"{name} must be a bool, got {type(flag).__name__}")
-    return temperature, inv_temperature, chunk_size, vocab_size
+    return chunk_size, vocab_size
+
+
+def is_row_temperature(temperature) -> bool:
+    """A temperature per row: a tensor of other than one element (a one-element tensor is a scalar, read with
+    .item(); for one row both mean the same)."""
+    return isinstance(temperature, torch.Tensor) and temperature.numel() != 1
+
+
+def check_row_temperature(fn_name: str, temperature, lead: tuple, source: str, device) -> None:
+    """A per-row temperature: float32 of the rows' shape (`lead`, the leading shape of `source`) on their device.
+    Its values (finite, > 0, a reciprocal that fits in float32) are read with the value checks (validate=True)."""
+    if not is_row_temperature(temperature):
+        return
+    if temperature.dtype != torch.float32:
+        raise argument_error(TypeError, fn_name, "temperature",
+                             f"a per-row temperature must be a float32 tensor, got {temperature.dtype}")
+    if tuple(temperature.shape) != lead:
+        raise argument_error(
+            ValueError, fn_name, "temperature",
+            f"a per-row temperature must have the rows' shape {lead} ({source}.shape[:-1]), got "
+            f"{tuple(temperature.shape)} (a scalar: a Python number or a one-element tensor)")
+    if temperature.device != device:
+        raise argument_error(ValueError, fn_name, "temperature",
+                             f"a per-row temperature must be on {device} like {source}, got {temperature.device}")
+
+
+def row_inverse_temperature(temperature: torch.Tensor, n_rows: int, row_mask: Optional[torch.Tensor]
+                            ) -> torch.Tensor:
+    """[n_rows] fp32 1 / temperature, each rounded once to fp32 from the float64 quotient as the scalar path rounds
+    (so a row of temperature t gets the bits a scalar t gives); rows the row mask drops get 1 (they are not checked
+    and their values are never used). The values the value checks reject give a non-finite or non-positive inverse
+    (bad_inverse_rows)."""
+    # detached: the temperature is a constant of the call (no gradient flows to it); an expanded view (one value per
+    # sequence over its positions) reshapes to a copy
+    inv = torch.reciprocal(temperature.detach().reshape(n_rows).to(torch.float64)).to(torch.float32)
+    if row_mask is not None:
+        inv = torch.where(row_mask.reshape(n_rows), inv, torch.ones_like(inv))
+    return inv
+
+
+def bad_inverse_rows(inv_temperature: torch.Tensor) -> torch.Tensor:
+    """0-d bool: a row's temperature was not finite and > 0 with a reciprocal that fits in float32 (a NaN, an inf,
+    a non-positive or a subnormal temperature gives an inverse that is NaN, 0, negative or infinite)."""
+    return ~(torch.isfinite(inv_temperature) & (inv_temperature > 0)).all()
+
+
+ROW_TEMPERATURE_VALUES = ("every kept row's temperature must be finite and > 0, with 1 / temperature finite in "
+                          f"float32 (temperature >= {MIN_TEMPERATURE:.4g})")
+
+
+def check_softcap(fn_name: str, softcap) -> Optional[float]:
+    """softcap: None, or a finite real > 0 (a Python or NumPy scalar, or a one-element tensor), as a Python float."""
+    if softcap is None:
+        return None
+    value = _scalar(fn_name, "softcap", softcap, integral=False)
+    if not (math.isfinite(value) and value > 0.0) or not math.isfinite(_inverse_fp32(value)):
+        raise argument_error(ValueError, fn_name, "softcap",
+                             f"softcap must be None or a finite real > 0 whose reciprocal fits in float32, got {value}")
+    return value
+
+
+def check_transform_support(fn_name: str, temperature, softcap, *, reduction_order="fused", keep=None) -> None:
+    """A per-row temperature and a softcap are applied in the fused kernels' elementwise step; the paths that form or
+    gather logits elsewhere refuse them, naming the argument."""
+    for name, given in (("temperature", is_row_temperature(temperature)), ("softcap", softcap is not None)):
+        if not given:
+            continue
+        what = "a per-row temperature" if name == "temperature" else "softcap"
+        if reduction_order == "sglang":
+            raise argument_error(
+                ValueError, fn_name, name,
+                f"{what} is not available with reduction_order='sglang' (SGLang's sampler divides by one scalar "
+                "temperature and caps no logits): use reduction_order='fused'")
+        if keep is not None:
+            raise argument_error(
+                ValueError, fn_name, name,
+                f"{what} is not available with a sparse keep set (keep=(ids, offsets) gathers its kept logits "
+                "outside the fused kernels): pass keep=None, or a dense keep_mask to log_probs_and_entropy")
 
 
 def check_tp_group(fn_name: str, tp_group) -> tuple:

@@ -16,7 +16,9 @@ Two backends implement `Backend`: `logits.torch_backend.TorchBackend` (any devic
 
 With d = z - shift: log p = d - log_sum, q = 1[keep ∪ target] e^(d - log_sum_kept) (q = p without a keep mask),
 grad = inv_temperature * (g_lp * (onehot - q) + g_ent * p * (mean_shifted - d)); padding columns and entries with
-p == 0 get no entropy term (never 0 * inf). All statistics are global (merged over the TP ranks).
+p == 0 get no entropy term (never 0 * inf). All statistics are global (merged over the TP ranks). With a softcap or a
+per-row temperature (ShardOptions.softcap, row_inv_temperature) z = softcap * tanh(x / softcap) * (the row's 1 / T)
+and the gradient carries the row's 1 / T and 1 - tanh²(x / softcap) in place of inv_temperature.
 
 A dropped row's token and per-row values are unspecified (its token may be junk such as -100); backends ignore them.
 The row mask crosses as a mask, not an index list: building one (nonzero) is a host sync on CUDA.
@@ -25,6 +27,7 @@ The row mask crosses as a mask, not an index list: building one (nonzero) is a h
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional, Protocol, runtime_checkable
 
 import torch
@@ -49,13 +52,31 @@ class ShardOptions:
     seg_len: int  # columns per segment; V_local % seg_len == 0
     vocab_start: int  # global id of this shard's first column
     chunk_rows: Optional[int] = None  # rows per working chunk of the torch backend (None: automatic); ignored by Triton
+    # The logit transform before the temperature (None: none): softcap * tanh(logit / softcap), Gemma 2's
+    # final_logit_softcapping (see logit_transform below).
+    softcap: Optional[float] = None
+    # [rows] fp32 1 / temperature per row, indexed like the rows the backend is given (None: inv_temperature for
+    # every row, which is then 1.0); one rounding each, as inv_temperature.
+    row_inv_temperature: Optional[torch.Tensor] = None
 
     def segment(self, seg_lo: int) -> "ShardOptions":
         """The options of a chunk holding the local columns [seg_lo, seg_lo + seg_len) of this shard (the LM head runs
         the logits op's passes on such chunks)."""
         return ShardOptions(inv_temperature=self.inv_temperature,
                             n_valid=max(0, min(self.seg_len, self.n_valid - seg_lo)), seg_len=self.seg_len,
-                            vocab_start=self.vocab_start + seg_lo)
+                            vocab_start=self.vocab_start + seg_lo, softcap=self.softcap,
+                            row_inv_temperature=self.row_inv_temperature)
+
+    def rows(self, index) -> "ShardOptions":
+        """The options for a subset of the rows: `index` a slice or an index tensor into row_inv_temperature."""
+        if self.row_inv_temperature is None:
+            return self
+        return dataclasses.replace(self, row_inv_temperature=row_inverse(self, index))
+
+    @property
+    def transformed(self) -> bool:
+        """Whether the logits go through more than a scalar temperature (a softcap or a per-row temperature)."""
+        return self.softcap is not None or self.row_inv_temperature is not None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -258,3 +279,41 @@ def holds_nothing(forward_partials: Callable[..., torch.Tensor]) -> Callable[...
 class FusedLossBackend(LinearBackend, Protocol):
     def loss_forward(self, head: HeadRows, with_entropy: bool, hooks: LossHooks, wanted: GradsWanted,
                      working_memory: Optional[int] = None) -> Optional[torch.Tensor]: ...
+
+
+# ---- the logit transform (softcap, per-row temperature), for the backends that form z with torch ops ----
+
+def logit_transform(x: torch.Tensor, shard: ShardOptions, rows=None) -> torch.Tensor:
+    """z of fp32 logits x [n, V], in place: softcap * tanh(x * fl32(1 / softcap)) where a softcap is set (Gemma 2's
+    final_logit_softcapping, `logits = tanh(logits / cap) * cap` in transformers' Gemma2ForCausalLM, the division
+    taken as a multiplication by the fp32 reciprocal, as the Triton kernels take it; -inf becomes -softcap), then
+    times 1 / T: the rows' own (`rows`, a slice or index tensor: which of row_inv_temperature's rows x holds; None:
+    all) or the scalar's."""
+    if shard.softcap is not None:
+        x.mul_(inverse_softcap(shard.softcap)).tanh_().mul_(shard.softcap)
+    inv = row_inverse(shard, rows)
+    if inv is not None:
+        x.mul_(inv.unsqueeze(1))
+    elif shard.inv_temperature != 1.0:
+        x.mul_(shard.inv_temperature)
+    return x
+
+
+def row_inverse(shard: ShardOptions, rows=None) -> Optional[torch.Tensor]:
+    """The per-row 1 / T of `rows` (a slice or an index tensor; None: all), or None for a scalar temperature."""
+    inv = shard.row_inv_temperature
+    if inv is None or rows is None:
+        return inv
+    return inv[rows] if isinstance(rows, slice) else inv.index_select(0, rows)
+
+
+def softcap_slope(x: torch.Tensor, softcap: float) -> torch.Tensor:
+    """d(softcap * tanh(x / softcap)) / dx = 1 - tanh²(x / softcap) of fp32 logits x (a new tensor; 0 at +-inf)."""
+    th = torch.mul(x, inverse_softcap(softcap)).tanh_()
+    return th.mul_(th).neg_().add_(1.0)
+
+
+@functools.lru_cache(maxsize=64)
+def inverse_softcap(softcap: float) -> float:
+    """1 / softcap rounded once to fp32 (what every backend multiplies by); kept per value (host time per call)."""
+    return float(torch.tensor(1.0 / softcap, dtype=torch.float32))

@@ -39,13 +39,14 @@ from ppo_ops.core.layout import VocabLayout, make_layout
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Everything about one call that is not a tensor."""
+    """Everything about one call that is not a tensor, but for a per-row temperature's reciprocals, which the shard
+    carries (with_row_temperature: a plan of its own per call)."""
 
     fn_name: str
     layout: VocabLayout
     backend: Union[Backend, LinearBackend]  # the logits op's or the LM head's, as the op asks
     shard: ShardOptions
-    temperature: float  # as the caller gave it (the ranks compare it)
+    temperature: float  # as the caller gave it (the ranks compare it); checks.ROW_TEMPERATURE for a per-row one
     entropy_mode: str  # "none" | "value" | "grad"
     validate: bool
     naming: agreement.Naming  # how value errors name this op's arguments
@@ -56,6 +57,7 @@ class Plan:
     needs_grad: bool = True  # LM head: grad mode on and hidden or weight requires grad, else the forward keeps nothing
     reduction_order: str = "fused"  # "fused" or "sglang" (logits/sglang_order.py; the LM head's lm_head/sglang_head.py)
     working_memory: Optional[int] = None  # LM head: bytes it may hold beyond its outputs (None: the default)
+    softcap: Optional[float] = None  # softcap * tanh(logits / softcap) before the temperature (the shard has it too)
 
 
 class Call(NamedTuple):
@@ -134,7 +136,8 @@ def _build_plan(fn_name, group, world_size, rank, rows, v_local, options, *, op,
     layout = make_layout(group, world_size, rank, v_local, vocab_size)
     checks.check_vocab(fn_name, vocab_size, layout.v_global)
     shard = ShardOptions(inv_temperature=inv_temperature, n_valid=layout.n_valid, seg_len=layout.seg_len,
-                         vocab_start=layout.vocab_start, chunk_rows=None if chunk_size in (None, -1) else chunk_size)
+                         vocab_start=layout.vocab_start, chunk_rows=None if chunk_size in (None, -1) else chunk_size,
+                         softcap=fields.get("softcap"))
     order = fields.get("reduction_order", "fused") if op == "lm_head" else "fused"
     return Plan(fn_name=fn_name, layout=layout, backend=select_backend(fn_name, backend, rows, op, fused_loss, order),
                 shard=shard, temperature=temperature, entropy_mode=entropy, validate=validate,
@@ -143,21 +146,26 @@ def _build_plan(fn_name, group, world_size, rank, rows, v_local, options, *, op,
 
 
 def prepare_logits(fn_name, logits, tokens, *, tp_group, entropy, keep_mask, temperature, row_mask, vocab_size,
-                   chunk_size, inplace_grad, backend, validate, reduction_order="fused", keep=None) -> Call:
+                   chunk_size, inplace_grad, backend, validate, reduction_order="fused", keep=None,
+                   softcap=None) -> Call:
     """The logits op's call: every local check, the layout, the backend, the flattened [T, V_local] logits."""
     def local_checks(group, world_size, rank):
         options = checks.check_options(fn_name, entropy=entropy, backend=backend, temperature=temperature,
                                        chunk_size=chunk_size, vocab_size=vocab_size, inplace_grad=inplace_grad,
                                        validate=validate)
+        cap = checks.check_softcap(fn_name, softcap)
         checks.check_reduction_order(fn_name, reduction_order, keep_mask)
+        checks.check_transform_support(fn_name, temperature, cap, reduction_order=reduction_order, keep=keep)
         checks.check_tensors(fn_name, logits, tokens, keep_mask, row_mask)
         lead, v_local = tuple(logits.shape[:-1]), logits.shape[-1]
+        checks.check_row_temperature(fn_name, temperature, lead, "logits", logits.device)
         plan = _plan(fn_name, group, world_size, rank, logits, v_local, options, op="logits", entropy=entropy,
                      backend=backend, validate=validate, inplace_grad=inplace_grad,
-                     has_keep_mask=keep_mask is not None, reduction_order=reduction_order)
+                     has_keep_mask=keep_mask is not None, reduction_order=reduction_order, softcap=cap)
         if reduction_order == "sglang":
             checks.check_sglang_shard(fn_name, plan.layout)
         n_rows = math.prod(lead)
+        plan = with_row_temperature(plan, temperature, n_rows, row_mask)
         sparse = sparse_keep.check(fn_name, keep, n_rows, logits.device, keep_mask, reduction_order)
         flat = _flatten_logits(fn_name, logits, n_rows, v_local, inplace_grad,
                                needs_unit_stride=plan.backend.needs_unit_column_stride)
@@ -170,7 +178,8 @@ def prepare_logits(fn_name, logits, tokens, *, tp_group, entropy, keep_mask, tem
 
 def prepare_lm_head(fn_name, hidden, weight, tokens, *, tp_group, entropy, temperature, row_mask, vocab_size,
                     reduce_dx, backend, validate, token_loss=None, fused_loss=False, keep=None,
-                    needs_grad: Optional[bool] = None, working_memory=None, reduction_order="fused") -> Call:
+                    needs_grad: Optional[bool] = None, working_memory=None, reduction_order="fused",
+                    softcap=None) -> Call:
     """The LM head's call (fused_loss: linear_token_loss, whose `token_loss` must be callable; `working_memory`
     for both ops): every local check, the layout, the backend, the flattened [T, H] hidden states. needs_grad:
     whether a backward follows (None: grad mode and the inputs' requires_grad say; the custom operators, which run
@@ -183,6 +192,8 @@ def prepare_lm_head(fn_name, hidden, weight, tokens, *, tp_group, entropy, tempe
                 f"{type(token_loss).__name__}")
         options = checks.check_options(fn_name, entropy=entropy, backend=backend, temperature=temperature,
                                        chunk_size=None, vocab_size=vocab_size, inplace_grad=False, validate=validate)
+        cap = checks.check_softcap(fn_name, softcap)
+        checks.check_transform_support(fn_name, temperature, cap, reduction_order=reduction_order, keep=keep)
         if not isinstance(reduce_dx, bool):
             raise checks.argument_error(TypeError, fn_name, "reduce_dx",
                                         f"reduce_dx must be a bool, got {type(reduce_dx).__name__}")
@@ -192,18 +203,30 @@ def prepare_lm_head(fn_name, hidden, weight, tokens, *, tp_group, entropy, tempe
         checks.check_lm_head_order(fn_name, reduction_order, keep,
                                    backend_kind(fn_name, backend, hidden, "hidden"), hidden.device)
         lead, width = tuple(hidden.shape[:-1]), hidden.shape[-1]
+        checks.check_row_temperature(fn_name, temperature, lead, "hidden", hidden.device)
         plan = _plan(fn_name, group, world_size, rank, hidden, weight.shape[0], options, op="lm_head",
                      fused_loss=fused_loss, entropy=entropy, backend=backend, validate=validate, reduce_dx=reduce_dx,
                      needs_grad=(torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad))
-                     if needs_grad is None else needs_grad, working_memory=memory, reduction_order=reduction_order)
+                     if needs_grad is None else needs_grad, working_memory=memory, reduction_order=reduction_order,
+                     softcap=cap)
         if reduction_order == "sglang":
             checks.check_sglang_shard(fn_name, plan.layout, "weight")
         n_rows = math.prod(lead)
+        plan = with_row_temperature(plan, temperature, n_rows, row_mask)
         sparse = sparse_keep.check(fn_name, keep, n_rows, hidden.device)
         return Call(shaped(hidden, (n_rows, width)), shaped(tokens, (n_rows,)), None,
                     None if row_mask is None else shaped(row_mask, (n_rows,)), plan, lead, sparse)
 
     return _prepare(fn_name, tp_group, validate, hidden, local_checks, host_read_row_mask=row_mask)
+
+
+def with_row_temperature(plan: Plan, temperature, n_rows: int, row_mask) -> Plan:
+    """The plan of a call with a per-row temperature: its shard carries the [n_rows] fp32 reciprocals (1 in rows the
+    row mask drops), a plan of the call's own; any other call's plan as it is (kept per signature)."""
+    if not checks.is_row_temperature(temperature):
+        return plan
+    inv = checks.row_inverse_temperature(temperature, n_rows, row_mask)
+    return dataclasses.replace(plan, shard=dataclasses.replace(plan.shard, row_inv_temperature=inv))
 
 
 def shaped(t: torch.Tensor, shape: tuple) -> torch.Tensor:
@@ -293,21 +316,24 @@ def check_across_ranks(plan: Plan, tokens, row_mask, bad: torch.Tensor, keep=Non
         plan.fn_name, layout.group, layout.world_size, tokens, row_mask, bad, naming=plan.naming,
         v_local=layout.v_local, vocab_size=layout.vocab_size, temperature=plan.temperature,
         entropy_mode=plan.entropy_mode, has_keep_mask=plan.has_keep_mask, dtype=plan.dtype,
-        reduction_order=plan.reduction_order, keep=keep, working_memory=plan.working_memory)
+        reduction_order=plan.reduction_order, keep=keep, working_memory=plan.working_memory, softcap=plan.softcap,
+        row_inv_temperature=plan.shard.row_inv_temperature)
 
 
 def check_single_rank(plan: Plan, bad_rows, tokens, row_mask, keep=None) -> None:
     """TP = 1, validate=True: the value checks' one host read (token range, NaN / +inf logits, the sparse keep set's
     offsets and ids)."""
-    if keep is None:
+    row_inv = plan.shard.row_inv_temperature
+    if keep is None and row_inv is None:
         agreement.check_single_rank_values(plan.fn_name, bad_rows, tokens, row_mask, plan.layout.vocab_size,
                                            naming=plan.naming)
         return
-    values = agreement.single_rank_values(bad_rows, tokens, row_mask,
-                                          extra_flags=sparse_keep.header_values(keep, bad_rows.device))
+    values = agreement.single_rank_values(
+        bad_rows, tokens, row_mask, row_inv_temperature=row_inv,
+        extra_flags=None if keep is None else sparse_keep.header_values(keep, bad_rows.device))
     extra = agreement.raise_single_rank_values(plan.fn_name, agreement.read_to_host(values), row_mask,
                                                plan.layout.vocab_size, naming=plan.naming)
-    exc = sparse_keep.value_error(plan.fn_name, extra, plan.layout.vocab_size)
+    exc = None if keep is None else sparse_keep.value_error(plan.fn_name, extra, plan.layout.vocab_size)
     if exc is not None:
         raise exc
 

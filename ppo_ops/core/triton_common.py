@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from ppo_ops.core import row_stats
+from ppo_ops.core.contracts import inverse_softcap
 
 # Channel order of the partials, from core/row_stats.py (jit code may read only constexpr globals).
 CH_MAX = tl.constexpr(row_stats.MAX)
@@ -95,6 +96,82 @@ def scaled(z, inv_temperature):
                                          dtype=tl.float32, is_pure=True, pack=1)
     else:
         return z * inv_temperature
+
+
+@triton.jit
+def tanh(x):
+    """tanh in fp32 from tl ops, the same code compiled and interpreted (the interpreter has no libdevice): Cephes'
+    tanhf, an odd polynomial below |x| = 0.625 (where 1 - 2 / (e^2|x| + 1) would cancel) and that quotient above;
+    within a few ulps of the true value. +-inf gives +-1, NaN gives NaN."""
+    ax = tl.abs(x)
+    xs = tl.where(ax < 0.625, x, 0.0)  # the polynomial's own range (no inf * 0 from the other lanes)
+    s = xs * xs
+    small = ((((-5.70498872745e-3 * s + 2.06390887954e-2) * s - 5.37397155531e-2) * s + 1.33314422036e-1) * s
+             - 3.33332819422e-1) * s * xs + xs
+    big = 1.0 - 2.0 / (tl.exp(2.0 * ax) + 1.0)
+    return tl.where(ax < 0.625, small, tl.where(x < 0.0, -big, big))
+
+
+@triton.jit
+def transformed(x, inv_temperature, softcap, inv_softcap, SCALE: tl.constexpr, SOFTCAP: tl.constexpr):
+    """z of fp32 logits x: softcap * tanh(x * inv_softcap) with SOFTCAP (Gemma 2's final_logit_softcapping), then
+    scaled by the temperature with SCALE (as `scaled`); without SOFTCAP exactly `scaled`, so the scalar-temperature
+    path keeps its bits. -inf logits become -softcap, as the formula gives."""
+    if SOFTCAP:
+        x = scaled(tanh(x * inv_softcap), softcap)  # rounded on its own, as `scaled` says why
+    if SCALE:
+        x = scaled(x, inv_temperature)
+    return x
+
+
+@triton.jit
+def transformed_with_slope(x, inv_temperature, softcap, inv_softcap, SCALE: tl.constexpr, SOFTCAP: tl.constexpr):
+    """(z, the softcap's slope) of fp32 logits x for a backward: z as `transformed` gives it, bit for bit, and
+    d(softcap * tanh(x / softcap)) / dx = 1 - tanh²(x / softcap) from the same tanh (one per element; 1.0 without
+    SOFTCAP, which the caller then does not apply)."""
+    if SOFTCAP:
+        th = tanh(x * inv_softcap)
+        z = scaled(th, softcap)
+        slope = 1.0 - th * th
+    else:
+        z = x
+        slope = 1.0
+    if SCALE:
+        z = scaled(z, inv_temperature)
+    return z, slope
+
+
+@triton.jit
+def row_scale(inv_temperature, row_inv_temperature_ptr, rows, row_ok, ROW_SCALE: tl.constexpr):
+    """The temperature's scale of a vector of `rows`: their own [BLOCK] fp32 1 / T with ROW_SCALE (1 where not
+    row_ok), else the scalar."""
+    if ROW_SCALE:
+        inv_temperature = tl.load(row_inv_temperature_ptr + rows, mask=row_ok, other=1.0)
+    return inv_temperature
+
+
+@triton.jit
+def tile_row_scale(inv_temperature, row_inv_temperature_ptr, rows, row_ok, ROW_SCALE: tl.constexpr):
+    """row_scale for a [BLOCK_M, BLOCK_N] tile of `rows`: [BLOCK_M, 1] with ROW_SCALE, else the scalar."""
+    if ROW_SCALE:
+        inv_temperature = tl.load(row_inv_temperature_ptr + rows, mask=row_ok, other=1.0)[:, None]
+    return inv_temperature
+
+
+def transform_args(shard, like: torch.Tensor) -> dict:
+    """The kernels' logit-transform arguments (`transformed`) of a ShardOptions: the scalar temperature (SCALE), the
+    per-row one (ROW_SCALE: a [rows] fp32 vector indexed like the kernel's rows) and the softcap (SOFTCAP). The last
+    five have the kernels' defaults, so without a per-row temperature or a softcap they are not passed and the launch
+    is the scalar temperature's as it always was. `like` stands in for the per-row pointer when there is none."""
+    rows, softcap = shard.row_inv_temperature, shard.softcap
+    args = dict(inv_temperature=float(shard.inv_temperature),
+                SCALE=rows is not None or float(shard.inv_temperature) != 1.0)
+    if rows is None and softcap is None:
+        return args
+    return dict(args, row_inv_temperature_ptr=like if rows is None else rows.to(torch.float32).contiguous(),
+                softcap=1.0 if softcap is None else float(softcap),
+                inv_softcap=1.0 if softcap is None else inverse_softcap(softcap),
+                ROW_SCALE=rows is not None, SOFTCAP=softcap is not None)
 
 
 def interpreting() -> bool:

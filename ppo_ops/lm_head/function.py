@@ -96,6 +96,7 @@ def forward_values(hidden, weight, tokens, row_mask, plan: Plan, keep, *, hold: 
     h = kept(hidden, rows).contiguous()
     t = kept(tokens, rows)
     with_entropy = plan.entropy_mode != "none"
+    shard = kept_shard(plan, rows)
     if plan.reduction_order == "sglang":  # its own blocks and the logits op's SGLang order (lm_head/sglang_head.py)
         stats = plan.backend.row_stats(plan, h, weight, t, tokens, row_mask)
         if plan.validate and layout.group is None:
@@ -103,9 +104,9 @@ def forward_values(hidden, weight, tokens, row_mask, plan: Plan, keep, *, hold: 
         return (scatter_rows(stats.log_prob, rows, n_rows), scatter_rows(stats.entropy, rows, n_rows),
                 KeptRows(h, t, rows, n_rows), stats, None, None)
     if hold:
-        partials, held = plan.backend.forward_for_backward(h, weight, t, plan.shard, with_entropy, plan.working_memory)
+        partials, held = plan.backend.forward_for_backward(h, weight, t, shard, with_entropy, plan.working_memory)
     else:
-        partials, held = plan.backend.forward_partials(h, weight, t, plan.shard, with_entropy), None
+        partials, held = plan.backend.forward_partials(h, weight, t, shard, with_entropy), None
     # TP > 1, validate: before the all-gather of the partials, whose size depends on the call, ranks that
     # disagree, or whose tokens or logits are bad, all raise together (the call's one host read). The header
     # covers the call's T rows and row mask; the partials (kept rows) give the NaN / +inf flag.
@@ -141,7 +142,7 @@ def input_grads(plan: Plan, kept_rows: KeptRows, weight, saved: LinearSaved, fla
             coef = sparse_keep.coefficients(keep_state, g_keep)
             term = functools.partial(sparse_keep.add_to_dlogits, keep_state, coef)
             g_keep = None
-    head = HeadRows(h, weight, t, plan.shard)
+    head = HeadRows(h, weight, t, kept_shard(plan, rows))
     if plan.reduction_order == "sglang":  # its backward reads the call's plan (the temperature's division)
         dx, dw = plan.backend.backward(head, saved, UpstreamGrads(g_lp, g_ent), wanted, plan=plan)
     else:
@@ -171,6 +172,11 @@ def _upstream(grad, rows, ok):
 def kept_row_indices(row_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """[R] int64 indices of the kept rows (a host sync on CUDA: their count sizes every GEMM), or None for all."""
     return None if row_mask is None else torch.nonzero(row_mask).squeeze(1)
+
+
+def kept_shard(plan: Plan, rows: Optional[torch.Tensor]):
+    """The shard options of the kept rows: a per-row temperature compacted as the rows are."""
+    return plan.shard if rows is None else plan.shard.rows(rows)
 
 
 def kept(x: Optional[torch.Tensor], rows: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -34,7 +34,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ppo_ops.core.contracts import BackwardStats, ShardOptions, UpstreamGrads
 from ppo_ops.core.triton_common import (bf16_by_bits, grouped_tile, interpreting, options, round_bf16_by_bits,
-                                        scaled, store_rounded)
+                                        row_scale, scaled, store_rounded, tanh, tile_row_scale,
+                                        transform_args, transformed_with_slope)
 from ppo_ops.core.triton_launch import launcher as _launch  # fewer host steps per launch (core/triton_launch.py)
 from ppo_ops.lm_head import gemm_partials
 
@@ -70,6 +71,12 @@ def gemm_dlogits_kernel(
     UPCAST: tl.constexpr,
     OUT_BF16: tl.constexpr,  # dlogits in bf16 (else fp16)
     ROUND_BF16_BY_BITS: tl.constexpr,
+    # the logit transform beyond a scalar temperature (core/triton_common.transformed; defaults: none)
+    row_inv_temperature_ptr=None,  # [R] fp32 1 / T per row, read only when ROW_SCALE
+    softcap=1.0,
+    inv_softcap=1.0,
+    ROW_SCALE: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
 ):
     n_row_blocks = tl.cdiv(num_rows, BLOCK_M)
     n_col_tiles = tl.cdiv(seg_len, BLOCK_N)
@@ -77,11 +84,16 @@ def gemm_dlogits_kernel(
         pid_m, pid_n = grouped_tile(tile_id, n_row_blocks, n_col_tiles, GROUP_M)
         row0 = pid_m * BLOCK_M
         col0 = pid_n * BLOCK_N
-        z = gemm_partials.logit_tile(x_desc, w_desc, row0, col0, hidden_size, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
-        if SCALE:
-            z = scaled(z, inv_temperature)
+        x = gemm_partials.logit_tile(x_desc, w_desc, row0, col0, hidden_size, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
         rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < num_rows
+        inv_t = tile_row_scale(inv_temperature, row_inv_temperature_ptr, rows, row_ok, ROW_SCALE)
+        if ROW_SCALE or SOFTCAP:
+            z, slope = transformed_with_slope(x, inv_t, softcap, inv_softcap, SCALE, SOFTCAP)
+        elif SCALE:
+            z = scaled(x, inv_temperature)
+        else:
+            z = x
         cols = col0 + tl.arange(0, BLOCK_N)
         d = z - tl.load(shift_ptr + rows, mask=row_ok, other=0.0)[:, None]
         p = tl.exp(d - tl.load(log_sum_ptr + rows, mask=row_ok, other=0.0)[:, None])
@@ -98,7 +110,9 @@ def gemm_dlogits_kernel(
         else:
             grad = -tl.load(grad_log_prob_ptr + rows, mask=row_ok, other=0.0)[:, None] * p
         if SCALE:
-            grad = grad * inv_temperature
+            grad = grad * inv_t
+        if SOFTCAP:
+            grad = grad * slope  # the chain rule through softcap * tanh(x / softcap)
         grad = tl.where(((cols < seg_len) & (cols < n_valid))[None, :], grad, 0.0)
         if ROUND_BF16_BY_BITS:
             out = bf16_by_bits(grad)
@@ -136,13 +150,19 @@ def target_dlogits_kernel(
     ROUND_BF16_BY_BITS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    row_inv_temperature_ptr=None,  # as in gemm_dlogits_kernel
+    softcap=1.0,
+    inv_softcap=1.0,
+    ROW_SCALE: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
 ):
     """The target's dlogit, g_lp (1 - p_t) [+ g_ent p_t (E_p[z] - M - (z_t - M))], from the forward's own target
     logit (gemm_partials.target_logit: the z_t its log-prob used)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    z, target, here = gemm_partials.target_logit(hidden_ptr, weight_ptr, tokens_ptr, rows, rows < num_rows,
-                                                 hidden_size, hidden_stride, weight_stride, n_valid, vocab_start,
-                                                 inv_temperature, SCALE, BLOCK_H)
+    z, target, here, x = gemm_partials.target_logit(hidden_ptr, weight_ptr, tokens_ptr, rows, rows < num_rows,
+                                                    hidden_size, hidden_stride, weight_stride, n_valid, vocab_start,
+                                                    inv_temperature, SCALE, BLOCK_H, row_inv_temperature_ptr,
+                                                    softcap, inv_softcap, ROW_SCALE, SOFTCAP)
     d = z - tl.load(shift_ptr + rows, mask=here, other=0.0)
     p = tl.exp(d - tl.load(log_sum_ptr + rows, mask=here, other=0.0))
     grad = tl.load(grad_log_prob_ptr + rows, mask=here, other=0.0) * (1.0 - p)
@@ -150,7 +170,10 @@ def target_dlogits_kernel(
         grad += tl.load(grad_entropy_ptr + rows, mask=here, other=0.0) * (
             p * (tl.load(mean_shifted_ptr + rows, mask=here, other=0.0) - d))
     if SCALE:
-        grad = grad * inv_temperature
+        grad = grad * row_scale(inv_temperature, row_inv_temperature_ptr, rows, here, ROW_SCALE)
+    if SOFTCAP:
+        th = tanh(x * inv_softcap)  # the slope of the cap at the target's own logit
+        grad = grad * (1.0 - th * th)
     offset = ((target // slab_cols).to(tl.int64) * slab_stride + rows.to(tl.int64) * out_stride
               + (target % slab_cols).to(tl.int64) * col_stride)
     store_rounded(out_ptr + offset, grad, here, ROUND_BF16_BY_BITS)
@@ -174,7 +197,6 @@ def dlogits(hidden: torch.Tensor, w_seg: torch.Tensor, tokens: torch.Tensor, seg
     programs = gemm_partials.num_programs(hidden.device, n_tiles)
     g_lp, g_ent = upstream.grad_log_prob, upstream.grad_entropy
     dummy = stats.shift  # never read where its flag is off
-    inv_t = float(seg.inv_temperature)
     _launch(gemm_dlogits_kernel)((programs,),
         x_desc=x_desc, w_desc=w_desc, dl_desc=dl_desc, shift_ptr=stats.shift,
         log_sum_ptr=stats.log_sum,
@@ -182,8 +204,8 @@ def dlogits(hidden: torch.Tensor, w_seg: torch.Tensor, tokens: torch.Tensor, seg
         grad_log_prob_ptr=g_lp if g_lp is not None else dummy,
         grad_entropy_ptr=g_ent if g_ent is not None else dummy,
         num_rows=n_rows, hidden_size=width, seg_len=seg.seg_len, n_valid=seg.n_valid,
-        num_programs=programs, inv_temperature=inv_t, HAS_GRAD_LOG_PROB=g_lp is not None,
-        HAS_GRAD_ENTROPY=g_ent is not None, SCALE=inv_t != 1.0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        num_programs=programs, **transform_args(seg, dummy), HAS_GRAD_LOG_PROB=g_lp is not None,
+        HAS_GRAD_ENTROPY=g_ent is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=interpreting(), OUT_BF16=out.dtype == torch.bfloat16,
         ROUND_BF16_BY_BITS=round_bf16_by_bits(out.dtype), **options(cfg))
     if g_lp is not None:  # the target's element (the epilogue wrote it as a non-target's)
@@ -199,7 +221,6 @@ def target_dlogits(hidden: torch.Tensor, w_seg: torch.Tensor, tokens: torch.Tens
     n_rows, width = hidden.shape
     g_lp, g_ent = upstream.grad_log_prob, upstream.grad_entropy
     dummy = stats.shift  # never read where its flag is off
-    inv_t = float(seg.inv_temperature)
     slab_stride = out.stride(0) if out.dim() == 3 else 0
     _launch(target_dlogits_kernel)((triton.cdiv(n_rows, gemm_partials.TARGET_ROWS),),
         hidden_ptr=hidden, weight_ptr=w_seg, tokens_ptr=tokens, shift_ptr=stats.shift, log_sum_ptr=stats.log_sum,
@@ -208,6 +229,6 @@ def target_dlogits(hidden: torch.Tensor, w_seg: torch.Tensor, tokens: torch.Tens
         hidden_stride=hidden.stride(0), weight_stride=w_seg.stride(0), out_stride=out.stride(-2),
         col_stride=out.stride(-1),
         slab_cols=out.shape[-1], slab_stride=slab_stride, n_valid=seg.n_valid, vocab_start=seg.vocab_start,
-        inv_temperature=inv_t, HAS_GRAD_ENTROPY=g_ent is not None, SCALE=inv_t != 1.0,
+        **transform_args(seg, dummy), HAS_GRAD_ENTROPY=g_ent is not None,
         ROUND_BF16_BY_BITS=round_bf16_by_bits(out.dtype), BLOCK_R=gemm_partials.TARGET_ROWS,
         BLOCK_H=gemm_partials.TARGET_H)

@@ -48,8 +48,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ppo_ops.core import row_stats
 from ppo_ops.core.contracts import ShardOptions
-from ppo_ops.core.triton_common import (FLT_MAX, empty_row_state, grouped_tile, interpreting, options, scaled,
-                                        store_row_partials)
+from ppo_ops.core.triton_common import (FLT_MAX, empty_row_state, grouped_tile, interpreting, options, row_scale,
+                                        scaled, store_row_partials, tile_row_scale, transform_args, transformed)
 from ppo_ops.core.triton_launch import launcher as _launch  # fewer host steps per launch (core/triton_launch.py)
 
 TILE_PARTIALS = 3  # per row and tile: m, Σ e^(z-m), Σ e^(z-m)(z-m)
@@ -153,6 +153,12 @@ def gemm_partials_kernel(
     GROUP_M: tl.constexpr,
     FLATTEN: tl.constexpr,
     UPCAST: tl.constexpr,
+    # the logit transform beyond a scalar temperature (core/triton_common.transformed; defaults: none)
+    row_inv_temperature_ptr=None,  # [R] fp32 1 / T per row, read only when ROW_SCALE
+    softcap=1.0,
+    inv_softcap=1.0,
+    ROW_SCALE: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
 ):
     n_row_blocks = tl.cdiv(num_rows, BLOCK_M)
     n_col_tiles = n_seg * tiles_per_seg
@@ -163,7 +169,12 @@ def gemm_partials_kernel(
         col0 = seg * seg_len + tile * BLOCK_N  # local column of the tile's first column
         row0 = pid_m * BLOCK_M
         z = logit_tile(x_desc, w_desc, row0, col0, hidden_size, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
-        if SCALE:
+        if ROW_SCALE or SOFTCAP:
+            tile_rows = row0 + tl.arange(0, BLOCK_M)
+            inv_t = tile_row_scale(inv_temperature, row_inv_temperature_ptr, tile_rows, tile_rows < num_rows,
+                                   ROW_SCALE)
+            z = transformed(z, inv_t, softcap, inv_softcap, SCALE, SOFTCAP)
+        elif SCALE:
             z = scaled(z, inv_temperature)
         if (tile * BLOCK_N + BLOCK_N <= seg_len) & (col0 + BLOCK_N <= n_valid):
             # every column real: no masks (the masked form below gives the same bits on such a tile)
@@ -201,10 +212,12 @@ def gemm_partials_kernel(
 
 @triton.jit
 def target_logit(hidden_ptr, weight_ptr, tokens_ptr, rows, ok, hidden_size, hidden_stride, weight_stride, n_valid,
-                 vocab_start, inv_temperature, SCALE: tl.constexpr, BLOCK_H: tl.constexpr):
-    """(z, target, here) of `rows`: here where the row's target is a real column of this weight (target its local
-    column there, 0 elsewhere), z = x_row . w_target scaled by 1/T (0 where not here): exact products, fp32 sums in
-    one order for every row (it depends on H and BLOCK_H only)."""
+                 vocab_start, inv_temperature, SCALE: tl.constexpr, BLOCK_H: tl.constexpr,
+                 row_inv_temperature_ptr=None, softcap=1.0, inv_softcap=1.0, ROW_SCALE: tl.constexpr = False,
+                 SOFTCAP: tl.constexpr = False):
+    """(z, target, here, x) of `rows`: here where the row's target is a real column of this weight (target its local
+    column there, 0 elsewhere), x = x_row . w_target and z its transform (the softcap, then 1/T; 0 where not here):
+    exact products, fp32 sums in one order for every row (it depends on H and BLOCK_H only)."""
     target = tl.load(tokens_ptr + rows, mask=ok, other=-1) - vocab_start
     here = ok & (target >= 0) & (target < n_valid)
     target = tl.where(here, target, 0)
@@ -215,10 +228,15 @@ def target_logit(hidden_ptr, weight_ptr, tokens_ptr, rows, ok, hidden_size, hidd
         x = tl.load(hidden_ptr + rows.to(tl.int64)[:, None] * hidden_stride + cols[None, :], mask=mask, other=0.0)
         w = tl.load(weight_ptr + target.to(tl.int64)[:, None] * weight_stride + cols[None, :], mask=mask, other=0.0)
         acc += x.to(tl.float32) * w.to(tl.float32)
-    z = tl.sum(acc, axis=1)
-    if SCALE:
-        z = scaled(z, inv_temperature)
-    return z, target, here
+    x = tl.sum(acc, axis=1)
+    if ROW_SCALE or SOFTCAP:
+        inv_t = row_scale(inv_temperature, row_inv_temperature_ptr, rows, ok, ROW_SCALE)
+        z = transformed(x, inv_t, softcap, inv_softcap, SCALE, SOFTCAP)
+    elif SCALE:
+        z = scaled(x, inv_temperature)
+    else:
+        z = x
+    return z, target, here, x
 
 
 @triton.jit(do_not_specialize=["n_valid", "vocab_start"])
@@ -237,11 +255,17 @@ def target_logits_kernel(
     SCALE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    row_inv_temperature_ptr=None,  # as in gemm_partials_kernel
+    softcap=1.0,
+    inv_softcap=1.0,
+    ROW_SCALE: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < num_rows
-    z, _, here = target_logit(hidden_ptr, weight_ptr, tokens_ptr, rows, ok, hidden_size, hidden_stride, weight_stride,
-                              n_valid, vocab_start, inv_temperature, SCALE, BLOCK_H)
+    z, _, here, _ = target_logit(hidden_ptr, weight_ptr, tokens_ptr, rows, ok, hidden_size, hidden_stride,
+                                 weight_stride, n_valid, vocab_start, inv_temperature, SCALE, BLOCK_H,
+                                 row_inv_temperature_ptr, softcap, inv_softcap, ROW_SCALE, SOFTCAP)
     tl.store(out_ptr + rows, tl.where(here, z, float("-inf")), mask=ok)
 
 
@@ -305,7 +329,7 @@ def forward_probs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tens
 
 
 def _forward(hidden, weight, tokens, shard: ShardOptions, with_entropy: bool, probs: Optional[torch.Tensor]):
-    seg_len, inv_temperature = shard.seg_len, float(shard.inv_temperature)
+    seg_len = shard.seg_len
     n_rows, width = hidden.shape
     v_local = weight.shape[0]
     n_seg = v_local // seg_len
@@ -332,15 +356,14 @@ def _forward(hidden, weight, tokens, shard: ShardOptions, with_entropy: bool, pr
         x_desc=x_desc, w_desc=w_desc, tiles_ptr=tiles, probs_desc=probs_desc,
         num_rows=n_rows, hidden_size=width, seg_len=seg_len,
         n_seg=n_seg, n_valid=shard.n_valid, tiles_per_seg=tiles_per_seg, num_programs=programs,
-        inv_temperature=inv_temperature, SCALE=inv_temperature != 1.0, WITH_ENTROPY=with_entropy,
+        **transform_args(shard, tiles), WITH_ENTROPY=with_entropy,
         STORE_PROBS=probs is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, FLATTEN=cfg.flatten, UPCAST=interpreting(), **options(cfg))
     target = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
     _launch(target_logits_kernel)((triton.cdiv(n_rows, TARGET_ROWS),),
         hidden_ptr=hidden, weight_ptr=weight, tokens_ptr=tokens, out_ptr=target, num_rows=n_rows, hidden_size=width,
         hidden_stride=hidden.stride(0), weight_stride=weight.stride(0), n_valid=shard.n_valid,
-        vocab_start=shard.vocab_start, inv_temperature=inv_temperature, SCALE=inv_temperature != 1.0,
-        BLOCK_R=TARGET_ROWS, BLOCK_H=TARGET_H)
+        vocab_start=shard.vocab_start, **transform_args(shard, target), BLOCK_R=TARGET_ROWS, BLOCK_H=TARGET_H)
     _launch(merge_tiles_kernel)((n_seg, triton.cdiv(n_rows, _MERGE_ROWS)),
         tiles_ptr=tiles, target_ptr=target, tokens_ptr=tokens, out_ptr=out, num_rows=n_rows,
         tiles_per_seg=tiles_per_seg, seg_len=seg_len, vocab_start=shard.vocab_start, BLOCK_R=_MERGE_ROWS)

@@ -63,7 +63,7 @@ from ppo_ops.core.scale import scale_in_place, scale_round_in_place
 from ppo_ops.core.contracts import BlockGrads, GradsWanted, HeadRows, RowStats
 from ppo_ops.core.shell import Plan, refuse_double_backward
 from ppo_ops.lm_head import paths, sequence_blocks
-from ppo_ops.lm_head.function import kept, kept_row_indices, scatter_rows
+from ppo_ops.lm_head.function import kept, kept_row_indices, kept_shard, scatter_rows
 
 # The end flags, one int64 each per rank: NaN / +inf logits (merged statistics), non-finite loss values or
 # gradients, and how token_loss failed on this rank (FAILURES index + 1; 0: it did not).
@@ -135,7 +135,7 @@ def forward_values(hidden, weight, tokens, row_mask, plan: Plan, token_loss, kee
         token_loss = _frozen(hidden, weight, tokens, row_mask, plan, token_loss, keep)
     n_rows = hidden.shape[0]
     rows = kept_row_indices(row_mask)
-    head = HeadRows(kept(hidden, rows).contiguous(), weight, kept(tokens, rows), plan.shard)
+    head = HeadRows(kept(hidden, rows).contiguous(), weight, kept(tokens, rows), kept_shard(plan, rows))
     blocks = None
     if schedule == paths.SEQUENCES:
         token_loss, blocks = _sequence_blocks(hidden, weight, tokens, row_mask, plan, token_loss, keep, rows, head,
@@ -374,8 +374,9 @@ class BlockLoop:
         layout = self.plan.layout
         if layout.group is None:  # then the keep set's values (checked in the header exchange at TP > 1)
             extra = torch.cat([self.flags[_NON_FINITE:], sparse_keep.header_values(self.keep, self.flags.device)])
-            return agreement.HostRead(agreement.single_rank_values(self.flags[_BAD_LOGITS:_BAD_LOGITS + 1],
-                                                                   self.tokens, self.row_mask, extra_flags=extra))
+            return agreement.HostRead(agreement.single_rank_values(
+                self.flags[_BAD_LOGITS:_BAD_LOGITS + 1], self.tokens, self.row_mask, extra_flags=extra,
+                row_inv_temperature=self.plan.shard.row_inv_temperature))
         table = torch.empty((layout.world_size * self.flags.numel(),), dtype=torch.int64, device=self.flags.device)
         agreement.all_gather_into(table, self.flags, layout.group)  # rank-major: [tp, 3] when read
         return agreement.HostRead(table)

@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 
 from ppo_ops.core.contracts import BackwardStats, ShardOptions, UpstreamGrads
-from ppo_ops.core.triton_common import COMPILED, interpreting, round_bf16_by_bits, store_rounded
+from ppo_ops.core.triton_common import (COMPILED, interpreting, round_bf16_by_bits, store_rounded, tile_row_scale,
+                                        transform_args)
 from ppo_ops.core.triton_launch import launcher as _launch  # fewer host steps per launch (core/triton_launch.py)
 from ppo_ops.lm_head import gemm_dlogits, gemm_partials
 
@@ -97,6 +98,12 @@ def prob_dlogits_kernel(
     BLOCK_C: tl.constexpr,  # columns per step, a divisor of BLOCK_N
     STEPS: tl.constexpr,  # steps per program: STEPS * BLOCK_C columns of one tile (at most BLOCK_N)
     BLOCK_N: tl.constexpr,  # the forward's tile width: one tile max per row
+    # the logit transform beyond a scalar temperature (core/triton_common.transformed; defaults: none)
+    row_inv_temperature_ptr=None,  # [R] fp32 1 / T per row, read only when ROW_SCALE
+    softcap=1.0,
+    inv_softcap=1.0,
+    ROW_SCALE: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
 ):
     col_groups = tl.cdiv(seg_len, BLOCK_C * STEPS)
     pid_c = tl.program_id(1)
@@ -107,7 +114,9 @@ def prob_dlogits_kernel(
     row_ok = rows < num_rows
     # the rows' factors, once per program: p = e * scale_row, z - M = log e + m_shift
     m = tl.load(tiles_ptr + (seg.to(tl.int64) * tiles_per_seg + tile) * tile_stride + rows, mask=row_ok, other=0.0)
-    m_shift = m - tl.load(shift_ptr + rows, mask=row_ok, other=0.0)  # m - M <= 0
+    big_m = tl.load(shift_ptr + rows, mask=row_ok, other=0.0)
+    m_shift = m - big_m  # m - M <= 0
+    inv_t = tile_row_scale(inv_temperature, row_inv_temperature_ptr, rows, row_ok, ROW_SCALE)
     scale_row = tl.exp(m_shift - tl.load(log_sum_ptr + rows, mask=row_ok, other=0.0))
     # Rows in [R, io_rows) get 0 through their upstream gradients (loaded as 0), not through a select on row_ok per
     # element: at a row count like 8191 that select is computed element by element and slows the whole pass
@@ -132,9 +141,10 @@ def prob_dlogits_kernel(
         io_mask = (rows < io_rows)[:, None] & in_seg[None, :]
         e = tl.load(probs_ptr + offsets, mask=io_mask, other=0.0).to(tl.float32)
         p = e * scale_row[:, None]
-        if HAS_GRAD_ENTROPY:
+        if HAS_GRAD_ENTROPY or SOFTCAP:
             # z - M; where e rounded to 0 (p = 0) any finite stand-in gives a 0 gradient, never 0 * inf
             d = _log(tl.where(e > 0.0, e, 1.0)) + m_shift[:, None]
+        if HAS_GRAD_ENTROPY:
             inner = g_ent[:, None] * (mean_shifted[:, None] - d)
             if HAS_GRAD_LOG_PROB:
                 inner = inner - g_lp[:, None]
@@ -142,7 +152,12 @@ def prob_dlogits_kernel(
         else:
             grad = neg_g_lp[:, None] * p
         if SCALE:
-            grad = grad * inv_temperature
+            grad = grad * inv_t
+        if SOFTCAP:
+            # The slope 1 - tanh²(x / c) from the held z: tanh(x / c) = z / (c / T), within e's fp16 rounding
+            # (2^-11 in ln e, so 2^-11 T / c in the tanh), which is below the rounding these dlogits carry anyway.
+            th = (d + big_m[:, None]) / (softcap * inv_t)
+            grad = grad * (1.0 - th * th)
         grad = tl.where(real[None, :], grad, 0.0)
         store_rounded(out_ptr + out_offsets, grad, io_mask, ROUND_BF16_BY_BITS)
 
@@ -189,7 +204,6 @@ def dlogits(probs: torch.Tensor, tiles: torch.Tensor, n_rows: int, hidden: torch
     block_n = gemm_partials.config().block_n
     tiles_per_seg = triton.cdiv(seg_len, block_n)
     dummy = stats.shift  # never read where its flag is off
-    inv_t = float(shard.inv_temperature)
     block_c = min(PASS_COLS, block_n)
     steps = max(1, min(PASS_STEPS, block_n // block_c))  # powers of two: a program's columns lie in one tile
     _launch(prob_dlogits_kernel)((triton.cdiv(n_rows, PASS_ROWS), n_seg * triton.cdiv(seg_len, block_c * steps)),
@@ -198,8 +212,8 @@ def dlogits(probs: torch.Tensor, tiles: torch.Tensor, n_rows: int, hidden: torch
         grad_log_prob_ptr=g_lp if g_lp is not None else dummy, grad_entropy_ptr=g_ent if g_ent is not None else dummy,
         num_rows=n_rows, io_rows=io_rows, col_stride=probs.stride(2), slab_stride=probs.stride(0),
         out_col_stride=out.stride(2), out_slab_stride=out.stride(0), seg_len=seg_len, n_valid=shard.n_valid,
-        tiles_per_seg=tiles_per_seg, tile_stride=tiles.stride(1), inv_temperature=inv_t,
-        HAS_GRAD_LOG_PROB=g_lp is not None, HAS_GRAD_ENTROPY=g_ent is not None, SCALE=inv_t != 1.0,
+        tiles_per_seg=tiles_per_seg, tile_stride=tiles.stride(1), **transform_args(shard, dummy),
+        HAS_GRAD_LOG_PROB=g_lp is not None, HAS_GRAD_ENTROPY=g_ent is not None,
         ROUND_BF16_BY_BITS=round_bf16_by_bits(dtype), IN_PLACE=in_place, BLOCK_R=PASS_ROWS, BLOCK_C=block_c,
         STEPS=steps, BLOCK_N=block_n,
         **({} if interpreting() else {"num_warps": PASS_WARPS}))

@@ -181,7 +181,8 @@ class SegmentGemmBackend:
                 if seg.n_valid == 0:
                     continue
                 gemms.mm_fp32(x, weight[seg_lo:seg_lo + shard.seg_len].T, chunk)
-                self.passes.partials(chunk, n, tokens[r0:r0 + n], seg, with_entropy, buf[b, s])
+                self.passes.partials(chunk, n, tokens[r0:r0 + n], seg.rows(slice(r0, r0 + n)), with_entropy,
+                                     buf[b, s])
         # [blocks, segments, 5, rows] -> [segments, 5, R] (O(R) bytes)
         return buf.permute(1, 2, 0, 3).reshape(n_seg, row_stats.NUM_PARTIALS, -1)[:, :, :n_rows]
 
@@ -200,9 +201,11 @@ class SegmentGemmBackend:
         tile_rows = round_up(k, forward.config().block_m)
         probs = torch.empty((v_local // seg_len, seg_len, tile_rows), dtype=torch.float16,
                             device=hidden.device).transpose(1, 2)
-        parts, tiles = forward.forward_probs(hidden[:k], weight, tokens[:k], shard, with_entropy, probs)
+        parts, tiles = forward.forward_probs(hidden[:k], weight, tokens[:k], shard.rows(slice(0, k)), with_entropy,
+                                             probs)
         if k < n_rows:
-            rest = forward.forward_partials(hidden[k:], weight, tokens[k:], shard, with_entropy)
+            rest = forward.forward_partials(hidden[k:], weight, tokens[k:], shard.rows(slice(k, n_rows)),
+                                            with_entropy)
             parts = torch.cat((parts, rest), dim=2)
         return parts, HeldProbs(probs, tiles, k)
 
@@ -295,10 +298,10 @@ class _GroupBackward:
         lo, stop = g0, g0 + m
         if self.held is not None and g0 < self.held.rows:  # the group's held rows (the call's first)
             lo = min(stop, self.held.rows)
-            self._held_dlogits(s, slice(g0, lo), HeadRows(self.hidden, w_s, self.tokens, seg))
+            self._held_dlogits(s, slice(g0, lo), HeadRows(self.hidden, w_s, self.tokens, seg.rows(slice(g0, lo))))
         if lo < stop:  # the forward's GEMM tiles again, the gradient in their epilogue
             rs = slice(lo, stop)
-            self.passes.one_gemm_recompute.dlogits(self.hidden[rs], w_s, self.tokens[rs], seg,
+            self.passes.one_gemm_recompute.dlogits(self.hidden[rs], w_s, self.tokens[rs], seg.rows(rs),
                                                    *backward_rows(self.saved, self.upstream, rs),
                                                    self.dl[lo - g0:stop - g0])
 
@@ -310,8 +313,8 @@ class _GroupBackward:
             r0, n, x = self.blocks.block(b)
             gemms.mm_fp32(x, w_s.T, self.chunk)
             rs = slice(r0, r0 + n)
-            self.passes.dlogits(self.chunk, n, self.tokens[rs], seg, *backward_rows(self.saved, self.upstream, rs),
-                                self.dl[r0 - g0:r0 - g0 + n])
+            self.passes.dlogits(self.chunk, n, self.tokens[rs], seg.rows(rs),
+                                *backward_rows(self.saved, self.upstream, rs), self.dl[r0 - g0:r0 - g0 + n])
 
     def _held_dlogits(self, s: int, rs: slice, segment: HeadRows) -> None:
         """dl[:n] = segment s's dlogits of the held rows rs (n of them, a group's first), from the probabilities the

@@ -90,7 +90,7 @@ def _blocks_by_probs(passes, path: paths.HeadPath, head: HeadRows, with_entropy:
     if not (need_dx or need_dw):  # values only: the same blocks (the same loss sum), no probabilities kept
         for r0, r1 in bounds:
             rs = slice(r0, r1)
-            hooks.block_grads(hooks.merge(forward.forward_partials(hidden[rs], weight, tokens[rs], shard,
+            hooks.block_grads(hooks.merge(forward.forward_partials(hidden[rs], weight, tokens[rs], shard.rows(rs),
                                                                    with_entropy)), rs.start, rs.stop)
         return None
     # vocabulary-major ([n_seg, seg_len, B] in memory, used as its [n_seg, B, seg_len] view): dW's GEMMs read
@@ -109,7 +109,7 @@ def _blocks_by_probs(passes, path: paths.HeadPath, head: HeadRows, with_entropy:
         n = r1 - r0
         rs = slice(r0, r1)
         x = hidden[rs]
-        parts, tiles = forward.forward_probs(x, weight, tokens[rs], shard, with_entropy, probs)
+        parts, tiles = forward.forward_probs(x, weight, tokens[rs], shard.rows(rs), with_entropy, probs)
         stats = hooks.merge(parts)
         up = hooks.block_grads(stats, r0, r0 + n)
         g_lp, g_ent = up.grad_log_prob, up.grad_entropy
@@ -121,7 +121,7 @@ def _blocks_by_probs(passes, path: paths.HeadPath, head: HeadRows, with_entropy:
             dl[:, :n_gemm].zero_()
         else:
             dl = passes.prob_pass.dlogits(
-                probs, tiles, n, x, weight, tokens[rs], shard,
+                probs, tiles, n, x, weight, tokens[rs], shard.rows(rs),
                 BackwardStats(stats.shift, stats.log_sum, None, stats.mean_shifted if g_ent is not None else None),
                 UpstreamGrads(g_lp, g_ent), hidden.dtype)
             if passes.prob_pass.access_rows(n, probs, probs) < n_gemm:  # the pass zeroes the rows it covers
@@ -163,7 +163,7 @@ def _blocks_by_chunks(passes, path: paths.HeadPath, head: HeadRows, with_entropy
         for s, seg_lo, seg in grads.segments:
             if seg.n_valid:
                 gemms.mm_fp32(x, weight[seg_lo:seg_lo + seg_len].T, logits[s])
-                passes.partials(logits[s], n, tokens[rs], seg, with_entropy, parts[s])
+                passes.partials(logits[s], n, tokens[rs], seg.rows(rs), with_entropy, parts[s])
         stats = hooks.merge(parts[:, :, :n])
         up = hooks.block_grads(stats, r0, r0 + n)
         if not need_grad:
@@ -177,7 +177,7 @@ def _blocks_by_chunks(passes, path: paths.HeadPath, head: HeadRows, with_entropy
         else:
             for s, _seg_lo, seg in grads.segments:
                 if seg.n_valid:
-                    passes.dlogits(logits[s], n, tokens[rs], seg,
+                    passes.dlogits(logits[s], n, tokens[rs], seg.rows(rs),
                                         BackwardStats(stats.shift, stats.log_sum, None,
                                                       stats.mean_shifted if g_ent is not None else None),
                                         UpstreamGrads(g_lp, g_ent), dl[s, offset:offset + n])

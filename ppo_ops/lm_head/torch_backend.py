@@ -111,7 +111,8 @@ def forward_partials(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.T
                 z = _logit_tile(x_tile, _weight_tile(weight, seg_lo + lo, seg_lo + hi))
                 slab[:, lo:hi] = z[:, : hi - lo]
             out[seg : seg + 1, :, r0 : r0 + n] = logits_torch.forward_partials(
-                RowInputs(slab[:n], tokens[r0 : r0 + n], keep_mask=None, row_mask=None), seg_shard, with_entropy)
+                RowInputs(slab[:n], tokens[r0 : r0 + n], keep_mask=None, row_mask=None),
+                seg_shard.rows(slice(r0, r0 + n)), with_entropy)
     return out
 
 
@@ -132,6 +133,7 @@ def backward(head: HeadRows, saved: LinearSaved, upstream: UpstreamGrads, wanted
     mean_p = _padded_vector(saved.mean_shifted, n_pad, 0.0, torch.float32)
     g_lp = _padded_vector(upstream.grad_log_prob, n_pad, 0.0, torch.float32)
     g_ent = _padded_vector(upstream.grad_entropy, n_pad, 0.0, torch.float32)
+    inv_p = _padded_vector(shard.row_inv_temperature, n_pad, 1.0, torch.float32)  # a per-row temperature
 
     dx = torch.zeros((n_pad, width), dtype=torch.float32, device=hidden.device) if need_dx else None
     dw = torch.empty_like(weight) if need_dw else None
@@ -154,7 +156,8 @@ def backward(head: HeadRows, saved: LinearSaved, upstream: UpstreamGrads, wanted
             logits_torch.backward_grad(
                 RowInputs(z, tokens_p[r0:r1], keep_mask=None, row_mask=None),
                 ShardOptions(inv_temperature=shard.inv_temperature, n_valid=tile_valid, seg_len=VOCAB_TILE,
-                             vocab_start=shard.vocab_start + lo),
+                             vocab_start=shard.vocab_start + lo, softcap=shard.softcap,
+                             row_inv_temperature=_rows(inv_p, r0, r1)),
                 BackwardStats(shift_p[r0:r1], log_sum_p[r0:r1], None, _rows(mean_p, r0, r1)),
                 UpstreamGrads(_rows(g_lp, r0, r1), _rows(g_ent, r0, r1)), dl)
             if need_dx:

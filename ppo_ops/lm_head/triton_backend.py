@@ -40,7 +40,8 @@ from ppo_ops.core import row_stats
 from ppo_ops.core.checks import argument_error
 from ppo_ops.core.contracts import GradsWanted, HeadRows, LinearSaved, ShardOptions, UpstreamGrads, holds_nothing
 from ppo_ops.core.triton_common import (FLT_MAX, cdiv, empty_row_state, grouped_tile, interpreting, options, scaled,
-                                        store_row_partials)
+                                        store_row_partials, tile_row_scale, transform_args, transformed,
+                                        transformed_with_slope)
 from ppo_ops.core.triton_launch import launcher as _launch  # fewer host steps per launch (core/triton_launch.py)
 from ppo_ops.logits.triton_backend import merge_partials  # the logits op's fused merge: the partials are the same
 
@@ -112,6 +113,9 @@ def forward_partials_kernel(
     inv_temperature,
     WITH_ENTROPY: tl.constexpr, SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    # the logit transform beyond a scalar temperature (core/triton_common.transformed; defaults: none)
+    row_inv_temperature_ptr=None, softcap=1.0, inv_softcap=1.0,
+    ROW_SCALE: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
     seg = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -121,12 +125,15 @@ def forward_partials_kernel(
     target = tl.load(tokens_ptr + rows, mask=row_ok, other=-1).to(tl.int64) - vocab_start
     target = tl.where((target >= 0) & (target < v_local), target, -1)
 
+    inv_t = tile_row_scale(inv_temperature, row_inv_temperature_ptr, rows, row_ok, ROW_SCALE)
     m, s, w, zt = empty_row_state(BLOCK_M)
     for n0 in range(seg_lo, seg_end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < seg_end
         z = _logit_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K)
-        if SCALE:
+        if ROW_SCALE or SOFTCAP:
+            z = transformed(z, inv_t, softcap, inv_softcap, SCALE, SOFTCAP)
+        elif SCALE:
             z = scaled(z, inv_temperature)
         z = tl.where(col_ok[None, :], z, float("-inf"))
         zt = tl.maximum(zt, tl.max(tl.where(cols[None, :] == target[:, None], z, float("-inf")), axis=1))
@@ -165,6 +172,8 @@ def dlogits_kernel(
     SCALE: tl.constexpr,
     LOGITS_ONLY: tl.constexpr,  # store the raw fp32 logit tile (tile_logits), no gradient
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    row_inv_temperature_ptr=None, softcap=1.0, inv_softcap=1.0,  # as in forward_partials_kernel
+    ROW_SCALE: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
     # Programs in launch order take GROUP_M row blocks times a run of column tiles, so the ones resident together
     # share a few hidden and weight tiles in L2 instead of each streaming its own weight tile from HBM.
@@ -174,14 +183,19 @@ def dlogits_kernel(
     cols = col_lo + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < num_rows
     col_ok = cols < col_hi
-    z = _logit_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K)
+    x = _logit_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K)
     out = out_ptr + rows.to(tl.int64)[:, None] * stride_out + (cols - col_lo)[None, :]
     store_ok = row_ok[:, None] & col_ok[None, :]
     if LOGITS_ONLY:
-        tl.store(out, z, mask=store_ok)
+        tl.store(out, x, mask=store_ok)
     else:
-        if SCALE:
-            z = scaled(z, inv_temperature)
+        inv_t = tile_row_scale(inv_temperature, row_inv_temperature_ptr, rows, row_ok, ROW_SCALE)
+        if ROW_SCALE or SOFTCAP:
+            z, slope = transformed_with_slope(x, inv_t, softcap, inv_softcap, SCALE, SOFTCAP)
+        elif SCALE:
+            z = scaled(x, inv_temperature)
+        else:
+            z = x
         d = z - tl.load(shift_ptr + rows, mask=row_ok, other=0.0)[:, None]
         p = tl.exp(d - tl.load(log_sum_ptr + rows, mask=row_ok, other=0.0)[:, None])
         grad = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -195,7 +209,9 @@ def dlogits_kernel(
             mean_shifted = tl.load(mean_shifted_ptr + rows, mask=row_ok, other=0.0)
             grad += g_ent[:, None] * (p * tl.where(p == 0.0, 0.0, mean_shifted[:, None] - d))
         if SCALE:
-            grad = grad * inv_temperature
+            grad = grad * inv_t
+        if SOFTCAP:
+            grad = grad * slope  # the chain rule through softcap * tanh(x / softcap)
         grad = tl.where(row_ok[:, None] & (cols < n_valid)[None, :], grad, 0.0)
         tl.store(out, grad, mask=store_ok)
 
@@ -273,8 +289,8 @@ def forward_partials(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.T
         num_rows=n_rows, H=width, seg_len=seg_len, n_valid=shard.n_valid, v_local=v_local,
         vocab_start=int(shard.vocab_start),
         stride_x=hidden.stride(0), stride_w=weight.stride(0),
-        inv_temperature=float(shard.inv_temperature),
-        WITH_ENTROPY=bool(with_entropy), SCALE=float(shard.inv_temperature) != 1.0,
+        **transform_args(shard, out),
+        WITH_ENTROPY=bool(with_entropy),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **options(cfg),
     )
     return out
@@ -297,9 +313,9 @@ def _launch_dlogits(hidden, weight, tokens, out, col_lo, col_hi, shard: ShardOpt
         num_rows=n_rows, H=width, col_lo=col_lo, col_hi=col_hi, n_valid=shard.n_valid, v_local=weight.shape[0],
         vocab_start=int(shard.vocab_start),
         stride_x=hidden.stride(0), stride_w=weight.stride(0), stride_out=out.stride(0),
-        inv_temperature=float(shard.inv_temperature),
+        **transform_args(shard, out),
         HAS_GRAD_LOG_PROB=upstream.grad_log_prob is not None, HAS_GRAD_ENTROPY=upstream.grad_entropy is not None,
-        SCALE=float(shard.inv_temperature) != 1.0, LOGITS_ONLY=logits_only,
+        LOGITS_ONLY=logits_only,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=_DLOGITS_GROUP_M, **options(cfg),
     )
 

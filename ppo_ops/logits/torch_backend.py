@@ -17,12 +17,14 @@ Bitwise invariance. Every reduction over the vocabulary is either a max (exact, 
 result never depends on how many rows share its chunk, which rank holds its segment, or the thread count; a plain
 `tensor.sum` would change with chunk_size.
 
-Forward, per chunk (z = fp32 logits * inv_temperature, padding columns set to -inf), for each segment:
+Forward, per chunk (z = fp32 logits through the logit transform: softcap * tanh(x / softcap) where a softcap is set,
+then times 1 / T, the scalar's or each row's; padding columns set to -inf), for each segment:
     m = max z;  d = z - m (in place);  e = exp(d);  w = fold(e * d) (0 where e == 0: no 0 * inf);
     sk = fold(e restricted to keep ∪ target);  s = fold(e).
 Backward, per chunk: d = z - shift (in place), p = exp(d - log_sum),
     grad = inv_t * ( g_ent * p * (mean_shifted - d) - g_lp * q + g_lp * onehot(target) ),
-    q = p * e^(log_sum - log_sum_kept) on keep ∪ target (q = p without a keep mask).
+    q = p * e^(log_sum - log_sum_kept) on keep ∪ target (q = p without a keep mask),
+    and with a softcap grad *= 1 - tanh²(x / softcap), from the logits x (a third fp32 buffer for the chunk).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ import torch
 
 from ppo_ops.core import row_stats
 from ppo_ops.core.fold import fold_sum
-from ppo_ops.core.contracts import BackwardStats, RowInputs, ShardOptions, UpstreamGrads
+from ppo_ops.core.contracts import (BackwardStats, RowInputs, ShardOptions, UpstreamGrads, logit_transform,
+                                    row_inverse, softcap_slope)
 from ppo_ops.core.layout import target_columns
 from ppo_ops.core.row_stats import ENT_SUM, KEPT_SUMEXP, MAX, NUM_PARTIALS, SUMEXP, TARGET_Z, empty_partials
 
@@ -57,9 +60,11 @@ def _row_slices(n: int):
         yield i, min(n, i + step)
 
 
-def _load_z(logits, rows, start, end, shard: ShardOptions) -> torch.Tensor:
-    """fp32 copy of the chunk's logits times inv_temperature, padding columns at -inf."""
-    inv_temperature, n_valid = shard.inv_temperature, shard.n_valid
+def _load_z(logits, rows, start, end, shard: ShardOptions, with_slope: bool = False):
+    """fp32 copy of the chunk's logits through the logit transform (the softcap, then the temperature:
+    contracts.logit_transform), padding columns at -inf. with_slope: (z, the softcap's slope 1 - tanh²(x / softcap)
+    of those logits, or None without a softcap)."""
+    n_valid = shard.n_valid
     n = end - start
     z = torch.empty((n, logits.shape[1]), dtype=torch.float32, device=logits.device)
     if rows is None:
@@ -69,11 +74,11 @@ def _load_z(logits, rows, start, end, shard: ShardOptions) -> torch.Tensor:
     else:
         for i, j in _row_slices(n):
             z[i:j].copy_(logits.index_select(0, rows[start + i : start + j]))
-    if inv_temperature != 1.0:
-        z.mul_(inv_temperature)
+    slope = softcap_slope(z, shard.softcap) if with_slope and shard.softcap is not None else None
+    logit_transform(z, shard, slice(start, end) if rows is None else rows[start:end])
     if n_valid < z.shape[1]:
         z[:, n_valid:] = NEG_INF
-    return z
+    return (z, slope) if with_slope else z
 
 
 def _restrict_to_kept(x, keep_mask, rows, start, end, target_col) -> None:
@@ -172,7 +177,7 @@ def backward_grad(inputs: RowInputs, shard: ShardOptions, stats: BackwardStats, 
     for start, end in _chunks(n_rows, v_local, shard.chunk_rows):
         n = end - start
         tcol = target_col[start:end]
-        z = _load_z(logits, rows, start, end, shard)
+        z, slope = _load_z(logits, rows, start, end, shard, with_slope=True)
         d = z.sub_(shift[start:end].unsqueeze(1))
         p = torch.sub(d, log_sum[start:end].unsqueeze(1)).exp_()
         if grad_entropy is not None:
@@ -192,8 +197,13 @@ def backward_grad(inputs: RowInputs, shard: ShardOptions, stats: BackwardStats, 
             del q
             owned = torch.nonzero(tcol >= 0).squeeze(1)
             grad[owned, tcol[owned]] += g_lp[owned]
-        if inv_temperature != 1.0:
+        inv_rows = row_inverse(shard, slice(start, end) if rows is None else rows[start:end])
+        if inv_rows is not None:
+            grad.mul_(inv_rows.unsqueeze(1))
+        elif inv_temperature != 1.0:
             grad.mul_(inv_temperature)
+        if slope is not None:  # the chain rule through softcap * tanh(x / softcap)
+            grad.mul_(slope)
         if n_valid < v_local:
             grad[:, n_valid:] = 0.0
         if rows is None:
@@ -203,7 +213,7 @@ def backward_grad(inputs: RowInputs, shard: ShardOptions, stats: BackwardStats, 
         else:
             for i, j in _row_slices(n):
                 out.index_copy_(0, rows[start + i : start + j], grad[i:j].to(out.dtype))
-        del z, p, grad
+        del z, p, grad, slope
 
 
 class TorchBackend:

@@ -32,7 +32,7 @@ from ppo_ops.core.contracts import BackwardStats, RowInputs, RowStats, ShardOpti
 from ppo_ops.core import row_stats
 from ppo_ops.core.row_stats import NUM_PARTIALS
 from ppo_ops.core.shell import interpret_requested
-from ppo_ops.core.triton_common import cdiv, interpreting, options, round_bf16_by_bits
+from ppo_ops.core.triton_common import cdiv, interpreting, options, round_bf16_by_bits, transform_args
 from ppo_ops.core.triton_launch import launcher
 from ppo_ops.logits import triton_kernels
 
@@ -194,9 +194,9 @@ def forward_launch_args(inputs: RowInputs, shard: ShardOptions, with_entropy: bo
         keep_ptr=logits if keep is None else keep, out_ptr=out,
         num_rows=num_rows, n_valid=shard.n_valid, seg_len=seg_len, v_local=v_local, vocab_start=int(shard.vocab_start),
         logits_row_stride=logits.stride(0), keep_row_stride=0 if keep is None else keep.stride(0),
-        inv_temperature=float(shard.inv_temperature),
+        **transform_args(shard, logits),
         HAS_ROW_MASK=row_bytes is not None, HAS_KEEP=keep is not None, WITH_ENTROPY=bool(with_entropy),
-        SCALE=float(shard.inv_temperature) != 1.0, BLOCK_V=config.block_v,
+        BLOCK_V=config.block_v,
         LOGITS_ALIGN=_segment_align(seg_len, logits, config.block_v),
         KEEP_ALIGN=1 if keep is None else _segment_align(seg_len, keep, config.block_v),
         LANE_WIDTH=config.lane_width,
@@ -260,11 +260,10 @@ def backward_launch_args(inputs: RowInputs, shard: ShardOptions, stats: Backward
         v_local=logits.shape[1], n_valid=shard.n_valid, vocab_start=int(shard.vocab_start),
         logits_row_stride=logits.stride(0), out_row_stride=out.stride(0),
         keep_row_stride=0 if keep is None else keep.stride(0),
-        inv_temperature=float(shard.inv_temperature),
+        **transform_args(shard, logits),
         HAS_ROW_MASK=row_bytes is not None, HAS_KEEP=has_keep, HAS_GRAD_LOG_PROB=grad_log_prob is not None,
         HAS_GRAD_ENTROPY=upstream.grad_entropy is not None, HAS_LOG_PROB_DEFINED=stats.log_prob_defined is not None,
-        HAS_MASS=stats.row_has_mass is not None,
-        SCALE=float(shard.inv_temperature) != 1.0, BLOCK_V=config.block_v,
+        HAS_MASS=stats.row_has_mass is not None, BLOCK_V=config.block_v,
         ROUND_BF16_BY_BITS=round_bf16_by_bits(out.dtype), **options(config),
     )
 

@@ -54,7 +54,7 @@ from ppo_ops.core import row_stats
 from ppo_ops.core.row_stats import (BAD_INPUT, ENTROPY, HAS_MASS, LOG_PROB, LOG_PROB_DEFINED, LOG_SUM, LOG_SUM_KEPT,
                                     MEAN_SHIFTED, SHIFT)
 from ppo_ops.core.triton_common import (CH_ENT_SUM, CH_KEPT_SUMEXP, CH_MAX, CH_SUMEXP, CH_TARGET_Z, COMPILED, FLT_MAX,
-                                        NUM_PARTIALS, scaled)
+                                        NUM_PARTIALS, transformed, transformed_with_slope)
 
 # The row stride (V_local) and n_valid differ between TP sizes: they must not change the compiled code (vector width,
 # hence register layout, hence the order of the tile sums). Their alignment comes from the ALIGN constexprs instead,
@@ -102,7 +102,8 @@ def _exp_nonpositive(x):
 
 @triton.jit
 def _merge_lanes_and_store(m, s, sk, w, row_ptr, target, seg_start, seg_end, seg, row, num_rows, out_ptr,
-                           inv_temperature, HAS_KEEP: tl.constexpr, WITH_ENTROPY: tl.constexpr, SCALE: tl.constexpr):
+                           inv_temperature, softcap, inv_softcap, HAS_KEEP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+                           SCALE: tl.constexpr, SOFTCAP: tl.constexpr):
     """Merges per-lane online states (m, s, sk, w: vectors, each sum relative to its lane's max m) into the segment's
     partials with the formulas of row_stats.merge_partials, adds the target's logit and stores the five channels.
     Lanes without a finite value have s == 0 and drop out."""
@@ -124,7 +125,9 @@ def _merge_lanes_and_store(m, s, sk, w, row_ptr, target, seg_start, seg_end, seg
 
     target_here = (target >= seg_start) & (target < seg_end)
     zt = tl.load(row_ptr + tl.where(target_here, target, 0), mask=target_here, other=neg_inf).to(tl.float32)
-    if SCALE:
+    if SOFTCAP:
+        zt = transformed(zt, inv_temperature, softcap, inv_softcap, SCALE, SOFTCAP)
+    elif SCALE:
         zt = zt * inv_temperature  # stored as is: nothing to contract with
     # NaN or +inf logits make s NaN (tl.max may drop NaN): report it through MAX, where the core looks.
     m_top = tl.where(s_seg != s_seg, float("nan"), m_top)
@@ -175,7 +178,7 @@ def forward_partials_kernel(
     logits_row_stride,
     keep_row_stride,
     # constants
-    inv_temperature,  # fp32 scalar, used only when SCALE
+    inv_temperature,  # fp32 scalar, used only when SCALE and not ROW_SCALE
     HAS_ROW_MASK: tl.constexpr,
     HAS_KEEP: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
@@ -184,9 +187,17 @@ def forward_partials_kernel(
     LOGITS_ALIGN: tl.constexpr,  # divides seg_len and logits_row_stride
     KEEP_ALIGN: tl.constexpr,  # divides seg_len and keep_row_stride
     LANE_WIDTH: tl.constexpr,  # contiguous columns per lane and tile; divides BLOCK_V
+    # the logit transform beyond a scalar temperature (last, with defaults: a launch without it is unchanged)
+    row_inv_temperature_ptr=None,  # [T] fp32 1 / temperature per row, read only when ROW_SCALE
+    softcap=1.0,  # fp32 softcap and its fp32 reciprocal, used only when SOFTCAP
+    inv_softcap=1.0,
+    ROW_SCALE: tl.constexpr = False,  # the temperature per row (SCALE too)
+    SOFTCAP: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     seg = tl.program_id(1)
+    if ROW_SCALE:
+        inv_temperature = tl.load(row_inv_temperature_ptr + row)
     seg_start = tl.multiple_of(seg * seg_len, LOGITS_ALIGN)
     seg_end, target = _row_extent(row_mask_ptr, tokens_ptr, row, seg_start, seg_len, n_valid, vocab_start, v_local,
                                   HAS_ROW_MASK)
@@ -218,17 +229,14 @@ def forward_partials_kernel(
         x_next = tl.load(row_ptr + ahead + offs)
         if HAS_KEEP:
             k_next = tl.load(keep_row_ptr + ahead + offs)
-        z = x.to(tl.float32)
-        if SCALE:
-            z = scaled(z, inv_temperature)
+        z = transformed(x.to(tl.float32), inv_temperature, softcap, inv_softcap, SCALE, SOFTCAP)
         m, s, sk, w = _lanes_update(z, k, offs == target - (seg_start + tile * BLOCK_V), m, s, sk, w, HAS_KEEP,
                                      WITH_ENTROPY)
     tail = seg_start + n_full * BLOCK_V
     if tail < seg_end:  # the partial last tile: loads masked by the segment, padding selected away
         in_mem = offs < mem_end - tail
         z = tl.load(row_ptr + tail + offs, mask=in_mem, other=float("-inf")).to(tl.float32)
-        if SCALE:
-            z = scaled(z, inv_temperature)
+        z = transformed(z, inv_temperature, softcap, inv_softcap, SCALE, SOFTCAP)
         z = tl.where(offs < seg_end - tail, z, float("-inf"))
         if HAS_KEEP:
             k = tl.load(keep_row_ptr + tail + offs, mask=in_mem, other=0)
@@ -236,7 +244,7 @@ def forward_partials_kernel(
             k = z
         m, s, sk, w = _lanes_update(z, k, offs == target - tail, m, s, sk, w, HAS_KEEP, WITH_ENTROPY)
     _merge_lanes_and_store(m, s, sk, w, row_ptr, target, seg_start, seg_end, seg, row, num_rows, out_ptr,
-                           inv_temperature, HAS_KEEP, WITH_ENTROPY, SCALE)
+                           inv_temperature, softcap, inv_softcap, HAS_KEEP, WITH_ENTROPY, SCALE, SOFTCAP)
 
 
 BACKWARD_UNALIGNED_ARGS = ["n_valid"]  # only selects values: loads stay vectorised when it is odd
@@ -277,6 +285,12 @@ def backward_grad_kernel(
     SCALE: tl.constexpr,
     BLOCK_V: tl.constexpr,
     ROUND_BF16_BY_BITS: tl.constexpr,  # bf16 output under the interpreter
+    # the logit transform beyond a scalar temperature, as in the forward
+    row_inv_temperature_ptr=None,  # [T] fp32, read only when ROW_SCALE
+    softcap=1.0,  # used only when SOFTCAP, with its fp32 reciprocal
+    inv_softcap=1.0,
+    ROW_SCALE: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -289,9 +303,10 @@ def backward_grad_kernel(
         load = in_row
     valid = load & (cols < n_valid)  # padding is read with its vector and selected away: n_valid never splits one
 
-    z = tl.load(logits_ptr + row * logits_row_stride + cols, mask=load, other=float("-inf")).to(tl.float32)
-    if SCALE:
-        z = scaled(z, inv_temperature)
+    if ROW_SCALE:
+        inv_temperature = tl.load(row_inv_temperature_ptr + row)
+    x = tl.load(logits_ptr + row * logits_row_stride + cols, mask=load, other=float("-inf")).to(tl.float32)
+    z, slope = transformed_with_slope(x, inv_temperature, softcap, inv_softcap, SCALE, SOFTCAP)
     d = z - tl.load(shift_ptr + row)
     p = tl.exp(d - tl.load(log_sum_ptr + row))  # 0 for -inf logits
 
@@ -315,6 +330,8 @@ def backward_grad_kernel(
         grad += g_ent * (p * tl.where(p == 0.0, 0.0, mean_shifted - d))  # p == 0 (d = -inf): no 0 * inf
     if SCALE:
         grad = grad * inv_temperature
+    if SOFTCAP:
+        grad = grad * slope  # the chain rule through softcap * tanh(x / softcap)
     grad = tl.where(valid, grad, 0.0)  # padding and dropped rows: 0, whatever they hold (NaN included)
     if ROUND_BF16_BY_BITS:
         # As core/triton_common.store_rounded (the interpreter truncates fp32 -> bf16 casts), inline: through that
