@@ -636,10 +636,6 @@ class _ScaledHead(nn.Module):
         return 2.0 * self.linear(hidden)
 
 
-def _gemma2():
-    return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**_TINY))  # final_logit_softcapping 30.0
-
-
 def _cohere():
     return transformers.CohereForCausalLM(transformers.CohereConfig(**{k: v for k, v in _TINY.items()
                                                                        if k != "head_dim"}))  # logit_scale 0.0625
@@ -677,7 +673,6 @@ def _qwen3_head_with_bias():
 
 
 @pytest.mark.parametrize("build, error, class_name, says", [
-    (_gemma2, ValueError, "Gemma2ForCausalLM", "config.final_logit_softcapping=30.0"),
     (_cohere, ValueError, "CohereForCausalLM", "logit_scale=0.0625"),
     (_granite, ValueError, "GraniteForCausalLM", "logits_scaling=4.0"),
     (_qwen3_softcapped, ValueError, "Qwen3ForCausalLM", "final_logit_softcapping=30.0"),
@@ -685,7 +680,7 @@ def _qwen3_head_with_bias():
     (_qwen3_scaled_head, TypeError, "Qwen3ForCausalLM", "_ScaledHead, not an nn.Linear"),
     (_qwen3_head_with_bias, ValueError, "Qwen3ForCausalLM", "has a bias"),
     (_qwen3_float64, TypeError, "Qwen3ForCausalLM", "is in torch.float64"),
-], ids=["gemma2_softcap", "cohere_logit_scale", "granite_logits_scaling", "config_softcap", "base_model_only",
+], ids=["cohere_logit_scale", "granite_logits_scaling", "config_softcap", "base_model_only",
         "head_not_linear", "head_with_bias", "float64"])
 def test_models_it_cannot_serve(build, error, class_name, says):
     """Refused with an error naming the model class and what it does, before the model runs."""

@@ -10,6 +10,8 @@ Suites:
   lm_head_exact SGLang's order: H in (1024, 4096), T in (8192, 32768), TP = 1: the GEMMs, the fused head and token
                 loss beside their reduction_order="sglang" forms and the sglang-order logits path (with and without
                 the token loss)
+  lm_head_transforms  T in (8192, 32768), H = 4096, TP = 1: fused and token_loss plain, with a per-row temperature
+                and with a softcap (logits.TRANSFORM_*)
   lm_head_seq   the sequence schedule: T in (8192, 32768), H = 4096, TP = 1: the GEMMs, the PPO token loss, GSPO
                 through the token loss without and with a token-level rollout correction (TIS)
 
@@ -24,6 +26,8 @@ Providers (forward + backward with upstream gradients for the log-prob and, wher
   fused_keep / token_loss_keep  fused / token_loss with a 64-id nucleus per row as the sparse keep set
   token_loss_gspo / token_loss_gspo_tis  ppo_ops.linear_token_loss with sequence_losses.gspo_loss (the sequence
             schedule) over packed sequences of GSPO_SEQ_ROWS rows, without / with rollout_correction="token_tis"
+  fused_temp_rows / fused_softcap / token_loss_temp_rows / token_loss_softcap  fused / token_loss with a [T]
+            temperature or Gemma 2's softcap (not checked against float64 here: tests/test_logit_transforms.py)
   exact / exact_token_loss  fused / token_loss with reduction_order="sglang": bit for bit SGLang's on-policy head
   sglang_logits / sglang_logits_loss  the sglang-order logits path: bf16 logits from SGLang's batch-invariant matmul
             (ppo_ops' reproduction of it, lm_head/sglang_matmul.py: its bits and its config), then
@@ -51,6 +55,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from tools.bench import logits as logits_family
 from tools.bench.common import (QWEN3_VOCAB, Case, Closure, Provider, first_import_problem, keep_missing, nucleus,
                                 registry)
 
@@ -61,7 +66,9 @@ TOKENS = (8192, 32768)
 PROVIDERS_ORDER = ("gemms", "gemm1", "unfused", "fused", "fused_novalidate", "fused_nograd", "token_loss",
                    "token_loss_novalidate", "token_loss_lean", "liger", "liger_flsce", "liger_flsce_nograd", "cce",
                    "cce_exact", "verl", "fused_keep", "token_loss_keep", "exact", "exact_token_loss",
-                   "sglang_logits", "sglang_logits_loss", "token_loss_gspo", "token_loss_gspo_tis")
+                   "sglang_logits", "sglang_logits_loss", "token_loss_gspo", "token_loss_gspo_tis", "fused_temp_rows",
+                   "fused_softcap", "token_loss_temp_rows", "token_loss_softcap")
+TRANSFORMS = ("_temp_rows", "_softcap")  # suffixes of the providers with a per-row temperature or a softcap
 PEERS = ("liger", "liger_flsce", "liger_flsce_nograd", "cce", "cce_exact", "verl")  # other projects' kernels
 ONE_GEMM = ("fused_nograd", "liger_flsce_nograd")  # forward only: set against one GEMM
 CHECK_ROWS = 64  # rows compared with float64: a [64, V] float64 block is 78 MB
@@ -91,6 +98,8 @@ SUITES = dict(
     lm_head_small=lambda: [case(p, T, H=SMALL_HIDDEN) for T in TOKENS
                            for p in ("gemms", "unfused", "fused", "fused_nograd", "token_loss", "token_loss_lean")],
     lm_head_keep=lambda: [case(p, 8192) for p in ("fused", "fused_keep", "token_loss", "token_loss_keep")],
+    lm_head_transforms=lambda: [case(p + t, T) for T in TOKENS for p in ("fused", "token_loss")
+                                for t in ("",) + TRANSFORMS],
     lm_head_seq=lambda: [case(p, T) for T in TOKENS
                          for p in ("gemms", "token_loss", "token_loss_gspo", "token_loss_gspo_tis")],
     lm_head_exact=lambda: [case(p, T, H=H) for H in (SMALL_HIDDEN, HIDDEN) for T in TOKENS
@@ -103,7 +112,8 @@ def SMOKE() -> list[Case]:
     """Tiny (T = 16, H = 64, V = 256): the GEMMs, each of ppo_ops' paths once, a peer (skipped off CUDA); the TP = 2
     cases run under --tp=2."""
     return ([case(p, 16, H=64, V=256) for p in ("gemms", "gemm1", "unfused", "fused", "fused_nograd", "token_loss",
-                                                  "exact", "sglang_logits", "liger_flsce")]
+                                                  "exact", "sglang_logits", "liger_flsce", "fused_temp_rows",
+                                                  "token_loss_softcap")]
             + [case(p, 16, H=64, V=256, tp=2) for p in ("gemms", "fused")])
 
 
@@ -121,6 +131,9 @@ def baselines(c: Case) -> tuple[list[dict], Optional[dict]]:
         out.append(dict(provider="unfused"))
     if c.provider.endswith("_keep"):
         out.append(dict(provider=c.provider.removesuffix("_keep")))
+    for suffix in TRANSFORMS:  # the same call without the transform
+        if c.provider.endswith(suffix):
+            out.append(dict(provider=c.provider.removesuffix(suffix)))
     if c.provider in EXACT_BASELINES:  # the exact head beside the logits path it replaces and the fused head
         out += [dict(provider=p) for p in EXACT_BASELINES[c.provider]]
     if c.tp > 1:
@@ -253,6 +266,10 @@ def build_ppo_ops(c: Case, inp: HeadInputs) -> Closure:
         return _sglang_logits_path(c, inp, options)
     if c.provider.endswith("_keep"):
         options["keep"] = nucleus(inp.tokens, c.V, seed=17)
+    if c.provider.endswith("_temp_rows"):
+        options["temperature"] = logits_family.per_row_temperatures(c.T, inp.hidden.device)
+    if c.provider.endswith("_softcap"):
+        options["softcap"] = logits_family.TRANSFORM_SOFTCAP
     if c.provider.startswith("token_loss_gspo"):
         loss_closure = inp.gspo_loss(tis=c.provider.endswith("_tis"))
     elif c.provider.startswith(("token_loss", "exact_token_loss")):
@@ -296,8 +313,10 @@ def build_ppo_ops(c: Case, inp: HeadInputs) -> Closure:
         x, w = inp.leaves()
         return step(x, w, [x, w])
 
-    # no float64 check for a keep set, nor for GSPO (the check's 64 rows do not hold whole sequences)
-    return _closure(timed, None if c.provider.endswith("_keep") or "gspo" in c.provider else values)
+    # no float64 check for a keep set, nor for GSPO (the check's 64 rows do not hold whole sequences), nor for a
+    # transform (the check's reference has none)
+    unchecked = c.provider.endswith(("_keep",) + TRANSFORMS) or "gspo" in c.provider
+    return _closure(timed, None if unchecked else values)
 
 
 def _sglang_logits_path(c: Case, inp: HeadInputs, options: dict) -> Closure:

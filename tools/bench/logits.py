@@ -14,11 +14,14 @@ Suites (most important first, so that a run stopped by its time budget has measu
             mode="reduce-overhead" (CUDA graphs); floor_*: the same modes of an op doing one kernel each way
   keep_set  the triton provider without a keep set, with a 64-id sparse one per row, and with the dense mask built
             from it in the step
+  transforms  the triton provider, with a per-row [T] temperature, and with Gemma 2's softcap (T = 8192 and 32768)
 
 Providers:
   triton / torch  ppo_ops.log_probs_and_entropy(backend=...), with the case's validate / inplace_grad
   triton_sglang  the triton provider with reduction_order="sglang"
   triton_keep_sparse / triton_keep_dense  the keep_set suite's ways (not checked: the tests check the keep set)
+  triton_temp_rows / triton_softcap  the triton provider with a [T] temperature (TRANSFORM_TEMPERATURES, one value per
+          TRANSFORM_SEQ_ROWS rows) / softcap=TRANSFORM_SOFTCAP (not checked: tests/test_logit_transforms.py checks them)
   eager, eager_own_path, compiled, reduce_overhead, floor_eager, floor_compiled, floor_reduce_overhead  small_call
   sglang  SGLang's batch-invariant log_softmax of logits.float() + gather (TP=1, log-prob only); FORWARD ONLY: its
           kernel has no backward, so its step is the forward (its bytes still count a backward: read its ms)
@@ -60,7 +63,8 @@ TOKENS = (4096, 8192, 16384)
 DTYPES = ("bf16", "fp32")
 ENTROPY_MODES = ("none", "value", "grad")
 ROW_FRACTION = 0.1  # the row-mask cases keep 10% of the rows
-PPO_OPS = ("triton", "torch", "triton_sglang", "triton_keep_sparse", "triton_keep_dense")  # have validate, inplace
+PPO_OPS = ("triton", "torch", "triton_sglang", "triton_keep_sparse", "triton_keep_dense", "triton_temp_rows",
+           "triton_softcap")  # have validate, inplace
 BASELINES = ("triton", "torch", "legacy", "naive", "liger")
 SMALL_CALL = ("eager", "eager_own_path", "compiled", "reduce_overhead", "floor_eager", "floor_compiled",
               "floor_reduce_overhead")
@@ -68,6 +72,11 @@ LOGIT_STD = 2.0  # spread of the random logits
 KEEP_FRACTION = 0.5  # density of the random keep mask
 IGNORED_TOKEN = -100  # token id of rows dropped by the row mask (prompt rows)
 CHECK_RTOL = 1e-2  # semantic check (see the module docstring)
+# The transforms suite: sampling temperatures that vary by sequence (verl's per-sample temperature), one per
+# TRANSFORM_SEQ_ROWS rows, and Gemma 2's final_logit_softcapping.
+TRANSFORM_TEMPERATURES = (0.6, 0.8, 1.0, 1.2)
+TRANSFORM_SEQ_ROWS = 1024
+TRANSFORM_SOFTCAP = 30.0
 COMPILE_WARMUP_CALLS = 3  # a compiled case's untimed steps in its build: compile, CUDA graph warm-up, record, replay
 
 
@@ -164,8 +173,12 @@ def _smoke() -> list[Case]:
     return out + [case(p, keep_mask=k, tp=2, **s) for k in (False, True) for p in ("torch", "legacy", "naive")]
 
 
+def _transforms() -> list[Case]:
+    return [case(p, T=T) for T in (8192, 32768) for p in ("triton", "triton_temp_rows", "triton_softcap")]
+
+
 SUITES = dict(headline=_headline, tp_ref=_tp_ref, sweep=_sweep, options=_options, grid=_grid, tp2=_tp2,
-              sglang_order=_sglang_order, small_call=_small_call, keep_set=_keep_set)
+              sglang_order=_sglang_order, small_call=_small_call, keep_set=_keep_set, transforms=_transforms)
 SMOKE = _smoke
 
 
@@ -178,7 +191,7 @@ def baselines(c: Case) -> tuple[list[dict], Optional[dict]]:
     out = []
     if c.tp > 1:
         out.append(dict(tp=1, V=c.V // c.tp))  # the same call on a TP = 1 shape of the rank's local size
-    if c.provider.startswith(("triton_keep", "triton_sglang")):
+    if c.provider.startswith(("triton_keep", "triton_sglang", "triton_temp", "triton_softcap")):
         out.append(dict(provider="triton"))
     elif c.provider == "eager":
         out.append(dict(provider="eager_own_path"))
@@ -302,6 +315,10 @@ def build_ppo_ops(c: Case, inp: Inputs) -> Closure:
                   inplace_grad=c.inplace_grad)
     if c.provider == "triton_sglang":
         kwargs["reduction_order"] = "sglang"
+    if c.provider == "triton_temp_rows":
+        kwargs["temperature"] = per_row_temperatures(c.T, inp.logits.device)
+    if c.provider == "triton_softcap":
+        kwargs["softcap"] = TRANSFORM_SOFTCAP
     keep = nucleus(inp.tokens, c.V, seed=17) if c.provider.startswith("triton_keep") else None
 
     def call(logits):
@@ -314,7 +331,7 @@ def build_ppo_ops(c: Case, inp: Inputs) -> Closure:
         return out.log_probs, out.entropy
 
     closure = _closure(c, inp, call)
-    if keep is not None:
+    if keep is not None or c.provider in ("triton_temp_rows", "triton_softcap"):
         closure.forward = None
     if c.inplace_grad:  # the backward overwrites the logits with their gradient: a fresh copy each step (untimed)
         work = torch.empty_like(inp.logits).requires_grad_(True)
@@ -326,6 +343,13 @@ def build_ppo_ops(c: Case, inp: Inputs) -> Closure:
 
         closure.prepare = prepare
     return closure
+
+
+def per_row_temperatures(n_rows: int, device: torch.device) -> torch.Tensor:
+    """[n_rows] float32: TRANSFORM_TEMPERATURES in turn, one per TRANSFORM_SEQ_ROWS rows."""
+    values = torch.tensor(TRANSFORM_TEMPERATURES, dtype=torch.float32)
+    index = (torch.arange(n_rows) // TRANSFORM_SEQ_ROWS) % len(TRANSFORM_TEMPERATURES)
+    return values[index].to(device)
 
 
 def _unsupported_ppo_ops(c: Case, device: torch.device) -> Optional[str]:
