@@ -23,7 +23,8 @@ SHARDED_TESTS = 5  # odd, so the two shards differ in size
 @pytest.fixture
 def session(pytester, monkeypatch):
     """A pytester folder with our conftest and none of the Bazel test environment that would mask its defaults."""
-    for var in ("TRITON_INTERPRET", "TEST_TOTAL_SHARDS", "TEST_SHARD_INDEX", "PPO_OPS_GPUS", "PPO_OPS_RANKS_ABOVE"):
+    for var in ("TRITON_INTERPRET", "TORCHINDUCTOR_COMPILE_THREADS", "TEST_TOTAL_SHARDS", "TEST_SHARD_INDEX",
+                "PPO_OPS_GPUS", "PPO_OPS_RANKS_ABOVE"):
         monkeypatch.delenv(var, raising=False)
     pytester.makeconftest(CONFTEST.read_text())
     return pytester
@@ -42,6 +43,7 @@ def test_cpu_files_get_the_triton_interpreter(session):
         import os
         def test_env():
             assert os.environ["TRITON_INTERPRET"] == "1"
+            assert os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
             assert os.environ["TORCHDYNAMO_DISABLE"] == "1"
     """)
     # A fresh process: the defaults as a new plain-pytest run gets them, not this process's environment.

@@ -54,6 +54,9 @@ _COMMON_ENV = {
 CPU_TEST_ENV = dict(_COMMON_ENV, **{
     # Triton kernels are tested on CPU tensors under the interpreter (must be set before triton is imported).
     "TRITON_INTERPRET": "1",
+    # Inductor compiles in the process that compiles: its default pool of compile workers would each start and import
+    # torch, more CPU than the small kernels the tests compile.
+    "TORCHINDUCTOR_COMPILE_THREADS": "1",
     # megatron-core's jit_fuser is torch.compile: same results without it, and no 15 s compile per process.
     "TORCHDYNAMO_DISABLE": "1",
     # One intra-op thread per test: Bazel already runs one test per core (--local_test_jobs), and multi-rank tests
