@@ -3,8 +3,9 @@
 - Import paths: pytest.ini puts the repository root on sys.path (`pythonpath = .`); this file does too, for a run
   whose ini file is not ours, so `ppo_ops`, `sglang_checks` and `tests.*` import without installing anything.
 - Environment defaults: the values tools/pytest.bzl gives CPU tests, applied only where the variable is unset, so a
-  plain pytest run on a CPU machine behaves as the Bazel one. TRITON_INTERPRET=1 is set only where no GPU is
-  visible: a plain run on a GPU machine runs compiled kernels on CUDA, as the `_gpu` Bazel targets do.
+  plain pytest run on a CPU machine behaves as the Bazel one. TRITON_INTERPRET=1 and TORCHINDUCTOR_COMPILE_THREADS=1
+  are set only where no GPU is visible: a plain run on a GPU machine runs compiled kernels on CUDA, as the `_gpu`
+  Bazel targets do.
 - Ranks per case: a test that needs n ranks is marked `world_size(n)` (tests/ranks.py). A GPU target
   ($PPO_OPS_GPUS GPUs, tools/pytest.bzl) deselects the cases that need more ranks than it has GPUs (they run in
   its wider `_gpuN` targets, which keep only those, and on CPU over gloo) and says so in its summary; plain pytest
@@ -41,6 +42,14 @@ _COMMON_DEFAULTS = {
     "PPO_OPS_TEST_SEED": str(DEFAULT_SEED),
 }
 
+# Defaults of a plain-pytest run where no GPU is visible; tools/pytest.bzl sets the same values for CPU targets.
+_CPU_DEFAULTS = {
+    "TRITON_INTERPRET": "1",  # Triton reads it when a kernel is decorated
+    # Inductor compiles in the process that compiles (spawned ranks inherit it): a pool of compile workers would each
+    # start and import torch, more CPU than the small kernels the tests compile. Read as inductor's config is imported.
+    "TORCHINDUCTOR_COMPILE_THREADS": "1",
+}
+
 
 class _PathImportedModule(pytest.Module):
     """A test file whose name has a '.' (test_qwen3_0.6B_...): the default import mode would read the dot as a
@@ -66,9 +75,10 @@ def pytest_configure(config):
         os.environ.setdefault(name, value)
     config.addinivalue_line("markers", "world_size(n): the case runs on n ranks (tests/ranks.py)")
     config.addinivalue_line("markers", 'device(name): runs only where tests/ranks.py\'s DEVICE is "cpu" or "cuda"')
-    # Before any test module (and so any Triton kernel) is imported: Triton reads it when a kernel is decorated.
-    if "TRITON_INTERPRET" not in os.environ and not _gpu_visible():
-        os.environ["TRITON_INTERPRET"] = "1"
+    # Before any test module is imported (the values are read at import); torch only where one is unset.
+    if any(name not in os.environ for name in _CPU_DEFAULTS) and not _gpu_visible():
+        for name, value in _CPU_DEFAULTS.items():
+            os.environ.setdefault(name, value)
 
 
 def _gpu_visible() -> bool:

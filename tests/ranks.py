@@ -3,9 +3,11 @@ rank leaves: ppo_ops/runtime/ranks.py, shared with the check and the bench).
 
 - `DEVICE`: cuda when a GPU is visible (GPU targets, or plain pytest on a GPU machine), else cpu. CPU Bazel targets
   hide GPUs (CUDA_VISIBLE_DEVICES=""), so a file runs on the CPU there and on the GPU in its `_gpu` target.
-- `run_ranks(world_size, worker, *args)`: spawns `world_size` processes joined in a process group on loopback and
+- `run_ranks(world_size, worker, *args)`: starts `world_size` processes joined in a process group on loopback and
   runs `worker(rank, world_size, *args)` on each: NCCL with rank r on cuda:r when DEVICE is cuda, else gloo. A rank
-  that raises fails the caller with its traceback; a rank stuck in a collective fails after RANK_TIMEOUT.
+  that raises fails the caller with its traceback; a rank stuck in a collective fails after RANK_TIMEOUT. With CUDA
+  the ranks are spawned; on CPU they fork from a server process that imported torch once (START_METHOD), each with
+  the caller's environment at the call.
 - `run_gloo`: the same on gloo and CPU tensors, wherever the test runs (checks of the CPU path itself).
 - `one_gpu=True` (run_ranks, results_by_tp): gloo ranks that all compute on cuda:0, so a one-GPU runner checks TP > 1
   of the compiled kernels (gloo carries the CUDA tensors' collectives through host memory: NCCL itself is not
@@ -18,6 +20,7 @@ rank leaves: ppo_ops/runtime/ranks.py, shared with the check and the bench).
 
 import dataclasses
 import datetime
+import multiprocessing
 import os
 import time
 from typing import Callable, Optional
@@ -32,6 +35,12 @@ from ppo_ops.runtime import ranks as runtime_ranks
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DIST_BACKEND = "nccl" if DEVICE.type == "cuda" else "gloo"
 RANK_TIMEOUT = datetime.timedelta(seconds=120)  # a rank stuck in a collective fails the test instead of hanging CI
+# How ranks start: with CUDA, spawned (a fresh interpreter each); on CPU, forked from a server process that has
+# imported torch once, as a spawned rank would import it again (a second or more of CPU per rank, on 2 cores). Each
+# rank still gets the caller's environment as it is at the call (_Group.environ), as a spawned one does.
+START_METHOD = "spawn" if DEVICE.type == "cuda" else "forkserver"
+if START_METHOD == "forkserver":
+    multiprocessing.set_forkserver_preload(["torch"])
 
 
 def rank_device(rank: int, backend: str = DIST_BACKEND, one_gpu: bool = False) -> torch.device:
@@ -52,9 +61,12 @@ class _Group:
     timeout_s: Optional[float]  # the group's collective timeout (None: RANK_TIMEOUT)
     worker: Callable  # worker(rank, world_size, *args)
     args: tuple
+    environ: dict  # the caller's environment at the call: the rank's (a forked rank starts with the server's)
 
 
 def _entry(rank: int, group: _Group):
+    os.environ.clear()
+    os.environ.update(group.environ)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     if group.backend == "nccl" or group.one_gpu:
@@ -82,11 +94,12 @@ def run_ranks(world_size: int, worker, *args, backend: str = DIST_BACKEND, one_g
     if one_gpu and (backend != "gloo" or not torch.cuda.is_available()):
         raise RuntimeError(f"one_gpu: gloo ranks on a visible GPU, got backend {backend!r}, "
                            f"{torch.cuda.device_count()} GPU(s) visible")
-    spawn_args = (_Group(world_size, runtime_ranks.free_port(), backend, one_gpu, timeout_s, worker, args),)
+    spawn_args = (_Group(world_size, runtime_ranks.free_port(), backend, one_gpu, timeout_s, worker, args,
+                         dict(os.environ)),)
     if deadline_s is None:
-        mp.spawn(_entry, args=spawn_args, nprocs=world_size, join=True)
+        mp.start_processes(_entry, args=spawn_args, nprocs=world_size, join=True, start_method=START_METHOD)
         return
-    context = mp.spawn(_entry, args=spawn_args, nprocs=world_size, join=False)
+    context = mp.start_processes(_entry, args=spawn_args, nprocs=world_size, join=False, start_method=START_METHOD)
     end = time.monotonic() + deadline_s
     while not context.join(timeout=max(0.0, end - time.monotonic())):
         if time.monotonic() >= end:

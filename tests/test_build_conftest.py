@@ -1,7 +1,8 @@
 """The build's own test: what tests/conftest.py gives every test file, under Bazel and plain pytest alike.
 
-Runs small pytest sessions in a subprocess (pytester) with a copy of tests/conftest.py, so each check sees the
-environment a fresh plain-pytest run would.
+Runs small pytest sessions (pytester) with a copy of tests/conftest.py and none of the variables it reads, so each
+check sees what a fresh plain-pytest run would. The sessions run in this process (a pytest session is milliseconds,
+a fresh interpreter importing torch seconds), except the one that checks the environment a new process is given.
 """
 
 import os
@@ -22,7 +23,8 @@ SHARDED_TESTS = 5  # odd, so the two shards differ in size
 @pytest.fixture
 def session(pytester, monkeypatch):
     """A pytester folder with our conftest and none of the Bazel test environment that would mask its defaults."""
-    for var in ("TRITON_INTERPRET", "TEST_TOTAL_SHARDS", "TEST_SHARD_INDEX", "PPO_OPS_GPUS", "PPO_OPS_RANKS_ABOVE"):
+    for var in ("TRITON_INTERPRET", "TORCHINDUCTOR_COMPILE_THREADS", "TEST_TOTAL_SHARDS", "TEST_SHARD_INDEX",
+                "PPO_OPS_GPUS", "PPO_OPS_RANKS_ABOVE"):
         monkeypatch.delenv(var, raising=False)
     pytester.makeconftest(CONFTEST.read_text())
     return pytester
@@ -41,8 +43,10 @@ def test_cpu_files_get_the_triton_interpreter(session):
         import os
         def test_env():
             assert os.environ["TRITON_INTERPRET"] == "1"
+            assert os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
             assert os.environ["TORCHDYNAMO_DISABLE"] == "1"
     """)
+    # A fresh process: the defaults as a new plain-pytest run gets them, not this process's environment.
     session.runpytest_subprocess("test_cpu.py", "-p", "no:cacheprovider").assert_outcomes(passed=1)
 
 
@@ -64,7 +68,7 @@ def test_a_gpu_target_runs_exactly_the_cases_its_gpus_hold(session, monkeypatch,
     if above:
         monkeypatch.setenv("PPO_OPS_RANKS_ABOVE", above)
     session.makepyfile(test_ranks=_RANKS_FILE)
-    result = session.runpytest_subprocess("test_ranks.py", "-p", "no:cacheprovider", "-v")
+    result = session.runpytest_inprocess("test_ranks.py", "-p", "no:cacheprovider", "-v")
     result.assert_outcomes(passed=len(ran), deselected=4 - len(ran))
     assert {line.split("[")[1].split("]")[0] for line in result.outlines if "PASSED" in line} == ran
     assert any("deselected: this target declares" in line for line in result.outlines)
@@ -72,7 +76,7 @@ def test_a_gpu_target_runs_exactly_the_cases_its_gpus_hold(session, monkeypatch,
 
 def test_cpu_targets_run_every_rank_count_over_gloo(session):
     session.makepyfile(test_ranks=_RANKS_FILE)
-    session.runpytest_subprocess("test_ranks.py", "-p", "no:cacheprovider").assert_outcomes(passed=4)
+    session.runpytest_inprocess("test_ranks.py", "-p", "no:cacheprovider").assert_outcomes(passed=4)
 
 
 def test_device_marked_cases_run_only_on_their_device(session):
@@ -87,7 +91,7 @@ def test_device_marked_cases_run_only_on_their_device(session):
         def test_any(): pass
         def test_unmarked(): pass
     """)
-    result = session.runpytest_subprocess("test_devices.py", "-p", "no:cacheprovider")
+    result = session.runpytest_inprocess("test_devices.py", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=3, deselected=1)
     assert any("written for CUDA" in line for line in result.outlines)
 
@@ -97,7 +101,7 @@ def test_shards_split_the_tests_without_overlap(session):
     ran = []
     for index in range(2):
         os.environ.update(TEST_TOTAL_SHARDS="2", TEST_SHARD_INDEX=str(index))  # undone by the fixture's monkeypatch
-        result = session.runpytest_subprocess("test_many.py", "-p", "no:cacheprovider", "-v")
+        result = session.runpytest_inprocess("test_many.py", "-p", "no:cacheprovider", "-v")
         ran.append({line.split("::")[1].split()[0] for line in result.outlines
                     if "::test_" in line and "PASSED" in line})
     assert ran[0].isdisjoint(ran[1])

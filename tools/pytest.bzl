@@ -41,15 +41,22 @@ _SGLANG_DATA = [
     "@ppo_sglang_python//:sglang_python.txt",
 ]
 
-# Read by tests/conftest.py to seed torch, numpy and random before every test.
-_SEED_ENV = {
-    "PPO_OPS_TEST_SEED": "0",
+# Every test, CPU and GPU.
+_COMMON_ENV = {
+    "PPO_OPS_TEST_SEED": "0",  # read by tests/conftest.py to seed torch, numpy and random before every test
     "PYTHONHASHSEED": "0",  # stable str hashing, so set/dict iteration order is the same run to run
+    # No pytest plugins from installed packages' entry points (hypothesis', anyio's): no test uses one, and pytest
+    # rewrites the asserts of every module of such a package as it is imported, in every test process (about a second
+    # of CPU each: the rewritten bytecode cannot be cached in the venv from inside the sandbox).
+    "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
 }
 
-CPU_TEST_ENV = dict(_SEED_ENV, **{
+CPU_TEST_ENV = dict(_COMMON_ENV, **{
     # Triton kernels are tested on CPU tensors under the interpreter (must be set before triton is imported).
     "TRITON_INTERPRET": "1",
+    # Inductor compiles in the process that compiles: its default pool of compile workers would each start and import
+    # torch, more CPU than the small kernels the tests compile.
+    "TORCHINDUCTOR_COMPILE_THREADS": "1",
     # megatron-core's jit_fuser is torch.compile: same results without it, and no 15 s compile per process.
     "TORCHDYNAMO_DISABLE": "1",
     # One intra-op thread per test: Bazel already runs one test per core (--local_test_jobs), and multi-rank tests
@@ -62,7 +69,7 @@ CPU_TEST_ENV = dict(_SEED_ENV, **{
     "CUDA_VISIBLE_DEVICES": "",
 })
 
-GPU_TEST_ENV = dict(_SEED_ENV, **{
+GPU_TEST_ENV = dict(_COMMON_ENV, **{
     # Compiled Triton kernels on the GPU (tests/conftest.py would otherwise default a plain run to the interpreter).
     "TRITON_INTERPRET": "0",
     # Deterministic cuBLAS (needed by torch.use_deterministic_algorithms for matmuls).
