@@ -42,6 +42,7 @@ test_linear_log_probs_gpu4 4
 test_linear_token_loss_gpu 1
 test_linear_token_loss_gpu2 2
 test_linear_token_loss_gpu4 4
+test_logit_transforms_gpu 1
 test_logits_replay_gpu 1
 test_megatron_gpu 1
 test_megatron_gpu2 2
