@@ -230,6 +230,9 @@ def _tp_worker(rank, world_size, out_dir):
     results["head"] = _head_run("linear", hidden, weight[rank * rows:(rank + 1) * rows], head_tokens, g_lp, g_ent,
                                 tp_group=group, backend="torch", temperature=head_temperature,
                                 softcap=HEAD_SOFTCAP)
+    results["token_loss"] = _head_run("token_loss", hidden, weight[rank * rows:(rank + 1) * rows], head_tokens, g_lp,
+                                      g_ent, tp_group=group, backend="torch", temperature=head_temperature,
+                                      softcap=HEAD_SOFTCAP)
     # A rank whose temperatures differ: every rank raises, naming temperature.
     other = temperature.clone()
     if rank == 1:
@@ -265,6 +268,13 @@ def test_tp2_gloo_equals_tp1(tmp_path):
     rows = HEAD_VOCAB // 2
     for r, result in enumerate(ranks):
         rank_lp, rank_ent, _, rank_dw = result["head"]
+        assert torch.equal(rank_lp, log_probs) and torch.equal(rank_ent, entropy)
+        assert torch.equal(rank_dw, dw[r * rows:(r + 1) * rows])
+    # The token loss: its values and dW shards those of TP = 1 too (the same segments at every TP size).
+    log_probs, entropy, _, dw = _head_run("token_loss", hidden, weight, head_tokens, g_lp, g_ent, backend="torch",
+                                          temperature=head_temperature, softcap=HEAD_SOFTCAP)
+    for r, result in enumerate(ranks):
+        rank_lp, rank_ent, _, rank_dw = result["token_loss"]
         assert torch.equal(rank_lp, log_probs) and torch.equal(rank_ent, entropy)
         assert torch.equal(rank_dw, dw[r * rows:(r + 1) * rows])
     for result in ranks:
