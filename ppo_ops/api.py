@@ -18,6 +18,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from ppo_ops.compiled import common as compiled_common
 from ppo_ops.compiled import linear_op, logits_op, token_loss_op
 from ppo_ops.core import agreement, checks, shell
 from ppo_ops.lm_head.function import LinearLogProbEntropyFunction
@@ -94,9 +95,9 @@ def log_probs_and_entropy(
                    row_mask=row_mask, vocab_size=vocab_size, chunk_size=chunk_size, backend=backend,
                    validate=validate, reduction_order=reduction_order)
     if softcap is not None or checks.is_row_temperature(temperature):
-        # The custom operators and the replayed launches take a scalar temperature and no softcap; the shell checks
-        # the rest.
-        _refuse_compiled_transform("log_probs_and_entropy", temperature, softcap)
+        # Not replayed (the replayed launches take a scalar temperature and no softcap); the shell checks the rest.
+        if torch.compiler.is_compiling():
+            return LogProbsEntropy(*logits_op.log_probs_and_entropy(logits, tokens, softcap=softcap, **options))
         return _log_probs_eager(logits, tokens, inplace_grad=inplace_grad, softcap=softcap, **options)
     if reduction_order == "sglang":
         temperature, inv_temperature, _, _ = checks.check_options(
@@ -399,22 +400,22 @@ def _token_loss_eager(hidden, weight, tokens, token_loss, *, tp_group, entropy, 
 
 
 def _refuse_compiled_transform(fn_name: str, temperature, softcap) -> None:
-    """The custom operators (ppo_ops/compiled/) take a scalar temperature and no softcap."""
+    """The LM head's custom operators (ppo_ops/compiled/) take a scalar temperature and no softcap."""
     if not torch.compiler.is_compiling():
         return
     for name, given in (("temperature", checks.is_row_temperature(temperature)), ("softcap", softcap is not None)):
-        if given:
-            raise checks.argument_error(
+        if given:  # compile_error: dynamo cannot set the attribute argument_error adds on an exception it traces
+            raise compiled_common.compile_error(
                 ValueError, fn_name, name,
                 f"{'a per-row temperature' if name == 'temperature' else 'softcap'} is not available inside "
-                "torch.compile (the custom operator takes a scalar temperature and no softcap): call the op outside "
-                "the compiled region, or under torch.compiler.disable")
+                "torch.compile (the LM head's custom operators take a scalar temperature and no softcap): call the "
+                "op outside the compiled region, or under torch.compiler.disable")
 
 
 def _refuse_compiled_order(fn_name: str, reduction_order) -> None:
     """The LM head's custom operators (ppo_ops/compiled/) take the fused order only."""
     if reduction_order != "fused":
-        raise checks.argument_error(
+        raise compiled_common.compile_error(
             ValueError, fn_name, "reduction_order",
             f"reduction_order={reduction_order!r} is not available inside torch.compile (the LM head's custom operator "
             "takes the fused order only): call the op outside the compiled region, or under "

@@ -101,6 +101,7 @@ LOGITS_CASES = {
     "validate": dict(entropy="grad", validate=True),
     "bf16": dict(entropy="grad", dtype=torch.bfloat16),
     "sglang_order": dict(entropy="grad", reduction_order="sglang"),
+    "temperature_rows_softcap": dict(entropy="grad", temperature_rows=True, softcap=4.0),
 }
 
 
@@ -113,6 +114,9 @@ def _logits_call(case, lead=LEAD, seed=0):
     n = t.numel()
     if opts.pop("row_mask", False):
         opts["row_mask"] = (torch.arange(n, device=DEVICE) % 3 != 1).reshape(lead)
+    if opts.pop("temperature_rows", False):  # a sequence's own temperature per row, in [0.6, 1.4]
+        opts["temperature"] = (0.6 + 0.8 * torch.rand(lead, generator=torch.Generator().manual_seed(seed + 3))).to(
+            DEVICE)
     if opts.pop("keep_mask", False):
         opts["keep_mask"] = make_keep_mask(lead + (V,), t.cpu()).to(DEVICE)
     if opts.pop("keep", False):
@@ -145,8 +149,12 @@ def test_logits_operators_opcheck(case, layout):
         x = x.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()
         assert not x.is_contiguous()
     ids, offsets = opts.get("keep") or (None, None)
-    args = (x, t, opts.get("keep_mask"), opts.get("row_mask"), ids, offsets, "", opts["entropy"],
-            float(opts.get("temperature", 1.0)), opts.get("vocab_size"), None, "auto", opts["validate"], "fused")
+    # the case's per-row temperature and softcap where it has them (a tensor argument, an optional float)
+    temperature = opts.get("temperature", 1.0)
+    rows = temperature if isinstance(temperature, torch.Tensor) else None
+    args = (x, t, opts.get("keep_mask"), opts.get("row_mask"), ids, offsets, rows, "", opts["entropy"],
+            1.0 if rows is not None else float(temperature), opts.get("softcap"), opts.get("vocab_size"), None,
+            "auto", opts["validate"], "fused")
     op = logits_op.forward_op.syncing if opts["validate"] else logits_op.forward_op.plain
     torch.library.opcheck(op, args)
     torch.library.opcheck(op, (x.detach(),) + args[1:])  # without a gradient
@@ -154,8 +162,8 @@ def test_logits_operators_opcheck(case, layout):
     grad_lp = torch.randn(t.shape, device=DEVICE)
     grad_ent = torch.randn(t.shape, device=DEVICE) if opts["entropy"] == "grad" else None
     torch.library.opcheck(logits_op._backward_op,
-                          (x.detach(), t, args[2], args[3], ids, offsets, *outs[2:], grad_lp, grad_ent, "",
-                           opts["entropy"], args[8], args[9], None, "auto", "fused"))
+                          (x.detach(), t, args[2], args[3], ids, offsets, rows, *outs[2:], grad_lp, grad_ent, "",
+                           opts["entropy"], args[9], args[10], args[11], None, "auto", "fused"))
 
 
 def test_logits_op_varying_rows_compile_at_most_twice():

@@ -207,6 +207,54 @@ def test_refused_paths_name_the_argument(argument):
         assert info.value.ppo_ops_argument == argument
 
 
+def _compiling(monkeypatch):
+    """A compile backend (AOT autograd, eager kernels) that counts the frames it captures, with dynamo on (the suite's
+    default turns it off: tests/conftest.py)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")
+    torch._dynamo.reset()
+    return CompileCounterWithBackend("aot_eager")
+
+
+def test_logits_op_compiled_equals_eager(monkeypatch):
+    """torch.compile(fullgraph=True) of the logits op with a per-row temperature and a softcap: the custom operator's
+    log-probs, entropies and gradient are eager's bits (the same kernels, reached through the operator)."""
+    counter = _compiling(monkeypatch)
+    logits, tokens = _logits(), _tokens()
+    temperature, (g_lp, g_ent) = _temperatures(), _upstream()
+
+    def forward(x, t, tok):
+        out = log_probs_and_entropy(x, tok, entropy="grad", temperature=t, softcap=SOFTCAP, backend="torch")
+        return out.log_probs, out.entropy
+
+    def results(fn):
+        x = logits.to(DEVICE).requires_grad_()
+        log_probs, entropy = fn(x, temperature.to(DEVICE), tokens.to(DEVICE))
+        (grad,) = torch.autograd.grad((log_probs * g_lp.to(DEVICE)).sum() + (entropy * g_ent.to(DEVICE)).sum(), x)
+        return log_probs, entropy, grad
+
+    eager = results(forward)
+    compiled = results(torch.compile(forward, fullgraph=True, backend=counter))
+    assert counter.frame_count == 1  # traced, not run eagerly
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
+
+
+def test_fused_head_under_compile_refuses_the_transforms(monkeypatch):
+    """The LM head's custom operators take a scalar temperature and no softcap: refused, naming the argument."""
+    counter = _compiling(monkeypatch)
+    hidden = torch.randn(ROWS, 16, device=DEVICE)
+    weight = torch.randn(VOCAB, 16, device=DEVICE)
+    tokens = _tokens().to(DEVICE)
+
+    def call(h, w):
+        return linear_log_probs_and_entropy(h, w, tokens, softcap=SOFTCAP, backend="torch").log_probs
+
+    with pytest.raises(Exception, match="softcap is not available inside torch.compile"):
+        torch.compile(call, fullgraph=True, backend=counter)(hidden, weight)
+
+
 # ---- TP = 2 over gloo ----
 
 def _tp_worker(rank, world_size, out_dir):
