@@ -293,11 +293,9 @@ def linear_log_probs_and_entropy(
     options = dict(tp_group=tp_group, entropy=entropy, keep=keep, temperature=temperature, row_mask=row_mask,
                    vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend, validate=validate,
                    working_memory=working_memory)
-    if softcap is not None or checks.is_row_temperature(temperature):
-        _refuse_compiled_transform("linear_log_probs_and_entropy", temperature, softcap)
-        return _linear_eager(hidden, weight, tokens, reduction_order=reduction_order, softcap=softcap, **options)
     if not torch.compiler.is_compiling():
-        return _linear_eager(hidden, weight, tokens, reduction_order=reduction_order, **options)
+        return _linear_eager(hidden, weight, tokens, reduction_order=reduction_order, softcap=softcap, **options)
+    _refuse_compiled_transform("linear_log_probs_and_entropy", temperature, softcap)
     _refuse_compiled_order("linear_log_probs_and_entropy", reduction_order)
     return LogProbsEntropy(*linear_op.linear_log_probs_and_entropy(hidden, weight, tokens, **options))
 
@@ -369,12 +367,10 @@ def linear_token_loss(
     options = dict(tp_group=tp_group, entropy=entropy, keep=keep, temperature=temperature, row_mask=row_mask,
                    vocab_size=vocab_size, reduce_dx=reduce_dx, backend=backend, validate=validate,
                    working_memory=working_memory)
-    if softcap is not None or checks.is_row_temperature(temperature):
-        _refuse_compiled_transform("linear_token_loss", temperature, softcap)
+    if not torch.compiler.is_compiling():
         return _token_loss_eager(hidden, weight, tokens, token_loss, reduction_order=reduction_order, softcap=softcap,
                                  **options)
-    if not torch.compiler.is_compiling():
-        return _token_loss_eager(hidden, weight, tokens, token_loss, reduction_order=reduction_order, **options)
+    _refuse_compiled_transform("linear_token_loss", temperature, softcap)
     _refuse_compiled_order("linear_token_loss", reduction_order)
     loss, log_prob, ent = token_loss_op.linear_token_loss(hidden, weight, tokens, token_loss, **options)
     return loss, LogProbsEntropy(log_prob, ent)
@@ -401,8 +397,6 @@ def _token_loss_eager(hidden, weight, tokens, token_loss, *, tp_group, entropy, 
 
 def _refuse_compiled_transform(fn_name: str, temperature, softcap) -> None:
     """The LM head's custom operators (ppo_ops/compiled/) take a scalar temperature and no softcap."""
-    if not torch.compiler.is_compiling():
-        return
     for name, given in (("temperature", checks.is_row_temperature(temperature)), ("softcap", softcap is not None)):
         if given:  # compile_error: dynamo cannot set the attribute argument_error adds on an exception it traces
             raise compiled_common.compile_error(

@@ -34,7 +34,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ppo_ops.core.contracts import BackwardStats, ShardOptions, UpstreamGrads
 from ppo_ops.core.triton_common import (bf16_by_bits, grouped_tile, interpreting, options, round_bf16_by_bits,
-                                        row_scale, scaled, store_rounded, tanh, tile_row_scale,
+                                        row_scale, store_rounded, tanh, tile_row_scale,
                                         transform_args, transformed_with_slope)
 from ppo_ops.core.triton_launch import launcher as _launch  # fewer host steps per launch (core/triton_launch.py)
 from ppo_ops.lm_head import gemm_partials
@@ -88,12 +88,7 @@ def gemm_dlogits_kernel(
         rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < num_rows
         inv_t = tile_row_scale(inv_temperature, row_inv_temperature_ptr, rows, row_ok, ROW_SCALE)
-        if ROW_SCALE or SOFTCAP:
-            z, slope = transformed_with_slope(x, inv_t, softcap, inv_softcap, SCALE, SOFTCAP)
-        elif SCALE:
-            z = scaled(x, inv_temperature)
-        else:
-            z = x
+        z, slope = transformed_with_slope(x, inv_t, softcap, inv_softcap, SCALE, SOFTCAP)
         cols = col0 + tl.arange(0, BLOCK_N)
         d = z - tl.load(shift_ptr + rows, mask=row_ok, other=0.0)[:, None]
         p = tl.exp(d - tl.load(log_sum_ptr + rows, mask=row_ok, other=0.0)[:, None])

@@ -49,7 +49,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ppo_ops.core import row_stats
 from ppo_ops.core.contracts import ShardOptions
 from ppo_ops.core.triton_common import (FLT_MAX, empty_row_state, grouped_tile, interpreting, options, row_scale,
-                                        scaled, store_row_partials, tile_row_scale, transform_args, transformed)
+                                        store_row_partials, tile_row_scale, transform_args, transformed)
 from ppo_ops.core.triton_launch import launcher as _launch  # fewer host steps per launch (core/triton_launch.py)
 
 TILE_PARTIALS = 3  # per row and tile: m, Σ e^(z-m), Σ e^(z-m)(z-m)
@@ -169,13 +169,9 @@ def gemm_partials_kernel(
         col0 = seg * seg_len + tile * BLOCK_N  # local column of the tile's first column
         row0 = pid_m * BLOCK_M
         z = logit_tile(x_desc, w_desc, row0, col0, hidden_size, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
-        if ROW_SCALE or SOFTCAP:
-            tile_rows = row0 + tl.arange(0, BLOCK_M)
-            inv_t = tile_row_scale(inv_temperature, row_inv_temperature_ptr, tile_rows, tile_rows < num_rows,
-                                   ROW_SCALE)
-            z = transformed(z, inv_t, softcap, inv_softcap, SCALE, SOFTCAP)
-        elif SCALE:
-            z = scaled(z, inv_temperature)
+        tile_rows = row0 + tl.arange(0, BLOCK_M)
+        inv_t = tile_row_scale(inv_temperature, row_inv_temperature_ptr, tile_rows, tile_rows < num_rows, ROW_SCALE)
+        z = transformed(z, inv_t, softcap, inv_softcap, SCALE, SOFTCAP)
         if (tile * BLOCK_N + BLOCK_N <= seg_len) & (col0 + BLOCK_N <= n_valid):
             # every column real: no masks (the masked form below gives the same bits on such a tile)
             m = tl.max(z, axis=1)
@@ -229,13 +225,8 @@ def target_logit(hidden_ptr, weight_ptr, tokens_ptr, rows, ok, hidden_size, hidd
         w = tl.load(weight_ptr + target.to(tl.int64)[:, None] * weight_stride + cols[None, :], mask=mask, other=0.0)
         acc += x.to(tl.float32) * w.to(tl.float32)
     x = tl.sum(acc, axis=1)
-    if ROW_SCALE or SOFTCAP:
-        inv_t = row_scale(inv_temperature, row_inv_temperature_ptr, rows, ok, ROW_SCALE)
-        z = transformed(x, inv_t, softcap, inv_softcap, SCALE, SOFTCAP)
-    elif SCALE:
-        z = scaled(x, inv_temperature)
-    else:
-        z = x
+    inv_t = row_scale(inv_temperature, row_inv_temperature_ptr, rows, ok, ROW_SCALE)
+    z = transformed(x, inv_t, softcap, inv_softcap, SCALE, SOFTCAP)
     return z, target, here, x
 
 

@@ -39,7 +39,7 @@ import triton.language as tl
 from ppo_ops.core import row_stats
 from ppo_ops.core.checks import argument_error
 from ppo_ops.core.contracts import GradsWanted, HeadRows, LinearSaved, ShardOptions, UpstreamGrads, holds_nothing
-from ppo_ops.core.triton_common import (FLT_MAX, cdiv, empty_row_state, grouped_tile, interpreting, options, scaled,
+from ppo_ops.core.triton_common import (FLT_MAX, cdiv, empty_row_state, grouped_tile, interpreting, options,
                                         store_row_partials, tile_row_scale, transform_args, transformed,
                                         transformed_with_slope)
 from ppo_ops.core.triton_launch import launcher as _launch  # fewer host steps per launch (core/triton_launch.py)
@@ -131,10 +131,7 @@ def forward_partials_kernel(
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < seg_end
         z = _logit_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K)
-        if ROW_SCALE or SOFTCAP:
-            z = transformed(z, inv_t, softcap, inv_softcap, SCALE, SOFTCAP)
-        elif SCALE:
-            z = scaled(z, inv_temperature)
+        z = transformed(z, inv_t, softcap, inv_softcap, SCALE, SOFTCAP)
         z = tl.where(col_ok[None, :], z, float("-inf"))
         zt = tl.maximum(zt, tl.max(tl.where(cols[None, :] == target[:, None], z, float("-inf")), axis=1))
         m_new = tl.maximum(m, tl.max(z, axis=1))
@@ -190,12 +187,7 @@ def dlogits_kernel(
         tl.store(out, x, mask=store_ok)
     else:
         inv_t = tile_row_scale(inv_temperature, row_inv_temperature_ptr, rows, row_ok, ROW_SCALE)
-        if ROW_SCALE or SOFTCAP:
-            z, slope = transformed_with_slope(x, inv_t, softcap, inv_softcap, SCALE, SOFTCAP)
-        elif SCALE:
-            z = scaled(x, inv_temperature)
-        else:
-            z = x
+        z, slope = transformed_with_slope(x, inv_t, softcap, inv_softcap, SCALE, SOFTCAP)
         d = z - tl.load(shift_ptr + rows, mask=row_ok, other=0.0)[:, None]
         p = tl.exp(d - tl.load(log_sum_ptr + rows, mask=row_ok, other=0.0)[:, None])
         grad = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
