@@ -99,14 +99,20 @@ def check_single_rank_values(fn_name: str, bad_rows: torch.Tensor, tokens: torch
                              naming)
 
 
+_BAD_LOGITS_BIT, _BAD_TEMPERATURE_BIT = 1, 2  # the single-rank read's value flags
+
+
 def single_rank_values(bad_rows: torch.Tensor, tokens: torch.Tensor, row_mask: Optional[torch.Tensor],
                        extra_flags: Optional[torch.Tensor] = None,
                        row_inv_temperature: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The device-side int64 vector of the single-rank value read: token min, max, bad-logits flag, bad per-row
-    temperature flag (from `row_inv_temperature`, the call's per-row 1 / T, or 0 without one), then `extra_flags` (a
-    [k] tensor on the same device: an op's own device-side checks, returned to it by raise_single_rank_values)."""
-    parts = [token_bounds(tokens, row_mask), bad_rows.any().reshape(1).to(torch.int64),
-             _bad_temperature(row_inv_temperature, bad_rows.device).reshape(1)]
+    """The device-side int64 vector of the single-rank value read: token min, max, the value flags (_BAD_LOGITS_BIT;
+    _BAD_TEMPERATURE_BIT from `row_inv_temperature`, the call's per-row 1 / T, where there is one: one entry, so a
+    call without a per-row temperature builds it as it always did), then `extra_flags` (a [k] tensor on the same
+    device: an op's own device-side checks, returned to it by raise_single_rank_values)."""
+    flags = bad_rows.any().reshape(1).to(torch.int64)
+    if row_inv_temperature is not None:
+        flags = flags + _BAD_TEMPERATURE_BIT * bad_inverse_rows(row_inv_temperature).reshape(1).to(torch.int64)
+    parts = [token_bounds(tokens, row_mask), flags]
     if extra_flags is not None:
         parts.append(extra_flags.reshape(-1).to(torch.int64))
     return torch.cat(parts)
@@ -116,7 +122,8 @@ def raise_single_rank_values(fn_name: str, values: Sequence[int], row_mask: Opti
                              naming: Optional["Naming"] = None) -> list:
     """Raises on the read values of single_rank_values (tokens first, then logits); returns the extras."""
     naming = LOGITS_NAMING if naming is None else naming
-    lo, hi, bad, bad_temperature, *extra = values
+    lo, hi, flags, *extra = values
+    bad, bad_temperature = flags & _BAD_LOGITS_BIT, flags & _BAD_TEMPERATURE_BIT
     if lo < 0 or hi >= upper:
         raise argument_error(ValueError, fn_name, "tokens", _range_message(upper, lo if lo < 0 else hi,
                                                                            row_mask is not None))
@@ -138,13 +145,6 @@ def _bits_float(bits: int) -> float:
 
 
 _DTYPES = (None,) + FLOAT_DTYPES  # the dtype field's encoding (0: none)
-
-
-def _bad_temperature(row_inv_temperature: Optional[torch.Tensor], device) -> torch.Tensor:
-    """0-d int64: 1 where a per-row temperature holds a value the checks reject (checks.bad_inverse_rows)."""
-    if row_inv_temperature is None:
-        return torch.zeros((), dtype=torch.int64, device=device)
-    return bad_inverse_rows(row_inv_temperature).to(torch.int64)
 
 
 def _temperature_name(bits: int):
@@ -306,18 +306,21 @@ def rank_header(tokens: torch.Tensor, row_mask: Optional[torch.Tensor], bad: tor
         row_sum = _fold_checksum(rm.to(torch.int64))
     else:
         row_sum = torch.zeros((), dtype=torch.int64, device=device)
-    fixed = _host_ints(
+    # Every field the host knows, in one copy: the fixed fields, the softcap and, without a per-row temperature, its
+    # two fields (0); sliced into their places below.
+    host = _host_ints(
         [0, 0, flat_tokens.numel(), v_local, vocab_size, _float_bits(temperature), ENTROPY_MODES.index(entropy_mode),
          int(has_keep_mask), _DTYPES.index(dtype), REDUCTION_ORDERS.index(reduction_order),
-         -1 if working_memory is None else working_memory], device)
+         -1 if working_memory is None else working_memory, _float_bits(0.0 if softcap is None else softcap), 0, 0],
+        device)
     if row_inv_temperature is None:
-        temperature_sum = torch.zeros((), dtype=torch.int64, device=device)
+        transform = [host[ROW_SUM:]]  # softcap, per-row temperature checksum 0, its flag 0
     else:
-        temperature_sum = _fold_checksum(row_inv_temperature.view(torch.int32).to(torch.int64))
-    return torch.cat([fixed, row_sum.reshape(1), _fold_checksum(flat_tokens).reshape(1),
-                      token_bounds(flat_tokens, None), bad.reshape(1).to(torch.int64),
-                      _host_ints([_float_bits(0.0 if softcap is None else softcap)], device),
-                      temperature_sum.reshape(1), _bad_temperature(row_inv_temperature, device).reshape(1),
+        transform = [host[ROW_SUM:ROW_SUM + 1],
+                     _fold_checksum(row_inv_temperature.view(torch.int32).to(torch.int64)).reshape(1),
+                     bad_inverse_rows(row_inv_temperature).reshape(1).to(torch.int64)]
+    return torch.cat([host[:ROW_SUM], row_sum.reshape(1), _fold_checksum(flat_tokens).reshape(1),
+                      token_bounds(flat_tokens, None), bad.reshape(1).to(torch.int64), *transform,
                       sparse_keep.header_values(keep, device)])
 
 
