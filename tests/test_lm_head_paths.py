@@ -92,13 +92,13 @@ def test_cuda_sizes_at_qwen3_8b_head():
 
 def test_sglang_paths_and_their_cuda_sizes():
     """reduction_order="sglang": the general op's sglang_blocks whatever the rest; the token loss's one block at
-    T = 8192 (H = 1024 and 4096) within TOKEN_LOSS_BYTES, blocks of 7168 / 2048 rows at T = 32768, the recompute where
+    T = 8192 (H = 1024 and 4096) within TOKEN_LOSS_BYTES, blocks of 8192 / 2048 rows at T = 32768, the recompute where
     not even one 1024-row block fits beside the fp32 dW accumulator (the documented figures)."""
     for overrides in (dict(kind="torch"), dict(dtype=torch.float32), dict(aligned=False), dict(needs_grad=False)):
         general = _path(reduction_order="sglang", **overrides)
         assert (general.path, general.backend[0]) == (Path.SGLANG_BLOCKS, "lm_head_sglang"), overrides
     assert _path(reduction_order="sglang").block_rows == paths.HOST_SGLANG_BLOCK_ROWS
-    for width, rows in ((1024, 7168), (4096, 2048)):
+    for width, rows in ((1024, 8192), (4096, 2048)):
         qwen3 = dict(device=CUDA, width=width, seg_len=151936 // 8, token_loss=True, reduction_order="sglang")
         one = _path(n_rows=8192, **qwen3)
         assert (one.path, one.block_rows, one.buffer_rows) == (Path.SGLANG_LOSS_ONE_BLOCK, 8192, 8192)

@@ -253,17 +253,32 @@ def sglang_block_rows(device: torch.device) -> int:
     return SGLANG_BLOCK_ROWS if device.type == "cuda" else HOST_SGLANG_BLOCK_ROWS
 
 
+# The gradient's GEMMs run per span of the vocabulary: a fixed segment (V_global / 8 columns) cut in
+# SGLANG_GEMM_SPLIT equal spans where each stays a multiple of 8 columns (cuBLAS's aligned kernels), else the whole
+# segment. The backward's every-row logits are one span wide: half a segment holds 148 MiB instead of 297 at
+# T = 8192 and Qwen3's vocabulary, which takes the general op at H = 4096 from 0.27 to 0.24 of the sglang-order
+# logits path's peak, and the spans are GEMMs of N >= 9496, K = T: as efficient. A function of the global vocabulary
+# only, so dW's bits stay TP = 1's.
+SGLANG_GEMM_SPLIT = 2
+
+
+def sglang_gemm_span(seg_len: int) -> int:
+    """Columns per gradient GEMM of the exact head (the comment above)."""
+    span = seg_len // SGLANG_GEMM_SPLIT
+    return span if seg_len % SGLANG_GEMM_SPLIT == 0 and span % _GEMM_ROW_MULTIPLE == 0 else seg_len
+
+
 # The exact token loss holds its blocks' bf16 logits (2 bytes a logit) within the same allowance as the other token
 # losses (TOKEN_LOSS_BYTES, or the call's working_memory), counted at the global vocabulary, so that the path and its
 # block rows (dW's K, hence dW's bits) are the same on every rank and TP size:
 # - one block (every row at once) where its logits (segment-major, rows rounded up to a multiple of 8), the forward's
 #   row-major block it scores (one SGLANG_BLOCK_ROWS block), its fp32 dX rows and dW fit. dW_s = dl_s^T X is one GEMM
-#   per segment (K = T), written in the weight's dtype, into the logits' own storage where the rows hold it (segment
-#   s's dW then lies over the dlogits of segments below s; the first goes through a temporary): T = 8192 at H = 4096
+#   per GEMM span (K = T), written in the weight's dtype, into the logits' own storage where the rows hold it (span
+#   s's dW then lies over the dlogits of spans below s; the first goes through a temporary): T = 8192 at H = 4096
 #   and Qwen3's vocabulary (2.9 GiB);
 # - otherwise blocks of the most rows, a multiple of the forward's row block up to SGLANG_LOSS_BLOCK_ROWS_MAX, whose
-#   row-major logits, one segment's dlogits and fp32 dX rows fit beside the fp32 [V_local, H] dW accumulator: 2048
-#   rows at H = 4096, 7168 at H = 1024 (Qwen3's vocabulary);
+#   row-major logits, one span's dlogits and fp32 dX rows fit beside the fp32 [V_local, H] dW accumulator: 2048
+#   rows at H = 4096, 8192 at H = 1024 (Qwen3's vocabulary);
 # - where not even one forward row block fits beside the accumulator, sglang_blocks: every logit formed twice, the
 #   least memory.
 SGLANG_LOSS_BLOCK_ROWS_MAX = 8192
@@ -291,15 +306,15 @@ def sglang_one_block_bytes(n_rows: int, width: int, seg_len: int, dw_bytes: int,
     vocab = seg_len * layout.NUM_FIXED_SEGMENTS
     rows = round_up(n_rows, _GEMM_ROW_MULTIPLE)
     scored = min(n_rows, sglang_block_rows(device)) * vocab * 2
-    dw = seg_len if sglang_dw_in_logits(rows, width, dw_bytes) else vocab
+    dw = sglang_gemm_span(seg_len) if sglang_dw_in_logits(rows, width, dw_bytes) else vocab
     return rows * vocab * 2 + scored + rows * width * 4 + dw * width * dw_bytes
 
 
 def sglang_blocks_bytes(block_rows: int, width: int, seg_len: int) -> int:
     """What sglang_loss_blocks holds at the global vocabulary with blocks of block_rows rows: one block's row-major
-    bf16 logits, one segment's dlogits of it, its fp32 dX rows, the fp32 dW accumulator."""
+    bf16 logits, one GEMM span's dlogits of it, its fp32 dX rows, the fp32 dW accumulator."""
     vocab = seg_len * layout.NUM_FIXED_SEGMENTS
-    return block_rows * (vocab * 2 + seg_len * 2 + width * 4) + vocab * width * 4
+    return block_rows * (vocab * 2 + sglang_gemm_span(seg_len) * 2 + width * 4) + vocab * width * 4
 
 
 def sglang_loss_block_rows(width: int, seg_len: int, device: torch.device,

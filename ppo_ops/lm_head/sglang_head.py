@@ -9,39 +9,40 @@ reduction_order="sglang"). With a temperature T the logits are divided as its sa
 `bf16(bf16 logit / T)` (sglang_matmul.py), and scored in the same order.
 
 The schedule (the general op: four GEMMs' work for a gradient, none of them over more than a block of logits):
-  forward   per row block of `block_rows` rows: its bf16 logits over this rank's vocabulary, one
-            [block, seg_len] rectangle per fixed segment (the layout's V_global / 8 columns); the logits op's SGLang
-            order on them (row max, block sums, the TP collectives of that order); the row statistics kept, O(R).
-  backward  per segment: the logits of every kept row over its columns again (the same rectangles, so the same
-            bits: the Triton kernel's are shape-independent, the torch backend's come from the same shapes), the
-            logits op's gradient pass in place over them (bf16 dlogits), dX32 += dl @ W_s (fp32) and dW_s = dl^T @ X
-            (one GEMM, K = R, written once in the weight's dtype: no accumulator).
+  forward   per row block of `block_rows` rows: its bf16 logits over this rank's vocabulary (the torch backend's
+            one [block, span] rectangle per GEMM span, below); the logits op's SGLang order on them (row max, block
+            sums, the TP collectives of that order); the row statistics kept, O(R).
+  backward  per GEMM span (paths.sglang_gemm_span: half a fixed segment of V_global / 8 columns): the logits of
+            every kept row over its columns again (the same bits: the Triton kernel's are shape-independent, the
+            torch backend's come from the same rectangles), the logits op's gradient pass in place over them (bf16
+            dlogits), dX32 += dl @ W_s (fp32) and dW_s = dl^T @ X (one GEMM, K = R, written once in the weight's
+            dtype: no accumulator).
   token loss (linear_token_loss; lm_head/paths.py's sglang_path picks the path by the allowance, the call's
             working_memory or paths.TOKEN_LOSS_BYTES, counted at the global vocabulary): the caller's loss on each
             forward block's statistics (the Function's hooks) gives every row's upstream gradients in the forward,
             so the logits already formed are turned into dlogits without a second GEMM:
-    sglang_loss_one_block  every row one block: each forward block's logits also copied into a segment-major
-            [n_seg, R8, seg_len] buffer (R8: R up to a multiple of 8, the rows above R zero); then per segment the
+    sglang_loss_one_block  every row one block: each forward block's logits also copied into a span-major
+            [n_span, R8, span] buffer (R8: R up to a multiple of 8, the rows above R zero); then per span the
             logits op's gradient pass in place, dX32 += dl_s @ W_s and dW_s = dl_s^T @ X (K = R, in the weight's
             dtype), exactly the backward's GEMMs on the same operands; dW lies in the buffer's own storage from
-            R8 >= H x (dW's element size) / 2 on (segment s's over the dlogits of segments below s; the first
-            through a temporary) and is finished in the forward.
+            R8 >= H x (dW's element size) / 2 on (span s's over the dlogits of spans below s; the first through a
+            temporary) and is finished in the forward.
     sglang_loss_blocks  blocks of paths.sglang_loss_block_rows rows (a multiple of the forward's row block, so its
-            row blocks are the general op's): each block's logits row-major [B, V_local], then per segment the
-            gradient pass into a [B8, seg_len] dlogits buffer, dX rows (fp32, finished per block) and the fp32 dW
+            row blocks are the general op's): each block's logits row-major [B, V_local], then per span the
+            gradient pass into a [B8, span] dlogits buffer, dX rows (fp32, finished per block) and the fp32 dW
             accumulator [V_local, H] (its first block writes it); the Function rounds it once.
     sglang_blocks  where not even one forward row block fits beside the accumulator: the forward's blocks with the
-            caller's loss, then the backward's segments over every row (every logit formed twice).
+            caller's loss, then the backward's spans over every row (every logit formed twice).
 The temperature's 1 / T on the gradient scales the upstream gradients (the dlogits are linear in them), so the
-logits op's passes run at temperature 1 on the divided logits. Every dX / dW GEMM has the segment's shape
-(seg_len = V_global / 8 columns), the same at every TP size, so dW's bits are TP = 1's.
+logits op's passes run at temperature 1 on the divided logits. Every dX / dW GEMM has the span's shape (a function
+of V_global), the same at every TP size, so dW's bits are TP = 1's.
 
 Memory beyond the inputs and outputs (bf16 copies of hidden and of the weight where they are not bf16 already):
-  general op   forward, one block of bf16 logits (block_rows x V_local); backward, one segment's bf16 logits of every
-               row (R x seg_len), the fp32 dX accumulator [R, H].
+  general op   forward, one block of bf16 logits (block_rows x V_local); backward, one span's bf16 logits of every row
+               (R x span), the fp32 dX accumulator [R, H].
   sglang_loss_one_block  R8 x V_local bf16 logits / dlogits, held with dW until the backward where dW lies in them;
-               one forward block (block_rows x V_local bf16); fp32 dX rows [R8, H]; dW's first segment's temporary.
-  sglang_loss_blocks  B x V_local bf16 logits, B8 x seg_len bf16 dlogits, fp32 dX rows [B8, H], the fp32 dW
+               one forward block (block_rows x V_local bf16); fp32 dX rows [R8, H]; dW's first span's temporary.
+  sglang_loss_blocks  B x V_local bf16 logits, B8 x span bf16 dlogits, fp32 dX rows [B8, H], the fp32 dW
                accumulator [V_local, H] until the backward.
   sglang_blocks (token loss)  the general op's forward and backward memory, both in the forward.
 Values only (no gradient wanted): the forward's blocks and the caller's loss, nothing held, on every path.
@@ -122,22 +123,22 @@ class SglangHeadBackend:
         buffer = rows_buffer
         if buffer is None:
             buffer = torch.empty((min(step, r_stop - r_start), v_local), dtype=torch.bfloat16, device=hidden.device)
-        seg_len = plan.shard.seg_len
+        span = paths.sglang_gemm_span(plan.shard.seg_len)
         for r0 in range(r_start, r_stop, step):
             r1 = min(r_stop, r0 + step)
             h16 = _bf16(hidden[r0:r1])
             z = buffer[:r1 - r0] if rows_buffer is None else buffer[r0 - r_start:r1 - r_start]
-            for c0, c1 in self._column_spans(v_local, seg_len):
+            for c0, c1 in self._column_spans(v_local, span):
                 sglang_matmul.bf16_logits(h16, w16[c0:c1], z[:, c0:c1], _temperature(plan), self.kind)
             yield r0, r1, z
 
-    def _column_spans(self, v_local, seg_len):
+    def _column_spans(self, v_local, span):
         """The forward's GEMM rectangles along the vocabulary: the Triton kernel's bits do not depend on them (one
-        launch over every column); the torch backend's GEMM is called on one segment at a time, the shape the
+        launch over every column); the torch backend's GEMM is called on one GEMM span at a time, the shape the
         backward calls it on."""
         if self.kind == "triton":
             return [(0, v_local)]
-        return [(c0, c0 + seg_len) for c0 in range(0, v_local, seg_len)]
+        return [(c0, c0 + span) for c0 in range(0, v_local, span)]
 
     def block_stats(self, lplan, z, tokens) -> RowStats:
         """The logits op's SGLang order (lplan: logits_plan's) on one block's divided bf16 logits; bad_input also
@@ -163,19 +164,20 @@ class SglangHeadBackend:
         n_gemm = gemm_rows(rows)  # zero rows up to a multiple of 8: cuBLAS's aligned kernels (gemms.py)
         w16 = _bf16(weight)
         h16 = gemm_operand_rows(_bf16(hidden), n_gemm)
-        dl = torch.zeros((n_gemm, plan.shard.seg_len), dtype=torch.bfloat16, device=device)
+        span = paths.sglang_gemm_span(plan.shard.seg_len)
+        dl = torch.zeros((n_gemm, span), dtype=torch.bfloat16, device=device)
         dx = torch.zeros((n_gemm, width), dtype=torch.float32, device=device) if wanted.dx else None
         dw = torch.empty_like(weight) if wanted.dw else None
-        span = max(1, rows) if self.kind == "triton" else sglang_block_rows(device)
-        for c0 in range(0, v_local, plan.shard.seg_len):
-            c1 = c0 + plan.shard.seg_len
+        row_step = max(1, rows) if self.kind == "triton" else sglang_block_rows(device)
+        for c0 in range(0, v_local, span):
+            c1 = c0 + span
             # The forward's logits again, bit for bit: every row at once for the Triton kernel (whose bits do not
             # depend on the rectangle), the forward's row blocks for the torch backend (the same GEMM shapes).
-            for r0 in range(0, rows, span):
-                r1 = min(rows, r0 + span)
+            for r0 in range(0, rows, row_step):
+                r1 = min(rows, r0 + row_step)
                 sglang_matmul.bf16_logits(h16[r0:r1], w16[c0:c1], dl[r0:r1], _temperature(plan), self.kind)
             mine = dl[:rows]
-            lplan.backend.backward_grad(RowInputs(mine, tokens, None, None), lplan.shard.segment(c0), stats,
+            lplan.backend.backward_grad(RowInputs(mine, tokens, None, None), _span_shard(lplan, span, c0), stats,
                                         upstream, mine)
             if dx is not None:
                 addmm_fp32(dx, dl, w16[c0:c1])
@@ -226,17 +228,17 @@ class SglangHeadBackend:
         """sglang_loss_one_block: the forward's blocks copied into segment-major logits, the loss, then per segment
         grads()'s pass and GEMMs on them (the same operands, shapes and calls: the same bits). dW finished."""
         rows, width, v_local = hidden.shape[0], hidden.shape[1], weight.shape[0]
-        seg_len, device = plan.shard.seg_len, hidden.device
-        n_seg, n_gemm = v_local // seg_len, gemm_rows(rows)
-        storage = torch.empty(n_seg * n_gemm * seg_len, dtype=torch.bfloat16, device=device)
-        logits = storage.view(n_seg, n_gemm, seg_len)  # logits[s]: grads()'s [n_gemm, seg_len] dlogits operand
+        span, device = paths.sglang_gemm_span(plan.shard.seg_len), hidden.device
+        n_span, n_gemm = v_local // span, gemm_rows(rows)
+        storage = torch.empty(n_span * n_gemm * span, dtype=torch.bfloat16, device=device)
+        logits = storage.view(n_span, n_gemm, span)  # logits[s]: grads()'s [n_gemm, span] dlogits operand
         if n_gemm > rows:
             logits[:, rows:].zero_()
         w16 = _bf16(weight)
         scored = _Scored(self, lplan, hooks, tokens, with_entropy)
         for r0, r1, z in self.logit_blocks(plan, hidden, w16):
             scored.add(z, r0, r1)
-            logits[:, r0:r1].copy_(z.view(r1 - r0, n_seg, seg_len).transpose(0, 1))
+            logits[:, r0:r1].copy_(z.view(r1 - r0, n_span, span).transpose(0, 1))
         stats, upstream = scored.backward_inputs(plan)
         h16 = gemm_operand_rows(_bf16(hidden), n_gemm)
         dx = torch.zeros((n_gemm, width), dtype=torch.float32, device=device) if wanted.dx else None
@@ -245,21 +247,21 @@ class SglangHeadBackend:
         if wanted.dw:
             dw = (storage.view(weight.dtype)[:v_local * width].view(v_local, width) if in_logits
                   else torch.empty_like(weight))
-        for s, c0 in enumerate(range(0, v_local, seg_len)):
-            c1 = c0 + seg_len
+        for s, c0 in enumerate(range(0, v_local, span)):
+            c1 = c0 + span
             dl = logits[s]
-            lplan.backend.backward_grad(RowInputs(dl[:rows], tokens, None, None), lplan.shard.segment(c0), stats,
+            lplan.backend.backward_grad(RowInputs(dl[:rows], tokens, None, None), _span_shard(lplan, span, c0), stats,
                                         upstream, dl[:rows])
             if dx is not None:
                 addmm_fp32(dx, dl, w16[c0:c1])
             if dw is None:
                 continue
-            if in_logits and s == 0:  # its rows lie over segment 0's dlogits, which its own GEMM reads
-                first = torch.empty((seg_len, width), dtype=weight.dtype, device=device)
+            if in_logits and s == 0:  # its rows lie over span 0's dlogits, which its own GEMM reads
+                first = torch.empty((span, width), dtype=weight.dtype, device=device)
                 _dw_segment(dl, h16, first)
                 dw[c0:c1].copy_(first)
                 del first
-            else:  # over the dlogits of segments below s only (paths.sglang_dw_in_logits), or its own tensor
+            else:  # over the dlogits of spans below s only (paths.sglang_dw_in_logits), or its own tensor
                 _dw_segment(dl, h16, dw[c0:c1])
         if dx is not None:
             hooks.finish_dx(dx[:rows], 0, rows)
@@ -271,10 +273,10 @@ class SglangHeadBackend:
         gradient pass into one segment's dlogits, dX rows and dW_s (+)= dl_s^T X into the fp32 accumulator
         (returned unrounded)."""
         rows, width, v_local = hidden.shape[0], hidden.shape[1], weight.shape[0]
-        seg_len, device = plan.shard.seg_len, hidden.device
+        span, device = paths.sglang_gemm_span(plan.shard.seg_len), hidden.device
         most = min(block, rows)
         logits = torch.empty((most, v_local), dtype=torch.bfloat16, device=device)
-        dl = torch.empty((gemm_rows(most), seg_len), dtype=torch.bfloat16, device=device)
+        dl = torch.empty((gemm_rows(most), span), dtype=torch.bfloat16, device=device)
         dx = torch.empty((gemm_rows(most), width), dtype=torch.float32, device=device) if wanted.dx else None
         acc = torch.empty(weight.shape, dtype=torch.float32, device=device) if wanted.dw else None
         w16, h16 = _bf16(weight), _bf16(hidden)
@@ -290,10 +292,10 @@ class SglangHeadBackend:
             if n_gemm > n:  # the GEMMs' extra rows: zero dlogits
                 dl[n:n_gemm].zero_()
             d = dl[:n_gemm]
-            for s, c0 in enumerate(range(0, v_local, seg_len)):
-                c1 = c0 + seg_len
+            for s, c0 in enumerate(range(0, v_local, span)):
+                c1 = c0 + span
                 lplan.backend.backward_grad(RowInputs(z[:, c0:c1], tokens[b0:b1], None, None),
-                                            lplan.shard.segment(c0), stats, upstream, dl[:n])
+                                            _span_shard(lplan, span, c0), stats, upstream, dl[:n])
                 if dx is not None:
                     if s == 0:
                         mm_fp32(d, w16[c0:c1], dx[:n_gemm])
@@ -346,6 +348,11 @@ def _upstream(plan, g_lp, g_ent) -> UpstreamGrads:
         g_lp = None if g_lp is None else g_lp * inv_t
         g_ent = None if g_ent is None else g_ent * inv_t
     return UpstreamGrads(g_lp, g_ent)
+
+
+def _span_shard(lplan, span: int, c0: int):
+    """The logits op's shard options for the GEMM span of local columns [c0, c0 + span)."""
+    return dataclasses.replace(lplan.shard, seg_len=span).segment(c0)
 
 
 def _dw_segment(dl, h16, out) -> None:

@@ -4,7 +4,8 @@
 
 For each (H, T), V = 151936, bf16, TP = 1, the bench's inputs and PPO loss (tools/bench/lm_head.py): the three GEMMs,
 the exact token loss on its default path and with working_memory=0 (the recompute path), the exact general head, and
-the sglang-order logits path with the loss. Each way: the median of REPS fwd + bwd calls (CUDA events), its peak
+the sglang-order logits path with the loss; and the token loss in the default order with PPO and with GSPO (the
+sequence schedule, the bench's packed sequences). Each way: the median of REPS fwd + bwd calls (CUDA events), its peak
 extra memory, then one call under torch.profiler, whose CUDA kernels are summed by name. Writes profile.csv (label,
 H, T, way, ms, peak_mib) and kernels.txt (each way's kernel table) to --out_dir.
 """
@@ -21,7 +22,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(os.path.abspath(__file__)).parents[2]))  # the repository root
 
-from absl import app, flags
+from absl import flags
 
 from ppo_ops.runtime import cli
 from tools.bench import lm_head
@@ -31,6 +32,7 @@ _OUT_DIR = flags.DEFINE_string("out_dir", None, "Directory of profile.csv and ke
 _HIDDEN = flags.DEFINE_list("hidden", ["1024", "4096"], "H values.")
 _TOKENS = flags.DEFINE_list("tokens", ["8192"], "T values.")
 _LABEL = flags.DEFINE_string("label", "", "A name for this run, written on each row.")
+_WAYS = flags.DEFINE_list("ways", [], "Only these ways (default: every one).")
 
 REPS = 5
 TOP_KERNELS = 14
@@ -49,10 +51,10 @@ def ways(c_T: int, H: int, device):
         z = x @ w.T
         return z @ w, z.T @ x
 
-    def token_loss(**options):
+    def token_loss(the_loss=loss, **options):
         def run():
             x, w = inp.leaves()
-            out, _ = ppo_ops.linear_token_loss(x, w, tokens, loss, reduction_order="sglang", entropy="grad", **options)
+            out, _ = ppo_ops.linear_token_loss(x, w, tokens, the_loss, entropy="grad", **options)
             return torch.autograd.grad(out, [x, w])
         return run
 
@@ -73,8 +75,10 @@ def ways(c_T: int, H: int, device):
         del z
         return g @ w, g.T @ x
 
-    return dict(gemms=gemms, exact_token_loss=token_loss(), exact_token_loss_lean=token_loss(working_memory=0),
-                exact=general, sglang_logits_loss=logits_path)
+    return dict(gemms=gemms, exact_token_loss=token_loss(reduction_order="sglang"),
+                exact_token_loss_lean=token_loss(reduction_order="sglang", working_memory=0), exact=general,
+                sglang_logits_loss=logits_path, token_loss=token_loss(),
+                token_loss_gspo=lambda: token_loss(inp.gspo_loss(tis=False))())
 
 
 def timed(fn) -> float:
@@ -132,6 +136,8 @@ def main(argv):
     for H in (int(h) for h in _HIDDEN.value):
         for T in (int(t) for t in _TOKENS.value):
             for name, fn in ways(T, H, device).items():
+                if _WAYS.value and name not in _WAYS.value:
+                    continue
                 ms, mib = timed(fn), peak_mib(fn)
                 rows.append(dict(label=_LABEL.value, H=H, T=T, way=name, ms=f"{ms:.3f}", peak_mib=f"{mib:.1f}"))
                 text.append(f"== H={H} T={T} {name}: {ms:.2f} ms, peak {mib:.0f} MiB\n{kernel_table(fn)}")
