@@ -143,12 +143,13 @@ def test_values_and_gradients_match_float64(backend):
 
 # The token loss's paths (paths.sglang_path) at the tests' shapes: (path, H, weight dtype, allowance). At H = 160 one
 # block of 37 rows (40 for the GEMMs) holds no dW in its logits' storage (that takes 2 H rows) and costs less than
-# 16-row blocks beside the fp32 dW accumulator, so the host's default allowance takes it; at H = 16 one block writes dW
-# into its logits' storage, and an allowance of exactly one 16-row block (paths.sglang_blocks_bytes) takes the blocks.
-# "blocks": that allowance; 0: not even one forward row block, the recompute.
+# 16-row blocks beside the fp32 dW accumulator, so the host's default allowance takes it, row-major (dW apart either
+# way); at H = 32 the host's one block writes dW into its span-major logits' storage (less than dW beside row-major
+# logits); an allowance of exactly one 16-row block (paths.sglang_blocks_bytes) takes the blocks. "blocks": that
+# allowance; 0: not even one forward row block, the recompute.
 _TOKEN_LOSS_PATHS = {
     "one_block": ("sglang_loss_one_block", H, torch.bfloat16, None),
-    "one_block_dw_in_logits": ("sglang_loss_one_block", 16, torch.bfloat16, None),
+    "one_block_dw_in_logits": ("sglang_loss_one_block", 32, torch.bfloat16, None),
     "blocks_fp32_tied": ("sglang_loss_blocks", 16, torch.float32, "blocks"),
     "blocks": ("sglang_loss_blocks", 16, torch.bfloat16, "blocks"),
     "recompute_fp32_tied": ("sglang_blocks", H, torch.float32, 0),
@@ -162,6 +163,11 @@ _TOKEN_LOSS_CASES = (
                     marks=pytest.mark.skipif(triton_skip_reason(DEVICE) is not None,
                                              reason=triton_skip_reason(DEVICE) or ""))
        for case in ("one_block",)]
+    # span-major logits at the host's 16-row forward blocks (on CUDA a 1024-row block makes these shapes row-major)
+    + [pytest.param("triton", "one_block_dw_in_logits", id="triton-one_block_dw_in_logits",
+                    marks=[pytest.mark.device("cpu"),
+                           pytest.mark.skipif(triton_skip_reason(DEVICE) is not None,
+                                              reason=triton_skip_reason(DEVICE) or "")])]
     # Blocks of the host's 16-row forward blocks: on CUDA a block is 1024 rows, and the blocks path at that size is
     # checked against SGLang itself up to T = 32768 (test_sglang_head_vs_sglang).
     + [pytest.param("triton", "blocks", id="triton-blocks",
@@ -192,6 +198,10 @@ def test_token_loss_paths_against_the_general_op_and_float64(backend, case):
     named = paths.path_of_call(hidden, weight, token_loss=True, backend=backend, vocab_size=PADDED_VOCAB,
                                working_memory=working_memory, reduction_order="sglang")
     assert named.name == path
+    if path == "sglang_loss_one_block" and DEVICE.type == "cpu":  # the layout the case names
+        row_major = paths.sglang_one_block_row_major(ROWS, width, V // 8, weight.element_size(), hidden.device)
+        assert row_major == (case == "one_block")
+        assert paths.sglang_dw_in_logits(40, width, weight.element_size()) == (case == "one_block_dw_in_logits")
     if path == "sglang_loss_blocks":
         assert named.block_rows == LOSS_BLOCK_ROWS
     h1, w1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)

@@ -300,14 +300,32 @@ def sglang_dw_in_logits(buffer_rows: int, width: int, dw_bytes: int) -> bool:
     return buffer_rows * 2 >= width * dw_bytes
 
 
+def sglang_one_block_row_major(n_rows: int, width: int, seg_len: int, dw_bytes: int, device: torch.device) -> bool:
+    """Whether sglang_loss_one_block keeps every row's logits row-major ([R8, V_local], the forward's blocks written
+    straight into it, the GEMMs on column views of it) rather than span-major (each forward block copied in, dW
+    written into the consumed spans): where that holds no more bytes, as at H = 1024 and Qwen3's vocabulary (a
+    1024-row forward block is dW's size there), it saves the copy, a read and a write of every logit."""
+    return _one_block_bytes(n_rows, width, seg_len, dw_bytes, device, True) <= _one_block_bytes(
+        n_rows, width, seg_len, dw_bytes, device, False)
+
+
 def sglang_one_block_bytes(n_rows: int, width: int, seg_len: int, dw_bytes: int, device: torch.device) -> int:
-    """What sglang_loss_one_block holds at the global vocabulary: every row's bf16 logits, the forward's row block
-    it scores them in, the fp32 dX rows, and dW (one segment's temporary where sglang_dw_in_logits)."""
+    """What sglang_loss_one_block holds at the global vocabulary, in the layout sglang_one_block_row_major picks:
+    every row's bf16 logits, the fp32 dX rows, dW; span-major also the forward's row block it scores them in, and dW
+    as one span's temporary where sglang_dw_in_logits."""
+    return min(_one_block_bytes(n_rows, width, seg_len, dw_bytes, device, row_major)
+               for row_major in (True, False))
+
+
+def _one_block_bytes(n_rows, width, seg_len, dw_bytes, device, row_major: bool) -> int:
     vocab = seg_len * layout.NUM_FIXED_SEGMENTS
     rows = round_up(n_rows, _GEMM_ROW_MULTIPLE)
+    held = rows * vocab * 2 + rows * width * 4
+    if row_major:
+        return held + vocab * width * dw_bytes
     scored = min(n_rows, sglang_block_rows(device)) * vocab * 2
     dw = sglang_gemm_span(seg_len) if sglang_dw_in_logits(rows, width, dw_bytes) else vocab
-    return rows * vocab * 2 + scored + rows * width * 4 + dw * width * dw_bytes
+    return held + scored + dw * width * dw_bytes
 
 
 def sglang_blocks_bytes(block_rows: int, width: int, seg_len: int) -> int:

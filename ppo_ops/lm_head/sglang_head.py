@@ -21,12 +21,15 @@ The schedule (the general op: four GEMMs' work for a gradient, none of them over
             working_memory or paths.TOKEN_LOSS_BYTES, counted at the global vocabulary): the caller's loss on each
             forward block's statistics (the Function's hooks) gives every row's upstream gradients in the forward,
             so the logits already formed are turned into dlogits without a second GEMM:
-    sglang_loss_one_block  every row one block: each forward block's logits also copied into a span-major
-            [n_span, R8, span] buffer (R8: R up to a multiple of 8, the rows above R zero); then per span the
-            logits op's gradient pass in place, dX32 += dl_s @ W_s and dW_s = dl_s^T @ X (K = R, in the weight's
-            dtype), exactly the backward's GEMMs on the same operands; dW lies in the buffer's own storage from
-            R8 >= H x (dW's element size) / 2 on (span s's over the dlogits of spans below s; the first through a
-            temporary) and is finished in the forward.
+    sglang_loss_one_block  every row one block, its logits held in one of two layouts, whichever holds less
+            (paths.sglang_one_block_row_major): row-major [R8, V_local] (R8: R up to a multiple of 8, the rows
+            above R zero), the forward's blocks written straight into it, the logits op's gradient pass over all
+            of it at once; or span-major [n_span, R8, span], each forward block copied in, the gradient pass per
+            span, dW in the buffer's own storage from R8 >= H x (dW's element size) / 2 on (span s's over the
+            dlogits of spans below s; the first through a temporary). Then per span dX32 += dl_s @ W_s and
+            dW_s = dl_s^T @ X (K = R, in the weight's dtype), exactly the backward's GEMMs on the same operands
+            (row-major: column views of the buffer, the same values at another leading dimension); dW is finished
+            in the forward.
     sglang_loss_blocks  blocks of paths.sglang_loss_block_rows rows (a multiple of the forward's row block, so its
             row blocks are the general op's): each block's logits row-major [B, V_local], then per span the
             gradient pass into a [B8, span] dlogits buffer, dX rows (fp32, finished per block) and the fp32 dW
@@ -40,8 +43,9 @@ of V_global), the same at every TP size, so dW's bits are TP = 1's.
 Memory beyond the inputs and outputs (bf16 copies of hidden and of the weight where they are not bf16 already):
   general op   forward, one block of bf16 logits (block_rows x V_local); backward, one span's bf16 logits of every row
                (R x span), the fp32 dX accumulator [R, H].
-  sglang_loss_one_block  R8 x V_local bf16 logits / dlogits, held with dW until the backward where dW lies in them;
-               one forward block (block_rows x V_local bf16); fp32 dX rows [R8, H]; dW's first span's temporary.
+  sglang_loss_one_block  R8 x V_local bf16 logits / dlogits and fp32 dX rows [R8, H]; row-major dW beside them,
+               span-major one forward block (block_rows x V_local bf16) and dW in the logits' storage (where the
+               rows hold it) with its first span's temporary.
   sglang_loss_blocks  B x V_local bf16 logits, B8 x span bf16 dlogits, fp32 dX rows [B8, H], the fp32 dW
                accumulator [V_local, H] until the backward.
   sglang_blocks (token loss)  the general op's forward and backward memory, both in the forward.
@@ -225,24 +229,34 @@ class SglangHeadBackend:
         return dw
 
     def _one_block(self, plan, lplan, hidden, weight, tokens, with_entropy, hooks, wanted) -> Optional[torch.Tensor]:
-        """sglang_loss_one_block: the forward's blocks copied into segment-major logits, the loss, then per segment
-        grads()'s pass and GEMMs on them (the same operands, shapes and calls: the same bits). dW finished."""
+        """sglang_loss_one_block: every row's logits held (row-major, or span-major where that holds less:
+        paths.sglang_one_block_row_major), the loss, then per span grads()'s pass and GEMMs on them (the same
+        operands, shapes and calls: the same bits). dW finished."""
         rows, width, v_local = hidden.shape[0], hidden.shape[1], weight.shape[0]
         span, device = paths.sglang_gemm_span(plan.shard.seg_len), hidden.device
         n_span, n_gemm = v_local // span, gemm_rows(rows)
-        storage = torch.empty(n_span * n_gemm * span, dtype=torch.bfloat16, device=device)
-        logits = storage.view(n_span, n_gemm, span)  # logits[s]: grads()'s [n_gemm, span] dlogits operand
-        if n_gemm > rows:
-            logits[:, rows:].zero_()
+        row_major = paths.sglang_one_block_row_major(rows, width, plan.shard.seg_len, weight.element_size(), device)
         w16 = _bf16(weight)
         scored = _Scored(self, lplan, hooks, tokens, with_entropy)
-        for r0, r1, z in self.logit_blocks(plan, hidden, w16):
-            scored.add(z, r0, r1)
-            logits[:, r0:r1].copy_(z.view(r1 - r0, n_span, span).transpose(0, 1))
+        if row_major:  # the forward's blocks land in place; span s is the column view [:, s * span:]
+            storage = torch.empty((n_gemm, v_local), dtype=torch.bfloat16, device=device)
+            if n_gemm > rows:
+                storage[rows:].zero_()
+            for r0, r1, z in self.logit_blocks(plan, hidden, w16, rows_buffer=storage[:rows]):
+                scored.add(z, r0, r1)
+            logits = [storage[:, c0:c0 + span] for c0 in range(0, v_local, span)]
+        else:
+            storage = torch.empty(n_span * n_gemm * span, dtype=torch.bfloat16, device=device)
+            logits = storage.view(n_span, n_gemm, span)  # logits[s]: grads()'s [n_gemm, span] dlogits operand
+            if n_gemm > rows:
+                logits[:, rows:].zero_()
+            for r0, r1, z in self.logit_blocks(plan, hidden, w16):
+                scored.add(z, r0, r1)
+                logits[:, r0:r1].copy_(z.view(r1 - r0, n_span, span).transpose(0, 1))
         stats, upstream = scored.backward_inputs(plan)
         h16 = gemm_operand_rows(_bf16(hidden), n_gemm)
         dx = torch.zeros((n_gemm, width), dtype=torch.float32, device=device) if wanted.dx else None
-        in_logits = paths.sglang_dw_in_logits(n_gemm, width, weight.element_size())
+        in_logits = not row_major and paths.sglang_dw_in_logits(n_gemm, width, weight.element_size())
         dw = None
         if wanted.dw:
             dw = (storage.view(weight.dtype)[:v_local * width].view(v_local, width) if in_logits
