@@ -261,11 +261,16 @@ class SglangHeadBackend:
         if wanted.dw:
             dw = (storage.view(weight.dtype)[:v_local * width].view(v_local, width) if in_logits
                   else torch.empty_like(weight))
+        if row_major:  # one pass over every row (per-span column views run it at 0.4 of the bandwidth: rows
+            # 2 V_local bytes apart); elementwise, so the same bits as grads()'s passes per span
+            lplan.backend.backward_grad(RowInputs(storage[:rows], tokens, None, None), lplan.shard, stats, upstream,
+                                        storage[:rows])
         for s, c0 in enumerate(range(0, v_local, span)):
             c1 = c0 + span
             dl = logits[s]
-            lplan.backend.backward_grad(RowInputs(dl[:rows], tokens, None, None), _span_shard(lplan, span, c0), stats,
-                                        upstream, dl[:rows])
+            if not row_major:
+                lplan.backend.backward_grad(RowInputs(dl[:rows], tokens, None, None), _span_shard(lplan, span, c0),
+                                            stats, upstream, dl[:rows])
             if dx is not None:
                 addmm_fp32(dx, dl, w16[c0:c1])
             if dw is None:
