@@ -154,6 +154,7 @@ def test_expanded_per_sequence_temperature():
 
 def test_caller_tensors_unchanged():
     logits, tokens, temperature = _logits(), _tokens(), _temperatures()
+    logits, tokens, temperature = (t.to(DEVICE) for t in (logits, tokens, temperature))
     copies = [t.clone() for t in (logits, tokens, temperature)]
     run(logits, tokens, *_upstream(), temperature=temperature, softcap=SOFTCAP)
     assert all(torch.equal(a, b) for a, b in zip((logits, tokens, temperature), copies))
@@ -400,6 +401,7 @@ def _head_reference(hidden, weight, tokens, temperature, softcap, g_lp, g_ent):
 
 
 def _rel(a, b):
+    b = b.double().cpu()
     return float((a.double().cpu() - b).norm() / b.norm())
 
 
