@@ -221,6 +221,7 @@ class SglangHeadBackend:
         scored = _Scored(self, lplan, hooks, tokens, with_entropy)
         for r0, r1, z in self.logit_blocks(plan, hidden, weight):
             scored.add(z, r0, r1)
+        del z  # the last block's view would keep the forward's block buffer alive through grads()
         stats, (g_lp, g_ent) = scored.take()
         dx, dw = self.grads(plan, hidden, weight, tokens, stats.shift, stats.log_sum, stats.mean_shifted, g_lp,
                             g_ent, wanted)
@@ -253,6 +254,7 @@ class SglangHeadBackend:
             for r0, r1, z in self.logit_blocks(plan, hidden, w16):
                 scored.add(z, r0, r1)
                 logits[:, r0:r1].copy_(z.view(r1 - r0, n_span, span).transpose(0, 1))
+            del z  # the forward's block buffer: not held through the GEMMs
         stats, upstream = scored.backward_inputs(plan)
         h16 = gemm_operand_rows(_bf16(hidden), n_gemm)
         dx = torch.zeros((n_gemm, width), dtype=torch.float32, device=device) if wanted.dx else None
