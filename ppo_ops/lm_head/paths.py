@@ -257,8 +257,8 @@ def sglang_block_rows(device: torch.device) -> int:
 # SGLANG_GEMM_SPLIT equal spans where each stays a multiple of 8 columns (cuBLAS's aligned kernels), else the whole
 # segment. The backward's every-row logits are one span wide: half a segment holds 148 MiB instead of 297 at
 # T = 8192 and Qwen3's vocabulary, which takes the general op at H = 4096 from 0.27 to 0.24 of the sglang-order
-# logits path's peak, and the spans are GEMMs of N >= 9496, K = T: as efficient. A function of the global vocabulary
-# only, so dW's bits stay TP = 1's.
+# logits path's peak (docs/performance.md, row 22). A function of the global vocabulary only, so dW's bits stay
+# TP = 1's.
 SGLANG_GEMM_SPLIT = 2
 
 
