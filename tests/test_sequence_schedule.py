@@ -145,7 +145,8 @@ def _run(hidden, weight, tokens, loss_fn, backend, *, schedule=None, row_mask=No
     if schedule is not None:
         real = loss_function.schedule_of
         monkeypatch.setattr(loss_function, "schedule_of",  # the statistics pass's own loss stays row-scope
-                            lambda plan, loss: schedule if getattr(loss, "scope", "row") != "row" else real(plan, loss))
+                            lambda plan, loss, *head: schedule if getattr(loss, "scope", "row") != "row"
+                            else real(plan, loss, *head))
     h = hidden.clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
     try:
@@ -347,7 +348,53 @@ def test_path_of_call_names_the_schedule():
                                       ("masked", ppo_ops.top_entropy_mask(gspo), {}),
                                       ("sglang", gspo, dict(reduction_order="sglang")), ("general", False, {}))}
     assert named == dict(plain=paths.ROWS, ppo=paths.ROWS, gspo=paths.SEQUENCES, masked=paths.STATISTICS,
-                         sglang=paths.STATISTICS, general="")
+                         sglang=paths.SEQUENCES, general="")
+
+
+# --- SGLang's order: the loss once on every row, or the statistics pass ---
+
+# Where the exact token loss's loss sees every row at once (one block; the recompute) a sequence-scope loss takes the
+# sequence schedule with nothing recomputed; on sglang_loss_blocks' 16-row blocks (one block's bytes as the
+# allowance) the statistics pass. (path, schedule, working_memory) per case.
+SGLANG_CASES = {
+    "one_block": ("sglang_loss_one_block", paths.SEQUENCES, None),
+    "recompute": ("sglang_blocks", paths.SEQUENCES, 0),
+    "blocks": ("sglang_loss_blocks", paths.STATISTICS, "blocks"),
+}
+# The exact head's gradients come from bf16 dlogits: the token loss's and the general op's upstream gradients agree
+# to fp32 rounding (TERM_RTOL), which may move a dlogit by one bf16 rounding (2^-8 relative): norm-relative 2^-7.
+SGLANG_GRAD_REL = 2.0**-7
+
+
+@pytest.mark.parametrize("case", sorted(SGLANG_CASES))
+@pytest.mark.parametrize("loss_case", ["gspo_seq_tis_kl_entropy", "gmpo"])
+def test_sglang_order_against_the_general_op(case, loss_case, monkeypatch):
+    """reduction_order="sglang" (torch backend): the exact token loss on each path against the general exact op with
+    the same loss through autograd: log-probs and entropies bit for bit, the loss within its fp32 rounding, dX and
+    dW within a bf16 rounding of the dlogits; nothing recomputed (interleaved rows too)."""
+    path, schedule, memory = SGLANG_CASES[case]
+    hidden, weight, tokens = inputs((T,), torch.float32, seed=90)
+    if memory == "blocks":
+        memory = paths.sglang_blocks_bytes(paths.HOST_SGLANG_BLOCK_ROWS, hidden.shape[1], weight.shape[0] // 8)
+    opts = dict(reduction_order="sglang", working_memory=memory)
+    b = _batch(91, torch.zeros(T, dtype=torch.float64) - 2.0, _seq_ids(SEQ_LENS, interleave=True))
+    loss_fn = _build(b, CASES[loss_case])
+    named = paths.path_of_call(hidden, weight, token_loss=loss_fn, backend="torch", **opts)
+    assert (named.name, named.schedule) == (path, schedule)
+    seen = _spy_recomputed(monkeypatch)
+    loss, lp, ent, dx, dw = _run(hidden, weight, tokens, loss_fn, "torch", **opts)
+    assert not seen, "a sequence recomputed in SGLang's order"
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    general = ppo_ops.linear_log_probs_and_entropy(h, w, tokens, entropy="grad", backend="torch",
+                                                   reduction_order="sglang")
+    g_loss = loss_fn(general.log_probs, general.entropy, torch.arange(T)).sum()
+    g_dx, g_dw = torch.autograd.grad(g_loss, (h, w))
+    assert torch.equal(lp, general.log_probs) and torch.equal(ent, general.entropy)
+    size = float(_reference(lp.double().detach(), ent.double().detach(), b, CASES[loss_case], magnitude=True))
+    assert abs(float(loss) - float(g_loss.detach())) <= 2 * LOSS_RTOL * size
+    for name, got, want in (("dX", dx, g_dx), ("dW", dw, g_dw)):
+        rel = float((got.double() - want.double()).norm() / want.double().norm())
+        assert rel <= SGLANG_GRAD_REL, f"{name}: norm-relative {rel} against the general op"
 
 
 # --- the cut itself ---

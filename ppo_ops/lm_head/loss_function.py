@@ -128,16 +128,17 @@ def forward_values(hidden, weight, tokens, row_mask, plan: Plan, token_loss, kee
     """The forward of a prepared call: (loss, log-probs [T], entropies [T] or an empty placeholder, dX or None, dW
     or None), dW in weight's dtype or as its fp32 accumulator. Shared by the autograd Function and the custom operator
     (ppo_ops/compiled/token_loss_op.py)."""
-    schedule = schedule_of(plan, token_loss)
-    if schedule == paths.SEQUENCES and hidden.is_cuda and torch.cuda.is_current_stream_capturing():
-        schedule = paths.STATISTICS  # the cut reads the sequence ids on the host, which a capture cannot
-    if schedule == paths.STATISTICS:
-        token_loss = _frozen(hidden, weight, tokens, row_mask, plan, token_loss, keep)
     n_rows = hidden.shape[0]
     rows = kept_row_indices(row_mask)
     head = HeadRows(kept(hidden, rows).contiguous(), weight, kept(tokens, rows), kept_shard(plan, rows))
+    schedule = schedule_of(plan, token_loss, head)
+    whole = plan.reduction_order == "sglang"  # on SGLang's order the sequence schedule is one call on every row
+    if schedule == paths.SEQUENCES and not whole and hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+        schedule = paths.STATISTICS  # the cut reads the sequence ids on the host, which a capture cannot
+    if schedule == paths.STATISTICS:
+        token_loss = _frozen(hidden, weight, tokens, row_mask, plan, token_loss, keep)
     blocks = None
-    if schedule == paths.SEQUENCES:
+    if schedule == paths.SEQUENCES and not whole:
         token_loss, blocks = _sequence_blocks(hidden, weight, tokens, row_mask, plan, token_loss, keep, rows, head,
                                               needs_grad=need_dx or need_dw)
     loop = BlockLoop(plan, token_loss, hidden, tokens, row_mask, rows, n_kept=head.hidden.shape[0],
@@ -154,9 +155,13 @@ def forward_values(hidden, weight, tokens, row_mask, plan: Plan, token_loss, kee
     return loop.loss, lp_out, ent_out, loop.dx, dw
 
 
-def schedule_of(plan: Plan, token_loss) -> str:
-    """The schedule a call's loss takes (paths.loss_schedule: by its scope and the reduction order)."""
-    return paths.loss_schedule(getattr(token_loss, "scope", "row"), plan.reduction_order)
+def schedule_of(plan: Plan, token_loss, head: Optional[HeadRows] = None) -> str:
+    """The schedule a call's loss takes (paths.loss_schedule: by its scope and the reduction order; in SGLang's
+    order by whether the path's loss sees the kept rows `head` at once)."""
+    scope = getattr(token_loss, "scope", "row")
+    whole = (plan.reduction_order == "sglang" and scope == "sequence" and head is not None
+             and plan.backend.scores_every_row_at_once(plan, head.hidden, head.weight))
+    return paths.loss_schedule(scope, plan.reduction_order, whole)
 
 
 def _sequence_blocks(hidden, weight, tokens, row_mask, plan: Plan, token_loss, keep, rows, head: HeadRows, *,

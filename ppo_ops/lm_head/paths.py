@@ -83,12 +83,14 @@ class Path(enum.Enum):
 ROWS, SEQUENCES, STATISTICS = "rows", "sequences", "statistics"
 
 
-def loss_schedule(scope: str, reduction_order: str = "fused") -> str:
-    """The schedule of a token loss of `scope` ("row" | "sequence" | "batch"): SGLang's order scores its rows in the
-    forward's fixed row blocks, so a sequence-scope loss there takes the statistics pass."""
+def loss_schedule(scope: str, reduction_order: str = "fused", whole_rows: bool = False) -> str:
+    """The schedule of a token loss of `scope` ("row" | "sequence" | "batch"). In SGLang's order the loss sees its
+    token-loss block's rows at once and a block is not cut at sequence ends, so a sequence-scope loss takes the
+    sequence schedule only where one call sees every row (`whole_rows`: sglang_scores_whole), else the statistics
+    pass."""
     if scope == "row":
         return ROWS
-    if scope == "sequence" and reduction_order != "sglang":
+    if scope == "sequence" and (reduction_order != "sglang" or whole_rows):
         return SEQUENCES
     return STATISTICS
 
@@ -348,6 +350,13 @@ def sglang_loss_block_rows(width: int, seg_len: int, device: torch.device,
     return min(most, fit // step * step)
 
 
+def sglang_scores_whole(path: HeadPath, n_rows: int) -> bool:
+    """Whether the exact token loss calls the caller's loss once on every kept row: on sglang_loss_one_block and on
+    the recompute (sglang_blocks: the forward's blocks scored, then the loss), not on sglang_loss_blocks' blocks
+    unless one holds every row."""
+    return path.path is not Path.SGLANG_LOSS_BLOCKS or n_rows <= path.block_rows
+
+
 def sglang_path(backend: tuple, *, device: torch.device, token_loss: bool, n_rows: int, width: int, seg_len: int,
                 dw_bytes: int, working_memory: Optional[int] = None) -> HeadPath:
     """head_path for reduction_order="sglang": the general op's sglang_blocks; the token loss's one block, blocks, or
@@ -388,7 +397,8 @@ def head_path(*, kind: str, dtype: torch.dtype, device: torch.device, token_loss
                       working_memory=working_memory, reduction_order=reduction_order, weight_dtype=weight_dtype)
     if not token_loss:
         return path
-    return dataclasses.replace(path, schedule=loss_schedule(loss_scope, reduction_order))
+    whole = reduction_order == "sglang" and sglang_scores_whole(path, n_rows)
+    return dataclasses.replace(path, schedule=loss_schedule(loss_scope, reduction_order, whole))
 
 
 def _head_path(*, kind: str, dtype: torch.dtype, device: torch.device, token_loss: bool, aligned: bool,

@@ -18,9 +18,11 @@ The schedule (the general op: four GEMMs' work for a gradient, none of them over
             dlogits), dX32 += dl @ W_s (fp32) and dW_s = dl^T @ X (one GEMM, K = R, written once in the weight's
             dtype: no accumulator).
   token loss (linear_token_loss; lm_head/paths.py's sglang_path picks the path by the allowance, the call's
-            working_memory or paths.TOKEN_LOSS_BYTES, counted at the global vocabulary): the caller's loss on each
-            forward block's statistics (the Function's hooks) gives every row's upstream gradients in the forward,
-            so the logits already formed are turned into dlogits without a second GEMM:
+            working_memory or paths.TOKEN_LOSS_BYTES, counted at the global vocabulary): the caller's loss, called
+            once on the statistics of every row of a token-loss block (the Function's hooks; on one block and on
+            the recompute every kept row, so a sequence-scope loss sees its sequences whole:
+            paths.sglang_scores_whole), gives the upstream gradients in the forward, so the logits already formed
+            are turned into dlogits without a second GEMM:
     sglang_loss_one_block  every row one block, its logits held in one of two layouts, whichever holds less
             (paths.sglang_one_block_row_major): row-major [R8, V_local] (R8: R up to a multiple of 8, the rows
             above R zero), the forward's blocks written straight into it, the logits op's gradient pass over all
@@ -198,6 +200,11 @@ class SglangHeadBackend:
                                seg_len=plan.shard.seg_len, working_memory=plan.working_memory,
                                reduction_order="sglang", weight_dtype=weight.dtype)
 
+    def scores_every_row_at_once(self, plan, hidden, weight) -> bool:
+        """Whether the caller's loss sees every kept row in one call on loss_path's path (paths.sglang_scores_whole):
+        then a sequence-scope loss needs no statistics pass."""
+        return paths.sglang_scores_whole(self.loss_path(plan, hidden, weight), hidden.shape[0])
+
     def loss_forward(self, head: HeadRows, with_entropy: bool, hooks: LossHooks, wanted: GradsWanted,
                      working_memory: Optional[int] = None, plan=None) -> Optional[torch.Tensor]:
         """The token loss on loss_path's path (module docstring). Returns dW: in the weight's dtype (one block,
@@ -210,6 +217,7 @@ class SglangHeadBackend:
             scored = _Scored(self, lplan, hooks, tokens, with_entropy)
             for r0, r1, z in self.logit_blocks(plan, hidden, weight):
                 scored.add(z, r0, r1)
+            scored.take()
             return None
         if rows == 0:  # no row (a row mask that drops every row): no gradient
             return torch.zeros_like(weight) if wanted.dw else None
@@ -333,27 +341,28 @@ class SglangHeadBackend:
 
 
 class _Scored:
-    """A token-loss block's forward blocks scored: the logits op's SGLang order on each, the caller's loss on its
-    statistics (hooks.block_grads), and what the gradient pass over the block then reads."""
+    """A token-loss block's forward blocks scored: the logits op's SGLang order on each, then the caller's loss once
+    on all of their statistics (hooks.block_grads over the token-loss block's rows: a sequence-scope loss sees every
+    sequence of the block whole), and what the gradient pass over the block then reads."""
 
     def __init__(self, head: SglangHeadBackend, lplan, hooks: LossHooks, tokens, with_entropy: bool):
         self.head, self.lplan, self.hooks, self.tokens = head, lplan, hooks, tokens
         self.with_entropy = with_entropy
-        self.stats, self.g_lp, self.g_ent = [], [], []
+        self.stats, self.r0, self.r1 = [], None, None
 
     def add(self, z, r0: int, r1: int) -> None:
-        stats = self.head.block_stats(self.lplan, z, self.tokens[r0:r1])
-        grads = self.hooks.block_grads(stats, r0, r1)
-        self.stats.append(stats)
-        self.g_lp.append(grads.grad_log_prob)
-        self.g_ent.append(grads.grad_entropy)
+        self.r0 = r0 if self.r0 is None else self.r0
+        self.r1 = r1
+        self.stats.append(self.head.block_stats(self.lplan, z, self.tokens[r0:r1]))
 
     def take(self) -> tuple:
-        """(the blocks' RowStats, (upstream gradient of the log-probs, of the entropies), each None where none)."""
+        """(the blocks' RowStats, (upstream gradient of the log-probs, of the entropies), each None where none):
+        the caller's loss runs here, once."""
         stats = _cat_stats(self.stats, self.tokens.device)
+        grads = self.hooks.block_grads(stats, self.r0, self.r1)
         if not self.with_entropy:
             stats = dataclasses.replace(stats, mean_shifted=None)
-        return stats, (_cat_grads(self.g_lp, self.stats), _cat_grads(self.g_ent, self.stats))
+        return stats, (grads.grad_log_prob, grads.grad_entropy)
 
     def backward_inputs(self, plan) -> tuple:
         """(BackwardStats, UpstreamGrads) of the gradient pass over the blocks' rows (temperature applied)."""
@@ -385,13 +394,6 @@ def _dw_segment(dl, h16, out) -> None:
         mm_rounded(dl.t(), h16, out)
     else:
         out.copy_(_mm32(dl.t(), h16))
-
-
-def _cat_grads(parts, stats) -> Optional[torch.Tensor]:
-    """The blocks' upstream gradients as one vector; None where no block has one, zeros for a block without."""
-    if all(p is None for p in parts):
-        return None
-    return torch.cat([p if p is not None else torch.zeros_like(st.log_prob) for p, st in zip(parts, stats)])
 
 
 def _mm32(a, b):
