@@ -25,14 +25,14 @@ terms with their gradients on such rows: the row-separable rest (KL, entropy) in
 sequence terms through autograd over the rows given. `linear_token_loss` evaluates it with the sequence schedule
 (lm_head/sequence_blocks.py): row blocks cut at sequence ends, the loss on each block in the one forward; a sequence
 that does not fit a block (longer than one, or its rows not consecutive) is frozen at a statistics pass over its rows
-(`partly_frozen`); in SGLang's order the exact token loss calls it once on every kept row where its path scores
-them together. Where a statistics pass over every row is taken instead (SGLang's order on sglang_loss_blocks, and
-under a batch-scope loss), the gradient pass evaluates `loss.freeze(log_probs, ...)`: a row-separable TokenLoss with every token's value
-and exact gradient at those log-probs (docs/losses.md, the schedules). Rows a row_mask drops are not scored: they add
-no term and are left out of their sequence's statistics, while the weights stay those of loss_mask, as for a
-TokenLoss (build the loss with loss_mask & row_mask to normalise over the scored tokens). The logits op's route is
-plain autograd: `loss.total(log_probs, entropy)`. No collective is issued; constants are copied at construction
-(fp32, detached).
+(`partly_frozen`); in SGLang's order the exact token loss calls it once on every kept row where its path scores them
+together. Where a statistics pass over every row is taken instead (SGLang's order on sglang_loss_blocks, and under a
+batch-scope loss), the gradient pass evaluates `loss.freeze(log_probs, ...)`: a row-separable TokenLoss with every
+token's value and exact gradient at those log-probs (docs/losses.md, the schedules). Rows a row_mask drops are not
+scored: they add no term and are left out of their sequence's statistics, while the weights stay those of loss_mask,
+as for a TokenLoss (build the loss with loss_mask & row_mask to normalise over the scored tokens). The logits op's
+route is plain autograd: `loss.total(log_probs, entropy)`. No collective is issued; constants are copied at
+construction (fp32, detached).
 """
 
 from __future__ import annotations
