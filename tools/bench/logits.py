@@ -14,14 +14,16 @@ Suites (most important first, so that a run stopped by its time budget has measu
             mode="reduce-overhead" (CUDA graphs); floor_*: the same modes of an op doing one kernel each way
   keep_set  the triton provider without a keep set, with a 64-id sparse one per row, and with the dense mask built
             from it in the step
-  transforms  the triton provider, with a per-row [T] temperature, and with Gemma 2's softcap (T = 8192 and 32768)
+  transforms  the triton provider, with a scalar temperature, a per-row [T] temperature, and Gemma 2's softcap
+            (T = 8192 and 32768): the scalar one tells what any temperature costs from what a per-row one adds
 
 Providers:
   triton / torch  ppo_ops.log_probs_and_entropy(backend=...), with the case's validate / inplace_grad
   triton_sglang  the triton provider with reduction_order="sglang"
   triton_keep_sparse / triton_keep_dense  the keep_set suite's ways (not checked: the tests check the keep set)
-  triton_temp_rows / triton_softcap  the triton provider with a [T] temperature (TRANSFORM_TEMPERATURES, one value per
-          TRANSFORM_SEQ_ROWS rows) / softcap=TRANSFORM_SOFTCAP (not checked: tests/test_logit_transforms.py checks them)
+  triton_temp / triton_temp_rows / triton_softcap  the triton provider with temperature=TRANSFORM_TEMPERATURE / a [T]
+          temperature (TRANSFORM_TEMPERATURES, one value per TRANSFORM_SEQ_ROWS rows) / softcap=TRANSFORM_SOFTCAP (not
+          checked: tests/test_logit_transforms.py checks them)
   eager, eager_own_path, compiled, reduce_overhead, floor_eager, floor_compiled, floor_reduce_overhead  small_call
   sglang  SGLang's batch-invariant log_softmax of logits.float() + gather (TP=1, log-prob only); FORWARD ONLY: its
           kernel has no backward, so its step is the forward (its bytes still count a backward: read its ms)
@@ -63,8 +65,8 @@ TOKENS = (4096, 8192, 16384)
 DTYPES = ("bf16", "fp32")
 ENTROPY_MODES = ("none", "value", "grad")
 ROW_FRACTION = 0.1  # the row-mask cases keep 10% of the rows
-PPO_OPS = ("triton", "torch", "triton_sglang", "triton_keep_sparse", "triton_keep_dense", "triton_temp_rows",
-           "triton_softcap")  # have validate, inplace
+PPO_OPS = ("triton", "torch", "triton_sglang", "triton_keep_sparse", "triton_keep_dense", "triton_temp",
+           "triton_temp_rows", "triton_softcap")  # have validate, inplace
 BASELINES = ("triton", "torch", "legacy", "naive", "liger")
 SMALL_CALL = ("eager", "eager_own_path", "compiled", "reduce_overhead", "floor_eager", "floor_compiled",
               "floor_reduce_overhead")
@@ -75,6 +77,7 @@ CHECK_RTOL = 1e-2  # semantic check (see the module docstring)
 # The transforms suite: sampling temperatures that vary by sequence (verl's per-sample temperature), one per
 # TRANSFORM_SEQ_ROWS rows, and Gemma 2's final_logit_softcapping.
 TRANSFORM_TEMPERATURES = (0.6, 0.8, 1.0, 1.2)
+TRANSFORM_TEMPERATURE = 0.8  # the scalar case: one of the per-row values
 TRANSFORM_SEQ_ROWS = 1024
 TRANSFORM_SOFTCAP = 30.0
 COMPILE_WARMUP_CALLS = 3  # a compiled case's untimed steps in its build: compile, CUDA graph warm-up, record, replay
@@ -174,7 +177,8 @@ def _smoke() -> list[Case]:
 
 
 def _transforms() -> list[Case]:
-    return [case(p, T=T) for T in (8192, 32768) for p in ("triton", "triton_temp_rows", "triton_softcap")]
+    return [case(p, T=T) for T in (8192, 32768)
+            for p in ("triton", "triton_temp", "triton_temp_rows", "triton_softcap")]
 
 
 SUITES = dict(headline=_headline, tp_ref=_tp_ref, sweep=_sweep, options=_options, grid=_grid, tp2=_tp2,
@@ -315,6 +319,8 @@ def build_ppo_ops(c: Case, inp: Inputs) -> Closure:
                   inplace_grad=c.inplace_grad)
     if c.provider == "triton_sglang":
         kwargs["reduction_order"] = "sglang"
+    if c.provider == "triton_temp":
+        kwargs["temperature"] = TRANSFORM_TEMPERATURE
     if c.provider == "triton_temp_rows":
         kwargs["temperature"] = per_row_temperatures(c.T, inp.logits.device)
     if c.provider == "triton_softcap":
@@ -331,7 +337,7 @@ def build_ppo_ops(c: Case, inp: Inputs) -> Closure:
         return out.log_probs, out.entropy
 
     closure = _closure(c, inp, call)
-    if keep is not None or c.provider in ("triton_temp_rows", "triton_softcap"):
+    if keep is not None or c.provider in ("triton_temp", "triton_temp_rows", "triton_softcap"):
         closure.forward = None
     if c.inplace_grad:  # the backward overwrites the logits with their gradient: a fresh copy each step (untimed)
         work = torch.empty_like(inp.logits).requires_grad_(True)
