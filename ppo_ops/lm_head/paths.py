@@ -22,12 +22,13 @@ The paths (docs/lm_head.md has the table with memory and GEMM counts):
     loss_chunk_blocks  linear_token_loss otherwise (backend torch, fp32, unaligned rows): blocks of fp32 chunks and the
                        logits op's passes (Triton or PyTorch, as the kind says).
     sglang_blocks      either op with reduction_order="sglang": lm_head/sglang_head.py, SGLang's bf16 logits in row
-                       blocks of `block_rows` and the logits op's SGLang order; the backward segment by segment over
-                       every row, each segment's logits formed again. The token loss takes it where not even one
-                       sglang_loss_blocks block fits its allowance (it then runs those phases inside its forward).
+                       blocks of `block_rows` and the logits op's SGLang order; the backward span by span (half a
+                       segment: sglang_gemm_span) over every row, each span's logits formed again. The token loss
+                       takes it where not even one sglang_loss_blocks block fits its allowance (it then runs those
+                       phases inside its forward).
     sglang_loss_one_block  linear_token_loss, reduction_order="sglang", every row one block within the allowance: the
-                       forward's logits held (segment-major, `buffer_rows` rows), the caller's loss, then per segment
-                       the gradient pass in place, dX and dW_s = dl_s^T X once (K = T); no logit formed twice.
+                       forward's logits held (row- or span-major, `buffer_rows` rows), the caller's loss, then per
+                       span the gradient pass in place, dX and dW_s = dl_s^T X once (K = T); no logit formed twice.
     sglang_loss_blocks the same where one block does not fit: blocks of `block_rows` rows (a multiple of the forward's
                        row block) beside an fp32 dW accumulator.
 

@@ -14,7 +14,7 @@ by fp32(T), rounded to bf16.
 `bf16_logits` forms any [rows, columns] rectangle of those logits:
   triton  this module's kernel, the same K loop, config and epilogue (the division with div_rn, as torch's CUDA
           division rounds): bit for bit SGLang's on a GPU of the generation it was checked on (Hopper, sm_90), for
-          any rectangle, so the head's forward (row blocks x segments) and backward (segments x row blocks) see the
+          any rectangle, so the head's forward (row blocks x GEMM spans) and backward (spans x row blocks) see the
           same bits. Under TRITON_INTERPRET=1 the kernel runs on CPU: the same K tiles, each tile's fp32 products
           summed by numpy (the interpreter's tl.dot would multiply bf16's raw bits).
   torch   fp32 products summed by torch.mm in fp32 (the BLAS's K order), one rounding to bf16, the same division:
