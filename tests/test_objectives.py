@@ -26,7 +26,7 @@ import ppo_ops
 from ppo_ops import token_losses
 from tests.core_support import backend_params
 from tests.linear_support import UNIT_ROUNDOFF, assert_within, bounds, inputs
-from tests.ranks import DEVICE
+from tests.ranks import DEVICE, world_size_param
 from tests.reference import GRAD_TOL, LOG_PROB_TOL
 
 # fp32 per-row math: ~8 roundings of 2^-24 (log-ratio, exp, products with A, c_t and the weight, the addends' sums),
@@ -728,38 +728,43 @@ def test_sequence_loss_through_the_fused_head(backend, monkeypatch):
     assert abs(float(loss.detach()) - float(ref_value.detach())) <= float(loss_tol)
 
 
-def _tp2_sequence_worker(rank, world_size):
+def _tp_worker(rank, world_size):
     import torch.distributed as dist
 
     from tests.linear_support import DX_ACROSS_TP_MAX_REL
 
-    opts = _seq_opts(SEQ_CASES["gmpo_icepop_token_sum"])
     hidden, weight, tokens = inputs((T,), torch.float32, seed=230)
     lsm = torch.log_softmax(hidden.double() @ weight.double().T, -1)
     b = _batch(231, lp64=lsm.gather(1, tokens[:, None])[:, 0])
-    loss_fn = _build_seq(b, opts)
+    losses = {"gmpo_icepop_token_sum": _build_seq(b, _seq_opts(SEQ_CASES["gmpo_icepop_token_sum"])),
+              "seq_icepop": _build(b, CASES["seq_icepop"]), "cispo_token_tis": _build(b, CASES["cispo_token_tis"])}
 
-    def run(w, group):
+    def run(w, group, loss_fn):
         hh = hidden.clone().requires_grad_(True)
         ww = w.clone().requires_grad_(True)
         loss, out = ppo_ops.linear_token_loss(hh, ww, tokens, loss_fn, tp_group=group, backend="torch")
         return (loss.detach(), out.log_probs) + torch.autograd.grad(loss, (hh, ww))
 
     v_local = weight.shape[0] // world_size
-    one = run(weight, None)
-    tp = run(weight[rank * v_local:(rank + 1) * v_local], dist.group.WORLD)
-    assert torch.equal(tp[0], one[0]) and torch.equal(tp[1], one[1]), f"rank {rank}: loss or log-probs differ"
-    assert torch.equal(tp[3], one[3][rank * v_local:(rank + 1) * v_local]), f"rank {rank}: dW differs"
-    assert float((tp[2] - one[2]).abs().max()) <= DX_ACROSS_TP_MAX_REL * float(one[2].abs().max()), f"rank {rank}"
+    mine = slice(rank * v_local, (rank + 1) * v_local)
+    for name, loss_fn in losses.items():
+        one = run(weight, None, loss_fn)
+        tp = run(weight[mine], dist.group.WORLD, loss_fn)
+        where = f"{name}, TP = {world_size} rank {rank}"
+        assert torch.equal(tp[0], one[0]) and torch.equal(tp[1], one[1]), f"{where}: loss or log-probs differ"
+        assert torch.equal(tp[3], one[3][mine]), f"{where}: dW differs"
+        assert float((tp[2] - one[2]).abs().max()) <= DX_ACROSS_TP_MAX_REL * float(one[2].abs().max()), where
 
 
-def test_sequence_loss_tp2_equals_tp1():
-    """The fused token loss with a sequence-scope loss at TP = 2 over gloo: the loss, log-probs and each rank's dW
-    rows bit for bit TP = 1's (the statistics pass's log-probs, hence the frozen constants, are TP-invariant); dX
+@pytest.mark.parametrize("tp", [world_size_param(2), world_size_param(4)])
+def test_losses_at_tp_equal_tp1(tp):
+    """The fused token loss at TP = 2 and 4 over gloo, with a sequence-scope loss (GMPO with IcePop) and two
+    row-scope ones (a sequence-level IcePop correction, CISPO with token TIS): the loss, log-probs and each rank's dW
+    rows bit for bit TP = 1's (the log-probs, hence the losses' constants and statistics, are TP-invariant); dX
     within DX_ACROSS_TP_MAX_REL (its fp32 sum over the ranks' segments in another order)."""
     from tests.ranks import run_gloo
 
-    run_gloo(2, _tp2_sequence_worker, timeout_s=60, deadline_s=120)
+    run_gloo(tp, _tp_worker, timeout_s=60, deadline_s=180)
 
 
 SEQ_BAD_INPUTS = {
