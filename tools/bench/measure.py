@@ -188,6 +188,21 @@ def steady_ms(step: Callable[[Any], Any], prepare: Callable[[], Any], device: to
     return (time.perf_counter() - start) * 1e3 / steps
 
 
+def event_ms(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
+    """Median ms of fn() over `reps` calls after `warmup` untimed ones, CUDA events around each (the probes' pieces)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return sorted(times)[len(times) // 2]
+
+
 def peak_extra_bytes(step: Callable[[Any], Any], prepare: Callable[[], Any], device: torch.device) -> Optional[int]:
     """Max allocated during one step over what was allocated before it (inputs alive); None off CUDA."""
     if device.type != "cuda":

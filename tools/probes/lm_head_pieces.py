@@ -45,19 +45,9 @@ DW_K = (1024, 2048, 4096, 8192)
 TOKEN_LOSS_SHAPES = ((1024, 1024), (512, 2048), (1024, 2048), (512, 1024))  # (loss_block_rows, loss_group_rows)
 
 
-def event_ms(fn, reps: int = PIECE_REPS, warmup: int = 1) -> float:
-    """Median ms of fn() over `reps` calls, CUDA events around each."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return sorted(times)[len(times) // 2]
+def event_ms(fn, reps: int = PIECE_REPS) -> float:
+    """Median ms of fn() over `reps` calls after one warm-up (measure.event_ms)."""
+    return measure.event_ms(fn, reps)
 
 
 class _Pieces:

@@ -22,10 +22,10 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(os.path.abspath(__file__)).parents[2]))  # the repository root
 
-from absl import flags
+from absl import app, flags
 
 from ppo_ops.runtime import cli
-from tools.bench import lm_head
+from tools.bench import lm_head, measure
 from tools.bench.common import QWEN3_VOCAB
 
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Directory of profile.csv and kernels.txt.", required=True)
@@ -81,28 +81,9 @@ def ways(c_T: int, H: int, device):
                 token_loss_gspo=lambda: token_loss(inp.gspo_loss(tis=False))())
 
 
-def timed(fn) -> float:
-    fn()
-    times = []
-    for _ in range(REPS):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return sorted(times)[len(times) // 2]
-
-
-def peak_mib(fn) -> float:
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    kept = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del kept
-    return peak / MIB
+def peak_mib(fn, device) -> float:
+    """Peak allocated over what was allocated before one call (measure.peak_extra_bytes), MiB."""
+    return measure.peak_extra_bytes(lambda _: fn(), lambda: None, device) / MIB
 
 
 def kernel_table(fn) -> str:
@@ -129,6 +110,8 @@ def kernel_table(fn) -> str:
 
 def main(argv):
     del argv
+    if not torch.cuda.is_available():
+        raise app.UsageError("the exact head's kernels are profiled on CUDA: run on a GPU")
     out = pathlib.Path(_OUT_DIR.value)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
@@ -138,7 +121,7 @@ def main(argv):
             for name, fn in ways(T, H, device).items():
                 if _WAYS.value and name not in _WAYS.value:
                     continue
-                ms, mib = timed(fn), peak_mib(fn)
+                ms, mib = measure.event_ms(fn, REPS), peak_mib(fn, device)
                 rows.append(dict(label=_LABEL.value, H=H, T=T, way=name, ms=f"{ms:.3f}", peak_mib=f"{mib:.1f}"))
                 text.append(f"== H={H} T={T} {name}: {ms:.2f} ms, peak {mib:.0f} MiB\n{kernel_table(fn)}")
                 print(text[-1], flush=True)
