@@ -9,7 +9,6 @@ was expected: TypeError for a wrong dtype or type, ValueError for a wrong shape 
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 from typing import Optional
@@ -17,6 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ppo_ops.core.contracts import inverse_fp32
 from ppo_ops.core.row_stats import FLT_MAX
 
 ENTROPY_MODES = ("none", "value", "grad")
@@ -125,14 +125,6 @@ def check_lm_head_order(fn_name: str, reduction_order, keep, kind: str, device: 
             "reduction_order='sglang') on the logits your engine's matmul formed")
 
 
-@functools.lru_cache(maxsize=64)
-def _inverse_fp32(temperature: float) -> float:
-    """1 / temperature rounded once to fp32 (inf below MIN_TEMPERATURE / 2); kept per value: trainers pass the same
-    few temperatures, and the CPU tensor's round trip is host time on every call."""
-    return float(torch.tensor(1.0 / temperature if temperature >= MIN_TEMPERATURE / 2 else math.inf,
-                              dtype=torch.float32).item())  # a CPU tensor: no device sync
-
-
 def check_options(
     fn_name: str,
     *,
@@ -157,7 +149,7 @@ def check_options(
     if not math.isfinite(temperature) or temperature <= 0.0:
         raise argument_error(ValueError, fn_name, "temperature",
                              f"temperature must be finite and > 0, got {temperature}")
-    inv_temperature = _inverse_fp32(temperature)
+    inv_temperature = inverse_fp32(temperature)
     if not math.isfinite(inv_temperature):
         raise argument_error(
             ValueError, fn_name, "temperature",
@@ -234,7 +226,7 @@ def check_softcap(fn_name: str, softcap) -> Optional[float]:
     if softcap is None:
         return None
     value = _scalar(fn_name, "softcap", softcap, integral=False)
-    if not (math.isfinite(value) and value > 0.0) or not math.isfinite(_inverse_fp32(value)):
+    if not (math.isfinite(value) and value > 0.0) or not math.isfinite(inverse_fp32(value)):
         raise argument_error(ValueError, fn_name, "softcap",
                              f"softcap must be None or a finite real > 0 whose reciprocal fits in float32, got {value}")
     return value

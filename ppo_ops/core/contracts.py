@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable, Optional, Protocol, runtime_checkable
 
 import torch
@@ -290,7 +291,7 @@ def logit_transform(x: torch.Tensor, shard: ShardOptions, rows=None) -> torch.Te
     times 1 / T: the rows' own (`rows`, a slice or index tensor: which of row_inv_temperature's rows x holds; None:
     all) or the scalar's."""
     if shard.softcap is not None:
-        x.mul_(inverse_softcap(shard.softcap)).tanh_().mul_(shard.softcap)
+        x.mul_(inverse_fp32(shard.softcap)).tanh_().mul_(shard.softcap)
     inv = row_inverse(shard, rows)
     if inv is not None:
         x.mul_(inv.unsqueeze(1))
@@ -309,11 +310,16 @@ def row_inverse(shard: ShardOptions, rows=None) -> Optional[torch.Tensor]:
 
 def softcap_slope(x: torch.Tensor, softcap: float) -> torch.Tensor:
     """d(softcap * tanh(x / softcap)) / dx = 1 - tanh²(x / softcap) of fp32 logits x (a new tensor; 0 at +-inf)."""
-    th = torch.mul(x, inverse_softcap(softcap)).tanh_()
+    th = torch.mul(x, inverse_fp32(softcap)).tanh_()
     return th.mul_(th).neg_().add_(1.0)
 
 
 @functools.lru_cache(maxsize=64)
-def inverse_softcap(softcap: float) -> float:
-    """1 / softcap rounded once to fp32 (what every backend multiplies by); kept per value (host time per call)."""
-    return float(torch.tensor(1.0 / softcap, dtype=torch.float32))
+def inverse_fp32(value: float) -> float:
+    """1 / value rounded once to fp32 (inf where that is past float32's range): what every backend multiplies by for
+    a temperature or a softcap. Kept per value: trainers pass the same few, and the CPU tensor's round trip is host
+    time on every call (no device sync)."""
+    return float(torch.tensor(1.0 / value if value >= _SMALLEST_INVERTED else math.inf, dtype=torch.float32))
+
+
+_SMALLEST_INVERTED = 0.5 / torch.finfo(torch.float32).max  # below it 1 / value rounds to inf in fp32 anyway

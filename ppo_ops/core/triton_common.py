@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from ppo_ops.core import row_stats
-from ppo_ops.core.contracts import inverse_softcap
+from ppo_ops.core.contracts import inverse_fp32
 
 # Channel order of the partials, from core/row_stats.py (jit code may read only constexpr globals).
 CH_MAX = tl.constexpr(row_stats.MAX)
@@ -170,7 +170,7 @@ def transform_args(shard, like: torch.Tensor) -> dict:
         return args
     return dict(args, row_inv_temperature_ptr=like if rows is None else rows.to(torch.float32).contiguous(),
                 softcap=1.0 if softcap is None else float(softcap),
-                inv_softcap=1.0 if softcap is None else inverse_softcap(softcap),
+                inv_softcap=1.0 if softcap is None else inverse_fp32(softcap),
                 ROW_SCALE=rows is not None, SOFTCAP=softcap is not None)
 
 
