@@ -60,11 +60,12 @@ class ShardOptions:
     # every row, which is then 1.0); one rounding each, as inv_temperature.
     row_inv_temperature: Optional[torch.Tensor] = None
 
-    def segment(self, seg_lo: int) -> "ShardOptions":
-        """The options of a chunk holding the local columns [seg_lo, seg_lo + seg_len) of this shard (the LM head runs
-        the logits op's passes on such chunks)."""
+    def segment(self, seg_lo: int, width: Optional[int] = None) -> "ShardOptions":
+        """The options of a chunk holding the local columns [seg_lo, seg_lo + width) of this shard (width: seg_len by
+        default; the LM head runs the logits op's passes on such chunks)."""
+        width = self.seg_len if width is None else width
         return ShardOptions(inv_temperature=self.inv_temperature,
-                            n_valid=max(0, min(self.seg_len, self.n_valid - seg_lo)), seg_len=self.seg_len,
+                            n_valid=max(0, min(width, self.n_valid - seg_lo)), seg_len=width,
                             vocab_start=self.vocab_start + seg_lo, softcap=self.softcap,
                             row_inv_temperature=self.row_inv_temperature)
 

@@ -183,7 +183,7 @@ class SglangHeadBackend:
                 r1 = min(rows, r0 + row_step)
                 sglang_matmul.bf16_logits(h16[r0:r1], w16[c0:c1], dl[r0:r1], _temperature(plan), self.kind)
             mine = dl[:rows]
-            lplan.backend.backward_grad(RowInputs(mine, tokens, None, None), _span_shard(lplan, span, c0), stats,
+            lplan.backend.backward_grad(RowInputs(mine, tokens, None, None), lplan.shard.segment(c0, span), stats,
                                         upstream, mine)
             if dx is not None:
                 addmm_fp32(dx, dl, w16[c0:c1])
@@ -279,7 +279,7 @@ class SglangHeadBackend:
             c1 = c0 + span
             dl = logits[s]
             if not row_major:
-                lplan.backend.backward_grad(RowInputs(dl[:rows], tokens, None, None), _span_shard(lplan, span, c0),
+                lplan.backend.backward_grad(RowInputs(dl[:rows], tokens, None, None), lplan.shard.segment(c0, span),
                                             stats, upstream, dl[:rows])
             if dx is not None:
                 addmm_fp32(dx, dl, w16[c0:c1])
@@ -324,7 +324,7 @@ class SglangHeadBackend:
             for s, c0 in enumerate(range(0, v_local, span)):
                 c1 = c0 + span
                 lplan.backend.backward_grad(RowInputs(z[:, c0:c1], tokens[b0:b1], None, None),
-                                            _span_shard(lplan, span, c0), stats, upstream, dl[:n])
+                                            lplan.shard.segment(c0, span), stats, upstream, dl[:n])
                 if dx is not None:
                     if s == 0:
                         mm_fp32(d, w16[c0:c1], dx[:n_gemm])
@@ -378,11 +378,6 @@ def _upstream(plan, g_lp, g_ent) -> UpstreamGrads:
         g_lp = None if g_lp is None else g_lp * inv_t
         g_ent = None if g_ent is None else g_ent * inv_t
     return UpstreamGrads(g_lp, g_ent)
-
-
-def _span_shard(lplan, span: int, c0: int):
-    """The logits op's shard options for the GEMM span of local columns [c0, c0 + span)."""
-    return dataclasses.replace(lplan.shard, seg_len=span).segment(c0)
 
 
 def _dw_segment(dl, h16, out) -> None:
