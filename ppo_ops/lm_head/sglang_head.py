@@ -25,9 +25,10 @@ The schedule (the general op: four GEMMs' work for a gradient, none of them over
             are turned into dlogits without a second GEMM:
     sglang_loss_one_block  every row one block, its logits held in one of two layouts, whichever holds less
             (paths.sglang_one_block_row_major): row-major [R8, V_local] (R8: R up to a multiple of 8, the rows
-            above R zero), the forward's blocks written straight into it, the logits op's gradient pass over all
-            of it at once; or span-major [n_span, R8, span], each forward block copied in, the gradient pass per
-            span, dW in the buffer's own storage from R8 >= H x (dW's element size) / 2 on (span s's over the
+            above R zero), the forward written straight into it (the Triton kernel's every row in one launch and
+            one pass of the order, the torch backend's in the general op's blocks), the logits op's gradient pass
+            over all of it at once; or span-major [n_span, R8, span], each forward block copied in, the gradient
+            pass per span, dW in the buffer's own storage from R8 >= H x (dW's element size) / 2 on (span s's over the
             dlogits of spans below s; the first through a temporary). Then per span dX32 += dl_s @ W_s and
             dW_s = dl_s^T @ X (K = R, in the weight's dtype), exactly the backward's GEMMs on the same operands
             (row-major: column views of the buffer, the same values at another leading dimension); dW is finished
@@ -117,14 +118,19 @@ class SglangHeadBackend:
             _raise_bad_logits_collectively(plan, stats.bad_input)
         return stats
 
-    def logit_blocks(self, plan, hidden, weight, r_start: int = 0, r_stop: Optional[int] = None, rows_buffer=None):
+    def logit_blocks(self, plan, hidden, weight, r_start: int = 0, r_stop: Optional[int] = None, rows_buffer=None,
+                     whole: bool = False):
         """(r0, r1, bf16 logits [r1 - r0, V_local]) of each forward row block of rows r_start .. r_stop (r_start a
         multiple of the block rows, so the blocks are the general op's): into one block's buffer, reused, or, given
         `rows_buffer` [r_stop - r_start, V_local], into its rows. `weight` is cast to bf16 where it is not already
-        (a caller looping over row ranges passes the cast one)."""
+        (a caller looping over row ranges passes the cast one). `whole` (with rows_buffer): the Triton kernel's rows
+        as one block, one launch of each pass instead of one per block (its bits and the order's are per row: the
+        same values); the torch backend keeps the general op's blocks, whose GEMM shapes fix its bits."""
         r_stop = hidden.shape[0] if r_stop is None else r_stop
         v_local = weight.shape[0]
         step = sglang_block_rows(hidden.device)
+        if whole and rows_buffer is not None and self.kind == "triton":
+            step = max(1, r_stop - r_start)
         w16 = _bf16(weight)
         buffer = rows_buffer
         if buffer is None:
@@ -251,7 +257,7 @@ class SglangHeadBackend:
             storage = torch.empty((n_gemm, v_local), dtype=torch.bfloat16, device=device)
             if n_gemm > rows:
                 storage[rows:].zero_()
-            for r0, r1, z in self.logit_blocks(plan, hidden, w16, rows_buffer=storage[:rows]):
+            for r0, r1, z in self.logit_blocks(plan, hidden, w16, rows_buffer=storage[:rows], whole=True):
                 scored.add(z, r0, r1)
             logits = [storage[:, c0:c0 + span] for c0 in range(0, v_local, span)]
         else:
