@@ -35,8 +35,13 @@ program runs the same code and stores the same channels.
 Backward, `backward_grad_kernel`, grid (row, column tile):
     with the global row stats relative to the row max M (the core sanitises rows without mass to 0), d = z - M,
     p = exp(d - log_sum), q = 1[keep or target] * exp(d - log_sum_kept) (q = p without a keep mask) and
-    grad = inv_t * (g_lp * (1[c == target] - q) + g_ent * p * (mean_shifted - d)), stored in the output's dtype. The
-    upstream gradients count as 0 where the per-row flags say the quantity has none (log-prob -inf, no mass). Every
+    grad = inv_t * (g_lp * (1[c == target] - q) + g_ent * p * (mean_shifted - d)), stored in the output's dtype.
+    The pass runs near copy bandwidth, where each added instruction per element shows in its time, so a
+    temperature (scalar or per row) is folded into per-row constants: d = z - M of the forward's rounded z,
+    p = 2^fma(d, log2 e, -log_sum log2 e) with one flush-to-zero ex2, and g_lp, g_ent times inv_t once per row
+    instead of the gradient per element: as few instructions per element as at temperature 1 (docs/performance.md,
+    row 27). The upstream gradients count as 0 where the per-row flags say the quantity has
+    none (log-prob -inf, no mass). Every
     element is read before it is written by the same program, so `out` may alias the logits. Rows the row mask drops
     get zeros: their logits and keep-mask loads are masked off (their per-row scalars, in bounds, are read and
     selected away). -inf guards: p == 0 entries get no entropy term (no 0 * inf).
@@ -54,7 +59,8 @@ from ppo_ops.core import row_stats
 from ppo_ops.core.row_stats import (BAD_INPUT, ENTROPY, HAS_MASS, LOG_PROB, LOG_PROB_DEFINED, LOG_SUM, LOG_SUM_KEPT,
                                     MEAN_SHIFTED, SHIFT)
 from ppo_ops.core.triton_common import (CH_ENT_SUM, CH_KEPT_SUMEXP, CH_MAX, CH_SUMEXP, CH_TARGET_Z, COMPILED, FLT_MAX,
-                                        NUM_PARTIALS, transformed, transformed_with_slope)
+                                        NUM_PARTIALS, ex2_ftz, scaled, transformed,
+                                        transformed_with_slope)
 
 # The row stride (V_local) and n_valid differ between TP sizes: they must not change the compiled code (vector width,
 # hence register layout, hence the order of the tile sums). Their alignment comes from the ALIGN constexprs instead,
@@ -306,15 +312,23 @@ def backward_grad_kernel(
     if ROW_SCALE:
         inv_temperature = tl.load(row_inv_temperature_ptr + row)
     x = tl.load(logits_ptr + row * logits_row_stride + cols, mask=load, other=float("-inf")).to(tl.float32)
-    z, slope = transformed_with_slope(x, inv_temperature, softcap, inv_softcap, SCALE, SOFTCAP)
-    d = z - tl.load(shift_ptr + row)
-    p = tl.exp(d - tl.load(log_sum_ptr + row))  # 0 for -inf logits
+    # the softcap alone (u = x without it); the temperature below
+    u, slope = transformed_with_slope(x, inv_temperature, softcap, inv_softcap, False, SOFTCAP)
+    if SCALE:
+        # Folded into per-row constants (module docstring): z as the forward rounded it, the exponent from one FMA.
+        d = scaled(u, inv_temperature) - tl.load(shift_ptr + row)
+        p = ex2_ftz(tl.fma(d, _LOG2E, -tl.load(log_sum_ptr + row) * _LOG2E))  # 0 for -inf logits
+    else:
+        d = u - tl.load(shift_ptr + row)
+        p = tl.exp(d - tl.load(log_sum_ptr + row))  # 0 for -inf logits
 
     grad = tl.zeros([BLOCK_V], tl.float32)
     if HAS_GRAD_LOG_PROB:
         g_lp = tl.load(grad_log_prob_ptr + row)
         if HAS_LOG_PROB_DEFINED:
             g_lp = tl.where(tl.load(log_prob_defined_ptr + row) != 0, g_lp, 0.0)  # whatever it holds (inf, NaN)
+        if SCALE:
+            g_lp = g_lp * inv_temperature  # the chain rule's 1 / T, once per row
         is_target = cols == _target_column(tokens_ptr, row, vocab_start, v_local)
         if HAS_KEEP:
             keep = tl.load(keep_ptr + row * keep_row_stride + cols, mask=load, other=0)
@@ -326,10 +340,10 @@ def backward_grad_kernel(
         g_ent = tl.load(grad_entropy_ptr + row)
         if HAS_MASS:
             g_ent = tl.where(tl.load(row_has_mass_ptr + row) != 0, g_ent, 0.0)
+        if SCALE:
+            g_ent = g_ent * inv_temperature
         mean_shifted = tl.load(mean_shifted_ptr + row)
         grad += g_ent * (p * tl.where(p == 0.0, 0.0, mean_shifted - d))  # p == 0 (d = -inf): no 0 * inf
-    if SCALE:
-        grad = grad * inv_temperature
     if SOFTCAP:
         grad = grad * slope  # the chain rule through softcap * tanh(x / softcap)
     grad = tl.where(valid, grad, 0.0)  # padding and dropped rows: 0, whatever they hold (NaN included)
