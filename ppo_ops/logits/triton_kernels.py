@@ -100,8 +100,7 @@ def _exp_nonpositive(x):
     next to a lane max of 1), where tl.exp's ex2.approx.f32 adds a denormal fix-up of three instructions. Under the
     interpreter, which cannot run PTX: tl.exp."""
     if COMPILED:
-        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * _LOG2E], dtype=tl.float32,
-                                         is_pure=True, pack=1)
+        return ex2_ftz(x * _LOG2E)
     else:
         return tl.exp(x)
 
