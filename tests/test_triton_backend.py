@@ -38,7 +38,7 @@ from tests.triton_reference import (NEG_INF, assert_kernel_grad_close, assert_pa
                                     check_once, forward_partials, make_case, reference_grad, reference_partials,
                                     reference_stats, results_per_tp)
 
-COMPILE_TIMEOUT_S = 300  # the child compiles 11 kernels for sm_90 (about 15 s on 2 cores); a hang fails the test
+COMPILE_TIMEOUT_S = 300  # the child compiles 15 kernels for sm_90 (about 20 s on 2 cores); a hang fails the test
 # The forward's lane width: per-column lanes, the bf16 default (one 16-byte vector per lane), one lane per tile (a
 # block-wide online softmax; the lane width is capped at the tile). Every forward test runs each.
 LANE_WIDTHS = [1, 8, 1 << 16]
@@ -393,6 +393,18 @@ def test_temperature_scaling_is_rounded_before_use(compile_report):
     # MAX holds fp32(logit * inv_t); d = z - m must come from that same rounded z, not from an FMA of the unrounded
     # product (on an H200 that put the entropy partial 2.3e-6 off, beyond PARTIAL_SUM_RTOL).
     assert compile_report["forward_scaled_mul_rn"]
+
+
+@any_device
+@pytest.mark.parametrize("case", [f"{p} {t}" for p in ("forward", "backward") for t in ("rows", "softcap")])
+def test_transforms_compile_for_sm90(compile_report, case):
+    # A per-row temperature and a softcap take code only the compiler sees (inline PTX behind COMPILED): the
+    # flush-to-zero ex2 in the forward's exponentials and in the gradient pass with a temperature, the approximate
+    # reciprocal of the softcap's tanh; the logits still read with 16-byte vector loads.
+    ptx = compile_report["transforms"][case]
+    assert ptx["v4_load"], f"{case}: logits not read with 16-byte vector loads"
+    assert ptx["ex2_ftz"], f"{case}: no flush-to-zero ex2"
+    assert ptx["rcp"] == case.endswith("softcap"), f"{case}: the approximate reciprocal where the softcap is {ptx}"
 
 
 @any_device

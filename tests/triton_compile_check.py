@@ -11,6 +11,10 @@ Prints one JSON object:
 - "ptx": {"<pass> <dtype> keep=<bool>": {"v4_load": bool, "v4_store": bool}} for Qwen3-sized launches, where <pass> is
   "forward" or "backward", each with its GPU launch config (ppo_ops/logits/triton_backend.py _GPU_CONFIG).
 - "forward_scaled_mul_rn": the forward with a temperature rounds the scaled logits with mul.rn (never contracted).
+- "transforms": {"<pass> <transform>": {"v4_load": bool, "ex2_ftz": bool, "rcp": bool}} for bf16 Qwen3-sized
+  launches with a per-row temperature ("rows") or a softcap ("softcap"): the compiled-only PTX of those paths
+  (the flush-to-zero ex2 of the exponentials, the approximate reciprocal of the softcap's tanh), which the
+  interpreter never sees.
 """
 
 import json
@@ -29,7 +33,7 @@ from ppo_ops.logits import triton_backend as tb, triton_kernels as _triton_kerne
 from ppo_ops.core.contracts import RowInputs, ShardOptions  # noqa: E402
 from ppo_ops.core import row_stats  # noqa: E402
 from ppo_ops.core.row_stats import NUM_PARTIALS  # noqa: E402
-from ppo_ops.core.triton_common import options  # noqa: E402
+from ppo_ops.core.triton_common import options, transform_args  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # H200 (Hopper), 32-thread warps
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -51,12 +55,13 @@ def _ptx(kernel, args, kwargs):
                           options=options.__dict__).asm["ptx"]
 
 
-def _forward_args(logits, row_mask, keep_mask, seg_len, n_valid, inv_t=1.0, vocab_start=0):
+def _forward_args(logits, row_mask, keep_mask, seg_len, n_valid, inv_t=1.0, vocab_start=0, **transform):
     n_rows = logits.shape[0]
     out = torch.empty((logits.shape[1] // seg_len, 5, n_rows))
     config = tb.launch_config("forward", logits.dtype, seg_len, interpreted=False)
     target_col = torch.zeros(n_rows, dtype=torch.int64)
-    shard = ShardOptions(inv_temperature=inv_t, n_valid=n_valid, seg_len=seg_len, vocab_start=vocab_start)
+    shard = ShardOptions(inv_temperature=inv_t, n_valid=n_valid, seg_len=seg_len, vocab_start=vocab_start,
+                         **transform)
     _, kwargs = tb.forward_launch_args(RowInputs(logits, target_col, keep_mask, row_mask), shard, True, out, config)
     return (), kwargs  # the launch passes every argument by name
 
@@ -79,12 +84,13 @@ def forward_key_count(dtype, n_rows=3, v_global=8000, vocab_size=7990):
     return len(keys)
 
 
-def qwen3_ptx(pass_name, dtype, keep, n_rows=8, v_local=151936):
+def qwen3_ptx(pass_name, dtype, keep, n_rows=8, v_local=151936, **transform):
+    """PTX of a Qwen3-sized launch of the pass; `transform`: ShardOptions' softcap / row_inv_temperature."""
     logits = torch.empty((n_rows, v_local), dtype=dtype)
     keep_mask = torch.zeros((n_rows, v_local), dtype=torch.bool) if keep else None
     row_mask = torch.arange(n_rows) % 2 == 0
     if pass_name == "forward":
-        args, kwargs = _forward_args(logits, row_mask, keep_mask, v_local // 8, v_local - 5)
+        args, kwargs = _forward_args(logits, row_mask, keep_mask, v_local // 8, v_local - 5, **transform)
         return _ptx(_triton_kernels.forward_partials_kernel, args, kwargs)
     config = tb.launch_config("backward", dtype, v_local, interpreted=False)
     vec = torch.zeros(n_rows)
@@ -95,6 +101,12 @@ def qwen3_ptx(pass_name, dtype, keep, n_rows=8, v_local=151936):
     kwargs = dict(HAS_ROW_MASK=True, HAS_KEEP=keep, HAS_GRAD_LOG_PROB=True, HAS_GRAD_ENTROPY=True,
                   HAS_LOG_PROB_DEFINED=True, HAS_MASS=True, SCALE=True, BLOCK_V=config.block_v,
                   ROUND_BF16_BY_BITS=False, **options(config))
+    if transform:
+        shard = ShardOptions(inv_temperature=1.5, n_valid=v_local - 5, seg_len=v_local // 8, vocab_start=0,
+                             **transform)
+        extra = transform_args(shard, vec)
+        del extra["inv_temperature"]  # passed by position above
+        kwargs.update(extra)
     return _ptx(_triton_kernels.backward_grad_kernel, args, kwargs)
 
 
@@ -110,6 +122,14 @@ def main():
     logits = torch.empty((8, 151936), dtype=torch.bfloat16)
     args, kwargs = _forward_args(logits, None, None, 151936 // 8, 151936, inv_t=1.5)
     report["forward_scaled_mul_rn"] = "mul.rn.f32" in _ptx(_triton_kernels.forward_partials_kernel, args, kwargs)
+    report["transforms"] = {}
+    for pass_name in ("forward", "backward"):
+        for name, transform in (("rows", dict(row_inv_temperature=torch.full((8,), 1.25))),
+                                ("softcap", dict(softcap=30.0))):
+            ptx = qwen3_ptx(pass_name, torch.bfloat16, False, **transform)
+            report["transforms"][f"{pass_name} {name}"] = {
+                "v4_load": "ld.global.v4" in ptx, "ex2_ftz": "ex2.approx.ftz.f32" in ptx,
+                "rcp": "rcp.approx.ftz.f32" in ptx}
     report["merge"] = {}
     for keep in (False, True):  # the fused merge: the interpreter does not enforce the compiler's rules on globals
         n_rows = 300
