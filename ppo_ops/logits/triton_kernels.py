@@ -40,11 +40,10 @@ Backward, `backward_grad_kernel`, grid (row, column tile):
     temperature (scalar or per row) is folded into per-row constants: d = z - M of the forward's rounded z,
     p = 2^fma(d, log2 e, -log_sum log2 e) with one flush-to-zero ex2, and g_lp, g_ent times inv_t once per row
     instead of the gradient per element: as few instructions per element as at temperature 1 (docs/performance.md,
-    row 27). The upstream gradients count as 0 where the per-row flags say the quantity has
-    none (log-prob -inf, no mass). Every
-    element is read before it is written by the same program, so `out` may alias the logits. Rows the row mask drops
-    get zeros: their logits and keep-mask loads are masked off (their per-row scalars, in bounds, are read and
-    selected away). -inf guards: p == 0 entries get no entropy term (no 0 * inf).
+    row 27). The upstream gradients count as 0 where the per-row flags say the quantity has none (log-prob -inf, no
+    mass). Every element is read before it is written by the same program, so `out` may alias the logits. Rows the
+    row mask drops get zeros: their logits and keep-mask loads are masked off (their per-row scalars, in bounds, are
+    read and selected away). -inf guards: p == 0 entries get no entropy term (no 0 * inf).
 Padding columns (>= n_valid) are loaded when their vector is and then selected away. Row offsets are int64.
 Merge, `merge_partials_kernel`, grid (block of rows): the fixed-order merge of row_stats.merge_partials (the same
 math, see row_stats.py) for BLOCK_R rows per program, segments merged in global order by a compile-time loop, so the
@@ -59,8 +58,7 @@ from ppo_ops.core import row_stats
 from ppo_ops.core.row_stats import (BAD_INPUT, ENTROPY, HAS_MASS, LOG_PROB, LOG_PROB_DEFINED, LOG_SUM, LOG_SUM_KEPT,
                                     MEAN_SHIFTED, SHIFT)
 from ppo_ops.core.triton_common import (CH_ENT_SUM, CH_KEPT_SUMEXP, CH_MAX, CH_SUMEXP, CH_TARGET_Z, COMPILED, FLT_MAX,
-                                        NUM_PARTIALS, ex2_ftz, scaled, transformed,
-                                        transformed_with_slope)
+                                        NUM_PARTIALS, ex2_ftz, scaled, transformed, transformed_with_slope)
 
 # The row stride (V_local) and n_valid differ between TP sizes: they must not change the compiled code (vector width,
 # hence register layout, hence the order of the tile sums). Their alignment comes from the ALIGN constexprs instead,

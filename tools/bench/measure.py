@@ -203,6 +203,26 @@ def event_ms(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def kernel_ms(fn: Callable[[], Any], calls: int = 1, warmup: int = 1) -> dict:
+    """{CUDA kernel name (90 characters): (device ms per call, launches per call)} of `calls` calls of fn() under
+    torch.profiler, after `warmup` untimed ones (the probes' kernel tables)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals = {}
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            ms, count = totals.get(ev.name[:90], (0.0, 0))
+            totals[ev.name[:90]] = (ms + ev.device_time / 1000.0 / calls, count + 1)
+    return {name: (ms, count / calls) for name, (ms, count) in totals.items()}
+
+
 def peak_extra_bytes(step: Callable[[Any], Any], prepare: Callable[[], Any], device: torch.device) -> Optional[int]:
     """Max allocated during one step over what was allocated before it (inputs alive); None off CUDA."""
     if device.type != "cuda":

@@ -87,24 +87,11 @@ def peak_mib(fn, device) -> float:
 
 
 def kernel_table(fn) -> str:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    totals = {}
-    for ev in prof.events():
-        if ev.device_type.name != "CUDA":
-            continue
-        name = ev.name[:90]
-        ms, count = totals.get(name, (0.0, 0))
-        totals[name] = (ms + ev.device_time / 1000.0, count + 1)
+    totals = measure.kernel_ms(fn)
     rows = sorted(totals.items(), key=lambda kv: -kv[1][0])
     total = sum(ms for ms, _ in totals.values())
     lines = [f"  kernels total {total:.2f} ms"]
-    lines += [f"  {ms:8.2f} ms {count:5d}x  {name}" for name, (ms, count) in rows[:TOP_KERNELS]]
+    lines += [f"  {ms:8.2f} ms {count:5.0f}x  {name}" for name, (ms, count) in rows[:TOP_KERNELS]]
     return "\n".join(lines)
 
 

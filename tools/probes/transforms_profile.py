@@ -26,6 +26,7 @@ if __package__ in (None, ""):
 from absl import app, flags
 
 from ppo_ops.runtime import cli
+from tools.bench import measure
 from tools.bench.common import QWEN3_VOCAB
 
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Directory of kernels.csv.", required=True)
@@ -44,24 +45,6 @@ def ways(tokens: int) -> dict:
     return {"none": {}, "scalar_temp": dict(temperature=TEMPERATURE),
             "row_temp": dict(temperature=torch.full((tokens,), TEMPERATURE, device="cuda")),
             "softcap": dict(softcap=SOFTCAP)}
-
-
-def kernel_ms(step) -> dict:
-    """{kernel name: device ms per call} of CALLS calls of `step` under torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(WARMUP):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(CALLS):
-            step()
-        torch.cuda.synchronize()
-    totals = {}
-    for ev in prof.events():
-        if ev.device_type.name == "CUDA":
-            totals[ev.name[:90]] = totals.get(ev.name[:90], 0.0) + ev.device_time / 1000.0 / CALLS
-    return totals
 
 
 def main(argv):
@@ -83,7 +66,7 @@ def main(argv):
             (res.log_probs.sum() + res.entropy.sum()).backward()
             logits.grad = None
 
-        totals = kernel_ms(step)
+        totals = {kernel: ms for kernel, (ms, _) in measure.kernel_ms(step, CALLS, WARMUP).items()}
         print(f"== {name}: kernels {sum(totals.values()):.3f} ms per call", flush=True)
         for kernel, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]:
             print(f"   {ms:8.3f} ms  {kernel}")
